@@ -1,0 +1,37 @@
+"""The one error hierarchy. The HTTP layer maps each class to a status in a single table (server/errors.py);
+the CLI maps boot failures to process exit codes (server/exitcodes.py)."""
+
+from __future__ import annotations
+
+
+class SdserveError(Exception):
+    """Base of every error sdserve raises on purpose."""
+
+
+class InvalidRequestError(SdserveError):
+    """The request cannot be served as asked; ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class NotReadyError(SdserveError):
+    """The engine is not (or no longer) able to serve on its proven path."""
+
+    def __init__(self, message: str, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.permanent = permanent
+
+
+class ModelLoadError(SdserveError):
+    """A model folder is missing, malformed, or of a kind sdserve does not serve."""
+
+
+class ConfigError(SdserveError):
+    """A profile or config file is invalid; the message says what to change."""
+
+
+class InferenceError(SdserveError):
+    """A session run failed inside the runtime (not the client's fault)."""

@@ -1,0 +1,259 @@
+"""Samplers without torch: each step is a linear combination of device tensors.
+
+For Euler, Euler ancestral, DDIM and DPM-Solver++ 2M (as diffusers implements them), one denoising step is
+
+    next     = a*sample + b*model_output + c*prev_denoised + d*noise
+    denoised = e*sample + f*model_output + g*prev_denoised
+
+with scalars that depend only on the step. The host computes those scalars here (a :class:`SchedulePlan`); the
+pipeline applies them on the device with one small ONNX graph, so latents never leave the device between UNet calls.
+Classifier-free guidance is linear too: ``model_output = (1 - w)*uncond + w*text``, expanded per image by the pipeline.
+
+A plan is computed per request and holds no mutable state, so concurrent requests never share scheduler state.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from engines.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class Lin:
+    """Coefficients over the step basis (sample, model_output, prev_denoised, noise)."""
+
+    sample: float = 0.0
+    model: float = 0.0
+    prev: float = 0.0
+    noise: float = 0.0
+
+    def __add__(self, other: Lin) -> Lin:
+        return Lin(self.sample + other.sample, self.model + other.model, self.prev + other.prev,
+                   self.noise + other.noise)
+
+    def __mul__(self, k: float) -> Lin:
+        return Lin(self.sample * k, self.model * k, self.prev * k, self.noise * k)
+
+    __rmul__ = __mul__
+
+    def __sub__(self, other: Lin) -> Lin:
+        return self + other * -1.0
+
+
+SAMPLE = Lin(sample=1.0)
+PREV = Lin(prev=1.0)
+NOISE = Lin(noise=1.0)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One denoising step: what the UNet is fed and how its output is combined."""
+
+    timestep: float
+    """Value fed to the UNet's timestep input."""
+    input_scale: float
+    """The UNet input is ``sample * input_scale`` (Euler's ``scale_model_input``)."""
+    next: Lin
+    denoised: Lin
+
+
+@dataclass(frozen=True)
+class SchedulePlan:
+    """Everything one request needs: the initial noise scale and every step's coefficients."""
+
+    init_noise_sigma: float
+    steps: tuple[Step, ...]
+
+    @property
+    def needs_noise(self) -> bool:
+        return any(s.next.noise != 0.0 for s in self.steps)
+
+
+@dataclass(frozen=True)
+class NoiseSchedule:
+    """The training noise schedule and spacing options read from ``scheduler/scheduler_config.json``."""
+
+    alphas_cumprod: np.ndarray
+    prediction_type: str
+    timestep_spacing: str
+    steps_offset: int
+    set_alpha_to_one: bool
+
+    @property
+    def num_train_timesteps(self) -> int:
+        return len(self.alphas_cumprod)
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> NoiseSchedule:
+        n = int(config.get("num_train_timesteps", 1000))
+        b0, b1 = float(config.get("beta_start", 0.00085)), float(config.get("beta_end", 0.012))
+        kind = config.get("beta_schedule", "scaled_linear")
+        # float32 throughout, as diffusers computes it, so sigmas match to the last bit or two.
+        if kind == "scaled_linear":
+            betas = np.linspace(b0**0.5, b1**0.5, n, dtype=np.float32) ** 2
+        elif kind == "linear":
+            betas = np.linspace(b0, b1, n, dtype=np.float32)
+        else:
+            raise ValueError(f"scheduler_config.json: beta_schedule {kind!r} is not supported "
+                             "(use 'scaled_linear' or 'linear')")
+        prediction = config.get("prediction_type", "epsilon")
+        if prediction not in ("epsilon", "v_prediction"):
+            raise ValueError(f"scheduler_config.json: prediction_type {prediction!r} is not supported")
+        spacing = config.get("timestep_spacing", "leading")
+        if spacing not in ("leading", "linspace", "trailing"):
+            raise ValueError(f"scheduler_config.json: timestep_spacing {spacing!r} is not supported")
+        acp = np.cumprod(np.float32(1.0) - betas, dtype=np.float32)
+        return cls(acp, prediction, spacing, int(config.get("steps_offset", 0)),
+                   bool(config.get("set_alpha_to_one", False)))
+
+    def sigmas(self) -> np.ndarray:
+        acp = self.alphas_cumprod
+        return np.asarray(((1 - acp) / acp) ** 0.5)
+
+    def denoised(self, sigma: float, sample_scale: float) -> Lin:
+        """x0 estimate at noise level ``sigma`` where the VP sample is ``sample_scale * sample``."""
+        a = 1.0 / math.sqrt(sigma * sigma + 1.0)
+        s = sigma * a
+        if self.prediction_type == "epsilon":
+            return Lin(sample=sample_scale / a, model=-s / a)
+        return Lin(sample=a * sample_scale, model=-s)  # v_prediction
+
+
+def _float_timesteps(schedule: NoiseSchedule, n: int) -> np.ndarray:
+    """Euler-family spacing (float timesteps, descending)."""
+    total = schedule.num_train_timesteps
+    if schedule.timestep_spacing == "linspace":
+        return np.linspace(0, total - 1, n, dtype=np.float32)[::-1].copy()
+    if schedule.timestep_spacing == "leading":
+        ratio = total // n
+        return (np.arange(0, n) * ratio).round()[::-1].astype(np.float32) + schedule.steps_offset
+    return np.arange(total, 0, -total / n).round().astype(np.float32) - 1
+
+
+def _euler_sigmas(schedule: NoiseSchedule, n: int) -> tuple[np.ndarray, np.ndarray, float]:
+    timesteps = _float_timesteps(schedule, n)
+    base = schedule.sigmas()
+    sigmas = np.interp(timesteps, np.arange(0, len(base)), base)
+    sigmas = np.concatenate([sigmas, [0.0]]).astype(np.float32)
+    max_sigma = float(sigmas.max())
+    init = (max_sigma**2 + 1) ** 0.5 if schedule.timestep_spacing == "leading" else max_sigma
+    return timesteps, sigmas, init
+
+
+def euler(schedule: NoiseSchedule, n: int) -> SchedulePlan:
+    """Euler discrete (Karras et al. algorithm 2 without churn), as diffusers' EulerDiscreteScheduler."""
+    timesteps, sigmas, init = _euler_sigmas(schedule, n)
+    steps = []
+    for i, t in enumerate(timesteps):
+        sigma, sigma_next = float(sigmas[i]), float(sigmas[i + 1])
+        x0 = schedule.denoised(sigma, 1.0 / math.sqrt(sigma * sigma + 1.0))
+        derivative = (SAMPLE - x0) * (1.0 / sigma)
+        steps.append(Step(float(t), 1.0 / math.sqrt(sigma * sigma + 1.0),
+                          SAMPLE + derivative * (sigma_next - sigma), x0))
+    return SchedulePlan(init, tuple(steps))
+
+
+def euler_ancestral(schedule: NoiseSchedule, n: int) -> SchedulePlan:
+    """Euler ancestral (eta 1), as diffusers' EulerAncestralDiscreteScheduler; needs fresh noise per step."""
+    timesteps, sigmas, init = _euler_sigmas(schedule, n)
+    steps = []
+    for i, t in enumerate(timesteps):
+        sigma, sigma_to = float(sigmas[i]), float(sigmas[i + 1])
+        sigma_up = (sigma_to**2 * (sigma**2 - sigma_to**2) / sigma**2) ** 0.5
+        sigma_down = (sigma_to**2 - sigma_up**2) ** 0.5
+        x0 = schedule.denoised(sigma, 1.0 / math.sqrt(sigma * sigma + 1.0))
+        derivative = (SAMPLE - x0) * (1.0 / sigma)
+        nxt = SAMPLE + derivative * (sigma_down - sigma) + NOISE * sigma_up
+        steps.append(Step(float(t), 1.0 / math.sqrt(sigma * sigma + 1.0), nxt, x0))
+    return SchedulePlan(init, tuple(steps))
+
+
+def ddim(schedule: NoiseSchedule, n: int) -> SchedulePlan:
+    """DDIM with eta 0, as diffusers' DDIMScheduler (no clipping, no thresholding)."""
+    total = schedule.num_train_timesteps
+    ratio = total // n
+    if schedule.timestep_spacing == "leading":
+        timesteps = (np.arange(0, n) * ratio).round()[::-1].astype(np.int64) + schedule.steps_offset
+    elif schedule.timestep_spacing == "linspace":
+        timesteps = np.linspace(0, total - 1, n).round()[::-1].astype(np.int64)
+    else:
+        timesteps = np.round(np.arange(total, 0, -total / n)).astype(np.int64) - 1
+    acp = schedule.alphas_cumprod
+    final = 1.0 if schedule.set_alpha_to_one else float(acp[0])
+    steps = []
+    for t in timesteps:
+        alpha = float(acp[t])
+        prev_t = int(t) - ratio
+        alpha_prev = float(acp[prev_t]) if prev_t >= 0 else final
+        sigma = math.sqrt((1 - alpha) / alpha)
+        x0 = schedule.denoised(sigma, 1.0)
+        # eps from x and x0 in VP form: eps = (x - sqrt(a) x0) / sqrt(1 - a)
+        eps = (SAMPLE - x0 * math.sqrt(alpha)) * (1.0 / math.sqrt(1 - alpha))
+        nxt = x0 * math.sqrt(alpha_prev) + eps * math.sqrt(1 - alpha_prev)
+        steps.append(Step(float(t), 1.0, nxt, x0))
+    return SchedulePlan(1.0, tuple(steps))
+
+
+def _dpm_timesteps(schedule: NoiseSchedule, n: int) -> np.ndarray:
+    total = schedule.num_train_timesteps
+    if schedule.timestep_spacing == "linspace":
+        return np.linspace(0, total - 1, n + 1).round()[::-1][:-1].astype(np.int64)
+    if schedule.timestep_spacing == "leading":
+        ratio = total // (n + 1)
+        return (np.arange(0, n + 1) * ratio).round()[::-1][:-1].astype(np.int64) + schedule.steps_offset
+    return np.arange(total, 0, -total / n).round().astype(np.int64) - 1
+
+
+def dpmpp_2m(schedule: NoiseSchedule, n: int) -> SchedulePlan:
+    """DPM-Solver++ (2M, midpoint), as diffusers' DPMSolverMultistepScheduler with its defaults
+    (lower-order final step, final sigma zero)."""
+    timesteps = _dpm_timesteps(schedule, n)
+    base = schedule.sigmas()
+    sigmas = np.concatenate([np.interp(timesteps, np.arange(0, len(base)), base), [0.0]]).astype(np.float32)
+
+    def alpha_sigma(sig: float) -> tuple[float, float]:
+        a = 1.0 / math.sqrt(sig * sig + 1.0)
+        return a, sig * a
+
+    steps = []
+    for i, t in enumerate(timesteps):
+        a_t, s_t = alpha_sigma(float(sigmas[i + 1]))
+        a_s0, s_s0 = alpha_sigma(float(sigmas[i]))
+        x0 = schedule.denoised(float(sigmas[i]), 1.0)
+        exp_neg_h = (a_s0 * s_t) / (s_s0 * a_t)  # exp(lambda_s0 - lambda_t), finite when sigma_t == 0
+        first_order = i == 0 or i == len(timesteps) - 1 or (i == len(timesteps) - 2 and len(timesteps) < 15)
+        if first_order:
+            d = x0
+        else:
+            a_s1, s_s1 = alpha_sigma(float(sigmas[i - 1]))
+            lam = [math.log(a) - math.log(s) for a, s in ((a_t, s_t), (a_s0, s_s0), (a_s1, s_s1))]
+            r0 = (lam[1] - lam[2]) / (lam[0] - lam[1])
+            d = x0 * (1.0 + 0.5 / r0) - PREV * (0.5 / r0)
+        nxt = SAMPLE * (s_t / s_s0) - d * (a_t * (exp_neg_h - 1.0))
+        steps.append(Step(float(t), 1.0, nxt, x0))
+    return SchedulePlan(1.0, tuple(steps))
+
+
+SCHEDULERS: dict[str, Callable[[NoiseSchedule, int], SchedulePlan]] = {
+    "euler": euler,
+    "euler_a": euler_ancestral,
+    "ddim": ddim,
+    "dpmpp_2m": dpmpp_2m,
+}
+"""Scheduler names as the API accepts them."""
+
+
+def make_plan(name: str, schedule: NoiseSchedule, num_steps: int) -> SchedulePlan:
+    """The plan for ``num_steps`` steps of the named scheduler; raises on an unknown name."""
+    try:
+        factory = SCHEDULERS[name]
+    except KeyError:
+        raise InvalidRequestError(f"unknown scheduler {name!r}; expected one of {sorted(SCHEDULERS)}",
+                                  param="scheduler") from None
+    return factory(schedule, num_steps)
