@@ -81,7 +81,8 @@ class NoiseSchedule:
 
     alphas_cumprod: np.ndarray
     prediction_type: str
-    timestep_spacing: str
+    timestep_spacing: str | None
+    """None when the config does not set it: each sampler then uses its own default, as diffusers does."""
     steps_offset: int
     set_alpha_to_one: bool
 
@@ -91,6 +92,10 @@ class NoiseSchedule:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> NoiseSchedule:
+        # diffusers' from_config treats keys listed in _use_default_values as unset (the saving class's
+        # defaults, not a choice), so the loading scheduler's own default applies. Same here.
+        defaulted = set(config.get("_use_default_values", ()))
+        config = {k: v for k, v in config.items() if k not in defaulted}
         n = int(config.get("num_train_timesteps", 1000))
         b0, b1 = float(config.get("beta_start", 0.00085)), float(config.get("beta_end", 0.012))
         kind = config.get("beta_schedule", "scaled_linear")
@@ -105,12 +110,15 @@ class NoiseSchedule:
         prediction = config.get("prediction_type", "epsilon")
         if prediction not in ("epsilon", "v_prediction"):
             raise ValueError(f"scheduler_config.json: prediction_type {prediction!r} is not supported")
-        spacing = config.get("timestep_spacing", "leading")
-        if spacing not in ("leading", "linspace", "trailing"):
+        spacing = config.get("timestep_spacing")
+        if spacing not in (None, "leading", "linspace", "trailing"):
             raise ValueError(f"scheduler_config.json: timestep_spacing {spacing!r} is not supported")
         acp = np.cumprod(np.float32(1.0) - betas, dtype=np.float32)
         return cls(acp, prediction, spacing, int(config.get("steps_offset", 0)),
                    bool(config.get("set_alpha_to_one", False)))
+
+    def spacing(self, default: str) -> str:
+        return self.timestep_spacing or default
 
     def sigmas(self) -> np.ndarray:
         acp = self.alphas_cumprod
@@ -128,9 +136,10 @@ class NoiseSchedule:
 def _float_timesteps(schedule: NoiseSchedule, n: int) -> np.ndarray:
     """Euler-family spacing (float timesteps, descending)."""
     total = schedule.num_train_timesteps
-    if schedule.timestep_spacing == "linspace":
+    spacing = schedule.spacing("linspace")
+    if spacing == "linspace":
         return np.linspace(0, total - 1, n, dtype=np.float32)[::-1].copy()
-    if schedule.timestep_spacing == "leading":
+    if spacing == "leading":
         ratio = total // n
         return (np.arange(0, n) * ratio).round()[::-1].astype(np.float32) + schedule.steps_offset
     return np.arange(total, 0, -total / n).round().astype(np.float32) - 1
@@ -142,7 +151,7 @@ def _euler_sigmas(schedule: NoiseSchedule, n: int) -> tuple[np.ndarray, np.ndarr
     sigmas = np.interp(timesteps, np.arange(0, len(base)), base)
     sigmas = np.concatenate([sigmas, [0.0]]).astype(np.float32)
     max_sigma = float(sigmas.max())
-    init = (max_sigma**2 + 1) ** 0.5 if schedule.timestep_spacing == "leading" else max_sigma
+    init = (max_sigma**2 + 1) ** 0.5 if schedule.spacing("linspace") == "leading" else max_sigma
     return timesteps, sigmas, init
 
 
@@ -178,9 +187,10 @@ def ddim(schedule: NoiseSchedule, n: int) -> SchedulePlan:
     """DDIM with eta 0, as diffusers' DDIMScheduler (no clipping, no thresholding)."""
     total = schedule.num_train_timesteps
     ratio = total // n
-    if schedule.timestep_spacing == "leading":
+    spacing = schedule.spacing("leading")
+    if spacing == "leading":
         timesteps = (np.arange(0, n) * ratio).round()[::-1].astype(np.int64) + schedule.steps_offset
-    elif schedule.timestep_spacing == "linspace":
+    elif spacing == "linspace":
         timesteps = np.linspace(0, total - 1, n).round()[::-1].astype(np.int64)
     else:
         timesteps = np.round(np.arange(total, 0, -total / n)).astype(np.int64) - 1
@@ -202,9 +212,10 @@ def ddim(schedule: NoiseSchedule, n: int) -> SchedulePlan:
 
 def _dpm_timesteps(schedule: NoiseSchedule, n: int) -> np.ndarray:
     total = schedule.num_train_timesteps
-    if schedule.timestep_spacing == "linspace":
+    spacing = schedule.spacing("linspace")
+    if spacing == "linspace":
         return np.linspace(0, total - 1, n + 1).round()[::-1][:-1].astype(np.int64)
-    if schedule.timestep_spacing == "leading":
+    if spacing == "leading":
         ratio = total // (n + 1)
         return (np.arange(0, n + 1) * ratio).round()[::-1][:-1].astype(np.int64) + schedule.steps_offset
     return np.arange(total, 0, -total / n).round().astype(np.int64) - 1
@@ -227,7 +238,7 @@ def dpmpp_2m(schedule: NoiseSchedule, n: int) -> SchedulePlan:
         a_s0, s_s0 = alpha_sigma(float(sigmas[i]))
         x0 = schedule.denoised(float(sigmas[i]), 1.0)
         exp_neg_h = (a_s0 * s_t) / (s_s0 * a_t)  # exp(lambda_s0 - lambda_t), finite when sigma_t == 0
-        first_order = i == 0 or i == len(timesteps) - 1 or (i == len(timesteps) - 2 and len(timesteps) < 15)
+        first_order = i == 0 or i == len(timesteps) - 1  # no history yet; final sigma zero -> first order
         if first_order:
             d = x0
         else:

@@ -1,0 +1,78 @@
+"""Typed, bounded, frozen runtime settings (the ``[runtime]`` table of a profile)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+ProviderName = Literal["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+
+
+class CudaOptions(BaseModel):
+    """CUDA execution provider options; every one is reported in the capability snapshot."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    arena_extend_strategy: Literal["kNextPowerOfTwo", "kSameAsRequested"] = "kSameAsRequested"
+    """How the arena grows; kSameAsRequested avoids hoarding power-of-two blocks under varied shapes."""
+    gpu_mem_limit_fraction: float = Field(0.9, gt=0.0, le=1.0)
+    """Arena cap as a fraction of the device's total memory."""
+    cudnn_conv_algo_search: Literal["EXHAUSTIVE", "HEURISTIC", "DEFAULT"] = "HEURISTIC"
+    """Conv algorithm search; EXHAUSTIVE benchmarks every shape on first use (slow first requests)."""
+    do_copy_in_default_stream: bool = True
+    """Copies on the compute stream: simpler ordering, no cross-stream races."""
+    enable_cuda_graph: bool = False
+    """CUDA graphs for static shapes only (one graph per session); off unless shapes are fixed."""
+    prefer_nhwc: bool = False
+    """NHWC convolution kernels where available."""
+    use_tf32: bool = True
+    """TF32 math for fp32 matmul/conv on Ampere and newer."""
+
+
+class TensorrtOptions(BaseModel):
+    """TensorRT execution provider options."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    fp16: bool = True
+    """Build/load fp16 engines."""
+    engine_cache_path: str = "engines-cache"
+    """Folder of prebuilt engines, relative to the model folder unless absolute."""
+    timing_cache: bool = True
+    """Reuse the builder timing cache."""
+
+
+class RuntimeSettings(BaseModel):
+    """How sessions are built and which providers may run them."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    providers: tuple[ProviderName, ...] = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
+    """Execution providers in priority order. CPUExecutionProvider may appear only when allow_cpu is true."""
+    allow_cpu: bool = False
+    """Whether running on the CPU is acceptable (dev only). Never implied by anything else."""
+    device_id: int = Field(0, ge=0, le=63)
+    """CUDA device ordinal this process serves (one process per GPU)."""
+    intra_op_threads: int = Field(0, ge=0, le=256)
+    """ORT intra-op threads; 0 lets ONNX Runtime choose."""
+    cuda: CudaOptions = CudaOptions()
+    tensorrt: TensorrtOptions = TensorrtOptions()
+
+    @model_validator(mode="after")
+    def _check(self) -> RuntimeSettings:
+        if not self.providers:
+            raise ValueError("runtime.providers is empty: list at least one execution provider")
+        if len(set(self.providers)) != len(self.providers):
+            raise ValueError(f"runtime.providers lists a provider twice: {list(self.providers)}")
+        if "CPUExecutionProvider" in self.providers and not self.allow_cpu:
+            raise ValueError("runtime.providers lists CPUExecutionProvider but runtime.allow_cpu is false: "
+                             "remove it, or set allow_cpu = true (dev profile only)")
+        if self.providers[-1] != "CPUExecutionProvider" and "CPUExecutionProvider" in self.providers:
+            raise ValueError("runtime.providers: CPUExecutionProvider must come last")
+        return self
+
+    @property
+    def device(self) -> str:
+        """Where IO binding places tensors: 'cuda' when a GPU provider is first, else 'cpu'."""
+        return "cpu" if self.providers[0] == "CPUExecutionProvider" else "cuda"
