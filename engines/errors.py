@@ -35,3 +35,28 @@ class ConfigError(SdserveError):
 
 class InferenceError(SdserveError):
     """A session run failed inside the runtime (not the client's fault)."""
+
+
+class GpuUnavailableError(NotReadyError):
+    """The policy's GPU providers cannot run here (library missing, no device, driver too old)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, permanent=True)
+
+
+class VersionMismatchError(NotReadyError):
+    """Installed versions do not match configs/matrix.toml."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, permanent=True)
+
+
+class PlacementError(NotReadyError):
+    """A compute op was placed on a provider the policy forbids (CPU fallback)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, permanent=True)
+
+
+class SelfTestError(NotReadyError):
+    """Canary output or latency outside its bounds."""

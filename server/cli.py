@@ -1,0 +1,162 @@
+"""`sdserve` command line: serve, generate, engines tiny/export. The one place errors become exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from engines.errors import SdserveError
+from server.exitcodes import ExitCode, exit_code_for
+
+log = logging.getLogger("sdserve")
+DEFAULT_MODEL = Path("models/tiny")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", choices=["dev", "production"], default="production",
+                   help="settings profile from configs/ (default: production)")
+    p.add_argument("--config", type=Path, default=None, help="a profile TOML file instead of configs/<profile>.toml")
+    p.add_argument("--model", type=Path, default=Path(os.environ.get("SDSERVE_MODEL", DEFAULT_MODEL)),
+                   help="ONNX model folder (env SDSERVE_MODEL; default models/tiny)")
+    p.add_argument("--device-id", type=int, default=None, help="CUDA device this process serves")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sdserve", description=__doc__)
+    parser.add_argument("--log-level", default=os.environ.get("SDSERVE_LOG_LEVEL", "INFO"))
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve the HTTP API")
+    _common(serve)
+    serve.add_argument("--host", default=None)
+    serve.add_argument("--port", type=int, default=None, help="0 picks a free port and logs it")
+    gen = sub.add_parser("generate", help="generate one image to a PNG file")
+    _common(gen)
+    gen.add_argument("prompt")
+    gen.add_argument("-o", "--out", type=Path, default=Path("out.png"))
+    gen.add_argument("--negative-prompt", default="")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--steps", type=int, default=None)
+    gen.add_argument("--size", default=None, help="WIDTHxHEIGHT")
+    gen.add_argument("--scheduler", default=None)
+    gen.add_argument("--guidance-scale", type=float, default=None)
+    engines = sub.add_parser("engines", help="build and export models").add_subparsers(dest="engines_cmd",
+                                                                                       required=True)
+    tiny = engines.add_parser("tiny", help="build the embedded tiny SD model (random weights)")
+    tiny.add_argument("--out", type=Path, default=DEFAULT_MODEL)
+    tiny.add_argument("--bpe", type=Path, default=None, help="open-clip-torch wheel or its bpe .txt.gz")
+    tiny.add_argument("--diffusers-out", type=Path, default=None, help="also save the torch weights here")
+    export = engines.add_parser("export", help="export a local diffusers SD 1.x/2.x folder to ONNX")
+    export.add_argument("--from", dest="src", type=Path, required=True)
+    export.add_argument("--out", type=Path, required=True)
+    return parser
+
+
+def _settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from server.settings import load_settings
+
+    settings = load_settings(args.profile, args.config)
+    updates: dict[str, object] = {}
+    if getattr(args, "host", None) is not None or getattr(args, "port", None) is not None:
+        server = settings.server.model_copy(update={k: v for k, v in (("host", args.host), ("port", args.port))
+                                                    if v is not None})
+        updates["server"] = server
+    if args.device_id is not None:
+        updates["runtime"] = settings.runtime.model_copy(update={"device_id": args.device_id})
+    return settings.model_validate({**settings.model_dump(), **{k: v.model_dump() for k, v in updates.items()}})
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from engines.engine import OrtEngine
+    from server.app import create_app
+
+    settings = _settings(args)
+    if settings.runtime.allow_cpu:
+        log.warning("profile %s allows the CPU: this server is NOT accelerated (accelerated: false)",
+                    settings.profile)
+    exit_code = [ExitCode.OK]
+    holder: list[uvicorn.Server] = []
+
+    def on_fatal(code: ExitCode, reason: str) -> None:
+        exit_code[0] = code
+        holder[0].should_exit = True
+
+    app = create_app(OrtEngine(args.model, settings.runtime), settings, on_fatal)
+    config = uvicorn.Config(app, host=settings.server.host, port=settings.server.port, log_level="warning",
+                            access_log=False, lifespan="on")
+    server = uvicorn.Server(config)
+    holder.append(server)
+    _announce_port(server)
+    server.run()
+    return int(exit_code[0])
+
+
+def _announce_port(server: object) -> None:
+    """Log the bound address once uvicorn has started (port 0 picks a free port)."""
+    original = server.startup  # type: ignore[attr-defined]
+
+    async def startup(sockets=None):  # type: ignore[no-untyped-def]
+        await original(sockets=sockets)
+        for srv in getattr(server, "servers", []):
+            for sock in srv.sockets:
+                host, port = sock.getsockname()[:2]
+                log.info("sdserve listening on http://%s:%d", host, port)
+
+    server.startup = startup  # type: ignore[attr-defined]
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from engines.engine import OrtEngine
+    from server.schemas import ImageGenerationRequest
+    from server.service import ImageService, encode_png
+
+    settings = _settings(args)
+    engine = OrtEngine(args.model, settings.runtime)
+    engine.preflight()
+    engine.load()
+    req = ImageGenerationRequest(prompt=args.prompt, negative_prompt=args.negative_prompt, seed=args.seed,
+                                 steps=args.steps, size=args.size, scheduler=args.scheduler,
+                                 guidance_scale=args.guidance_scale)
+    result = engine.generate(ImageService(engine, settings).to_batch(req))
+    args.out.write_bytes(encode_png(result.images[0].image))
+    log.info("wrote %s (%s, %.2fs on %s)", args.out, result.images[0].image.size, result.timings["total"],
+             result.provider)
+    engine.close()
+    return 0
+
+
+def _engines(args: argparse.Namespace) -> int:
+    if args.engines_cmd == "tiny":
+        from engines.build.tiny import build_tiny
+
+        out = build_tiny(args.out, args.bpe, args.diffusers_out)
+    else:
+        from engines.build.export import export_folder
+
+        out = export_folder(args.src, args.out)
+    log.info("model written to %s (manifest.json lists every file's sha256)", out)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    commands = {"serve": _serve, "generate": _generate, "engines": _engines}
+    try:
+        return commands[args.command](args)
+    except SdserveError as exc:
+        code = exit_code_for(exc)
+        log.error("%s (exit code %d %s)", exc, code, code.name)
+        return int(code)
+    except FileNotFoundError as exc:
+        log.error("%s", exc)
+        return int(ExitCode.MODEL_INVALID)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Error -> HTTP mapping (one table) and OpenAI-style error bodies. Every client mistake is a 4xx naming the field."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engines.errors import InferenceError, InvalidRequestError, NotReadyError, SdserveError
+
+log = logging.getLogger(__name__)
+
+_TABLE: tuple[tuple[type[SdserveError], int, str], ...] = (
+    (InvalidRequestError, 400, "invalid_request_error"),
+    (NotReadyError, 503, "service_unavailable"),
+    (InferenceError, 500, "server_error"),
+    (SdserveError, 500, "server_error"),
+)
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _param(loc: tuple[Any, ...]) -> str | None:
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) or None
+
+
+def _validation_message(err: dict[str, Any]) -> tuple[str, str | None]:
+    if err.get("type") == "json_invalid":
+        return "request body is not valid JSON", None
+    param = _param(tuple(err.get("loc", ())))
+    if param is None:
+        if isinstance(err.get("input"), bytes | str):
+            return "request body is not JSON: send a JSON object with Content-Type: application/json", None
+        if err.get("type") == "missing":
+            return "request body is missing: send a JSON object", None
+        return "request body must be a JSON object", None
+    if err.get("type") == "missing":
+        return f"{param}: field required", param
+    if err.get("type") == "extra_forbidden":
+        return f"{param}: unknown field", param
+    message = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+    return f"{param}: {message}", param
+
+
+async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+    message, param = _validation_message(dict(exc.errors()[0]))
+    return JSONResponse(error_body(message, "invalid_request_error", param, "invalid_value"), status_code=400)
+
+
+async def _on_sdserve(request: Request, exc: Exception) -> JSONResponse:
+    for cls, status, type_ in _TABLE:
+        if isinstance(exc, cls):
+            break
+    headers = {}
+    if isinstance(exc, InvalidRequestError):
+        return JSONResponse(error_body(exc.message, type_, exc.param, "invalid_value"), status_code=status)
+    if isinstance(exc, NotReadyError) and exc.permanent:
+        headers["x-should-retry"] = "false"
+    if status >= 500 and not isinstance(exc, NotReadyError):
+        log.exception("request failed", exc_info=exc)
+        return JSONResponse(error_body("internal error while generating", type_), status_code=status)
+    return JSONResponse(error_body(str(exc), type_), status_code=status, headers=headers)
+
+
+async def _on_http(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    return JSONResponse(error_body(str(exc.detail), "invalid_request_error"), status_code=exc.status_code,
+                        headers=exc.headers)
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s", request.url.path, exc_info=exc)
+    return JSONResponse(error_body("internal server error", "server_error"), status_code=500)
+
+
+def install(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, _on_validation)  # type: ignore[arg-type]
+    app.add_exception_handler(SdserveError, _on_sdserve)
+    app.add_exception_handler(StarletteHTTPException, _on_http)
+    app.add_exception_handler(Exception, _on_unexpected)

@@ -1,0 +1,44 @@
+"""Process exit codes: one table, documented in the README. Orchestrators reschedule on non-zero."""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+from engines.errors import (
+    ConfigError,
+    GpuUnavailableError,
+    ModelLoadError,
+    PlacementError,
+    SelfTestError,
+    VersionMismatchError,
+)
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    INTERNAL = 1
+    USAGE = 2
+    CONFIG_INVALID = 10
+    MODEL_INVALID = 11
+    GPU_UNAVAILABLE = 20
+    VERSION_MISMATCH = 21
+    PLACEMENT_FAILED = 22
+    ARTIFACT_INVALID = 23
+    SELF_TEST_FAILED = 24
+
+
+_TABLE: tuple[tuple[type[BaseException], ExitCode], ...] = (
+    (ConfigError, ExitCode.CONFIG_INVALID),
+    (ModelLoadError, ExitCode.MODEL_INVALID),
+    (GpuUnavailableError, ExitCode.GPU_UNAVAILABLE),
+    (VersionMismatchError, ExitCode.VERSION_MISMATCH),
+    (PlacementError, ExitCode.PLACEMENT_FAILED),
+    (SelfTestError, ExitCode.SELF_TEST_FAILED),
+)
+
+
+def exit_code_for(exc: BaseException) -> ExitCode:
+    for cls, code in _TABLE:
+        if isinstance(exc, cls):
+            return code
+    return ExitCode.INTERNAL

@@ -1,0 +1,34 @@
+"""Probes and the capability snapshot."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+router = APIRouter(tags=["probes"])
+
+
+@router.get("/health")
+async def health() -> dict[str, str]:
+    """Liveness: 200 whenever the process can answer."""
+    return {"status": "ok"}
+
+
+@router.get("/ready")
+async def ready(request: Request) -> JSONResponse:
+    """Readiness: 200 only when the model is loaded and proven; 503 with the state and reasons otherwise."""
+    state = request.app.state.server_state
+    body = {"state": state.state, "reasons": state.reasons}
+    return JSONResponse(body, status_code=200 if state.ready else 503)
+
+
+@router.get("/capabilities")
+async def capabilities(request: Request) -> dict[str, Any]:
+    """The capability snapshot, with the serving state and its history."""
+    snapshot = request.app.state.engine.capabilities()
+    if not snapshot.get("accelerated", False):
+        snapshot["warning"] = "NOT ACCELERATED: this server runs on the CPU (dev profile)"
+    return {**snapshot, "profile": request.app.state.settings.profile,
+            "server": request.app.state.server_state.snapshot()}
