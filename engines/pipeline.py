@@ -43,7 +43,7 @@ class OrtModel:
             if isinstance(value, ort.OrtValue):
                 binding.bind_ortvalue_input(name, value)
             else:
-                binding.bind_cpu_input(name, np.ascontiguousarray(value))
+                binding.bind_cpu_input(name, np.require(value, requirements="C"))  # keeps rank 0
         for name, value in outputs.items():
             binding.bind_ortvalue_output(name, value)
         self.session.run_with_iobinding(binding)

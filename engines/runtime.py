@@ -11,7 +11,7 @@ import numpy as np
 import onnxruntime as ort
 
 from engines.config import RuntimeSettings
-from engines.errors import NotReadyError
+from engines.errors import GpuUnavailableError, ModelLoadError
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +82,13 @@ class Runtime:
             sess = ort.InferenceSession(source, sess_options=so, providers=names,
                                         provider_options=[o for _, o in self._providers], **kwargs)
         except Exception as exc:  # ORT raises RuntimeError/Fail/NoSuchFile subclasses of Exception
-            raise NotReadyError(f"{name}: session creation failed on {names}: {exc}", permanent=True) from exc
+            if self.device == "cuda":
+                raise GpuUnavailableError(f"{name}: cannot create a session on {names}: "
+                                          f"{str(exc).strip()}") from exc
+            raise ModelLoadError(f"{name}: cannot create a session: {str(exc).strip()}") from exc
         used = sess.get_providers()
-        if not self.settings.allow_cpu and "CPUExecutionProvider" in used[:1]:
-            raise NotReadyError(f"{name}: ONNX Runtime placed the session on {used}, policy requires {names}",
-                                permanent=True)
+        if not self.settings.allow_cpu and used[0] not in names:
+            raise GpuUnavailableError(f"{name}: ONNX Runtime placed the session on {used}, policy requires {names}")
         log.info("session %s on %s", name, used)
         return sess
 

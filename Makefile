@@ -1,0 +1,39 @@
+# sdserve: `make run` serves the embedded tiny model (dev profile, CPU); `make test` runs the suite.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+OPEN_CLIP := open-clip-torch==3.3.0
+BPE_WHEEL := .cache/wheels/open_clip_torch-3.3.0-py3-none-any.whl
+MODEL := models/tiny
+
+.PHONY: run test lint bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[build,test,dev]'
+	touch $(STAMP)
+
+# The real CLIP BPE merges ship inside open-clip-torch's wheel; we read the file, never import the package.
+$(BPE_WHEEL): $(STAMP)
+	$(PY) -m pip download -q --no-deps $(OPEN_CLIP) -d .cache/wheels
+
+$(MODEL)/manifest.json: $(STAMP) $(BPE_WHEEL)
+	$(VENV)/bin/sdserve engines tiny --out $(MODEL) --bpe $(BPE_WHEEL)
+
+run: $(MODEL)/manifest.json
+	$(VENV)/bin/sdserve serve --profile dev --model $(MODEL)
+
+test: $(STAMP) $(BPE_WHEEL)
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check server engines tests benchmarks
+	$(VENV)/bin/mypy
+
+bench: $(MODEL)/manifest.json
+	$(PY) benchmarks/bench_pipeline.py --model $(MODEL) --write-readme README.md
+
+clean:
+	rm -rf $(VENV) .cache models .pytest_cache .mypy_cache .ruff_cache
