@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -88,11 +89,26 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(OrtEngine(args.model, settings.runtime), settings, on_fatal)
     config = uvicorn.Config(app, host=settings.server.host, port=settings.server.port, log_level="warning",
                             access_log=False, lifespan="on")
-    server = uvicorn.Server(config)
+    server = _server_class()(config)
     holder.append(server)
     _announce_port(server)
     server.run()
     return int(exit_code[0])
+
+
+def _server_class():  # type: ignore[no-untyped-def]
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """SIGTERM/SIGINT end the server gracefully and the process exits with our code (0 when healthy),
+        instead of uvicorn re-raising the signal after shutdown."""
+
+        def handle_exit(self, sig: int, frame: object) -> None:
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
+
+    return Server
 
 
 def _announce_port(server: object) -> None:

@@ -1,0 +1,74 @@
+"""A real `sdserve serve` subprocess on a free port, polled on /ready."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+LISTENING = re.compile(r"listening on (http://\S+)")
+
+
+class ServerProcess:
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        self.cmd = [sys.executable, "-m", "server.cli", "serve", "--port", "0", *args]
+        self.proc = subprocess.Popen(self.cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                                     env={**os.environ, **(env or {})})
+        self.lines: list[str] = []
+        self.url: str | None = None
+        self._found = threading.Event()
+        self._thread = threading.Thread(target=self._pump, daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            match = LISTENING.search(line)
+            if match:
+                self.url = match.group(1)
+                self._found.set()
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def wait_ready(self, timeout: float = 60) -> str:
+        if not self._found.wait(timeout):
+            raise AssertionError(f"server never listened:\n{self.log}")
+        assert self.url is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            response = httpx.get(f"{self.url}/ready")
+            if response.status_code == 200:
+                return self.url
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise AssertionError(f"server never became ready:\n{self.log}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        code = self.proc.wait(timeout=30)
+        self._thread.join(timeout=10)
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
+        return code
+
+
+@pytest.fixture(scope="module")
+def dev_server(tiny_model: Path) -> Iterator[str]:
+    server = ServerProcess("--profile", "dev", "--model", str(tiny_model))
+    try:
+        yield server.wait_ready()
+    finally:
+        assert server.stop() == 0, server.log
