@@ -1,0 +1,107 @@
+"""Capture what ONNX Runtime prints while building sessions, classify it, and re-emit it through logging.
+
+Native ORT messages go to file descriptor 2 only (no Python callback); the Python wrapper's fallback banner goes to
+``sys.stdout``. Both are captured around session creation, kept raw for operators, and classified into the events
+that mean the fast path is not what it seems.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import re
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+
+log = logging.getLogger(__name__)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_CAPTURE_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class LogEvent:
+    kind: str
+    """provider_library_missing, provider_creation_failed, driver_too_old, cpu_fallback,
+    nodes_not_on_preferred_provider, memcpy_nodes_added, engine_rebuild, arena_growth."""
+    severity: str
+    """error: the fast path is broken; warning: it is degraded; info: worth knowing."""
+    line: str
+    detail: str = ""
+
+    def as_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+
+# (kind, severity, pattern); the first group, when present, becomes the event's detail.
+RULES: tuple[tuple[str, str, re.Pattern[str]], ...] = (
+    ("provider_library_missing", "error",
+     re.compile(r"Failed to load library .*? with error: (\S+): cannot open shared object file")),
+    ("provider_library_missing", "error", re.compile(r"(Please install TensorRT libraries)")),
+    ("provider_creation_failed", "error", re.compile(r"Failed to create (\w+ExecutionProvider)")),
+    ("driver_too_old", "error", re.compile(r"(CUDA driver version is insufficient)")),
+    ("cpu_fallback", "error", re.compile(r"Falling back to (\[.*?\])")),
+    ("nodes_not_on_preferred_provider", "warning",
+     re.compile(r"(Some nodes were not assigned to the preferred execution providers)")),
+    ("memcpy_nodes_added", "warning", re.compile(r"(\d+ Memcpy nodes are added|Memcpy nodes are added)")),
+    ("engine_rebuild", "error", re.compile(r"(could not deserialize engine|Engine will be built|"
+                                           r"Building new engine)", re.IGNORECASE)),
+    ("arena_growth", "info", re.compile(r"(Extending BFCArena)")),
+)
+
+
+def classify(lines: list[str]) -> list[LogEvent]:
+    """Events for the lines that match a rule (one event per line, first matching rule wins)."""
+    events = []
+    for raw in lines:
+        line = _ANSI.sub("", raw).strip()
+        for kind, severity, pattern in RULES:
+            match = pattern.search(line)
+            if match:
+                events.append(LogEvent(kind, severity, line, match.group(1) if match.groups() else ""))
+                break
+    return events
+
+
+@dataclass
+class Captured:
+    lines: list[str] = field(default_factory=list)
+    events: list[LogEvent] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def capture_ort_output(source: str) -> Iterator[Captured]:
+    """Redirect fd 2 and sys.stdout for the duration; afterwards classify, re-emit, and fill the result.
+    Process-wide, so callers keep the window to the session constructor (serialized by a lock)."""
+    result = Captured()
+    with _CAPTURE_LOCK, tempfile.TemporaryFile(mode="w+b") as sink:
+        sys.stderr.flush()
+        saved_fd = os.dup(2)
+        banner = io.StringIO()
+        try:
+            os.dup2(sink.fileno(), 2)
+            with contextlib.redirect_stdout(banner):
+                yield result
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved_fd, 2)
+            os.close(saved_fd)
+            sink.seek(0)
+            native = sink.read().decode("utf-8", "replace")
+            result.lines = [ln for ln in (banner.getvalue() + native).splitlines() if ln.strip()]
+            result.events = classify(result.lines)
+            _reemit(source, result)
+
+
+def _reemit(source: str, result: Captured) -> None:
+    classified = {e.line for e in result.events}
+    for event in result.events:
+        level = {"error": logging.ERROR, "warning": logging.WARNING}.get(event.severity, logging.INFO)
+        log.log(level, "%s: ORT %s: %s", source, event.kind, event.line)
+    for line in result.lines:
+        if _ANSI.sub("", line).strip() not in classified:
+            log.debug("%s: ORT: %s", source, line)
