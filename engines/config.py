@@ -56,6 +56,17 @@ class RuntimeSettings(BaseModel):
     """CUDA device ordinal this process serves (one process per GPU)."""
     intra_op_threads: int = Field(0, ge=0, le=256)
     """ORT intra-op threads; 0 lets ONNX Runtime choose."""
+    placement_audit: bool = True
+    """Record per-node provider assignment and refuse sessions with non-allowlisted ops on the CPU (GPU policies)."""
+    cpu_allowlist: tuple[str, ...] = ("Shape", "Reshape", "Unsqueeze", "Squeeze", "Gather", "Concat", "Slice",
+                                      "Cast", "ConstantOfShape", "Constant", "Range", "Equal", "Where", "Expand",
+                                      "Identity", "Size", "NonZero")
+    """Shape ops allowed to stay on the CPU in a GPU session (CUDA leaves shape arithmetic on the host)."""
+    disable_cpu_ep_fallback: bool = False
+    """Also set session.disable_cpu_ep_fallback=1: ORT refuses any CPU node outright. Off by default because
+    dynamic-shape models keep shape ops on the CPU; the placement audit is the finer check."""
+    ort_log_severity: int = Field(2, ge=0, le=4)
+    """ORT log level during session creation (0 verbose .. 4 fatal); captured lines are classified."""
     cuda: CudaOptions = CudaOptions()
     tensorrt: TensorrtOptions = TensorrtOptions()
 

@@ -193,7 +193,9 @@ class StableDiffusionOnnx:
         n = len(batch.images)
         vae_in = next(iter(self.vae_decoder.inputs))
         scaled = (latents.numpy() / self.scaling_factor).astype(self.vae_decoder.input_dtype(vae_in))
-        out = self.runtime.buffer("image", (n, 3, batch.height, batch.width), self.vae_decoder.input_dtype(vae_in))
+        # The image comes down once, straight into a (pinned, on a GPU) host staging buffer bound as the output.
+        out_dtype = numpy_dtype(self.vae_decoder.session.get_outputs()[0].type)
+        host, out = self.runtime.staging("image", (n, 3, batch.height, batch.width), out_dtype)
         self.vae_decoder.run({vae_in: self.runtime.upload("vae_in", scaled)}, {self.vae_decoder.outputs[0]: out})
-        image = np.clip(out.numpy().astype(np.float32) / 2 + 0.5, 0.0, 1.0)
+        image = np.clip(host.astype(np.float32) / 2 + 0.5, 0.0, 1.0)
         return np.ascontiguousarray((image.transpose(0, 2, 3, 1) * 255).round().astype(np.uint8))

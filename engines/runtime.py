@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,10 @@ import numpy as np
 import onnxruntime as ort
 
 from engines.config import RuntimeSettings
-from engines.errors import GpuUnavailableError, ModelLoadError
+from engines import placement
+from engines.errors import GpuUnavailableError, ModelLoadError, PlacementError
+from engines.ortlog import capture_ort_output
+from engines.pinned import HostAllocator, PageableAllocator, PinnedAllocator
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +58,23 @@ def provider_options(settings: RuntimeSettings, model_dir: Path | None = None,
     return out
 
 
+@dataclass
+class SessionReport:
+    """What building one session showed: providers asked and used, classified ORT log lines, placement."""
+
+    name: str
+    providers_requested: list[str]
+    providers_used: list[str] = field(default_factory=list)
+    events: list[dict[str, str]] = field(default_factory=list)
+    log_lines: list[str] = field(default_factory=list)
+    placement: placement.PlacementReport | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"providers_requested": self.providers_requested, "providers_used": self.providers_used,
+                "ort_events": self.events, "ort_log": self.log_lines,
+                "placement": self.placement.as_dict() if self.placement else None}
+
+
 class Runtime:
     """Builds sessions for one device under one policy and owns the device buffers bound to them."""
 
@@ -62,6 +83,9 @@ class Runtime:
         self.device = settings.device
         self.device_id = settings.device_id if self.device == "cuda" else 0
         self._providers = provider_options(settings, model_dir)
+        self.reports: dict[str, SessionReport] = {}
+        self.host: HostAllocator = PinnedAllocator() if self.device == "cuda" else PageableAllocator()
+        self._staging: dict[tuple[str, tuple[int, ...], str], tuple[np.ndarray, ort.OrtValue]] = {}
         self._buffers: OrderedDict[tuple[str, tuple[int, ...], str], ort.OrtValue] = OrderedDict()
 
     @property
@@ -69,28 +93,56 @@ class Runtime:
         return list(self._providers)
 
     def session(self, model: Path | bytes, name: str) -> ort.InferenceSession:
-        """A session on the policy's providers. Without allow_cpu, ORT's silent retry on CPU is disabled and any
-        session whose providers are not the requested ones is refused."""
+        """A session on the policy's providers, verified. Without allow_cpu: ORT's silent CPU retry is disabled,
+        the providers in use must be the policy's, and the placement audit must find no compute op on the CPU."""
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.log_severity_level = self.settings.ort_log_severity
         if self.settings.intra_op_threads:
             so.intra_op_num_threads = self.settings.intra_op_threads
+        if self.settings.placement_audit:
+            so.add_session_config_entry(placement.CONFIG_KEY, "1")
+        if self.settings.disable_cpu_ep_fallback and not self.settings.allow_cpu:
+            so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
         names = [p for p, _ in self._providers]
         kwargs: dict[str, Any] = {} if self.settings.allow_cpu else {"enable_fallback": 0}
         source = model if isinstance(model, bytes) else str(model)
-        try:
-            sess = ort.InferenceSession(source, sess_options=so, providers=names,
-                                        provider_options=[o for _, o in self._providers], **kwargs)
-        except Exception as exc:  # ORT raises RuntimeError/Fail/NoSuchFile subclasses of Exception
+        report = SessionReport(name, names)
+        self.reports[name] = report
+        error: Exception | None = None
+        with capture_ort_output(name) as captured:
+            try:
+                sess = ort.InferenceSession(source, sess_options=so, providers=names,
+                                            provider_options=[o for _, o in self._providers], **kwargs)
+            except Exception as exc:  # ORT raises RuntimeError/Fail/NoSuchFile, all plain Exceptions
+                error = exc
+        report.log_lines, report.events = captured.lines, [e.as_dict() for e in captured.events]
+        if error is not None:
+            detail = "; ".join(e.line for e in captured.events if e.severity == "error") or str(error).strip()
             if self.device == "cuda":
-                raise GpuUnavailableError(f"{name}: cannot create a session on {names}: "
-                                          f"{str(exc).strip()}") from exc
-            raise ModelLoadError(f"{name}: cannot create a session: {str(exc).strip()}") from exc
-        used = sess.get_providers()
-        if not self.settings.allow_cpu and used[0] not in names:
-            raise GpuUnavailableError(f"{name}: ONNX Runtime placed the session on {used}, policy requires {names}")
-        log.info("session %s on %s", name, used)
+                raise GpuUnavailableError(f"{name}: cannot create a session on {names}: {detail}") from error
+            raise ModelLoadError(f"{name}: cannot create a session: {str(error).strip()}") from error
+        report.providers_used = list(sess.get_providers())
+        if self.settings.placement_audit:
+            report.placement = placement.audit(sess, name, frozenset(self.settings.cpu_allowlist))
+        self.enforce(report)
+        log.info("session %s on %s", name, report.providers_used)
         return sess
+
+    def enforce(self, report: SessionReport) -> None:
+        """Refuse a session that is not on the policy's providers (the production policy; dev allows the CPU)."""
+        if self.settings.allow_cpu:
+            return
+        if not report.providers_used or report.providers_used[0] not in report.providers_requested:
+            raise GpuUnavailableError(f"{report.name}: ONNX Runtime placed the session on "
+                                      f"{report.providers_used}, policy requires {report.providers_requested}")
+        fallback = [e for e in report.events if e["kind"] == "cpu_fallback"]
+        if fallback:
+            raise GpuUnavailableError(f"{report.name}: ONNX Runtime fell back: {fallback[0]['line']}")
+        if report.placement is not None and not report.placement.ok:
+            raise PlacementError(f"{report.name}: ops placed on the CPU that the policy forbids: "
+                                 f"{report.placement.disallowed} (compute ops: {report.placement.compute_on_cpu}; "
+                                 f"e.g. {', '.join(report.placement.examples[:3])})")
 
     def buffer(self, tag: str, shape: tuple[int, ...], dtype: type[np.generic]) -> ort.OrtValue:
         """A device tensor reused across steps and requests of the same shape (bounded LRU)."""
@@ -105,11 +157,27 @@ class Runtime:
             self._buffers.move_to_end(key)
         return value
 
+    def staging(self, tag: str, shape: tuple[int, ...], dtype: type[np.generic]) -> tuple[np.ndarray, ort.OrtValue]:
+        """A host array (pinned on a GPU) and a CPU OrtValue over the same memory, reused per shape. Bound as an
+        output, ORT copies the device result straight into it; as a copy source it feeds update_inplace."""
+        key = (tag, shape, np.dtype(dtype).name)
+        if key not in self._staging:
+            array = self.host.empty(shape, dtype)
+            self._staging[key] = (array, ort.OrtValue.ortvalue_from_numpy(array))
+        return self._staging[key]
+
     def upload(self, tag: str, array: np.ndarray) -> ort.OrtValue:
-        """Copy a host array into the reusable device buffer ``tag`` of its shape."""
+        """Copy a host array into the reusable device buffer ``tag``; on a GPU through a pinned staging buffer."""
         value = self.buffer(tag, tuple(array.shape), array.dtype.type)
-        value.update_inplace(np.ascontiguousarray(array))
+        if self.device == "cpu":
+            value.update_inplace(np.ascontiguousarray(array))
+            return value
+        stage, _ = self.staging(tag, tuple(array.shape), array.dtype.type)
+        np.copyto(stage, array)
+        value.update_inplace(stage)
         return value
 
     def close(self) -> None:
         self._buffers.clear()
+        self._staging.clear()
+        self.host.close()

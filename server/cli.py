@@ -23,6 +23,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=Path(os.environ.get("SDSERVE_MODEL", DEFAULT_MODEL)),
                    help="ONNX model folder (env SDSERVE_MODEL; default models/tiny)")
     p.add_argument("--device-id", type=int, default=None, help="CUDA device this process serves")
+    p.add_argument("--matrix", type=Path, default=None, help="version matrix TOML (default: configs/matrix.toml)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,6 +34,11 @@ def _parser() -> argparse.ArgumentParser:
     _common(serve)
     serve.add_argument("--host", default=None)
     serve.add_argument("--port", type=int, default=None, help="0 picks a free port and logs it")
+    doctor = sub.add_parser("doctor", help="preflight + session build + placement audit, without serving")
+    _common(doctor)
+    doctor.add_argument("--json", action="store_true", help="print the capability snapshot as JSON")
+    doctor.add_argument("--watch", type=float, default=0.0, metavar="N",
+                        help="sample NVML for N seconds and classify the GPU signature")
     gen = sub.add_parser("generate", help="generate one image to a PNG file")
     _common(gen)
     gen.add_argument("prompt")
@@ -69,10 +75,16 @@ def _settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return settings.model_validate({**settings.model_dump(), **{k: v.model_dump() for k, v in updates.items()}})
 
 
+def _engine(args: argparse.Namespace, settings):  # type: ignore[no-untyped-def]
+    from engines.engine import OrtEngine
+    from server.settings import settings_matrix
+
+    return OrtEngine(args.model, settings.runtime, settings_matrix(settings, args.matrix))
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from engines.engine import OrtEngine
     from server.app import create_app
 
     settings = _settings(args)
@@ -86,7 +98,7 @@ def _serve(args: argparse.Namespace) -> int:
         exit_code[0] = code
         holder[0].should_exit = True
 
-    app = create_app(OrtEngine(args.model, settings.runtime), settings, on_fatal)
+    app = create_app(_engine(args, settings), settings, on_fatal)
     config = uvicorn.Config(app, host=settings.server.host, port=settings.server.port, log_level="warning",
                             access_log=False, lifespan="on")
     server = _server_class()(config)
@@ -126,12 +138,11 @@ def _announce_port(server: object) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from engines.engine import OrtEngine
     from server.schemas import ImageGenerationRequest
     from server.service import ImageService, encode_png
 
     settings = _settings(args)
-    engine = OrtEngine(args.model, settings.runtime)
+    engine = _engine(args, settings)
     engine.preflight()
     engine.load()
     req = ImageGenerationRequest(prompt=args.prompt, negative_prompt=args.negative_prompt, seed=args.seed,
@@ -162,7 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    commands = {"serve": _serve, "generate": _generate, "engines": _engines}
+    from server.doctor import doctor
+
+    commands = {"serve": _serve, "generate": _generate, "engines": _engines,
+                "doctor": lambda a: doctor(a, _settings(a), _engine(a, _settings(a)))}
     try:
         return commands[args.command](args)
     except SdserveError as exc:

@@ -15,7 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from engines.config import RuntimeSettings
 from engines.errors import ConfigError
+from engines.matrix import Matrix, load_matrix
 from engines.schedulers import SCHEDULERS
+from engines.signature import SignatureThresholds
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 ENV_PREFIX = "SDSERVE_"
@@ -69,7 +71,10 @@ class Settings(BaseModel):
     profile: Literal["dev", "production"] = "production"
     on_boot_failure: Literal["exit", "stay_unready"] = "exit"
     """exit: a failed boot check ends the process with its exit code; stay_unready: keep serving /ready 503."""
+    matrix_file: str = "matrix.toml"
+    """Version matrix, relative to configs/ unless absolute."""
     runtime: RuntimeSettings = RuntimeSettings()
+    signature: SignatureThresholds = SignatureThresholds()
     server: ServerSettings = ServerSettings()
     limits: Limits = Limits()
     defaults: Defaults = Defaults()
@@ -112,3 +117,8 @@ def load_settings(profile: str = "production", config: Path | None = None) -> Se
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
         raise ConfigError(f"{path}: {problems}") from None
+
+
+def settings_matrix(settings: Settings, override: Path | None = None) -> Matrix:
+    path = override or Path(settings.matrix_file)
+    return load_matrix(path if path.is_absolute() or override else CONFIG_DIR / path)

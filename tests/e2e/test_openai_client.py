@@ -57,5 +57,6 @@ def test_capabilities_say_not_accelerated(dev_server: str) -> None:
     caps = httpx.get(f"{dev_server}/capabilities").json()
     assert caps["accelerated"] is False
     assert "NOT ACCELERATED" in caps["warning"]
-    assert caps["sessions"]["unet"][0] == "CPUExecutionProvider"
+    assert caps["sessions"]["unet"]["providers_used"][0] == "CPUExecutionProvider"
+    assert caps["verdict"]["status"] == "cpu-dev"
     assert caps["server"]["state"] == "ready"
