@@ -84,7 +84,7 @@ class Runtime:
         self.device_id = settings.device_id if self.device == "cuda" else 0
         self._providers = provider_options(settings, model_dir)
         self.reports: dict[str, SessionReport] = {}
-        self.host: HostAllocator = PinnedAllocator() if self.device == "cuda" else PageableAllocator()
+        self._host: HostAllocator | None = None
         self._staging: dict[tuple[str, tuple[int, ...], str], tuple[np.ndarray, ort.OrtValue]] = {}
         self._buffers: OrderedDict[tuple[str, tuple[int, ...], str], ort.OrtValue] = OrderedDict()
 
@@ -125,24 +125,9 @@ class Runtime:
         report.providers_used = list(sess.get_providers())
         if self.settings.placement_audit:
             report.placement = placement.audit(sess, name, frozenset(self.settings.cpu_allowlist))
-        self.enforce(report)
+        enforce(report, self.settings)
         log.info("session %s on %s", name, report.providers_used)
         return sess
-
-    def enforce(self, report: SessionReport) -> None:
-        """Refuse a session that is not on the policy's providers (the production policy; dev allows the CPU)."""
-        if self.settings.allow_cpu:
-            return
-        if not report.providers_used or report.providers_used[0] not in report.providers_requested:
-            raise GpuUnavailableError(f"{report.name}: ONNX Runtime placed the session on "
-                                      f"{report.providers_used}, policy requires {report.providers_requested}")
-        fallback = [e for e in report.events if e["kind"] == "cpu_fallback"]
-        if fallback:
-            raise GpuUnavailableError(f"{report.name}: ONNX Runtime fell back: {fallback[0]['line']}")
-        if report.placement is not None and not report.placement.ok:
-            raise PlacementError(f"{report.name}: ops placed on the CPU that the policy forbids: "
-                                 f"{report.placement.disallowed} (compute ops: {report.placement.compute_on_cpu}; "
-                                 f"e.g. {', '.join(report.placement.examples[:3])})")
 
     def buffer(self, tag: str, shape: tuple[int, ...], dtype: type[np.generic]) -> ort.OrtValue:
         """A device tensor reused across steps and requests of the same shape (bounded LRU)."""
@@ -156,6 +141,13 @@ class Runtime:
         else:
             self._buffers.move_to_end(key)
         return value
+
+    @property
+    def host(self) -> HostAllocator:
+        """Pinned on a GPU (created on first use, so a failed GPU boot never touches libcudart), pageable on CPU."""
+        if self._host is None:
+            self._host = PinnedAllocator() if self.device == "cuda" else PageableAllocator()
+        return self._host
 
     def staging(self, tag: str, shape: tuple[int, ...], dtype: type[np.generic]) -> tuple[np.ndarray, ort.OrtValue]:
         """A host array (pinned on a GPU) and a CPU OrtValue over the same memory, reused per shape. Bound as an
@@ -180,4 +172,22 @@ class Runtime:
     def close(self) -> None:
         self._buffers.clear()
         self._staging.clear()
-        self.host.close()
+        if self._host is not None:
+            self._host.close()
+
+
+def enforce(report: SessionReport, settings: RuntimeSettings) -> None:
+    """Refuse a session the policy does not allow: non-allowlisted ops on the CPU (PlacementError), or providers
+    other than the policy's, or an ORT fallback (GpuUnavailableError). The dev policy (allow_cpu) accepts all."""
+    if settings.allow_cpu:
+        return
+    if report.placement is not None and not report.placement.ok:
+        raise PlacementError(f"{report.name}: ops placed on the CPU that the policy forbids: "
+                             f"{report.placement.disallowed} (compute ops among them: {report.placement.compute_on_cpu}; "
+                             f"e.g. {', '.join(report.placement.examples[:3])})")
+    if not report.providers_used or report.providers_used[0] not in report.providers_requested:
+        raise GpuUnavailableError(f"{report.name}: ONNX Runtime placed the session on {report.providers_used}, "
+                                  f"policy requires {report.providers_requested}")
+    fallback = [e for e in report.events if e["kind"] == "cpu_fallback"]
+    if fallback:
+        raise GpuUnavailableError(f"{report.name}: ONNX Runtime fell back: {fallback[0]['line']}")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+log = logging.getLogger(__name__)
 router = APIRouter(tags=["probes"])
 
 
@@ -29,6 +31,7 @@ async def capabilities(request: Request) -> dict[str, Any]:
     """The capability snapshot, with the serving state and its history."""
     snapshot = request.app.state.engine.capabilities()
     if not snapshot.get("accelerated", False):
-        snapshot["warning"] = "NOT ACCELERATED: this server runs on the CPU (dev profile)"
+        snapshot["warning"] = "NOT ACCELERATED: " + "; ".join(snapshot["verdict"]["reasons"][:3])
+        log.warning("capabilities read: %s", snapshot["warning"])
     return {**snapshot, "profile": request.app.state.settings.profile,
             "server": request.app.state.server_state.snapshot()}

@@ -19,3 +19,8 @@ def test_default_profile_exits_with_gpu_unavailable(tiny_model: Path) -> None:
     assert time.monotonic() - start < 30
     assert code == 20, server.log  # ExitCode.GPU_UNAVAILABLE
     assert "GPU_UNAVAILABLE" in server.log
+    # Each missing library, the provider library that needs it, and the package that ships it.
+    assert "libcublasLt.so.13 (needed by libonnxruntime_providers_cuda.so; ships in pip nvidia-cublas" in server.log
+    assert "libnvinfer.so.10 (needed by libonnxruntime_providers_tensorrt.so; ships in pip tensorrt-cu13-libs" \
+        in server.log
+    assert "libcudnn.so.9" in server.log and "nvidia-cudnn-cu13" in server.log

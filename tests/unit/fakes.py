@@ -49,7 +49,7 @@ class FakeEngine:
             raise NotReadyError("not loaded")
 
     def capabilities(self) -> dict[str, Any]:
-        return {"accelerated": False, "sessions": {}}
+        return {"accelerated": False, "sessions": {}, "verdict": {"status": "cpu-dev", "reasons": ["fake"]}}
 
     @property
     def info(self) -> ModelInfo:
