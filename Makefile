@@ -25,7 +25,7 @@ $(MODEL)/manifest.json: $(STAMP) $(BPE_WHEEL)
 run: $(MODEL)/manifest.json
 	$(VENV)/bin/sdserve serve --profile dev --model $(MODEL)
 
-test: $(STAMP) $(BPE_WHEEL)
+test: $(STAMP) $(BPE_WHEEL) lint
 	$(PY) -m pytest
 
 lint: $(STAMP)

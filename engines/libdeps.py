@@ -100,7 +100,8 @@ def search_dirs() -> list[Path]:
     the CUDA toolkit, and the standard library directories."""
     dirs = [Path(p) for p in os.environ.get("LD_LIBRARY_PATH", "").split(":") if p]
     site = Path(sysconfig.get_paths()["purelib"])
-    dirs += sorted(site.glob("nvidia/*/lib")) + sorted(site.glob("nvidia/cu13/lib")) + sorted(site.glob("tensorrt_libs"))
+    for pattern in ("nvidia/*/lib", "nvidia/cu13/lib", "tensorrt_libs"):
+        dirs += sorted(site.glob(pattern))
     dirs += [Path(p) for p in ("/usr/local/cuda/lib64", "/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu",
                                "/lib64", "/usr/lib64", "/lib", "/usr/lib")]
     return [d for d in dirs if d.is_dir()]

@@ -56,8 +56,9 @@ class PinnedAllocator:
         if status != 0 or not ptr.value:
             raise GpuUnavailableError(f"cudaHostAlloc({nbytes} bytes) failed with CUDA error {status}")
         self._pointers.append(ptr.value)
-        raw = (ctypes.c_byte * nbytes).from_address(ptr.value)
-        return np.frombuffer(raw, dtype=dtype, count=math.prod(shape)).reshape(shape)
+        raw = memoryview((ctypes.c_byte * nbytes).from_address(ptr.value)).cast("B")
+        array: np.ndarray = np.frombuffer(raw, dtype=np.dtype(dtype), count=math.prod(shape)).reshape(shape)
+        return array
 
     def close(self) -> None:
         while self._pointers:

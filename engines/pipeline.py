@@ -10,7 +10,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import onnxruntime as ort
@@ -22,7 +22,7 @@ from engines.schedulers import SCHEDULERS, NoiseSchedule, make_plan
 from engines.step_graph import build_step_graph, step_coefficients
 from engines.tokenizer import ClipTokenizer
 
-Feed = ort.OrtValue | np.ndarray
+Feed: TypeAlias = ort.OrtValue | np.ndarray
 
 
 class OrtModel:
@@ -100,7 +100,8 @@ class StableDiffusionOnnx:
         self.latent_dtype = self.unet.input_dtype(self.io.sample)
         self.step = OrtModel(runtime, build_step_graph(self.latent_dtype), "scheduler_step")
         channels = self.unet.inputs[self.io.sample].shape[1]
-        unet_cfg, vae_cfg = _read_json(folder / "unet" / "config.json"), _read_json(folder / "vae_decoder" / "config.json")
+        unet_cfg = _read_json(folder / "unet" / "config.json")
+        vae_cfg = _read_json(folder / "vae_decoder" / "config.json")
         self.latent_channels = channels if isinstance(channels, int) else int(unet_cfg.get("in_channels", 4))
         self.vae_scale_factor = 2 ** (len(vae_cfg.get("block_out_channels", [0] * 4)) - 1)
         self.size_multiple = self.vae_scale_factor * 2 ** (len(unet_cfg.get("block_out_channels", [0] * 4)) - 1)
@@ -183,7 +184,8 @@ class StableDiffusionOnnx:
         tokens = self.tokenizer(prompts)
         name = next(iter(self.text_encoder.inputs))
         ids = tokens.ids.astype(self.text_encoder.input_dtype(name))
-        out_name = "last_hidden_state" if "last_hidden_state" in self.text_encoder.outputs else self.text_encoder.outputs[0]
+        outputs = self.text_encoder.outputs
+        out_name = "last_hidden_state" if "last_hidden_state" in outputs else outputs[0]
         hidden = self.runtime.buffer("hidden", (len(prompts), ids.shape[1], self.hidden_width),
                                      self.unet.input_dtype(self.io.hidden))
         self.text_encoder.run({name: ids}, {out_name: hidden})

@@ -11,16 +11,17 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from engines.config import RuntimeSettings
 from engines import placement
+from engines.config import RuntimeSettings
 from engines.errors import GpuUnavailableError, ModelLoadError, PlacementError
 from engines.ortlog import capture_ort_output
 from engines.pinned import HostAllocator, PageableAllocator, PinnedAllocator
 
 log = logging.getLogger(__name__)
 
-_ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
-              "tensor(int64)": np.int64, "tensor(int32)": np.int32}
+_ORT_TYPES: dict[str, type[np.generic]] = {
+    "tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
+    "tensor(int64)": np.int64, "tensor(int32)": np.int32}
 
 
 def numpy_dtype(ort_type: str) -> type[np.generic]:
@@ -182,9 +183,9 @@ def enforce(report: SessionReport, settings: RuntimeSettings) -> None:
     if settings.allow_cpu:
         return
     if report.placement is not None and not report.placement.ok:
-        raise PlacementError(f"{report.name}: ops placed on the CPU that the policy forbids: "
-                             f"{report.placement.disallowed} (compute ops among them: {report.placement.compute_on_cpu}; "
-                             f"e.g. {', '.join(report.placement.examples[:3])})")
+        p = report.placement
+        raise PlacementError(f"{report.name}: ops placed on the CPU that the policy forbids: {p.disallowed} "
+                             f"(compute ops among them: {p.compute_on_cpu}; e.g. {', '.join(p.examples[:3])})")
     if not report.providers_used or report.providers_used[0] not in report.providers_requested:
         raise GpuUnavailableError(f"{report.name}: ONNX Runtime placed the session on {report.providers_used}, "
                                   f"policy requires {report.providers_requested}")

@@ -48,17 +48,17 @@ class Classification:
 
 
 def classify(samples: Sequence[GpuSample], requests_running: bool,
-             thresholds: SignatureThresholds = SignatureThresholds()) -> Classification:
+             thresholds: SignatureThresholds | None = None) -> Classification:
     """Median readings over ``samples`` -> a verdict with the numbers that decided it."""
+    t = thresholds or SignatureThresholds()
     if not samples:
         return Classification("inconclusive", "no samples", 0.0, 0.0, 0.0)
     sm = statistics.median(s.sm_percent for s in samples)
     mem = statistics.median(s.memory_percent for s in samples)
     power = statistics.median(s.power_w for s in samples)
     limit = statistics.median(s.power_limit_w for s in samples)
-    working = thresholds.working_power_w or 0.4 * limit
+    working = t.working_power_w or 0.4 * limit
     numbers = f"SM {sm:.0f}%, memory controller {mem:.0f}%, {power:.0f} W"
-    t = thresholds
     if sm >= t.busy_sm_percent and mem <= t.livelock_max_memory_percent \
             and power <= t.livelock_max_power_fraction * working:
         return Classification("livelock", f"livelock signature: {numbers} (busy SMs moving no memory, "

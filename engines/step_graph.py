@@ -45,7 +45,7 @@ def build_step_graph(dtype: type[np.generic]) -> bytes:
     graph = helper.make_graph(nodes, "sdserve_scheduler_step", inputs, outputs, initializer=[flat])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="sdserve")
     model.ir_version = 8
-    return model.SerializeToString()
+    return bytes(model.SerializeToString())
 
 
 def step_coefficients(next_: Lin, denoised: Lin, guidance: np.ndarray, dtype: type[np.generic]) -> np.ndarray:

@@ -8,9 +8,14 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from engines.errors import SdserveError
+from engines.errors import ConfigError, SdserveError
 from server.exitcodes import ExitCode, exit_code_for
+from server.settings import Settings, load_settings
+
+if TYPE_CHECKING:
+    from engines.protocol import Engine
 
 log = logging.getLogger("sdserve")
 DEFAULT_MODEL = Path("models/tiny")
@@ -61,21 +66,23 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from server.settings import load_settings
+def _settings(args: argparse.Namespace) -> Settings:
+    """The profile with command-line overrides of deployment settings, validated again (bounds apply)."""
+    from pydantic import ValidationError
 
-    settings = load_settings(args.profile, args.config)
-    updates: dict[str, object] = {}
-    if getattr(args, "host", None) is not None or getattr(args, "port", None) is not None:
-        server = settings.server.model_copy(update={k: v for k, v in (("host", args.host), ("port", args.port))
-                                                    if v is not None})
-        updates["server"] = server
+    data = load_settings(args.profile, args.config).model_dump()
+    for key in ("host", "port"):
+        if getattr(args, key, None) is not None:
+            data["server"][key] = getattr(args, key)
     if args.device_id is not None:
-        updates["runtime"] = settings.runtime.model_copy(update={"device_id": args.device_id})
-    return settings.model_validate({**settings.model_dump(), **{k: v.model_dump() for k, v in updates.items()}})
+        data["runtime"]["device_id"] = args.device_id
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"command-line override: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}") from None
 
 
-def _engine(args: argparse.Namespace, settings):  # type: ignore[no-untyped-def]
+def _engine(args: argparse.Namespace, settings: Settings) -> Engine:
     from engines.engine import OrtEngine
     from server.settings import settings_matrix
 
@@ -108,7 +115,7 @@ def _serve(args: argparse.Namespace) -> int:
     return int(exit_code[0])
 
 
-def _server_class():  # type: ignore[no-untyped-def]
+def _server_class() -> type[Any]:
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -135,6 +142,13 @@ def _announce_port(server: object) -> None:
                 log.info("sdserve listening on http://%s:%d", host, port)
 
     server.startup = startup  # type: ignore[attr-defined]
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from server.doctor import doctor
+
+    settings = _settings(args)
+    return doctor(args, settings, _engine(args, settings))
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -173,10 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from server.doctor import doctor
-
-    commands = {"serve": _serve, "generate": _generate, "engines": _engines,
-                "doctor": lambda a: doctor(a, _settings(a), _engine(a, _settings(a)))}
+    commands = {"serve": _serve, "generate": _generate, "engines": _engines, "doctor": _doctor}
     try:
         return commands[args.command](args)
     except SdserveError as exc:

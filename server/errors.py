@@ -54,10 +54,13 @@ async def _on_validation(request: Request, exc: RequestValidationError) -> JSONR
     return JSONResponse(error_body(message, "invalid_request_error", param, "invalid_value"), status_code=400)
 
 
+def status_of(exc: Exception) -> tuple[int, str]:
+    """The one mapping from error class to (HTTP status, error type)."""
+    return next((status, type_) for cls, status, type_ in _TABLE if isinstance(exc, cls))
+
+
 async def _on_sdserve(request: Request, exc: Exception) -> JSONResponse:
-    for cls, status, type_ in _TABLE:
-        if isinstance(exc, cls):
-            break
+    status, type_ = status_of(exc)
     headers = {}
     if isinstance(exc, InvalidRequestError):
         return JSONResponse(error_body(exc.message, type_, exc.param, "invalid_value"), status_code=status)

@@ -41,7 +41,7 @@ class ImageGenerationRequest(BaseModel):
         if value is None:
             return value
         parts = value.lower().split("x")
-        if len(parts) != 2 or not all(p.isdigit() and 0 < int(p) for p in parts):
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
             raise ValueError(f"must look like 512x512, got {value!r}")
         return value
 

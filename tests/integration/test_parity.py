@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +43,7 @@ def _streams(shape: tuple[int, ...]) -> tuple[np.ndarray, list[np.random.Generat
 
 
 @pytest.fixture
-def shared_step_noise(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[list[np.random.Generator]]]:
+def shared_step_noise(monkeypatch: pytest.MonkeyPatch) -> list[list[np.random.Generator]]:
     """Euler ancestral draws fresh noise each step: give diffusers the draws our per-image streams make."""
     import diffusers.schedulers.scheduling_euler_ancestral_discrete as module
 
@@ -55,7 +54,7 @@ def shared_step_noise(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[list[np.
         return torch.from_numpy(draws).to(dtype=dtype)
 
     monkeypatch.setattr(module, "randn_tensor", randn)
-    yield holder
+    return holder
 
 
 @pytest.mark.parametrize("scheduler", sorted(SCHEDULERS))
