@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engines.errors import ConfigError, SdserveError
+from engines.errors import ConfigError, InvalidRequestError, SdserveError
 from server.exitcodes import ExitCode, exit_code_for
 from server.settings import Settings, load_settings
 
@@ -159,9 +159,15 @@ def _generate(args: argparse.Namespace) -> int:
     engine = _engine(args, settings)
     engine.preflight()
     engine.load()
-    req = ImageGenerationRequest(prompt=args.prompt, negative_prompt=args.negative_prompt, seed=args.seed,
-                                 steps=args.steps, size=args.size, scheduler=args.scheduler,
-                                 guidance_scale=args.guidance_scale)
+    from pydantic import ValidationError
+
+    try:
+        req = ImageGenerationRequest.model_validate(
+            {"prompt": args.prompt, "negative_prompt": args.negative_prompt, "seed": args.seed, "steps": args.steps,
+             "size": args.size, "scheduler": args.scheduler, "guidance_scale": args.guidance_scale})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise InvalidRequestError(f"--{first['loc'][0]}: {first['msg']}", str(first["loc"][0])) from None
     result = engine.generate(ImageService(engine, settings).to_batch(req))
     args.out.write_bytes(encode_png(result.images[0].image))
     log.info("wrote %s (%s, %.2fs on %s)", args.out, result.images[0].image.size, result.timings["total"],

@@ -7,6 +7,7 @@ from enum import IntEnum
 from engines.errors import (
     ConfigError,
     GpuUnavailableError,
+    InvalidRequestError,
     ModelLoadError,
     PlacementError,
     SelfTestError,
@@ -28,6 +29,7 @@ class ExitCode(IntEnum):
 
 
 _TABLE: tuple[tuple[type[BaseException], ExitCode], ...] = (
+    (InvalidRequestError, ExitCode.USAGE),
     (ConfigError, ExitCode.CONFIG_INVALID),
     (ModelLoadError, ExitCode.MODEL_INVALID),
     (GpuUnavailableError, ExitCode.GPU_UNAVAILABLE),

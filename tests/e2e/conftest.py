@@ -66,9 +66,16 @@ class ServerProcess:
 
 
 @pytest.fixture(scope="module")
-def dev_server(tiny_model: Path) -> Iterator[str]:
+def dev_process(tiny_model: Path) -> Iterator[ServerProcess]:
     server = ServerProcess("--profile", "dev", "--model", str(tiny_model))
     try:
-        yield server.wait_ready()
+        server.wait_ready()
+        yield server
     finally:
         assert server.stop() == 0, server.log
+
+
+@pytest.fixture(scope="module")
+def dev_server(dev_process: ServerProcess) -> str:
+    assert dev_process.url is not None
+    return dev_process.url

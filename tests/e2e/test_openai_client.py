@@ -10,6 +10,8 @@ import openai
 import pytest
 from PIL import Image
 
+from tests.e2e.conftest import ServerProcess
+
 
 @pytest.fixture(scope="module")
 def client(dev_server: str) -> openai.OpenAI:
@@ -52,6 +54,9 @@ def test_bad_input_raises_bad_request_naming_the_field(client: openai.OpenAI) ->
     body = info.value.body
     assert isinstance(body, dict) and body["param"] == "size"
 
+
+def test_dev_boot_warns_loudly(dev_process: ServerProcess) -> None:
+    assert "NOT accelerated" in dev_process.log
 
 def test_capabilities_say_not_accelerated(dev_server: str) -> None:
     caps = httpx.get(f"{dev_server}/capabilities").json()
