@@ -3,23 +3,29 @@ snapshot that says whether the fast path is really running."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from PIL import Image
 
+from engines import selftest
 from engines.config import RuntimeSettings
 from engines.errors import GpuUnavailableError, NotReadyError, SelfTestError, VersionMismatchError
+from engines.faults import FaultInjector
 from engines.matrix import Matrix
 from engines.pipeline import StableDiffusionOnnx
 from engines.preflight import Check, Observations, evaluate, failures, gather
-from engines.protocol import Batch, BatchResult, GeneratedImage, ImageSpec, ModelInfo
+from engines.protocol import Batch, BatchResult, CanaryCheck, GeneratedImage, ModelInfo
 from engines.runtime import Runtime, provider_options
 from engines.schedulers import SCHEDULERS
+from engines.selftest import Canary, CanarySuite, SelfTestPlan, SelfTestReport, Shape
+from engines.telemetry import TelemetrySource
 
 log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
@@ -32,10 +38,15 @@ def _describe(checks: list[Check]) -> str:
 class OrtEngine:
     """One model on one device. ``generate`` runs one batch at a time (a lock), never concurrently."""
 
-    def __init__(self, model_dir: Path, settings: RuntimeSettings, matrix: Matrix | None = None) -> None:
+    def __init__(self, model_dir: Path, settings: RuntimeSettings, matrix: Matrix | None = None,
+                 plan: SelfTestPlan | None = None, faults: FaultInjector | None = None) -> None:
         self.model_dir = model_dir
         self.settings = settings
         self.matrix = matrix or Matrix()
+        self.plan = plan
+        self.faults = faults
+        self._report: SelfTestReport | None = None
+        self._boot_fingerprint: np.ndarray | None = None
         self._pipeline: StableDiffusionOnnx | None = None
         self._runtime: Runtime | None = None
         self._lock = threading.Lock()
@@ -81,20 +92,64 @@ class OrtEngine:
         return ModelInfo(self.model_dir.name, p.size_multiple, p.default_size, tuple(SCHEDULERS),
                          p.tokenizer.max_length)
 
-    def self_test(self) -> dict[str, Any]:
-        """A canary at the model's default size: finite, not constant. (Fingerprints and SLOs come later.)"""
+    def resolved_plan(self) -> SelfTestPlan:
+        """The configured plan (or one built-in canary), with no shapes meaning the model's native size."""
         size = self.pipeline.default_size
-        result = self.generate(Batch((ImageSpec("a canary in a coal mine", seed=1234),), size, size, 4, "euler"))
-        pixels = np.asarray(result.images[0].image, dtype=np.float32)
-        if not np.isfinite(pixels).all() or float(pixels.std()) < 1.0:
-            raise SelfTestError(f"canary image is constant or invalid (std {float(pixels.std()):.3f})")
-        self._self_test = {"canary_seconds": result.timings.get("total"), "canary_std": float(pixels.std())}
+        plan = self.plan or SelfTestPlan(
+            CanarySuite(canary=(Canary(name="default", prompt="a canary in a coal mine", seed=1234),)), (), ())
+        if plan.shapes:
+            return plan
+        return dataclasses.replace(plan, shapes=tuple(Shape(size, size, b) for b in plan.batch_sizes))
+
+    def _telemetry(self) -> TelemetrySource | None:
+        if self.settings.device != "cuda":
+            return None
+        from engines.telemetry import NvmlTelemetry
+
+        return NvmlTelemetry()
+
+    def self_test(self) -> dict[str, Any]:
+        """Canaries at every served shape: sanity, fingerprints, SLO windows (engines/selftest.py)."""
+        plan = self.resolved_plan()
+        try:
+            self._report = selftest.run(plan, self.generate, self.model_dir, self._telemetry(),
+                                        self.settings.device_id)
+        except SelfTestError as exc:
+            if isinstance(exc.report, SelfTestReport):
+                self._report = exc.report
+            self._errors.append(str(exc))
+            raise
+        first = plan.shapes[0]
+        self._boot_fingerprint = selftest.fingerprint(np.asarray(self.generate(plan.suite.batch(
+            Shape(first.width, first.height, 1))).images[0].image))
+        self._self_test = self._report.as_dict()
         return self._self_test
+
+    def record_fingerprints(self) -> Path:
+        return selftest.record(self.resolved_plan(), self.generate, self.model_dir)
+
+    def canary(self) -> CanaryCheck:
+        """One batch-1 canary at the first served shape, against the boot baseline latency and output."""
+        plan = self.resolved_plan()
+        first = plan.shapes[0]
+        shape = Shape(first.width, first.height, 1)
+        start = time.perf_counter()
+        result = self.generate(plan.suite.batch(shape))
+        seconds = time.perf_counter() - start
+        image = np.asarray(result.images[0].image)
+        baseline = next((r.p50_s / first.batch for r in (self._report.shapes if self._report else [])
+                         if r.shape == first.key), seconds)
+        distance = (float(np.abs(selftest.fingerprint(image) - self._boot_fingerprint).max())
+                    if self._boot_fingerprint is not None else 0.0)
+        problem = selftest.sanity(image)
+        return CanaryCheck(shape.key, seconds, baseline, distance, plan.tolerance, problem)
 
     def generate(self, batch: Batch) -> BatchResult:
         pipeline = self.pipeline
         with self._lock:
             images, truncated, timings = pipeline(batch)
+            if self.faults is not None and self.faults.latency_s > 0:
+                time.sleep(self.faults.latency_s)
         out = tuple(GeneratedImage(Image.fromarray(img), spec.seed, trunc)
                     for img, spec, trunc in zip(images, batch.images, truncated, strict=True))
         return BatchResult(out, self.provider, timings)

@@ -59,4 +59,8 @@ class PlacementError(NotReadyError):
 
 
 class SelfTestError(NotReadyError):
-    """Canary output or latency outside its bounds."""
+    """Canary output or latency outside its bounds; ``report`` holds the measurements."""
+
+    def __init__(self, message: str, report: object | None = None) -> None:
+        super().__init__(message, permanent=False)
+        self.report = report

@@ -105,3 +105,53 @@ def _reemit(source: str, result: Captured) -> None:
     for line in result.lines:
         if _ANSI.sub("", line).strip() not in classified:
             log.debug("%s: ORT: %s", source, line)
+
+
+class StderrTee:
+    """While serving: fd 2 goes through a pipe; a thread copies every byte to the real stderr and classifies each
+    line, so ORT messages printed after boot (an engine rebuild, arena growth) become events the watchdog sees.
+    Session-creation captures still work: they redirect fd 2 and restore it to the pipe."""
+
+    def __init__(self) -> None:
+        self.events: list[LogEvent] = []
+        self._lock = threading.Lock()
+        self._original: int | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        read_fd, write_fd = os.pipe()
+        sys.stderr.flush()
+        self._original = os.dup(2)
+        os.dup2(write_fd, 2)
+        os.close(write_fd)
+        self._thread = threading.Thread(target=self._pump, args=(read_fd, self._original), daemon=True,
+                                        name="sdserve-stderr-tee")
+        self._thread.start()
+
+    def _pump(self, read_fd: int, original: int) -> None:
+        with os.fdopen(read_fd, "rb", buffering=0) as pipe:
+            pending = b""
+            while chunk := pipe.read(65536):
+                os.write(original, chunk)
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                found = classify([ln.decode("utf-8", "replace") for ln in lines])
+                if found:
+                    with self._lock:
+                        self.events.extend(found)
+
+    def drain(self) -> list[LogEvent]:
+        """Events seen since the last drain."""
+        with self._lock:
+            taken, self.events = self.events, []
+        return taken
+
+    def stop(self) -> None:
+        if self._original is None:
+            return
+        sys.stderr.flush()
+        os.dup2(self._original, 2)  # closes the pipe's last write end: the pump sees EOF
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        os.close(self._original)
+        self._original = None

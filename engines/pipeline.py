@@ -15,7 +15,7 @@ from typing import Any, TypeAlias
 import numpy as np
 import onnxruntime as ort
 
-from engines.errors import InvalidRequestError, ModelLoadError
+from engines.errors import InferenceError, InvalidRequestError, ModelLoadError
 from engines.protocol import Batch
 from engines.runtime import Runtime, numpy_dtype
 from engines.schedulers import SCHEDULERS, NoiseSchedule, make_plan
@@ -199,5 +199,8 @@ class StableDiffusionOnnx:
         out_dtype = numpy_dtype(self.vae_decoder.session.get_outputs()[0].type)
         host, out = self.runtime.staging("image", (n, 3, batch.height, batch.width), out_dtype)
         self.vae_decoder.run({vae_in: self.runtime.upload("vae_in", scaled)}, {self.vae_decoder.outputs[0]: out})
-        image = np.clip(host.astype(np.float32) / 2 + 0.5, 0.0, 1.0)
+        decoded = host.astype(np.float32)
+        if not np.isfinite(decoded).all():
+            raise InferenceError("the VAE produced NaN/inf values (fp16 overflow or corrupted weights)")
+        image = np.clip(decoded / 2 + 0.5, 0.0, 1.0)
         return np.ascontiguousarray((image.transpose(0, 2, 3, 1) * 255).round().astype(np.uint8))

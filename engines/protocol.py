@@ -57,6 +57,18 @@ class ModelInfo:
     max_prompt_tokens: int
 
 
+@dataclass(frozen=True)
+class CanaryCheck:
+    """One watchdog canary: its latency against the boot baseline, its output against the boot output."""
+
+    shape: str
+    seconds: float
+    baseline_s: float
+    distance: float
+    tolerance: float
+    problem: str | None = None
+
+
 class Engine(Protocol):
     """Lifecycle verbs of an inference engine."""
 
@@ -71,6 +83,9 @@ class Engine(Protocol):
 
     def generate(self, batch: Batch) -> BatchResult:
         """Run one batch; raises InvalidRequestError for requests the model cannot serve."""
+
+    def canary(self) -> CanaryCheck:
+        """Run one canary now (the watchdog calls this while no request runs)."""
 
     def check_health(self) -> None:
         """Raise NotReadyError when the engine can no longer serve on its proven path."""

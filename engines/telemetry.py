@@ -91,3 +91,18 @@ class NvmlTelemetry:
 
     def close(self) -> None:
         self._nvml.nvmlShutdown()
+
+
+class TraceTelemetry:
+    """Replays recorded samples in a loop: fault injection for the watchdog, and offline analysis."""
+
+    def __init__(self, samples: list[GpuSample]) -> None:
+        if not samples:
+            raise ValueError("a telemetry trace needs at least one sample")
+        self._samples = samples
+        self._next = 0
+
+    def sample(self, device_index: int) -> GpuSample:
+        value = self._samples[self._next % len(self._samples)]
+        self._next += 1
+        return value

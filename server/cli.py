@@ -15,7 +15,9 @@ from server.exitcodes import ExitCode, exit_code_for
 from server.settings import Settings, load_settings
 
 if TYPE_CHECKING:
-    from engines.protocol import Engine
+    from engines.engine import OrtEngine
+    from engines.faults import FaultInjector
+    from engines.telemetry import TelemetrySource
 
 log = logging.getLogger("sdserve")
 DEFAULT_MODEL = Path("models/tiny")
@@ -44,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true", help="print the capability snapshot as JSON")
     doctor.add_argument("--watch", type=float, default=0.0, metavar="N",
                         help="sample NVML for N seconds and classify the GPU signature")
+    st = sub.add_parser("selftest", help="run the boot self-test, or record canary fingerprints next to the model")
+    _common(st)
+    st.add_argument("--record", action="store_true", help="write <model>/selftest.json from this node's outputs")
     gen = sub.add_parser("generate", help="generate one image to a PNG file")
     _common(gen)
     gen.add_argument("prompt")
@@ -82,16 +87,19 @@ def _settings(args: argparse.Namespace) -> Settings:
         raise ConfigError(f"command-line override: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}") from None
 
 
-def _engine(args: argparse.Namespace, settings: Settings) -> Engine:
+def _engine(args: argparse.Namespace, settings: Settings, faults: FaultInjector | None = None) -> OrtEngine:
     from engines.engine import OrtEngine
-    from server.settings import settings_matrix
+    from server.settings import selftest_plan, settings_matrix
 
-    return OrtEngine(args.model, settings.runtime, settings_matrix(settings, args.matrix))
+    return OrtEngine(args.model, settings.runtime, settings_matrix(settings, args.matrix), selftest_plan(settings),
+                     faults)
 
 
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from engines.faults import FaultInjector
+    from engines.ortlog import StderrTee
     from server.app import create_app
 
     settings = _settings(args)
@@ -105,14 +113,35 @@ def _serve(args: argparse.Namespace) -> int:
         exit_code[0] = code
         holder[0].should_exit = True
 
-    app = create_app(_engine(args, settings), settings, on_fatal)
+    faults = FaultInjector() if settings.debug.fault_injection else None
+    if faults is not None:
+        log.warning("fault injection enabled (dev profile): PUT /debug/faults can slow this server down")
+    tee = StderrTee()
+    app = create_app(_engine(args, settings, faults), settings, on_fatal, _telemetry(settings), tee, faults)
     config = uvicorn.Config(app, host=settings.server.host, port=settings.server.port, log_level="warning",
                             access_log=False, lifespan="on")
     server = _server_class()(config)
     holder.append(server)
     _announce_port(server)
-    server.run()
+    tee.start()
+    try:
+        server.run()
+    finally:
+        tee.stop()
     return int(exit_code[0])
+
+
+def _telemetry(settings: Settings) -> TelemetrySource | None:
+    """NVML for GPU profiles (preflight has already proven it starts); none on the CPU."""
+    if settings.runtime.device != "cuda":
+        return None
+    try:
+        from engines.telemetry import NvmlTelemetry
+
+        return NvmlTelemetry()
+    except Exception as exc:  # pynvml's NVMLError family; preflight reports the cause with its exit code
+        log.error("NVML unavailable for the watchdog: %s", exc)
+        return None
 
 
 def _server_class() -> type[Any]:
@@ -144,6 +173,24 @@ def _announce_port(server: object) -> None:
     server.startup = startup  # type: ignore[attr-defined]
 
 
+def _selftest(args: argparse.Namespace) -> int:
+    import json
+
+    settings = _settings(args)
+    engine = _engine(args, settings)
+    engine.preflight()
+    engine.load()
+    try:
+        if args.record:
+            path = engine.record_fingerprints()
+            log.info("recorded canary fingerprints to %s", path)
+        else:
+            print(json.dumps(engine.self_test(), indent=2))
+    finally:
+        engine.close()
+    return 0
+
+
 def _doctor(args: argparse.Namespace) -> int:
     from server.doctor import doctor
 
@@ -153,7 +200,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from server.schemas import ImageGenerationRequest
-    from server.service import ImageService, encode_png
+    from server.service import build_batch, encode_png
 
     settings = _settings(args)
     engine = _engine(args, settings)
@@ -168,7 +215,7 @@ def _generate(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         first = exc.errors()[0]
         raise InvalidRequestError(f"--{first['loc'][0]}: {first['msg']}", str(first["loc"][0])) from None
-    result = engine.generate(ImageService(engine, settings).to_batch(req))
+    result = engine.generate(build_batch(req, settings, engine.info))
     args.out.write_bytes(encode_png(result.images[0].image))
     log.info("wrote %s (%s, %.2fs on %s)", args.out, result.images[0].image.size, result.timings["total"],
              result.provider)
@@ -193,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    commands = {"serve": _serve, "generate": _generate, "engines": _engines, "doctor": _doctor}
+    commands = {"serve": _serve, "generate": _generate, "engines": _engines, "doctor": _doctor,
+                "selftest": _selftest}
     try:
         return commands[args.command](args)
     except SdserveError as exc:

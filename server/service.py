@@ -7,20 +7,32 @@ import base64
 import io
 import secrets
 import time
+from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 from starlette.concurrency import run_in_threadpool
 
 from engines.errors import InvalidRequestError
-from engines.protocol import Batch, BatchResult, Engine, ImageSpec
+from engines.protocol import Batch, BatchResult, Engine, ImageSpec, ModelInfo
+from server.metrics import Metrics
 from server.schemas import ImageGenerationRequest
-from server.settings import Settings
+from server.settings import Settings, parse_size
 
 
 def encode_png(image: object) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")  # type: ignore[attr-defined]
     return buffer.getvalue()
+
+
+@dataclass(frozen=True)
+class Sample:
+    at: float
+    shape: str
+    seconds: float
+    images: int
 
 
 @dataclass(frozen=True)
@@ -31,51 +43,110 @@ class Generated:
     encode_seconds: float
 
 
+def build_batch(req: ImageGenerationRequest, settings: Settings, info: ModelInfo) -> Batch:
+    """Validate a request against the profile's limits and the model; fill defaults; expand per-image seeds."""
+    limits, defaults = settings.limits, settings.defaults
+    if not 1 <= req.n <= limits.max_n:
+        raise InvalidRequestError(f"n must be between 1 and {limits.max_n}, got {req.n}", param="n")
+    served = settings.serving.sizes
+    width, height = parse_size(served[0]) if served else (info.default_size, info.default_size)
+    if req.size is not None:
+        width, height = (int(p) for p in req.size.lower().split("x"))
+    if served and f"{width}x{height}" not in served:
+        raise InvalidRequestError(f"size {width}x{height} is not served; served sizes: {', '.join(served)}",
+                                  param="size")
+    for name, value, cap in (("width", width, limits.max_width), ("height", height, limits.max_height)):
+        if value % info.size_multiple or value > cap:
+            raise InvalidRequestError(
+                f"size {req.size}: {name} {value} must be a multiple of {info.size_multiple} "
+                f"and at most {cap}", param="size")
+    steps = req.steps if req.steps is not None else defaults.steps
+    if steps > limits.max_steps:
+        raise InvalidRequestError(f"steps must be at most {limits.max_steps}, got {steps}", param="steps")
+    scheduler = req.scheduler or defaults.scheduler
+    if scheduler not in info.schedulers:
+        raise InvalidRequestError(f"unknown scheduler {scheduler!r}; expected one of {list(info.schedulers)}",
+                                  param="scheduler")
+    for name, text in (("prompt", req.prompt), ("negative_prompt", req.negative_prompt)):
+        if len(text) > limits.max_prompt_chars:
+            raise InvalidRequestError(f"{name} is longer than {limits.max_prompt_chars} characters",
+                                      param=name)
+    seed = req.seed if req.seed is not None else secrets.randbelow(2**32)
+    guidance = req.guidance_scale if req.guidance_scale is not None else defaults.guidance_scale
+    images = tuple(ImageSpec(req.prompt, req.negative_prompt, (seed + i) % 2**32, guidance)
+                   for i in range(req.n))
+    return Batch(images, width, height, steps, scheduler)
+
+
 class ImageService:
     """One engine; one executing batch at a time (an asyncio lock, so waiting requests hold no thread)."""
 
-    def __init__(self, engine: Engine, settings: Settings) -> None:
+    def __init__(self, engine: Engine, settings: Settings, metrics: Metrics, window_s: float = 300.0) -> None:
         self.engine = engine
         self.settings = settings
-        self._lock = asyncio.Lock()
+        self.metrics = metrics
+        self.lock = asyncio.Lock()
+        """Held while the engine runs a batch (requests and watchdog canaries alike)."""
+        self.window_s = window_s
+        self.recent: deque[Sample] = deque(maxlen=10_000)
+        self._waiting = 0
+        self._last_done = time.monotonic()
 
     def to_batch(self, req: ImageGenerationRequest) -> Batch:
-        limits, defaults, info = self.settings.limits, self.settings.defaults, self.engine.info
-        if not 1 <= req.n <= limits.max_n:
-            raise InvalidRequestError(f"n must be between 1 and {limits.max_n}, got {req.n}", param="n")
-        width, height = (info.default_size, info.default_size)
-        if req.size is not None:
-            width, height = (int(p) for p in req.size.lower().split("x"))
-        for name, value, cap in (("width", width, limits.max_width), ("height", height, limits.max_height)):
-            if value % info.size_multiple or value > cap:
-                raise InvalidRequestError(
-                    f"size {req.size}: {name} {value} must be a multiple of {info.size_multiple} "
-                    f"and at most {cap}", param="size")
-        steps = req.steps if req.steps is not None else defaults.steps
-        if steps > limits.max_steps:
-            raise InvalidRequestError(f"steps must be at most {limits.max_steps}, got {steps}", param="steps")
-        scheduler = req.scheduler or defaults.scheduler
-        if scheduler not in info.schedulers:
-            raise InvalidRequestError(f"unknown scheduler {scheduler!r}; expected one of {list(info.schedulers)}",
-                                      param="scheduler")
-        for name, text in (("prompt", req.prompt), ("negative_prompt", req.negative_prompt)):
-            if len(text) > limits.max_prompt_chars:
-                raise InvalidRequestError(f"{name} is longer than {limits.max_prompt_chars} characters",
-                                          param=name)
-        seed = req.seed if req.seed is not None else secrets.randbelow(2**32)
-        guidance = req.guidance_scale if req.guidance_scale is not None else defaults.guidance_scale
-        images = tuple(ImageSpec(req.prompt, req.negative_prompt, (seed + i) % 2**32, guidance)
-                       for i in range(req.n))
-        return Batch(images, width, height, steps, scheduler)
+        return build_batch(req, self.settings, self.engine.info)
+
+    @property
+    def busy(self) -> bool:
+        return self._waiting > 0 or self.lock.locked()
+
+    def idle_for(self) -> float:
+        return time.monotonic() - self._last_done
 
     async def generate(self, batch: Batch) -> Generated:
         start = time.perf_counter()
-        async with self._lock:
+        self._waiting += 1
+        self.metrics.queue_depth.set(self._waiting)
+        try:
+            await self.lock.acquire()
+        finally:  # also when the client went away while waiting
+            self._waiting -= 1
+            self.metrics.queue_depth.set(self._waiting)
+        try:
             queued = time.perf_counter() - start
             result = await run_in_threadpool(self.engine.generate, batch)
+        finally:
+            self._last_done = time.monotonic()
+            self.lock.release()
         t = time.perf_counter()
         pngs = await run_in_threadpool(lambda: [encode_png(g.image) for g in result.images])
+        self._observe(batch, result, queued)
         return Generated(pngs, result, queued, time.perf_counter() - t)
+
+    def _observe(self, batch: Batch, result: BatchResult, queued: float) -> None:
+        m, compute = self.metrics, result.timings.get("total", 0.0)
+        m.queue_seconds.observe(queued)
+        m.compute_seconds.observe(compute)
+        m.images.inc(len(result.images))
+        m.batch_size.observe(len(result.images))
+        m.unet_step_seconds.observe(result.timings.get("denoise", 0.0) / max(1, batch.steps))
+        self.recent.append(Sample(time.time(), f"{batch.width}x{batch.height}x{len(batch.images)}", compute,
+                                  len(batch.images)))
+
+    def performance(self, baseline: list[dict[str, Any]]) -> dict[str, Any]:
+        """Boot baseline vs live figures over the last ``window_s`` seconds, per shape."""
+        now = time.time()
+        recent = [s for s in self.recent if now - s.at <= self.window_s]
+        live: dict[str, dict[str, float]] = {}
+        for key in sorted({s.shape for s in recent}):
+            times = [s.seconds for s in recent if s.shape == key]
+            live[key] = {"count": len(times), "p50_s": float(np.percentile(times, 50)),
+                         "p95_s": float(np.percentile(times, 95))}
+        drift = {key: round(live[key]["p50_s"] / b["p50_s"], 3) for b in baseline
+                 for key in [b["shape"]] if key in live and b["p50_s"] > 0}
+        images = sum(s.images for s in recent)
+        span = max(60.0, min(self.window_s, now - min((s.at for s in recent), default=now)))
+        return {"window_s": self.window_s, "baseline": baseline, "live": live,
+                "images_per_minute": round(images * 60.0 / span, 3), "drift_p50_ratio": drift}
 
 
 def b64(data: bytes) -> str:

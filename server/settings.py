@@ -17,6 +17,7 @@ from engines.config import RuntimeSettings
 from engines.errors import ConfigError
 from engines.matrix import Matrix, load_matrix
 from engines.schedulers import SCHEDULERS
+from engines.selftest import SelfTestPlan, Shape, load_canaries, load_slo
 from engines.signature import SignatureThresholds
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -63,6 +64,75 @@ class Defaults(BaseModel):
         return self
 
 
+def parse_size(text: str) -> tuple[int, int]:
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"size {text!r} must look like 512x512")
+    return int(parts[0]), int(parts[1])
+
+
+class Serving(BaseModel):
+    """The shapes this deployment serves; the self-test warms and checks each one."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    sizes: tuple[str, ...] = ()
+    """Allowed WIDTHxHEIGHT sizes. Empty: any multiple of the model's factor within limits (canaries then run at
+    the model's native size)."""
+    batch_sizes: tuple[int, ...] = (1,)
+    """Batch sizes warmed and checked at boot."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Serving:
+        for size in self.sizes:
+            parse_size(size)
+        if not self.batch_sizes or any(b < 1 or b > 16 for b in self.batch_sizes):
+            raise ValueError(f"serving.batch_sizes {self.batch_sizes} must be 1..16 and not empty")
+        return self
+
+
+class SelfTestSettings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    canaries_file: str = "canaries.toml"
+    """Canary suite, relative to configs/ unless absolute."""
+    slo_file: str = "slo.toml"
+    """SLO windows, relative to configs/ unless absolute; the profile's table is used."""
+    timed_runs: int = Field(3, ge=1, le=50)
+    """Timed batches per shape after the warm-up (p50/p95 come from these)."""
+    fingerprint_tolerance: float = Field(4.0, ge=0, le=255)
+    """Max |difference| of 8x8 canary thumbnails (pixel units) against the recording, same platform."""
+    cross_platform_tolerance: float = Field(24.0, ge=0, le=255)
+    """The same when the recording came from another provider/ORT/machine."""
+    require_fingerprints: bool = False
+    """Refuse to become ready without recorded fingerprints (`sdserve selftest --record`)."""
+
+
+class WatchdogSettings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enabled: bool = True
+    interval_s: float = Field(30.0, ge=0.1, le=3600)
+    """Seconds between watchdog checks."""
+    idle_before_canary_s: float = Field(2.0, ge=0, le=600)
+    """A canary runs only when no request has run for this long (it yields to real traffic)."""
+    drift_factor: float = Field(2.0, gt=1.0, le=100)
+    """A canary slower than this multiple of its boot baseline is a strike."""
+    drift_consecutive: int = Field(3, ge=1, le=100)
+    """Strikes in a row that mark the server degraded."""
+    recover_after: int = Field(2, ge=1, le=100)
+    """Clean checks in a row that bring a degraded server back to ready."""
+    telemetry_window_s: float = Field(1.0, ge=0.1, le=60)
+    """Seconds of telemetry sampled per check for the signature classifier."""
+
+
+class DebugSettings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    fault_injection: bool = False
+    """Mount /debug/faults (latency and telemetry injection). Dev profile only."""
+
+
 class Settings(BaseModel):
     """One profile."""
 
@@ -78,12 +148,18 @@ class Settings(BaseModel):
     server: ServerSettings = ServerSettings()
     limits: Limits = Limits()
     defaults: Defaults = Defaults()
+    serving: Serving = Serving()
+    selftest: SelfTestSettings = SelfTestSettings()
+    watchdog: WatchdogSettings = WatchdogSettings()
+    debug: DebugSettings = DebugSettings()
 
     @model_validator(mode="after")
     def _cross(self) -> Settings:
         if self.profile == "production" and self.runtime.allow_cpu:
             raise ValueError("production profile with runtime.allow_cpu = true: production never runs on the CPU; "
                              "use the dev profile")
+        if self.debug.fault_injection and self.profile != "dev":
+            raise ValueError("debug.fault_injection is allowed in the dev profile only")
         if self.defaults.steps > self.limits.max_steps:
             raise ValueError(f"defaults.steps {self.defaults.steps} exceeds limits.max_steps {self.limits.max_steps}")
         return self
@@ -117,6 +193,23 @@ def load_settings(profile: str = "production", config: Path | None = None) -> Se
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
         raise ConfigError(f"{path}: {problems}") from None
+
+
+def config_path(name: str) -> Path:
+    path = Path(name)
+    return path if path.is_absolute() else CONFIG_DIR / path
+
+
+def selftest_plan(settings: Settings) -> SelfTestPlan:
+    """The self-test plan: canaries x served shapes (sizes x batch sizes; no sizes = the model's native size,
+    resolved by the engine after load), the profile's SLO windows."""
+    shapes = tuple(Shape(w, h, b) for w, h in map(parse_size, settings.serving.sizes)
+                   for b in settings.serving.batch_sizes)
+    st = settings.selftest
+    return SelfTestPlan(load_canaries(config_path(st.canaries_file)), shapes,
+                        load_slo(config_path(st.slo_file), settings.profile), st.timed_runs,
+                        st.fingerprint_tolerance, st.cross_platform_tolerance, st.require_fingerprints,
+                        batch_sizes=settings.serving.batch_sizes)
 
 
 def settings_matrix(settings: Settings, override: Path | None = None) -> Matrix:

@@ -34,4 +34,4 @@ async def capabilities(request: Request) -> dict[str, Any]:
         snapshot["warning"] = "NOT ACCELERATED: " + "; ".join(snapshot["verdict"]["reasons"][:3])
         log.warning("capabilities read: %s", snapshot["warning"])
     return {**snapshot, "profile": request.app.state.settings.profile,
-            "server": request.app.state.server_state.snapshot()}
+            "server": request.app.state.server_state.snapshot(), "watchdog": request.app.state.watchdog.snapshot()}

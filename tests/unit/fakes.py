@@ -9,7 +9,7 @@ import numpy as np
 from PIL import Image
 
 from engines.errors import GpuUnavailableError, NotReadyError
-from engines.protocol import Batch, BatchResult, GeneratedImage, ModelInfo
+from engines.protocol import Batch, BatchResult, CanaryCheck, GeneratedImage, ImageSpec, ModelInfo
 from engines.schedulers import SCHEDULERS
 
 
@@ -20,6 +20,7 @@ class FakeEngine:
         self.loaded = False
         self.batches: list[Batch] = []
         self.closed = False
+        self.latency_s = 0.0
 
     def preflight(self) -> dict[str, Any]:
         return {"fake": True}
@@ -43,6 +44,10 @@ class FakeEngine:
             pixels = np.random.default_rng(spec.seed).integers(0, 256, (batch.height, batch.width, 3), np.uint8)
             images.append(GeneratedImage(Image.fromarray(pixels), spec.seed))
         return BatchResult(tuple(images), "FakeExecutionProvider", {"total": 0.001})
+
+    def canary(self) -> CanaryCheck:
+        self.generate(Batch((ImageSpec("canary", seed=1),), 64, 64, 2))
+        return CanaryCheck("64x64x1", 0.01 + self.latency_s, 0.01, 0.0, 4.0)
 
     def check_health(self) -> None:
         if not self.loaded:

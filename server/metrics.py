@@ -1,0 +1,62 @@
+"""The one metrics module (prometheus-client). Units in names; labels from closed sets, never a prompt."""
+
+from __future__ import annotations
+
+import math
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
+DEGRADED_REASONS = ("boot_failed", "latency_drift", "output_drift", "canary_invalid", "livelock",
+                    "fallback_suspected", "ort_event")
+
+
+class Metrics:
+    """All series of one server; a registry per app keeps test servers apart."""
+
+    def __init__(self, device_id: int = 0) -> None:
+        r = self.registry = CollectorRegistry()
+        self.gpu = str(device_id)
+        self.requests = Counter("sdserve_requests_total", "HTTP requests by route and status", ["route", "status"],
+                                registry=r)
+        self.request_seconds = Histogram("sdserve_request_duration_seconds", "End-to-end request time",
+                                         ["route"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_seconds = Histogram("sdserve_queue_wait_seconds", "Time waiting for the engine",
+                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.compute_seconds = Histogram("sdserve_compute_seconds", "Engine time per batch",
+                                         buckets=LATENCY_BUCKETS, registry=r)
+        self.images = Counter("sdserve_images_generated_total", "Images generated", registry=r)
+        self.batch_size = Histogram("sdserve_batch_size_images", "Images per executed batch",
+                                    buckets=(1, 2, 4, 8, 16), registry=r)
+        self.unet_step_seconds = Histogram("sdserve_unet_step_seconds", "Denoising time per step (UNet + step)",
+                                           buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
+                                                    5, 10, 30, 120), registry=r)
+        self.ready = Gauge("sdserve_ready", "1 when /ready is 200", registry=r)
+        self.degraded = Gauge("sdserve_degraded", "1 for each active degradation reason", ["reason"], registry=r)
+        self.provider = Gauge("sdserve_provider_info", "Execution provider in use per component",
+                              ["component", "provider"], registry=r)
+        self.ort_events = Counter("sdserve_ort_events_total", "Classified ONNX Runtime log events (fallbacks "
+                                  "included)", ["kind"], registry=r)
+        self.queue_depth = Gauge("sdserve_queue_depth", "Requests waiting for the engine", registry=r)
+        self.canary_seconds = Histogram("sdserve_canary_seconds", "Watchdog canary latency",
+                                        buckets=LATENCY_BUCKETS, registry=r)
+        self.gpu_sm = Gauge("sdserve_gpu_sm_utilization_percent", "NVML SM utilization", ["gpu"], registry=r)
+        self.gpu_mem = Gauge("sdserve_gpu_memory_controller_utilization_percent", "NVML memory-controller "
+                             "utilization", ["gpu"], registry=r)
+        self.gpu_power = Gauge("sdserve_gpu_power_watts", "NVML power draw", ["gpu"], registry=r)
+        self.gpu_mem_used = Gauge("sdserve_gpu_memory_used_bytes", "NVML memory used", ["gpu"], registry=r)
+        for reason in DEGRADED_REASONS:
+            self.degraded.labels(reason).set(0)
+        self.set_gpu(math.nan, math.nan, math.nan, math.nan)  # unknown until a sample arrives
+        self.ready.set(0)
+        self.queue_depth.set(0)
+
+    def set_gpu(self, sm: float, mem: float, power_w: float, used_bytes: float) -> None:
+        self.gpu_sm.labels(self.gpu).set(sm)
+        self.gpu_mem.labels(self.gpu).set(mem)
+        self.gpu_power.labels(self.gpu).set(power_w)
+        self.gpu_mem_used.labels(self.gpu).set(used_bytes)
+
+    def set_degraded(self, active: set[str]) -> None:
+        for reason in DEGRADED_REASONS:
+            self.degraded.labels(reason).set(1 if reason in active else 0)
