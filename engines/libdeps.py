@@ -3,6 +3,7 @@ are missing, and which package ships each missing one. Reads ELF headers directl
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import struct
@@ -52,9 +53,15 @@ class ElfInfo:
     search_paths: tuple[str, ...]
 
 
+@lru_cache(maxsize=256)
 def read_elf(path: Path) -> ElfInfo:
-    """DT_NEEDED entries and RPATH/RUNPATH of a 64-bit little-endian ELF file."""
-    data = path.read_bytes()
+    """DT_NEEDED entries and RPATH/RUNPATH of a 64-bit little-endian ELF file (memory-mapped: provider libraries
+    are hundreds of MB and only their headers and dynamic section are touched)."""
+    with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        return _parse_elf(data, path)
+
+
+def _parse_elf(data: mmap.mmap, path: Path) -> ElfInfo:
     if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
         raise ValueError(f"{path} is not a 64-bit little-endian ELF file")
     phoff, = struct.unpack_from("<Q", data, 0x20)
@@ -73,7 +80,7 @@ def read_elf(path: Path) -> ElfInfo:
     strtab = next(off + strtab_addr - vaddr for vaddr, off, size in loads if vaddr <= strtab_addr < vaddr + size)
 
     def string(offset: int) -> str:
-        end = data.index(b"\0", strtab + offset)
+        end = data.find(b"\0", strtab + offset)
         return data[strtab + offset:end].decode()
 
     needed = tuple(string(v) for t, v in entries if t == DT_NEEDED)

@@ -216,7 +216,7 @@ def record(plan: SelfTestPlan, generate: Generate, model_dir: Path) -> Path:
         shapes[shape.key] = [{"canary": name, "thumb": fingerprint(img).round(3).tolist()}
                              for name, img in zip(plan.suite.names(shape), _images(result), strict=True)]
     path = model_dir / plan.fingerprints_file
-    path.write_text(json.dumps({"format": 1, "platform": platform_id(provider), "suite": plan.suite.model_dump(),
+    path.write_text(json.dumps({"format": 1, "platform": platform_id(provider), "suite": plan.suite.model_dump(mode="json"),
                                 "shapes": shapes}, indent=1) + "\n", encoding="utf-8")
     return path
 
@@ -226,7 +226,7 @@ def _recorded(plan: SelfTestPlan, model_dir: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
-    if data.get("suite") != plan.suite.model_dump():
+    if data.get("suite") != plan.suite.model_dump(mode="json"):
         raise SelfTestError(f"{path} was recorded for another canary suite: re-record with `sdserve selftest --record`")
     return data
 

@@ -79,3 +79,20 @@ def dev_process(tiny_model: Path) -> Iterator[ServerProcess]:
 def dev_server(dev_process: ServerProcess) -> str:
     assert dev_process.url is not None
     return dev_process.url
+
+
+DEV_TOML = Path(__file__).parents[2] / "configs" / "dev.toml"
+
+
+def dev_config(tmp_path: Path, *, replace: dict[str, str] | None = None, append: str = "") -> Path:
+    """configs/dev.toml with some lines replaced (exact text) and tables appended: a profile for one test."""
+    text = DEV_TOML.read_text()
+    for old, new in (replace or {}).items():
+        assert old in text, old
+        text = text.replace(old, new)
+    path = tmp_path / "profile.toml"
+    path.write_text(text + append)
+    return path
+
+
+FAST_WATCHDOG = {"interval_s = 5.0": "interval_s = 0.3", "idle_before_canary_s = 1.0": "idle_before_canary_s = 0.1"}
