@@ -216,8 +216,9 @@ def record(plan: SelfTestPlan, generate: Generate, model_dir: Path) -> Path:
         shapes[shape.key] = [{"canary": name, "thumb": fingerprint(img).round(3).tolist()}
                              for name, img in zip(plan.suite.names(shape), _images(result), strict=True)]
     path = model_dir / plan.fingerprints_file
-    path.write_text(json.dumps({"format": 1, "platform": platform_id(provider), "suite": plan.suite.model_dump(mode="json"),
-                                "shapes": shapes}, indent=1) + "\n", encoding="utf-8")
+    record = {"format": 1, "platform": platform_id(provider), "suite": plan.suite.model_dump(mode="json"),
+              "shapes": shapes}
+    path.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     return path
 
 

@@ -35,3 +35,26 @@ def test_cuda_only_with_cpu_fallback_disabled() -> None:
 
 def test_unrelated_lines_are_not_events() -> None:
     assert classify(["INFO: Started server process", "", "random text"]) == []
+
+
+def test_stderr_tee_passes_output_through_and_classifies_lines_after_boot(capfd: object) -> None:
+    import os
+    import time
+
+    from engines.ortlog import StderrTee
+
+    tee = StderrTee()
+    tee.start()
+    try:
+        line = (DATA / "trt_cuda_default_fallback.txt").read_text().splitlines()[3]  # "Falling back to [...]"
+        os.write(2, (line + "\n").encode())
+        os.write(2, b"an ordinary line\n")
+        deadline = time.monotonic() + 5
+        events = []
+        while not events and time.monotonic() < deadline:
+            events = tee.drain()
+            time.sleep(0.01)
+    finally:
+        tee.stop()
+    assert [e.kind for e in events] == ["cpu_fallback"]
+    assert "an ordinary line" in capfd.readouterr().err  # type: ignore[attr-defined]
