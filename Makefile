@@ -32,8 +32,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check server engines tests benchmarks
 	$(VENV)/bin/mypy
 
-bench: $(STAMP) $(BPE_WHEEL)
+bench: $(MODEL)/manifest.json
 	$(PY) benchmarks/bench_pipeline.py --write-readme README.md
+	$(PY) benchmarks/bench_readiness.py --model $(MODEL) --write-readme README.md
 
 clean:
 	rm -rf $(VENV) .cache models .pytest_cache .mypy_cache .ruff_cache
