@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import logging
 import threading
 import time
@@ -90,7 +91,14 @@ class OrtEngine:
     def info(self) -> ModelInfo:
         p = self.pipeline
         return ModelInfo(self.model_dir.name, p.size_multiple, p.default_size, tuple(SCHEDULERS),
-                         p.tokenizer.max_length)
+                         p.tokenizer.max_length, self._digest())
+
+    def _digest(self) -> str:
+        manifest = self.model_dir / "manifest.json"
+        if not manifest.is_file():
+            return ""
+        files = json.loads(manifest.read_text(encoding="utf-8")).get("files", {})
+        return str(files.get("unet/model.onnx", ""))
 
     def resolved_plan(self) -> SelfTestPlan:
         """The configured plan (or one built-in canary), with no shapes meaning the model's native size."""
@@ -157,6 +165,9 @@ class OrtEngine:
     @property
     def provider(self) -> str:
         return str(self.pipeline.unet.session.get_providers()[0])
+
+    def prompt_overflows(self, texts: list[str]) -> list[bool]:
+        return list(self.pipeline.tokenizer(texts).truncated)
 
     def check_health(self) -> None:
         self.pipeline  # noqa: B018 - raises NotReadyError when not loaded

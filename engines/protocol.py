@@ -55,6 +55,8 @@ class ModelInfo:
     default_size: int
     schedulers: tuple[str, ...]
     max_prompt_tokens: int
+    digest: str = ""
+    """sha256 of the UNet file from the model's manifest ("" when there is no manifest)."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,9 @@ class Engine(Protocol):
 
     def canary(self) -> CanaryCheck:
         """Run one canary now (the watchdog calls this while no request runs)."""
+
+    def prompt_overflows(self, texts: list[str]) -> list[bool]:
+        """Per text: whether it is longer than the text encoder takes (it would be truncated)."""
 
     def check_health(self) -> None:
         """Raise NotReadyError when the engine can no longer serve on its proven path."""

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
@@ -19,8 +17,10 @@ from engines.protocol import Engine
 from engines.telemetry import TelemetrySource
 from server import errors
 from server.exitcodes import ExitCode, exit_code_for
+from server.images import ImageStore
 from server.metrics import Metrics
-from server.routes import debug, health, observability, openai_images
+from server.middleware import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
+from server.routes import a1111, debug, health, observability, openai_images
 from server.service import ImageService
 from server.settings import Settings
 from server.state import ServerState
@@ -29,36 +29,6 @@ from server.watchdog import Watchdog
 log = logging.getLogger(__name__)
 
 OnFatal = Callable[[ExitCode, str], None]
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-ASGIApp = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Awaitable[None]]
-
-
-class MetricsMiddleware:
-    """Counts every request by route template (never the raw path) and status, and times it."""
-
-    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
-        self.app, self.metrics = app, metrics
-
-    async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Message]],
-                       send: Callable[[Message], Awaitable[None]]) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        status, start = [500], time.perf_counter()
-
-        async def send_status(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                status[0] = int(message["status"])
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_status)
-        finally:
-            route = scope.get("route")
-            path = str(getattr(route, "path", "unmatched"))
-            self.metrics.requests.labels(path, str(status[0])).inc()
-            self.metrics.request_seconds.labels(path).observe(time.perf_counter() - start)
 
 
 async def boot(app: FastAPI) -> None:
@@ -103,10 +73,11 @@ def create_app(engine: Engine, settings: Settings, on_fatal: OnFatal | None = No
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         task = asyncio.create_task(boot(app))
+        batching = asyncio.create_task(app.state.service.batcher.run())
         try:
             yield
         finally:
-            tasks = [t for t in (task, getattr(app.state, "watchdog_task", None)) if t is not None]
+            tasks = [t for t in (task, batching, getattr(app.state, "watchdog_task", None)) if t is not None]
             for t in tasks:
                 t.cancel()
             await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=10)
@@ -121,10 +92,29 @@ def create_app(engine: Engine, settings: Settings, on_fatal: OnFatal | None = No
     app.state.server_state, app.state.service, app.state.faults = state, service, faults
     app.state.watchdog = Watchdog(engine, service, state, settings, metrics, telemetry, tee)
     app.state.on_fatal = on_fatal or (lambda code, reason: None)
+    app.state.image_store = ImageStore()
     errors.install(app)
-    app.add_middleware(MetricsMiddleware, metrics=metrics)
-    for router in (health.router, observability.router, openai_images.router):
+    auth = settings.auth
+    app.add_middleware(AuthMiddleware, digests=auth.api_key_sha256, exempt=auth.exempt_paths,
+                       per_key=auth.per_key_concurrency)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.queue.max_body_bytes)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: sees every status, 401/413 included
+    for router in (health.router, observability.router, openai_images.router, a1111.router):
         app.include_router(router)
     if settings.debug.fault_injection and faults is not None:
         app.include_router(debug.router)
     return app
+
+
+async def drain(app: FastAPI) -> None:
+    """SIGTERM: /ready 503 at once; queued and running work finishes within the drain timeout; the rest gets 503."""
+    state: ServerState = app.state.server_state
+    settings: Settings = app.state.settings
+    state.set("draining", ["shutting down: finishing queued work, accepting none"])
+    app.state.metrics.ready.set(0)
+    watchdog = getattr(app.state, "watchdog_task", None)
+    if watchdog is not None:
+        watchdog.cancel()
+    failed = await app.state.service.batcher.drain(settings.queue.drain_timeout_s)
+    log.warning("drained: %d queued request(s) were not started before the %.0fs drain deadline", failed,
+                settings.queue.drain_timeout_s)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import signal
@@ -121,6 +122,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=settings.server.host, port=settings.server.port, log_level="warning",
                             access_log=False, lifespan="on")
     server = _server_class()(config)
+    server.drain_app = app
     holder.append(server)
     _announce_port(server)
     tee.start()
@@ -148,13 +150,32 @@ def _server_class() -> type[Any]:
     import uvicorn
 
     class Server(uvicorn.Server):
-        """SIGTERM/SIGINT end the server gracefully and the process exits with our code (0 when healthy),
-        instead of uvicorn re-raising the signal after shutdown."""
+        """SIGTERM/SIGINT drain first (/ready 503 at once, queued work finishes within the drain timeout), then
+        shut down; the process exits with our code (0 when healthy) instead of uvicorn re-raising the signal.
+        A second signal stops at once."""
+
+        drain_app: Any = None
+        _draining: asyncio.Task[None] | None = None
 
         def handle_exit(self, sig: int, frame: object) -> None:
-            if self.should_exit and sig == signal.SIGINT:
-                self.force_exit = True
-            self.should_exit = True
+            if self._draining is not None or self.drain_app is None:
+                if self.should_exit and sig == signal.SIGINT:
+                    self.force_exit = True
+                self.should_exit = True
+                return
+            loop = asyncio.get_event_loop()
+            loop.call_soon_threadsafe(self._start_drain, loop)
+
+        def _start_drain(self, loop: asyncio.AbstractEventLoop) -> None:
+            self._draining = loop.create_task(self._drain_then_exit())
+
+        async def _drain_then_exit(self) -> None:
+            from server.app import drain
+
+            try:
+                await drain(self.drain_app)
+            finally:
+                self.should_exit = True
 
     return Server
 

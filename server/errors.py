@@ -11,11 +11,15 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engines.errors import InferenceError, InvalidRequestError, NotReadyError, SdserveError
+from server.batcher import ClientGoneError, DeadlineExceededError, QueueFullError
 
 log = logging.getLogger(__name__)
 
 _TABLE: tuple[tuple[type[SdserveError], int, str], ...] = (
     (InvalidRequestError, 400, "invalid_request_error"),
+    (QueueFullError, 429, "rate_limit_exceeded"),
+    (DeadlineExceededError, 504, "timeout"),
+    (ClientGoneError, 499, "client_closed_request"),
     (NotReadyError, 503, "service_unavailable"),
     (InferenceError, 500, "server_error"),
     (SdserveError, 500, "server_error"),
@@ -49,8 +53,20 @@ def _validation_message(err: dict[str, Any]) -> tuple[str, str | None]:
     return f"{param}: {message}", param
 
 
+def _a1111(request: Request) -> bool:
+    return request.url.path.startswith("/sdapi/")
+
+
+def _detail(param: str | None, message: str, type_: str) -> dict[str, Any]:
+    """FastAPI's 422 body, which A1111 clients parse."""
+    return {"detail": [{"loc": ["body", *(param.split(".") if param else [])], "msg": message, "type": type_}]}
+
+
 async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
     message, param = _validation_message(dict(exc.errors()[0]))
+    if _a1111(request):
+        return JSONResponse(_detail(param, message, str(exc.errors()[0].get("type", "value_error"))),
+                            status_code=422)
     return JSONResponse(error_body(message, "invalid_request_error", param, "invalid_value"), status_code=400)
 
 
@@ -63,10 +79,17 @@ async def _on_sdserve(request: Request, exc: Exception) -> JSONResponse:
     status, type_ = status_of(exc)
     headers = {}
     if isinstance(exc, InvalidRequestError):
+        if _a1111(request):
+            return JSONResponse(_detail(exc.param, exc.message, "value_error"), status_code=422)
         return JSONResponse(error_body(exc.message, type_, exc.param, "invalid_value"), status_code=status)
-    if isinstance(exc, NotReadyError) and exc.permanent:
-        headers["x-should-retry"] = "false"
-    if status >= 500 and not isinstance(exc, NotReadyError):
+    if isinstance(exc, NotReadyError):
+        if exc.permanent:
+            headers["x-should-retry"] = "false"
+        else:
+            headers["Retry-After"] = "5"
+    if isinstance(exc, QueueFullError):
+        headers["Retry-After"] = str(exc.retry_after)
+    if status == 500:  # our own failure: log it, tell the client nothing internal
         log.exception("request failed", exc_info=exc)
         return JSONResponse(error_body("internal error while generating", type_), status_code=status)
     return JSONResponse(error_body(str(exc), type_), status_code=status, headers=headers)

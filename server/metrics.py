@@ -38,6 +38,8 @@ class Metrics:
         self.ort_events = Counter("sdserve_ort_events_total", "Classified ONNX Runtime log events (fallbacks "
                                   "included)", ["kind"], registry=r)
         self.queue_depth = Gauge("sdserve_queue_depth", "Requests waiting for the engine", registry=r)
+        self.cancelled = Counter("sdserve_requests_cancelled_total", "Requests dropped before running",
+                                 ["reason"], registry=r)
         self.canary_seconds = Histogram("sdserve_canary_seconds", "Watchdog canary latency",
                                         buckets=LATENCY_BUCKETS, registry=r)
         self.gpu_sm = Gauge("sdserve_gpu_sm_utilization_percent", "NVML SM utilization", ["gpu"], registry=r)

@@ -16,7 +16,8 @@ class ImageGenerationRequest(BaseModel):
     n: int = Field(1, description="Number of images (1..limits.max_n).")
     size: str | None = Field(None, description="WIDTHxHEIGHT, multiples of the model's size factor. "
                                                "Default: the model's native size.")
-    response_format: Literal["b64_json"] = Field("b64_json", description="Only b64_json for now.")
+    response_format: Literal["b64_json", "url"] = Field("b64_json", description="b64_json, or url: a link to "
+                                                       "a short-lived copy (GET /v1/images/files/{id}.png).")
     model: str | None = Field(None, description="Accepted for compatibility; the server serves one model.")
     user: str | None = Field(None, max_length=256, description="End-user id (logged, never a metric label).")
     quality: str | None = Field(None, description="Accepted for compatibility; ignored.")
@@ -47,7 +48,8 @@ class ImageGenerationRequest(BaseModel):
 
 
 class ImageData(BaseModel):
-    b64_json: str
+    b64_json: str | None = None
+    url: str | None = None
     revised_prompt: str | None = None
 
 

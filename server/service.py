@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from engines.errors import InvalidRequestError
 from engines.protocol import Batch, BatchResult, Engine, ImageSpec, ModelInfo
+from server.batcher import Batcher
 from server.metrics import Metrics
 from server.schemas import ImageGenerationRequest
 from server.settings import Settings, parse_size
@@ -79,17 +80,18 @@ def build_batch(req: ImageGenerationRequest, settings: Settings, info: ModelInfo
 
 
 class ImageService:
-    """One engine; one executing batch at a time (an asyncio lock, so waiting requests hold no thread)."""
+    """Requests -> the micro-batcher -> PNGs. ``lock`` is held while the engine runs a batch (requests and watchdog
+    canaries alike), so there is one executing batch at a time."""
 
     def __init__(self, engine: Engine, settings: Settings, metrics: Metrics, window_s: float = 300.0) -> None:
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
         self.lock = asyncio.Lock()
-        """Held while the engine runs a batch (requests and watchdog canaries alike)."""
+        q = settings.queue
+        self.batcher = Batcher(engine, metrics, self.lock, q.max_size, q.max_batch, q.max_queue_delay_ms / 1000)
         self.window_s = window_s
         self.recent: deque[Sample] = deque(maxlen=10_000)
-        self._waiting = 0
         self._last_done = time.monotonic()
 
     def to_batch(self, req: ImageGenerationRequest) -> Batch:
@@ -97,40 +99,38 @@ class ImageService:
 
     @property
     def busy(self) -> bool:
-        return self._waiting > 0 or self.lock.locked()
+        return self.batcher.busy or self.lock.locked()
 
     def idle_for(self) -> float:
         return time.monotonic() - self._last_done
 
-    async def generate(self, batch: Batch) -> Generated:
+    def deadline(self, header: str | None) -> float:
+        """Monotonic deadline: the profile's request timeout, shortened (never extended) by the header."""
+        timeout = self.settings.queue.request_timeout_s
+        if header is not None:
+            try:
+                asked = float(header)
+            except ValueError:
+                raise InvalidRequestError(f"x-sdserve-timeout-s {header!r} is not a number of seconds",
+                                          param="x-sdserve-timeout-s") from None
+            if not 0 < asked <= 3600:
+                raise InvalidRequestError("x-sdserve-timeout-s must be in (0, 3600]", param="x-sdserve-timeout-s")
+            timeout = min(timeout, asked)
+        return time.monotonic() + timeout
+
+    async def generate(self, batch: Batch, deadline: float | None = None) -> Generated:
         start = time.perf_counter()
-        self._waiting += 1
-        self.metrics.queue_depth.set(self._waiting)
         try:
-            await self.lock.acquire()
-        finally:  # also when the client went away while waiting
-            self._waiting -= 1
-            self.metrics.queue_depth.set(self._waiting)
-        try:
-            queued = time.perf_counter() - start
-            result = await run_in_threadpool(self.engine.generate, batch)
+            result = await self.batcher.submit(batch, deadline)
         finally:
             self._last_done = time.monotonic()
-            self.lock.release()
         t = time.perf_counter()
         pngs = await run_in_threadpool(lambda: [encode_png(g.image) for g in result.images])
-        self._observe(batch, result, queued)
-        return Generated(pngs, result, queued, time.perf_counter() - t)
-
-    def _observe(self, batch: Batch, result: BatchResult, queued: float) -> None:
-        m, compute = self.metrics, result.timings.get("total", 0.0)
-        m.queue_seconds.observe(queued)
-        m.compute_seconds.observe(compute)
-        m.images.inc(len(result.images))
-        m.batch_size.observe(len(result.images))
-        m.unet_step_seconds.observe(result.timings.get("denoise", 0.0) / max(1, batch.steps))
-        self.recent.append(Sample(time.time(), f"{batch.width}x{batch.height}x{len(batch.images)}", compute,
-                                  len(batch.images)))
+        compute = result.timings.get("total", 0.0)
+        executed = int(result.timings.get("batch_images", len(result.images)))
+        self.recent.append(Sample(time.time(), f"{batch.width}x{batch.height}x{executed}", compute,
+                                  len(result.images)))
+        return Generated(pngs, result, max(0.0, t - start - compute), time.perf_counter() - t)
 
     def performance(self, baseline: list[dict[str, Any]]) -> dict[str, Any]:
         """Boot baseline vs live figures over the last ``window_s`` seconds, per shape."""

@@ -46,6 +46,8 @@ class Limits(BaseModel):
     max_height: int = Field(1024, ge=16, le=4096)
     max_prompt_chars: int = Field(4000, ge=1, le=100_000)
     """Characters per prompt (the tokenizer keeps 77 tokens; this bounds the work of tokenizing)."""
+    prompt_overflow: Literal["truncate", "reject"] = "truncate"
+    """A prompt longer than the text encoder's 77 tokens: truncate it (and say so in the response) or 400."""
 
 
 class Defaults(BaseModel):
@@ -126,6 +128,47 @@ class WatchdogSettings(BaseModel):
     """Seconds of telemetry sampled per check for the signature classifier."""
 
 
+class QueueSettings(BaseModel):
+    """Request path: bounded queue, micro-batching, deadlines, drain."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_size: int = Field(32, ge=1, le=10_000)
+    """Requests allowed to wait; one more gets 429 at once."""
+    max_batch: int = Field(4, ge=1, le=64)
+    """Images per executed batch (compatible requests are merged up to this)."""
+    max_queue_delay_ms: float = Field(10.0, ge=0, le=10_000)
+    """How long the oldest request waits for compatible ones to join its batch."""
+    request_timeout_s: float = Field(300.0, gt=0, le=3600)
+    """Default deadline; a request not started by then gets 504 (header x-sdserve-timeout-s may shorten it)."""
+    drain_timeout_s: float = Field(30.0, ge=0, le=3600)
+    """On SIGTERM: how long queued and running work may take to finish before the rest gets 503."""
+    max_body_bytes: int = Field(1 << 20, ge=1024, le=64 << 20)
+    """Request bodies larger than this get 413."""
+
+
+class AuthSettings(BaseModel):
+    """Optional API keys, stored as sha256 hex digests (never the keys). Env SDSERVE_API_KEYS_SHA256 (comma list)
+    adds digests at deploy time."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    api_key_sha256: tuple[str, ...] = ()
+    """Accepted keys' sha256 hex digests; empty = auth off."""
+    per_key_concurrency: int = Field(8, ge=1, le=10_000)
+    """Generation requests one key may have in flight; more get 429."""
+    exempt_paths: tuple[str, ...] = ("/health", "/ready", "/metrics")
+    """Paths served without a key (probes and scraping)."""
+
+    @model_validator(mode="after")
+    def _hex(self) -> AuthSettings:
+        for digest in self.api_key_sha256:
+            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+                raise ValueError("auth.api_key_sha256 entries must be lowercase sha256 hex digests (64 chars), "
+                                 "e.g. printf %s \"$KEY\" | sha256sum")
+        return self
+
+
 class DebugSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -151,6 +194,8 @@ class Settings(BaseModel):
     serving: Serving = Serving()
     selftest: SelfTestSettings = SelfTestSettings()
     watchdog: WatchdogSettings = WatchdogSettings()
+    queue: QueueSettings = QueueSettings()
+    auth: AuthSettings = AuthSettings()
     debug: DebugSettings = DebugSettings()
 
     @model_validator(mode="after")
@@ -174,7 +219,11 @@ def _env_overrides(data: dict[str, object]) -> dict[str, object]:
         server["port"] = os.environ[f"{ENV_PREFIX}PORT"]
     if f"{ENV_PREFIX}DEVICE_ID" in os.environ:
         runtime["device_id"] = os.environ[f"{ENV_PREFIX}DEVICE_ID"]
-    return {**data, "server": server, "runtime": runtime}
+    auth = dict(data.get("auth", {}))  # type: ignore[call-overload]
+    if os.environ.get(f"{ENV_PREFIX}API_KEYS_SHA256"):
+        extra = [d.strip() for d in os.environ[f"{ENV_PREFIX}API_KEYS_SHA256"].split(",") if d.strip()]
+        auth["api_key_sha256"] = [*auth.get("api_key_sha256", []), *extra]
+    return {**data, "server": server, "runtime": runtime, "auth": auth}
 
 
 def load_settings(profile: str = "production", config: Path | None = None) -> Settings:

@@ -1,4 +1,4 @@
-"""OpenAI Images API: POST /v1/images/generations."""
+"""OpenAI Images API: POST /v1/images/generations (b64_json or url), GET /v1/images/files/{id}.png."""
 
 from __future__ import annotations
 
@@ -6,26 +6,31 @@ import time
 
 from fastapi import APIRouter, Request, Response
 
-from engines.errors import NotReadyError
+from server.routes.common import check_prompts, require_ready, run_generation, trace_headers
 from server.schemas import ImageData, ImageGenerationRequest, ImagesResponse
 from server.service import b64
 
 router = APIRouter(tags=["openai"])
 
 
-@router.post("/v1/images/generations", response_model=ImagesResponse)
+@router.post("/v1/images/generations", response_model=ImagesResponse, response_model_exclude_none=True)
 async def generate_images(req: ImageGenerationRequest, request: Request, response: Response) -> ImagesResponse:
     """Generate ``n`` images for ``prompt``; same seed, same request -> byte-identical PNGs."""
-    state = request.app.state.server_state
-    if not state.ready:
-        raise NotReadyError(f"server is {state.state}: " + "; ".join(state.reasons) if state.reasons
-                            else f"server is {state.state}", permanent=state.state == "failed")
-    service = request.app.state.service
-    out = await service.generate(service.to_batch(req))
-    timings = out.result.timings
-    response.headers["Server-Timing"] = (f"queue;dur={out.queue_seconds * 1000:.1f}, "
-                                         f"compute;dur={timings.get('total', 0.0) * 1000:.1f}, "
-                                         f"encode;dur={out.encode_seconds * 1000:.1f}")
-    response.headers["x-sdserve-provider"] = out.result.provider
-    response.headers["x-sdserve-seeds"] = ",".join(str(g.seed) for g in out.result.images)
-    return ImagesResponse(created=int(time.time()), data=[ImageData(b64_json=b64(p)) for p in out.pngs])
+    require_ready(request)
+    batch = request.app.state.service.to_batch(req)
+    warnings = check_prompts(request, batch)
+    out = await run_generation(request, batch)
+    trace_headers(response, out, warnings)
+    if req.response_format == "url":
+        store = request.app.state.image_store
+        data = [ImageData(url=str(request.url_for("image_file", image_id=store.put(p)))) for p in out.pngs]
+    else:
+        data = [ImageData(b64_json=b64(p)) for p in out.pngs]
+    return ImagesResponse(created=int(time.time()), data=data)
+
+
+@router.get("/v1/images/files/{image_id}.png", name="image_file", response_class=Response,
+            responses={200: {"content": {"image/png": {}}}, 404: {"description": "unknown or expired"}})
+async def image_file(image_id: str, request: Request) -> Response:
+    """An image from a `response_format: url` response; kept for a short time in a bounded store."""
+    return Response(request.app.state.image_store.get(image_id), media_type="image/png")

@@ -49,6 +49,9 @@ class FakeEngine:
         self.generate(Batch((ImageSpec("canary", seed=1),), 64, 64, 2))
         return CanaryCheck("64x64x1", 0.01 + self.latency_s, 0.01, 0.0, 4.0)
 
+    def prompt_overflows(self, texts: list[str]) -> list[bool]:
+        return [len(t.split()) > 75 for t in texts]
+
     def check_health(self) -> None:
         if not self.loaded:
             raise NotReadyError("not loaded")

@@ -51,7 +51,7 @@ def client() -> Iterator[TestClient]:
     ({"prompt": "a", "steps": 51}, "steps", "at most 50"),
     ({"prompt": "a", "guidance_scale": 99}, "guidance_scale", "less than or equal to 30"),
     ({"prompt": "a", "seed": -1}, "seed", "greater than or equal to 0"),
-    ({"prompt": "a", "response_format": "url"}, "response_format", "b64_json"),
+    ({"prompt": "a", "response_format": "png"}, "response_format", "b64_json"),
     ({"prompt": "a", "colour": "red"}, "colour", "unknown field"),
     ({"prompt": 5}, "prompt", "valid string"),
 ])

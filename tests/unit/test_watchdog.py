@@ -60,6 +60,6 @@ def test_signature_from_injected_trace(trace: list[GpuSample], verdict: str) -> 
 
 def test_canary_yields_to_traffic() -> None:
     dog, engine, _ = make()
-    dog.service._waiting = 1  # a request is queued
+    dog.service.batcher.running = 1  # a batch is executing
     asyncio.run(dog.check())
     assert engine.batches == [] and dog.checks == 1

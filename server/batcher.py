@@ -1,0 +1,224 @@
+"""Bounded queue and micro-batcher in front of the engine.
+
+One executing batch per model at a time. Requests wait in a bounded queue (full -> 429 at once, with Retry-After
+estimated from the queue and recent batch times). The batcher takes the oldest request and, within
+``max_queue_delay_ms``, every compatible one behind it (same size, steps, sampler; prompts, seeds and guidance are
+per image) up to ``max_batch`` images, runs them as one batch and splits the result back per request. A request
+whose deadline passes before it starts is dropped (504); a cancelled request (client gone) is dropped likewise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from starlette.concurrency import run_in_threadpool
+
+from engines.errors import NotReadyError, SdserveError
+from engines.protocol import Batch, BatchResult, Engine
+from server.metrics import Metrics
+
+
+class QueueFullError(SdserveError):
+    """The queue is at its bound; ``retry_after`` seconds is the estimated wait."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class ClientGoneError(SdserveError):
+    """The client disconnected; its queued request was dropped (logged as 499, nobody reads the body)."""
+
+
+class DeadlineExceededError(SdserveError):
+    """The request's deadline passed before it could start."""
+
+
+JobState = Literal["queued", "running", "done", "dropped"]
+
+
+@dataclass(eq=False)
+class Job:
+    batch: Batch
+    future: asyncio.Future[BatchResult]
+    enqueued: float
+    deadline: float | None
+    state: JobState = "queued"
+
+    @property
+    def images(self) -> int:
+        return len(self.batch.images)
+
+    @property
+    def group(self) -> tuple[int, int, int, str]:
+        b = self.batch
+        return (b.width, b.height, b.steps, b.scheduler)
+
+
+@dataclass
+class BatchStats:
+    batch_seconds: float = 0.0
+    """EWMA of executed batch wall time."""
+    batches: int = 0
+    sizes: deque[int] = field(default_factory=lambda: deque(maxlen=1000))
+
+
+class Batcher:
+    def __init__(self, engine: Engine, metrics: Metrics, lock: asyncio.Lock, max_queue: int, max_batch: int,
+                 max_delay_s: float) -> None:
+        self.engine, self.metrics, self.lock = engine, metrics, lock
+        self.max_queue, self.max_batch, self.max_delay_s = max_queue, max_batch, max_delay_s
+        self.queue: deque[Job] = deque()
+        self.running = 0
+        self.draining = False
+        self.stats = BatchStats()
+        self.peak_queue = 0
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.queue) or self.running > 0
+
+    def retry_after(self) -> int:
+        """Seconds until a slot is likely free: queued batches ahead times recent batch time."""
+        per_batch = self.stats.batch_seconds or 1.0
+        ahead = math.ceil(sum(j.images for j in self.queue) / self.max_batch) + 1
+        return max(1, math.ceil(ahead * per_batch))
+
+    async def submit(self, batch: Batch, deadline: float | None) -> BatchResult:
+        """Queue ``batch`` and wait for its result; raises QueueFullError, DeadlineExceededError, NotReadyError."""
+        if self.draining:
+            raise NotReadyError("server is draining: send the request to another replica")
+        if len(self.queue) >= self.max_queue:
+            raise QueueFullError(f"queue full ({self.max_queue} requests waiting)", self.retry_after())
+        job = Job(batch, asyncio.get_running_loop().create_future(), time.monotonic(), deadline)
+        self.queue.append(job)
+        self.peak_queue = max(self.peak_queue, len(self.queue))
+        self._gauge()
+        self._wake.set()
+        try:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return await asyncio.wait_for(asyncio.shield(job.future), timeout)
+        except TimeoutError:
+            if job.state == "queued":
+                self._drop(job)
+                self.metrics.cancelled.labels("deadline").inc()
+                raise DeadlineExceededError(f"deadline passed after {time.monotonic() - job.enqueued:.2f}s in the "
+                                            "queue; the request was not started") from None
+            return await job.future  # already running: its result is on the way
+        except asyncio.CancelledError:  # the client went away
+            if job.state == "queued":
+                self._drop(job)
+            raise
+
+    def _drop(self, job: Job) -> None:
+        job.state = "dropped"
+        if job in self.queue:
+            self.queue.remove(job)
+        self._gauge()
+
+    def _gauge(self) -> None:
+        self.metrics.queue_depth.set(len(self.queue))
+
+    def _take(self) -> list[Job]:
+        """The oldest job and the compatible ones behind it, up to max_batch images (FIFO within a group)."""
+        head = self.queue.popleft()
+        taken, images = [head], head.images
+        for job in list(self.queue):
+            if job.group == head.group and images + job.images <= self.max_batch:
+                self.queue.remove(job)
+                taken.append(job)
+                images += job.images
+        self._gauge()
+        return taken
+
+    async def run(self) -> None:
+        """The batching loop (a lifespan task)."""
+        while True:
+            if not self.queue:
+                self._idle.set()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            self._idle.clear()
+            head = self.queue[0]
+            if sum(j.images for j in self.queue if j.group == head.group) < self.max_batch:
+                wait = head.enqueued + self.max_delay_s - time.monotonic()
+                if wait > 0:  # give compatible requests a moment to join
+                    await asyncio.sleep(wait)
+            if not self.queue:
+                continue
+            await self._execute(self._take())
+
+    async def _execute(self, jobs: list[Job]) -> None:
+        now = time.monotonic()
+        live = []
+        for job in jobs:
+            if job.deadline is not None and now >= job.deadline:
+                job.state = "dropped"
+                self.metrics.cancelled.labels("deadline").inc()
+                if not job.future.done():
+                    job.future.set_exception(DeadlineExceededError("deadline passed before the request started"))
+            else:
+                job.state = "running"
+                live.append(job)
+        if not live:
+            return
+        merged = replace(live[0].batch, images=tuple(s for j in live for s in j.batch.images))
+        self.running += 1
+        start = time.perf_counter()
+        try:
+            async with self.lock:
+                for job in live:
+                    self.metrics.queue_seconds.observe(time.monotonic() - job.enqueued)
+                result = await run_in_threadpool(self.engine.generate, merged)
+        except Exception as exc:  # every waiting request gets the failure; none hangs
+            for job in live:
+                job.state = "done"
+                if not job.future.done():
+                    job.future.set_exception(exc)
+            return
+        finally:
+            self.running -= 1
+        elapsed = time.perf_counter() - start
+        m = self.metrics
+        m.compute_seconds.observe(result.timings.get("total", elapsed))
+        m.batch_size.observe(len(merged.images))
+        m.images.inc(len(result.images))
+        m.unet_step_seconds.observe(result.timings.get("denoise", 0.0) / max(1, merged.steps))
+        self.stats.batch_seconds = elapsed if not self.stats.batches else 0.8 * self.stats.batch_seconds + 0.2 * elapsed
+        self.stats.batches += 1
+        self.stats.sizes.append(len(merged.images))
+        offset = 0
+        for job in live:
+            part = result.images[offset:offset + job.images]
+            offset += job.images
+            job.state = "done"
+            if not job.future.done():
+                job.future.set_result(BatchResult(part, result.provider, {**result.timings,
+                                                                          "batch_images": len(merged.images)}))
+
+    async def drain(self, timeout: float) -> int:
+        """Stop accepting; let queued and running work finish within ``timeout``; fail what is left (503).
+        Returns how many requests were failed."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self.busy and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        failed = 0
+        while self.queue:
+            job = self.queue.popleft()
+            job.state = "dropped"
+            if not job.future.done():
+                job.future.set_exception(NotReadyError("server shut down before this request started: retry it"))
+                self.metrics.cancelled.labels("drain").inc()
+                failed += 1
+        self._gauge()
+        return failed
