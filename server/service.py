@@ -145,8 +145,11 @@ class ImageService:
                  for key in [b["shape"]] if key in live and b["p50_s"] > 0}
         images = sum(s.images for s in recent)
         span = max(60.0, min(self.window_s, now - min((s.at for s in recent), default=now)))
+        b = self.batcher
         return {"window_s": self.window_s, "baseline": baseline, "live": live,
-                "images_per_minute": round(images * 60.0 / span, 3), "drift_p50_ratio": drift}
+                "images_per_minute": round(images * 60.0 / span, 3), "drift_p50_ratio": drift,
+                "queue": {"depth": len(b.queue), "max_size": b.max_queue, "peak": b.peak_queue,
+                          "max_batch": b.max_batch, "batch_seconds_ewma": round(b.stats.batch_seconds, 4)}}
 
 
 def b64(data: bytes) -> str:

@@ -44,6 +44,17 @@ class Txt2ImgRequest(BaseModel):
     sampler_name: str | None = Field(None, description="Euler, Euler a, DDIM, DPM++ 2M")
     sampler_index: str | None = Field(None, description="legacy alias of sampler_name")
     scheduler: str | None = Field(None, description="A1111 noise schedule; only Automatic is supported")
+    # Features sdserve does not implement: accepted only when off, refused (422) rather than silently ignored.
+    enable_hr: bool = False
+    restore_faces: bool = False
+    tiling: bool = False
+    script_name: str | None = None
+    alwayson_scripts: dict[str, Any] = Field(default_factory=dict)
+
+    def refuse_unsupported(self) -> None:
+        for name in ("enable_hr", "restore_faces", "tiling", "script_name", "alwayson_scripts"):
+            if getattr(self, name):
+                raise InvalidRequestError(f"{name} is not supported by sdserve", param=name)
 
 
 class Txt2ImgResponse(BaseModel):
@@ -69,6 +80,7 @@ def _sampler(req: Txt2ImgRequest) -> str | None:
 async def txt2img(req: Txt2ImgRequest, request: Request, response: Response) -> Txt2ImgResponse:
     """batch_size images per iteration, n_iter iterations; image i uses seed + i."""
     require_ready(request)
+    req.refuse_unsupported()
     max_n = request.app.state.settings.limits.max_n
     for name, value in (("batch_size", req.batch_size), ("n_iter", req.n_iter)):
         if value > max_n:
@@ -98,6 +110,12 @@ async def txt2img(req: Txt2ImgRequest, request: Request, response: Response) -> 
 @router.get("/samplers")
 async def samplers() -> list[dict[str, Any]]:
     return [{"name": name, "aliases": list(aliases), "options": {}} for name, (_, aliases) in SAMPLERS.items()]
+
+
+@router.get("/scripts")
+async def scripts() -> dict[str, list[str]]:
+    """No A1111 scripts or extensions are available (clients probe this)."""
+    return {"txt2img": [], "img2img": []}
 
 
 @router.get("/sd-models")
