@@ -47,6 +47,22 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true", help="print the capability snapshot as JSON")
     doctor.add_argument("--watch", type=float, default=0.0, metavar="N",
                         help="sample NVML for N seconds and classify the GPU signature")
+    bench = sub.add_parser("bench", help="load-test a running sdserve on this machine")
+    bench.add_argument("--url", default="http://127.0.0.1:8000")
+    bench.add_argument("--concurrency", default="1,4,8,16,32", help="comma-separated levels")
+    bench.add_argument("--requests", type=int, default=64, help="requests per level (bound)")
+    bench.add_argument("--max-seconds", type=float, default=120.0, help="time bound per level")
+    bench.add_argument("--size", default="64x64")
+    bench.add_argument("--steps", type=int, default=20)
+    bench.add_argument("--out", type=Path, default=Path("bench.json"))
+    bench.add_argument("--plot", type=Path, default=None, help="PNG: latency and throughput vs concurrency")
+    bench.add_argument("--api-key-env", default="SDSERVE_API_KEY", help="environment variable holding the key")
+    gate = sub.add_parser("gate", help="compare two bench results; exit non-zero on regression")
+    gate.add_argument("--baseline", type=Path, required=True)
+    gate.add_argument("--candidate", type=Path, required=True)
+    gate.add_argument("--p95-tolerance", type=float, default=0.10, help="allowed p95 increase (fraction)")
+    gate.add_argument("--throughput-tolerance", type=float, default=0.10, help="allowed throughput drop")
+    gate.add_argument("--fingerprint-tolerance", type=float, default=4.0, help="pixel units, 8x8 thumbnails")
     st = sub.add_parser("selftest", help="run the boot self-test, or record canary fingerprints next to the model")
     _common(st)
     st.add_argument("--record", action="store_true", help="write <model>/selftest.json from this node's outputs")
@@ -194,6 +210,33 @@ def _announce_port(server: object) -> None:
     server.startup = startup  # type: ignore[attr-defined]
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from server import bench
+
+    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    if not levels or any(c < 1 or c > 256 for c in levels) or not 1 <= args.requests <= 10_000:
+        raise InvalidRequestError("--concurrency levels must be 1..256 and --requests 1..10000", "concurrency")
+    result = asyncio.run(bench.bench(args.url, levels, args.requests, args.max_seconds, args.size, args.steps,
+                                     os.environ.get(args.api_key_env)))
+    bench.write(result, args.out)
+    for level in result["levels"]:
+        log.info("c=%-3d ok %d/%d  429 %d  errors %d  p50 %s p95 %s p99 %s  %.1f images/min", level["concurrency"],
+                 level["ok"], level["requests"], level["rejected_429"], level["errors"], level["p50_s"],
+                 level["p95_s"], level["p99_s"], level["images_per_minute"])
+    if args.plot is not None and not bench.plot(result, args.plot):
+        log.warning("matplotlib is not installed: no plot written")
+    return 0
+
+
+def _gate(args: argparse.Namespace) -> int:
+    from server import gate
+
+    tol = gate.Tolerances(args.p95_tolerance, args.throughput_tolerance, fingerprint=args.fingerprint_tolerance)
+    rows = gate.compare(gate.load(args.baseline), gate.load(args.candidate), tol)
+    print(gate.render(rows))
+    return int(ExitCode.GATE_REGRESSION) if any(r.verdict == "REGRESSION" for r in rows) else 0
+
+
 def _selftest(args: argparse.Namespace) -> int:
     import json
 
@@ -261,8 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "httpcore", "matplotlib"):  # one line per request is noise in a load test
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     commands = {"serve": _serve, "generate": _generate, "engines": _engines, "doctor": _doctor,
-                "selftest": _selftest}
+                "selftest": _selftest, "bench": _bench, "gate": _gate}
     try:
         return commands[args.command](args)
     except SdserveError as exc:

@@ -26,6 +26,7 @@ class ExitCode(IntEnum):
     PLACEMENT_FAILED = 22
     ARTIFACT_INVALID = 23
     SELF_TEST_FAILED = 24
+    GATE_REGRESSION = 30
 
 
 _TABLE: tuple[tuple[type[BaseException], ExitCode], ...] = (

@@ -1,0 +1,110 @@
+"""`sdserve gate`: the blue-green rollout gate. Compares a candidate bench result with a baseline: p95 and
+throughput per concurrency level (beyond tolerance = regression), error rate, canary fingerprints, and the
+capability snapshot (providers per session are a regression when they change; library versions are reported)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engines.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Row:
+    check: str
+    baseline: str
+    candidate: str
+    verdict: str
+    """ok, changed (reported, not failing) or REGRESSION."""
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    p95: float = 0.10
+    throughput: float = 0.10
+    error_rate: float = 0.01
+    fingerprint: float = 4.0
+
+
+def load(path: Path) -> dict[str, Any]:
+    try:
+        data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read bench result {path}: {exc}") from None
+    if data.get("format") != 1 or "levels" not in data:
+        raise ConfigError(f"{path} is not an sdserve bench result")
+    return data
+
+
+def _levels(base: dict[str, Any], cand: dict[str, Any], tol: Tolerances) -> list[Row]:
+    rows = []
+    by_c = {lv["concurrency"]: lv for lv in cand["levels"]}
+    for b in base["levels"]:
+        c = by_c.get(b["concurrency"])
+        if c is None:
+            rows.append(Row(f"c={b['concurrency']} present", "yes", "missing", "REGRESSION"))
+            continue
+        name = f"c={b['concurrency']}"
+        if b["p95_s"] and c["p95_s"]:
+            worse = c["p95_s"] > b["p95_s"] * (1 + tol.p95)
+            rows.append(Row(f"{name} p95 latency", f"{b['p95_s']:.3f}s", f"{c['p95_s']:.3f}s",
+                            "REGRESSION" if worse else "ok"))
+        elif b["p95_s"]:
+            rows.append(Row(f"{name} p95 latency", f"{b['p95_s']:.3f}s", "no successful request", "REGRESSION"))
+        worse = c["images_per_minute"] < b["images_per_minute"] * (1 - tol.throughput)
+        rows.append(Row(f"{name} throughput", f"{b['images_per_minute']:.1f}/min", f"{c['images_per_minute']:.1f}/min",
+                        "REGRESSION" if worse else "ok"))
+        rate_b = b["errors"] / max(1, b["requests"])
+        rate_c = c["errors"] / max(1, c["requests"])
+        rows.append(Row(f"{name} error rate", f"{rate_b:.1%}", f"{rate_c:.1%}",
+                        "REGRESSION" if rate_c > rate_b + tol.error_rate else "ok"))
+    return rows
+
+
+def _fingerprints(base: dict[str, Any], cand: dict[str, Any], tol: Tolerances) -> list[Row]:
+    rows = []
+    for seed, ref in base.get("fingerprints", {}).items():
+        got = cand.get("fingerprints", {}).get(seed)
+        if got is None:
+            rows.append(Row(f"canary seed {seed}", "recorded", "missing", "REGRESSION"))
+            continue
+        distance = float(np.abs(np.array(got) - np.array(ref)).max())
+        rows.append(Row(f"canary seed {seed} fingerprint", "-", f"distance {distance:.2f}",
+                        "REGRESSION" if distance > tol.fingerprint else "ok"))
+    return rows
+
+
+def _snapshot(base: dict[str, Any], cand: dict[str, Any]) -> list[Row]:
+    b, c = base.get("capabilities", {}), cand.get("capabilities", {})
+    rows = []
+    for component in sorted(set(b.get("providers", {})) | set(c.get("providers", {}))):
+        pb = (b.get("providers", {}).get(component) or ["none"])[0]
+        pc = (c.get("providers", {}).get(component) or ["none"])[0]
+        rows.append(Row(f"provider {component}", pb, pc, "ok" if pb == pc else "REGRESSION"))
+    if b.get("accelerated") and not c.get("accelerated"):
+        rows.append(Row("accelerated", "true", "false", "REGRESSION"))
+    for key in ("onnxruntime", "cuda_build", "cudnn", "tensorrt", "driver", "gpu"):
+        if b.get(key) != c.get(key):
+            rows.append(Row(key, str(b.get(key)), str(c.get(key)), "changed"))
+    return rows
+
+
+def compare(base: dict[str, Any], cand: dict[str, Any], tol: Tolerances = Tolerances()) -> list[Row]:
+    return [*_levels(base, cand, tol), *_fingerprints(base, cand, tol), *_snapshot(base, cand)]
+
+
+def render(rows: list[Row]) -> str:
+    widths = [max(len(getattr(r, f)) for r in [Row("check", "baseline", "candidate", "verdict"), *rows])
+              for f in ("check", "baseline", "candidate", "verdict")]
+    lines = []
+    for row in [Row("check", "baseline", "candidate", "verdict"), *rows]:
+        cells = (row.check, row.baseline, row.candidate, row.verdict)
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(cells, widths, strict=True)))
+    failed = sum(r.verdict == "REGRESSION" for r in rows)
+    lines.append(f"\n{failed} regression(s)" if failed else "\nno regression: the candidate may take traffic")
+    return "\n".join(lines)
