@@ -35,6 +35,7 @@ lint: $(STAMP)
 bench: $(MODEL)/manifest.json
 	$(PY) benchmarks/bench_pipeline.py --write-readme README.md
 	$(PY) benchmarks/bench_readiness.py --model $(MODEL) --write-readme README.md
+	$(PY) benchmarks/bench_server.py --model $(MODEL) --write-readme README.md
 
 clean:
 	rm -rf $(VENV) .cache models .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,172 @@
+"""Server benchmarks on the tiny model (this machine, same run, ratios):
+
+1. server overhead: end-to-end latency at concurrency 1 over a direct pipeline call (target <= 1.05);
+2. micro-batching: throughput at concurrency 16 with max_batch=4 over max_batch=1 (target >= 1.3x at 64x64);
+3. `sdserve bench` at concurrency 1..32 against the dev profile (queue 32, max_batch 4): p50/p95/p99, 429 share,
+   with the plot committed.
+
+    python benchmarks/bench_server.py --model models/tiny [--write-readme README.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from engines.config import RuntimeSettings
+from engines.pipeline import StableDiffusionOnnx
+from engines.protocol import Batch, ImageSpec
+from engines.runtime import Runtime
+from server import bench
+
+ROOT = Path(__file__).parents[1]
+START, END = "<!-- bench:server:start -->", "<!-- bench:server:end -->"
+SIZE, STEPS = 64, 20
+
+
+def _config(tmp: Path, max_batch: int) -> Path:
+    text = (ROOT / "configs" / "dev.toml").read_text()
+    text = text.replace("max_batch = 4", f"max_batch = {max_batch}")
+    text = text.replace("[watchdog]\ninterval_s = 5.0", "[watchdog]\nenabled = false\ninterval_s = 5.0")
+    path = tmp / f"batch{max_batch}.toml"
+    path.write_text(text)
+    return path
+
+
+class Server:
+    def __init__(self, model: Path, config: Path) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--config", str(config),
+                                      "--model", str(model), "--port", "0"], stderr=subprocess.PIPE,
+                                     stdout=subprocess.DEVNULL, text=True)
+        assert self.proc.stderr is not None
+        self.url = ""
+        for line in self.proc.stderr:
+            match = re.search(r"listening on (http://\S+)", line)
+            if match:
+                self.url = match.group(1)
+                break
+        threading.Thread(target=lambda: [None for _ in self.proc.stderr or []], daemon=True).start()
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{self.url}/ready").status_code != 200:
+            if time.monotonic() > deadline:
+                raise RuntimeError("server not ready")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+def overhead(model: Path, tmp: Path, n: int) -> dict[str, float]:
+    """Direct calls and HTTP requests alternate, so machine noise hits both sides alike."""
+    server = Server(model, _config(tmp, 1))
+    pipe = StableDiffusionOnnx(model, Runtime(RuntimeSettings(providers=("CPUExecutionProvider",), allow_cpu=True)))
+    batch = Batch((ImageSpec("a lighthouse on a cliff at dusk", seed=1),), SIZE, SIZE, STEPS, "euler")
+    body = {"prompt": "a lighthouse on a cliff at dusk", "seed": 1, "size": f"{SIZE}x{SIZE}", "steps": STEPS,
+            "scheduler": "euler"}
+    direct, e2e = [], []
+    try:
+        with httpx.Client(timeout=60) as client:
+            for i in range(n + 3):  # the first 3 rounds warm both sides
+                t = time.perf_counter()
+                pipe(batch)
+                d = time.perf_counter() - t
+                t = time.perf_counter()
+                assert client.post(f"{server.url}/v1/images/generations", json=body).status_code == 200
+                if i >= 3:
+                    direct.append(d)
+                    e2e.append(time.perf_counter() - t)
+    finally:
+        server.close()
+    d, e = statistics.median(direct), statistics.median(e2e)
+    return {"direct_pipeline_s": round(d, 4), "server_e2e_s": round(e, 4), "ratio": round(e / d, 3)}
+
+
+def throughput(model: Path, tmp: Path, requests: int, rounds: int = 3) -> dict[str, float]:
+    """Images/min at concurrency 16 for max_batch 1, 4 and 8, alternating over ``rounds``; medians."""
+    runs: dict[int, list[float]] = {1: [], 4: [], 8: []}
+    for _ in range(rounds):
+        for max_batch in runs:
+            server = Server(model, _config(tmp, max_batch))
+            try:
+                async def level(url: str = server.url) -> bench.Level:
+                    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=32)) as client:
+                        return await bench.run_level(client, url, 16, requests, 300,
+                                                     {"size": f"{SIZE}x{SIZE}", "steps": STEPS, "n": 1})
+                runs[max_batch].append(asyncio.run(level()).images_per_minute)
+            finally:
+                server.close()
+    out = {f"max_batch_{mb}_images_per_min": round(statistics.median(v), 1) for mb, v in runs.items()}
+    out["ratio"] = round(out["max_batch_4_images_per_min"] / out["max_batch_1_images_per_min"], 3)
+    out["ratio_8"] = round(out["max_batch_8_images_per_min"] / out["max_batch_1_images_per_min"], 3)
+    return out
+
+
+def concurrency(model: Path, tmp: Path, requests: int) -> dict[str, object]:
+    server = Server(model, _config(tmp, 4))
+    try:
+        result = asyncio.run(bench.bench(server.url, [1, 4, 8, 16, 32], requests, 300, f"{SIZE}x{SIZE}", STEPS))
+    finally:
+        server.close()
+    bench.write(result, ROOT / "benchmarks" / "results" / "bench_cpu.json")
+    bench.plot(result, ROOT / "benchmarks" / "results" / "bench_cpu.png")
+    return result
+
+
+def table(o: dict[str, float], t: dict[str, float], c: dict[str, object]) -> str:
+    lines = [f"Tiny model, {SIZE}x{SIZE}, {STEPS} steps, Euler, this 2-core machine (server and client share it).", "",
+             "| measure | value | target |", "|---|---|---|",
+             f"| server overhead: e2e at concurrency 1 / direct pipeline call | {o['server_e2e_s']}s / "
+             f"{o['direct_pipeline_s']}s = **{o['ratio']}** | <= 1.05 |",
+             f"| micro-batching: images/min at concurrency 16, max_batch=4 / max_batch=1 | "
+             f"{t['max_batch_4_images_per_min']} / {t['max_batch_1_images_per_min']} = **{t['ratio']}x** | >= 1.3x |",
+             f"| ... with max_batch=8 / max_batch=1 | {t['max_batch_8_images_per_min']} / "
+             f"{t['max_batch_1_images_per_min']} = **{t['ratio_8']}x** | |",
+             "", "`sdserve bench` against the dev profile (queue 32, max_batch 4), "
+             f"{c['per_level']} requests per level:", "",
+             "| concurrency | ok | 429 share | p50 (s) | p95 (s) | p99 (s) | images/min |", "|---|---|---|---|---|---|---|"]
+    for lv in c["levels"]:  # type: ignore[attr-defined]
+        share = lv["rejected_429"] / lv["requests"] if lv["requests"] else 0
+        lines.append(f"| {lv['concurrency']} | {lv['ok']} | {share:.0%} | {lv['p50_s']} | {lv['p95_s']} | "
+                     f"{lv['p99_s']} | {lv['images_per_minute']} |")
+    lines += ["", "![latency and throughput vs concurrency](benchmarks/results/bench_cpu.png)"]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", type=Path, default=ROOT / "models" / "tiny")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--write-readme", type=Path, default=None)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        o = overhead(args.model, Path(tmp), args.repeats)
+        print("overhead", o, flush=True)
+        t = throughput(args.model, Path(tmp), args.requests)
+        print("throughput", t, flush=True)
+        c = concurrency(args.model, Path(tmp), args.requests)
+    (ROOT / "benchmarks" / "results" / "server_cpu.json").write_text(json.dumps({"overhead": o, "throughput": t},
+                                                                                 indent=2) + "\n")
+    text = table(o, t, c)
+    print(text)
+    if args.write_readme is not None and args.write_readme.is_file():
+        readme = args.write_readme.read_text()
+        if START in readme and END in readme:
+            head, rest = readme.split(START, 1)
+            args.write_readme.write_text(f"{head}{START}\n{text}\n{END}{rest.split(END, 1)[1]}")
+
+
+if __name__ == "__main__":
+    main()
