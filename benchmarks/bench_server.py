@@ -135,7 +135,8 @@ def table(o: dict[str, float], t: dict[str, float], c: dict[str, object]) -> str
              f"{t['max_batch_1_images_per_min']} = **{t['ratio_8']}x** | |",
              "", "`sdserve bench` against the dev profile (queue 32, max_batch 4), "
              f"{c['per_level']} requests per level:", "",
-             "| concurrency | ok | 429 share | p50 (s) | p95 (s) | p99 (s) | images/min |", "|---|---|---|---|---|---|---|"]
+             "| concurrency | ok | 429 share | p50 (s) | p95 (s) | p99 (s) | images/min |",
+             "|---|---|---|---|---|---|---|"]
     for lv in c["levels"]:  # type: ignore[attr-defined]
         share = lv["rejected_429"] / lv["requests"] if lv["requests"] else 0
         lines.append(f"| {lv['concurrency']} | {lv['ok']} | {share:.0%} | {lv['p50_s']} | {lv['p95_s']} | "
