@@ -37,10 +37,15 @@ class TensorrtOptions(BaseModel):
 
     fp16: bool = True
     """Build/load fp16 engines."""
-    engine_cache_path: str = "engines-cache"
+    engine_cache_path: str = "trt/engines"
     """Folder of prebuilt engines, relative to the model folder unless absolute."""
     timing_cache: bool = True
     """Reuse the builder timing cache."""
+    forbid_engine_build: bool = True
+    """Refuse a session when ORT says it will build (or could not deserialize) an engine: engines are artifacts,
+    built offline with `sdserve engines build`. The dev profile may allow on-node builds, with a warning."""
+    require_engines: bool = True
+    """With TensorRT in the policy, refuse to start without verified prebuilt engines in <model>/trt."""
 
 
 class RuntimeSettings(BaseModel):
@@ -65,6 +70,8 @@ class RuntimeSettings(BaseModel):
     disable_cpu_ep_fallback: bool = False
     """Also set session.disable_cpu_ep_fallback=1: ORT refuses any CPU node outright. Off by default because
     dynamic-shape models keep shape ops on the CPU; the placement audit is the finer check."""
+    verify: Literal["full", "size", "off"] = "full"
+    """Check model (and engine) files against their manifests at load: sha256 (full), sizes only, or not at all."""
     ort_log_severity: int = Field(2, ge=0, le=4)
     """ORT log level during session creation (0 verbose .. 4 fatal); captured lines are classified."""
     cuda: CudaOptions = CudaOptions()

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from engines import selftest
+from engines import artifacts, selftest
 from engines.config import RuntimeSettings
 from engines.errors import GpuUnavailableError, NotReadyError, SelfTestError, VersionMismatchError
 from engines.faults import FaultInjector
@@ -55,6 +55,7 @@ class OrtEngine:
         self._checks: list[Check] = []
         self._self_test: dict[str, Any] = {}
         self._errors: list[str] = []
+        self._artifacts: dict[str, Any] = {}
 
     def preflight(self) -> dict[str, Any]:
         """Check versions, provider libraries and the device against the matrix. With a GPU policy, any failure
@@ -72,14 +73,37 @@ class OrtEngine:
         return {"checks": [c.as_dict() for c in self._checks]}
 
     def load(self) -> None:
-        self._runtime = Runtime(self.settings, self.model_dir)
+        """Verify artifacts, then build every session under the policy."""
         try:
-            self._pipeline = StableDiffusionOnnx(self.model_dir, self._runtime)
+            sources = self._verify_artifacts()
+            self._runtime = Runtime(self.settings, self.model_dir)
+            self._pipeline = StableDiffusionOnnx(self.model_dir, self._runtime, sources)
         except NotReadyError as exc:
             self._errors.append(str(exc))
             raise
         if self.settings.allow_cpu:
             log.warning("CPU execution allowed by the profile: this server is NOT accelerated")
+
+    def _verify_artifacts(self) -> dict[str, Path]:
+        """The model folder against its manifest; with TensorRT in the policy, the prebuilt engines against this
+        node. Returns the EP-context models to load instead of the plain ONNX files."""
+        artifacts.verify_model(self.model_dir, self.settings.verify)
+        self._artifacts = {"model_manifest": f"verified ({self.settings.verify})"}
+        trt = self.model_dir / artifacts.TRT_DIR
+        if "TensorrtExecutionProvider" not in self.settings.providers:
+            return {}
+        if not (trt / "manifest.json").is_file():
+            if self.settings.tensorrt.require_engines:
+                raise artifacts.ArtifactError(
+                    f"no prebuilt TensorRT engines in {trt}: build them with `sdserve engines build` on a node with "
+                    "the deployed versions (the server never builds engines in production)")
+            log.warning("no prebuilt TensorRT engines in %s: TensorRT may build them on this node (slow boot)", trt)
+            return {}
+        live = artifacts.node_identity(self._observations.as_dict() if self._observations else {},
+                                       self.settings.device_id)
+        self._artifacts["engines"] = artifacts.verify_engines(self.model_dir, live, self.settings.verify)
+        return {c: trt / f"{c}_ctx.onnx" for c in ("text_encoder", "unet", "vae_decoder")
+                if (trt / f"{c}_ctx.onnx").is_file()}
 
     @property
     def pipeline(self) -> StableDiffusionOnnx:
@@ -214,8 +238,20 @@ class OrtEngine:
                    "host_staging": self._runtime.host.kind if self._runtime else "none",
                    "buffers_reused_per_shape": True},
             "arena": self.settings.cuda.model_dump(),
+            "artifacts": self._artifacts,
+            "attention": self._attention(reports),
             "self_test": self._self_test,
         }
+
+    @staticmethod
+    def _attention(reports: dict[str, Any]) -> dict[str, Any]:
+        """Whether attention is fused (fused attention ops present) and where those ops run."""
+        fused: dict[str, dict[str, int]] = {}
+        for name, report in reports.items():
+            if report.placement is not None and report.placement.attention:
+                fused[name] = report.placement.attention
+        on_gpu = bool(fused) and all(p != "CPUExecutionProvider" for f in fused.values() for p in f)
+        return {"fused": bool(fused), "on_gpu": on_gpu, "by_session": fused}
 
     def close(self) -> None:
         if self._runtime is not None:

@@ -86,15 +86,18 @@ def _unet_io(model: OrtModel) -> UNetIO:
 class StableDiffusionOnnx:
     """Loads an optimum-layout folder and runs txt2img batches."""
 
-    def __init__(self, folder: Path, runtime: Runtime) -> None:
+    def __init__(self, folder: Path, runtime: Runtime, sources: dict[str, Path] | None = None) -> None:
+        """``sources`` replaces a component's model.onnx (e.g. a TensorRT EP-context model with prebuilt engines)."""
         for part in ("text_encoder", "unet", "vae_decoder"):
             if not (folder / part / "model.onnx").is_file():
                 raise ModelLoadError(f"{folder} has no {part}/model.onnx (expected the optimum ONNX layout)")
+        paths = {part: (sources or {}).get(part, folder / part / "model.onnx")
+                 for part in ("text_encoder", "unet", "vae_decoder")}
         self.runtime = runtime
         self.tokenizer = ClipTokenizer(folder / "tokenizer")
-        self.text_encoder = OrtModel(runtime, folder / "text_encoder" / "model.onnx", "text_encoder")
-        self.unet = OrtModel(runtime, folder / "unet" / "model.onnx", "unet")
-        self.vae_decoder = OrtModel(runtime, folder / "vae_decoder" / "model.onnx", "vae_decoder")
+        self.text_encoder = OrtModel(runtime, paths["text_encoder"], "text_encoder")
+        self.unet = OrtModel(runtime, paths["unet"], "unet")
+        self.vae_decoder = OrtModel(runtime, paths["vae_decoder"], "vae_decoder")
         self.schedule = NoiseSchedule.from_config(_read_json(folder / "scheduler" / "scheduler_config.json"))
         self.io = _unet_io(self.unet)
         self.latent_dtype = self.unet.input_dtype(self.io.sample)

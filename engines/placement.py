@@ -19,6 +19,10 @@ COMPUTE_OPS = frozenset({
 })
 
 
+ATTENTION_OPS = frozenset({"Attention", "MultiHeadAttention", "PackedAttention", "PackedMultiHeadAttention",
+                           "GroupQueryAttention"})
+
+
 @dataclass
 class PlacementReport:
     session: str
@@ -28,6 +32,8 @@ class PlacementReport:
     disallowed: dict[str, int] = field(default_factory=dict)
     """CPU ops not in the allowlist (compute ops among them)."""
     compute_on_cpu: dict[str, int] = field(default_factory=dict)
+    attention: dict[str, int] = field(default_factory=dict)
+    """provider -> count of fused attention nodes (Attention, MultiHeadAttention, ...)."""
     examples: list[str] = field(default_factory=list)
 
     @property
@@ -37,7 +43,7 @@ class PlacementReport:
     def as_dict(self) -> dict[str, Any]:
         return {"session": self.session, "nodes_by_provider": self.nodes_by_provider, "cpu_ops": self.cpu_ops,
                 "disallowed_on_cpu": self.disallowed, "compute_on_cpu": self.compute_on_cpu,
-                "examples": self.examples, "ok": self.ok}
+                "examples": self.examples, "attention": self.attention, "ok": self.ok}
 
 
 def audit(session: ort.InferenceSession, name: str, cpu_allowlist: frozenset[str]) -> PlacementReport:
@@ -45,9 +51,12 @@ def audit(session: ort.InferenceSession, name: str, cpu_allowlist: frozenset[str
     report = PlacementReport(name)
     by_provider: Counter[str] = Counter()
     cpu: Counter[str] = Counter()
+    attention: Counter[str] = Counter()
     for subgraph in session.get_provider_graph_assignment_info():
         for node in subgraph.get_nodes():
             by_provider[subgraph.ep_name] += 1
+            if node.op_type in ATTENTION_OPS:
+                attention[subgraph.ep_name] += 1
             if subgraph.ep_name == "CPUExecutionProvider":
                 cpu[node.op_type] += 1
                 if node.op_type not in cpu_allowlist and len(report.examples) < 10:
@@ -56,4 +65,5 @@ def audit(session: ort.InferenceSession, name: str, cpu_allowlist: frozenset[str
     report.cpu_ops = dict(cpu)
     report.disallowed = {op: n for op, n in cpu.items() if op not in cpu_allowlist}
     report.compute_on_cpu = {op: n for op, n in cpu.items() if op in COMPUTE_OPS}
+    report.attention = dict(attention)
     return report

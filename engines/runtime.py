@@ -12,6 +12,7 @@ import numpy as np
 import onnxruntime as ort
 
 from engines import placement
+from engines.artifacts import ArtifactError
 from engines.config import RuntimeSettings
 from engines.errors import GpuUnavailableError, ModelLoadError, PlacementError
 from engines.ortlog import capture_ort_output
@@ -52,7 +53,8 @@ def provider_options(settings: RuntimeSettings, model_dir: Path | None = None,
                 cache = model_dir / cache
             opts = {"device_id": str(settings.device_id), "trt_fp16_enable": str(t.fp16),
                     "trt_engine_cache_enable": "True", "trt_engine_cache_path": str(cache),
-                    "trt_timing_cache_enable": str(t.timing_cache)}
+                    "trt_timing_cache_enable": str(t.timing_cache),
+                    "trt_timing_cache_path": str(cache.parent / "timing")}
         else:
             opts = {}
         out.append((name, opts))
@@ -192,3 +194,10 @@ def enforce(report: SessionReport, settings: RuntimeSettings) -> None:
     fallback = [e for e in report.events if e["kind"] == "cpu_fallback"]
     if fallback:
         raise GpuUnavailableError(f"{report.name}: ONNX Runtime fell back: {fallback[0]['line']}")
+    rebuild = [e for e in report.events if e["kind"] == "engine_rebuild"]
+    if rebuild and settings.tensorrt.forbid_engine_build:
+        raise ArtifactError(f"{report.name}: TensorRT would build an engine on this node ({rebuild[0]['line'][:200]});"
+                            " engines are artifacts: build them offline with `sdserve engines build`")
+    if rebuild:
+        log.warning("%s: TensorRT is building an engine on this node (allowed by the profile): %s", report.name,
+                    rebuild[0]["line"][:200])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from enum import IntEnum
 
+from engines.artifacts import ArtifactError
 from engines.errors import (
     ConfigError,
     GpuUnavailableError,
@@ -37,6 +38,7 @@ _TABLE: tuple[tuple[type[BaseException], ExitCode], ...] = (
     (VersionMismatchError, ExitCode.VERSION_MISMATCH),
     (PlacementError, ExitCode.PLACEMENT_FAILED),
     (SelfTestError, ExitCode.SELF_TEST_FAILED),
+    (ArtifactError, ExitCode.ARTIFACT_INVALID),
 )
 
 

@@ -3,6 +3,7 @@ the watchdog under injected latency and an injected livelock trace, and /metrics
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 from onnx import numpy_helper
 from prometheus_client.parser import text_string_to_metric_families
 
+from engines.artifacts import file_table
 from tests.e2e.conftest import FAST_WATCHDOG, ServerProcess, dev_config
 
 BOOT_STATES = {"starting", "preflight", "loading", "self-test"}
@@ -99,6 +101,10 @@ def test_altered_unet_weight_fails_the_self_test_naming_canary_and_distance(tiny
     altered = numpy_helper.to_array(weight) * -1.0
     weight.CopyFrom(numpy_helper.from_array(altered.astype(np.float32), weight.name))
     onnx.save(unet, model / "unet" / "model.onnx")
+    # Re-sign the manifest: the weights look legitimate to the file check; only the canaries can tell.
+    manifest = json.loads((model / "manifest.json").read_text())
+    manifest["files"] = {k: v["sha256"] for k, v in file_table(model).items() if k != "selftest.json"}
+    (model / "manifest.json").write_text(json.dumps(manifest))
     server = ServerProcess("--profile", "dev", "--model", str(model))
     try:
         assert server._found.wait(30), server.log

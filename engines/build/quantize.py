@@ -1,0 +1,49 @@
+"""`sdserve engines quantize`: INT8 (dynamic, weights) UNet behind an accuracy gate.
+
+The quantized model is accepted only if every canary's fingerprint stays within ``max_distance`` (pixel units,
+8x8 thumbnails) of the unquantized model's on the same seeds; otherwise nothing is written and the command fails.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engines.artifacts import ArtifactError, file_table
+from engines.config import RuntimeSettings
+from engines.pipeline import StableDiffusionOnnx
+from engines.runtime import Runtime
+from engines.selftest import CanarySuite, Shape, fingerprint
+
+
+def _canaries(folder: Path, suite: CanarySuite, shape: Shape) -> list[np.ndarray]:
+    pipe = StableDiffusionOnnx(folder, Runtime(RuntimeSettings(providers=("CPUExecutionProvider",), allow_cpu=True)))
+    images, _, _ = pipe(suite.batch(shape))
+    return [fingerprint(img) for img in images]
+
+
+def quantize(src: Path, out: Path, suite: CanarySuite, shape: Shape, max_distance: float) -> dict[str, Any]:
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(src, out, ignore=shutil.ignore_patterns("trt", "selftest.json"))
+    quantize_dynamic(str(src / "unet" / "model.onnx"), str(out / "unet" / "model.onnx"), weight_type=QuantType.QInt8,
+                     op_types_to_quantize=["MatMul", "Gemm"])
+    ref, got = _canaries(src, suite, shape), _canaries(out, suite, shape)
+    distances = [float(np.abs(a - b).max()) for a, b in zip(ref, got, strict=True)]
+    gate = {"passed": max(distances) <= max_distance, "max_distance": round(max(distances), 3),
+            "bound": max_distance, "canaries": suite.names(shape), "shape": shape.key, "weights": "int8 (dynamic)"}
+    if not gate["passed"]:
+        shutil.rmtree(out)
+        raise ArtifactError(f"INT8 refused by the accuracy gate: canary fingerprint distance {gate['max_distance']} "
+                            f"over the bound {max_distance}")
+    manifest = json.loads((src / "manifest.json").read_text()) if (src / "manifest.json").is_file() else {}
+    manifest["int8_gate"] = gate
+    manifest["files"] = {k: v["sha256"] for k, v in file_table(out).items()}
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return gate
