@@ -136,3 +136,15 @@ def test_failed_boot_in_production_requests_exit_with_gpu_code() -> None:
     with TestClient(app) as c:
         _wait_state(c, "failed")
     assert fatal == [20]
+
+
+def test_unserved_size_is_400_listing_served_sizes() -> None:
+    settings = load_settings("dev")
+    settings = settings.model_copy(update={"serving": settings.serving.model_copy(update={"sizes": ("64x64",
+                                                                                                    "128x128")})})
+    with TestClient(create_app(FakeEngine(), settings)) as client:
+        while client.get("/ready").status_code != 200:
+            pass
+        response = client.post("/v1/images/generations", json={"prompt": "x", "size": "96x96"})
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == "size 96x96 is not served; served sizes: 64x64, 128x128"
