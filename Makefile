@@ -7,7 +7,7 @@ OPEN_CLIP := open-clip-torch==3.3.0
 BPE_WHEEL := .cache/wheels/open_clip_torch-3.3.0-py3-none-any.whl
 MODEL := models/tiny
 
-.PHONY: run test lint bench clean
+.PHONY: run test lint bench clean tools deploy
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,13 @@ $(MODEL)/manifest.json: $(STAMP) $(BPE_WHEEL)
 run: $(MODEL)/manifest.json
 	$(VENV)/bin/sdserve serve --profile dev --model $(MODEL)
 
-test: $(STAMP) $(BPE_WHEEL) lint
+# promtool (Prometheus rule checks and rule unit tests) comes from Debian's prometheus package.
+tools:
+	@command -v promtool >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	  apt-get install -y -qq --no-install-recommends prometheus >/dev/null; } || \
+	  { echo "install Debian's prometheus package (promtool) to run the alert-rule tests" >&2; exit 1; }
+
+test: $(STAMP) $(BPE_WHEEL) tools lint
 	$(PY) -m pytest
 
 lint: $(STAMP)
@@ -36,6 +42,9 @@ bench: $(MODEL)/manifest.json
 	$(PY) benchmarks/bench_pipeline.py --write-readme README.md
 	$(PY) benchmarks/bench_readiness.py --model $(MODEL) --write-readme README.md
 	$(PY) benchmarks/bench_server.py --model $(MODEL) --write-readme README.md
+
+deploy: $(STAMP)
+	$(VENV)/bin/sdserve deploy render
 
 clean:
 	rm -rf $(VENV) .cache models .pytest_cache .mypy_cache .ruff_cache

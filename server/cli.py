@@ -57,6 +57,17 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", type=Path, default=Path("bench.json"))
     bench.add_argument("--plot", type=Path, default=None, help="PNG: latency and throughput vs concurrency")
     bench.add_argument("--api-key-env", default="SDSERVE_API_KEY", help="environment variable holding the key")
+    deploy = sub.add_parser("deploy", help="render Kubernetes manifests and the Grafana dashboard")
+    render = deploy.add_subparsers(dest="deploy_cmd", required=True).add_parser("render")
+    render.add_argument("--profile", choices=["dev", "production"], default="production")
+    render.add_argument("--config", type=Path, default=None)
+    render.add_argument("--matrix", type=Path, default=None)
+    render.add_argument("--image", default="sdserve:0.1.0")
+    render.add_argument("--color", default="blue", help="this deployment's blue-green color")
+    render.add_argument("--active", default="blue", help="the color the Service sends traffic to")
+    render.add_argument("--startup-budget-s", type=int, default=900, help="boot + self-test budget of the probe")
+    render.add_argument("--out", type=Path, default=Path("deploy/k8s"))
+    render.add_argument("--dashboard", type=Path, default=Path("deploy/grafana/sdserve.json"))
     gate = sub.add_parser("gate", help="compare two bench results; exit non-zero on regression")
     gate.add_argument("--baseline", type=Path, required=True)
     gate.add_argument("--candidate", type=Path, required=True)
@@ -243,6 +254,18 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _deploy(args: argparse.Namespace) -> int:
+    from server import deploy
+    from server.settings import settings_matrix
+
+    settings = load_settings(args.profile, args.config)
+    rendered = deploy.render(settings, settings_matrix(settings, args.matrix), args.image, args.color, args.active,
+                             args.startup_budget_s)
+    for path in [*deploy.write(args.out, rendered), deploy.write_dashboard(args.dashboard)]:
+        log.info("wrote %s", path)
+    return 0
+
+
 def _gate(args: argparse.Namespace) -> int:
     from server import gate
 
@@ -380,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("httpx", "httpcore", "matplotlib"):  # one line per request is noise in a load test
         logging.getLogger(noisy).setLevel(logging.WARNING)
     commands = {"serve": _serve, "generate": _generate, "engines": _engines, "doctor": _doctor,
-                "selftest": _selftest, "bench": _bench, "gate": _gate}
+                "selftest": _selftest, "bench": _bench, "gate": _gate, "deploy": _deploy}
     try:
         return commands[args.command](args)
     except SdserveError as exc:

@@ -20,8 +20,9 @@ from engines.schedulers import SCHEDULERS
 from engines.selftest import SelfTestPlan, Shape, load_canaries, load_slo
 from engines.signature import SignatureThresholds
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 ENV_PREFIX = "SDSERVE_"
+CONFIG_DIR = Path(os.environ.get(f"{ENV_PREFIX}CONFIG_DIR", Path(__file__).resolve().parent.parent / "configs"))
+"""configs/ of the checkout, or SDSERVE_CONFIG_DIR (a deployment setting: the image puts them in /etc/sdserve)."""
 
 
 class ServerSettings(BaseModel):

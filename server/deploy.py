@@ -1,0 +1,168 @@
+"""`sdserve deploy render`: Kubernetes manifests and the Grafana dashboard, rendered from the version matrix and a
+profile, so the cluster schedules only onto nodes the matrix accepts and the probes match the server's truth."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from engines.matrix import Matrix, version_tuple
+from server.settings import Settings
+
+APP = "sdserve"
+PORT = 8000
+UID = 10001
+
+
+def _labels(color: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": APP, "app.kubernetes.io/component": "inference", "sdserve/color": color}
+
+
+def _affinity(matrix: Matrix) -> dict[str, Any]:
+    """GPU Feature Discovery labels: driver major at least the matrix minimum, compute major in the allowed set."""
+    min_major = version_tuple(matrix.driver.min_version)[0]
+    majors = sorted({cc.split(".")[0] for cc in matrix.device.compute_capabilities}, key=int)
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{
+        "matchExpressions": [
+            {"key": "nvidia.com/cuda.driver-version.major", "operator": "Gt", "values": [str(min_major - 1)]},
+            {"key": "nvidia.com/gpu.compute.major", "operator": "In", "values": majors},
+            {"key": "nvidia.com/gpu.present", "operator": "In", "values": ["true"]},
+        ]}]}}}
+
+
+def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "timeoutSeconds": 3,
+            "failureThreshold": failures}
+
+
+def deployment(settings: Settings, matrix: Matrix, image: str, color: str, startup_budget_s: int,
+               replicas: int) -> dict[str, Any]:
+    startup = _probe("/ready", 10, math.ceil(startup_budget_s / 10))
+    container = {
+        "name": APP, "image": image, "imagePullPolicy": "IfNotPresent",
+        "args": ["--profile", settings.profile, "--model", "/models/model", "--port", str(PORT)],
+        "ports": [{"name": "http", "containerPort": PORT}],
+        "env": [{"name": "SDSERVE_API_KEYS_SHA256", "valueFrom": {"secretKeyRef": {
+            "name": "sdserve-api-keys", "key": "sha256", "optional": True}}}],
+        "startupProbe": startup, "readinessProbe": _probe("/ready", 5, 1), "livenessProbe": _probe("/health", 10, 3),
+        "resources": {"requests": {"cpu": "4", "memory": "24Gi", "nvidia.com/gpu": "1"},
+                      "limits": {"memory": "32Gi", "nvidia.com/gpu": "1"}},
+        "securityContext": {"runAsNonRoot": True, "runAsUser": UID, "allowPrivilegeEscalation": False,
+                            "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}},
+        "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True},
+                         {"name": "tmp", "mountPath": "/tmp"}],
+    }
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": f"{APP}-{color}", "labels": _labels(color)},
+        "spec": {
+            "replicas": replicas, "selector": {"matchLabels": _labels(color)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": {"metadata": {"labels": _labels(color), "annotations": {
+                "sdserve/matrix-onnxruntime": matrix.onnxruntime.version,
+                "sdserve/matrix-tensorrt": matrix.tensorrt.version}},
+                "spec": {
+                    "runtimeClassName": "nvidia", "affinity": _affinity(matrix),
+                    # Above the drain timeout: SIGTERM drains queued work before the kubelet's SIGKILL.
+                    "terminationGracePeriodSeconds": int(settings.queue.drain_timeout_s) + 30,
+                    "securityContext": {"runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID, "fsGroup": UID,
+                                        "seccompProfile": {"type": "RuntimeDefault"}},
+                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                    "containers": [container],
+                    "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "sdserve-models",
+                                                                            "readOnly": True}},
+                                {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}]}}}}
+
+
+def service(active: str) -> dict[str, Any]:
+    selector = {k: v for k, v in _labels(active).items()}
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": APP, "labels": {"app.kubernetes.io/name": APP}},
+            "spec": {"selector": selector, "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}}
+
+
+def pdb(color: str) -> dict[str, Any]:
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {"name": f"{APP}-{color}"},
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": _labels(color)}}}
+
+
+def hpa(color: str, settings: Settings) -> dict[str, Any]:
+    target = max(1, settings.queue.max_batch)
+    return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": {"name": f"{APP}-{color}"},
+            "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{APP}-{color}"},
+                     "minReplicas": 1, "maxReplicas": 8,
+                     # Queue depth per pod (served to the HPA by a Prometheus adapter from sdserve_queue_depth).
+                     "metrics": [{"type": "Pods", "pods": {"metric": {"name": "sdserve_queue_depth"},
+                                                           "target": {"type": "AverageValue",
+                                                                      "averageValue": str(target)}}}],
+                     "behavior": {"scaleDown": {"stabilizationWindowSeconds": 300}}}}
+
+
+def service_monitor() -> dict[str, Any]:
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
+            "metadata": {"name": APP, "labels": {"app.kubernetes.io/name": APP}},
+            "spec": {"selector": {"matchLabels": {"app.kubernetes.io/name": APP}},
+                     "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}]}}
+
+
+def render(settings: Settings, matrix: Matrix, image: str, color: str = "blue", active: str = "blue",
+           startup_budget_s: int = 900, replicas: int = 2) -> dict[str, list[dict[str, Any]]]:
+    """File name -> manifests."""
+    return {"deployment.yaml": [deployment(settings, matrix, image, color, startup_budget_s, replicas)],
+            "service.yaml": [service(active)], "pdb.yaml": [pdb(color)], "hpa.yaml": [hpa(color, settings)],
+            "servicemonitor.yaml": [service_monitor()]}
+
+
+def _panel(pid: int, title: str, exprs: list[tuple[str, str]], unit: str, x: int, y: int) -> dict[str, Any]:
+    targets = [{"refId": chr(65 + i), "expr": e, "legendFormat": legend} for i, (e, legend) in enumerate(exprs)]
+    return {"id": pid, "type": "timeseries", "title": title,
+            "datasource": {"type": "prometheus", "uid": "${datasource}"}, "gridPos": {"h": 8, "w": 12, "x": x, "y": y},
+            "fieldConfig": {"defaults": {"unit": unit}, "overrides": []}, "targets": targets}
+
+
+def dashboard() -> dict[str, Any]:
+    rate = "sum by (le) (rate(sdserve_request_duration_seconds_bucket{route=\"/v1/images/generations\"}[5m]))"
+    panels = [
+        _panel(1, "Latency p50 / p95", [(f"histogram_quantile(0.5, {rate})", "p50"),
+                                        (f"histogram_quantile(0.95, {rate})", "p95")], "s", 0, 0),
+        _panel(2, "Images per minute", [("sum(rate(sdserve_images_generated_total[5m])) * 60", "images/min")],
+               "short", 12, 0),
+        _panel(3, "Queue depth", [("sum by (pod) (sdserve_queue_depth)", "{{pod}}")], "short", 0, 8),
+        _panel(4, "Readiness and degradation reasons", [("sum by (pod) (sdserve_ready)", "ready {{pod}}"),
+                                                        ("sum by (reason) (sdserve_degraded) > 0", "{{reason}}")],
+               "short", 12, 8),
+        _panel(5, "GPU SM utilization", [("sdserve_gpu_sm_utilization_percent", "{{pod}} gpu {{gpu}}")],
+               "percent", 0, 16),
+        _panel(6, "GPU memory-controller utilization",
+               [("sdserve_gpu_memory_controller_utilization_percent", "{{pod}} gpu {{gpu}}")], "percent", 12, 16),
+        _panel(7, "GPU power", [("sdserve_gpu_power_watts", "{{pod}} gpu {{gpu}}")], "watt", 0, 24),
+        _panel(8, "429 and 5xx per second", [
+            ("sum(rate(sdserve_requests_total{status=\"429\"}[5m]))", "429"),
+            ("sum(rate(sdserve_requests_total{status=~\"5..\"}[5m]))", "5xx")], "reqps", 12, 24),
+    ]
+    return {"title": "sdserve", "uid": "sdserve-overview", "schemaVersion": 39, "version": 1, "editable": True,
+            "tags": ["sdserve", "gpu", "inference"], "time": {"from": "now-6h", "to": "now"}, "refresh": "30s",
+            "timezone": "utc", "panels": panels, "annotations": {"list": []},
+            "templating": {"list": [{"name": "datasource", "type": "datasource", "query": "prometheus",
+                                     "label": "Prometheus"}]}}
+
+
+def write(out: Path, rendered: dict[str, list[dict[str, Any]]]) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, docs in rendered.items():
+        path = out / name
+        header = "# Rendered by `sdserve deploy render` from configs/ and the version matrix. Do not edit by hand.\n"
+        path.write_text(header + yaml.safe_dump_all(docs, sort_keys=True), encoding="utf-8")
+        written.append(path)
+    return written
+
+
+def write_dashboard(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dashboard(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return path
