@@ -15,8 +15,8 @@ RUNTIME_BUDGET_MB = 700  # sdserve + onnxruntime-gpu + numpy/pillow/tokenizers/f
 
 
 def test_hadolint_is_clean() -> None:
-    done = subprocess.run([str(Path(sys.executable).parent / "hadolint"), str(ROOT / "Dockerfile")], capture_output=True,
-                          text=True)
+    hadolint = Path(sys.executable).parent / "hadolint"
+    done = subprocess.run([str(hadolint), str(ROOT / "Dockerfile")], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
 
 

@@ -115,9 +115,10 @@ def _rollout(tmp: Path, **env: str) -> tuple[int, str]:
         (tmp / name).write_text(body)
         (tmp / name).chmod(0o755)
     log = tmp / "log"
+    env = {**os.environ, "KUBECTL": str(tmp / "kubectl"), "SDSERVE": str(tmp / "sdserve"), "LOG": str(log),
+           "PORT_FORWARD_WAIT": "0", **env}
     done = subprocess.run([str(ROOT / "deploy" / "rollout.sh"), "sdserve:candidate"], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "KUBECTL": str(tmp / "kubectl"), "SDSERVE": str(tmp / "sdserve"),
-                                           "LOG": str(log), "PORT_FORWARD_WAIT": "0", **env})
+                          timeout=60, env=env)
     return done.returncode, log.read_text()
 
 
