@@ -60,6 +60,9 @@ def _export(module: torch.nn.Module, args: tuple[torch.Tensor, ...], path: Path,
 
 
 def _write_json(path: Path, data: Any) -> None:
+    if isinstance(data, dict) and isinstance(data.get("_use_default_values"), list):
+        # diffusers fills this list from a set: its order changes with the process's hash seed.
+        data = {**data, "_use_default_values": sorted(data["_use_default_values"])}
     path.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8")
 
 

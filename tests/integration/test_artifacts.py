@@ -94,3 +94,15 @@ def test_int8_needs_the_accuracy_gate(tiny_model: Path, tmp_path: Path) -> None:
     gate = json.loads((tmp_path / "q" / "manifest.json").read_text())["int8_gate"]
     assert gate["passed"] and gate["max_distance"] <= gate["bound"]
     verify_model(tmp_path / "q", "full")
+
+
+def test_two_builds_give_the_same_hashes(tiny_model: Path, tmp_path: Path) -> None:
+    """A second build in another process (another hash seed, no diffusers copy) is byte-identical, file by file."""
+    import os
+
+    done = subprocess.run([sys.executable, "-m", "server.cli", "engines", "tiny", "--out", str(tmp_path / "again")],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONHASHSEED": "123"})
+    assert done.returncode == 0, done.stderr
+    first = json.loads((tiny_model / "manifest.json").read_text())
+    second = json.loads((tmp_path / "again" / "manifest.json").read_text())
+    assert first["files"] == second["files"] and len(first["files"]) == 13
