@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from readme import write_section
 
 from engines.build.tiny import build_tiny
 from engines.config import RuntimeSettings
@@ -28,7 +29,6 @@ from engines.runtime import Runtime
 
 CASES = [(64, 1), (64, 4), (256, 1), (256, 4)]
 STEPS = 20
-START, END = "<!-- bench:pipeline:start -->", "<!-- bench:pipeline:end -->"
 
 
 def _time(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
@@ -95,12 +95,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))
-    if args.write_readme is not None and args.write_readme.is_file():
-        text = args.write_readme.read_text()
-        if START in text and END in text:
-            head, rest = text.split(START, 1)
-            _, tail = rest.split(END, 1)
-            args.write_readme.write_text(f"{head}{START}\n{table(result)}\n{END}{tail}")
+    write_section(args.write_readme, "pipeline", table(result))
 
 
 if __name__ == "__main__":

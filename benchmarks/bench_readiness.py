@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import httpx
+from readme import write_section
 
-START, END = "<!-- bench:readiness:start -->", "<!-- bench:readiness:end -->"
 DEV = Path(__file__).parents[1] / "configs" / "dev.toml"
 LIVELOCK = [{"sm_percent": 98, "memory_percent": 0, "power_w": 38, "power_limit_w": 300}]
 
@@ -107,11 +107,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))
-    if args.write_readme is not None and args.write_readme.is_file():
-        text = args.write_readme.read_text()
-        if START in text and END in text:
-            head, rest = text.split(START, 1)
-            args.write_readme.write_text(f"{head}{START}\n{table(result)}\n{END}{rest.split(END, 1)[1]}")
+    write_section(args.write_readme, "readiness", table(result))
 
 
 if __name__ == "__main__":

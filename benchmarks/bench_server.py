@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import httpx
+from readme import write_section
 
 from engines.config import RuntimeSettings
 from engines.pipeline import StableDiffusionOnnx
@@ -31,7 +32,6 @@ from engines.runtime import Runtime
 from server import bench
 
 ROOT = Path(__file__).parents[1]
-START, END = "<!-- bench:server:start -->", "<!-- bench:server:end -->"
 SIZE, STEPS = 64, 20
 
 
@@ -162,11 +162,7 @@ def main() -> None:
                                                                                  indent=2) + "\n")
     text = table(o, t, c)
     print(text)
-    if args.write_readme is not None and args.write_readme.is_file():
-        readme = args.write_readme.read_text()
-        if START in readme and END in readme:
-            head, rest = readme.split(START, 1)
-            args.write_readme.write_text(f"{head}{START}\n{text}\n{END}{rest.split(END, 1)[1]}")
+    write_section(args.write_readme, "server", text)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import tomllib
+from pathlib import Path
+from typing import Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from engines.errors import ConfigError
 
 ProviderName = Literal["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
 
@@ -94,3 +98,16 @@ class RuntimeSettings(BaseModel):
     def device(self) -> str:
         """Where IO binding places tensors: 'cuda' when a GPU provider is first, else 'cpu'."""
         return "cpu" if self.providers[0] == "CPUExecutionProvider" else "cuda"
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def load_toml(path: Path, model: type[M], what: str) -> M:
+    """``path`` validated as ``model``; ConfigError names the file and the problem."""
+    try:
+        return model.model_validate(tomllib.loads(path.read_text(encoding="utf-8")))
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {path} not found") from None
+    except (tomllib.TOMLDecodeError, ValidationError) as exc:
+        raise ConfigError(f"{path}: {exc}") from None

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from engines.errors import ConfigError
+from engines.config import load_toml
 
 
 class _Frozen(BaseModel):
@@ -50,12 +49,7 @@ class Matrix(_Frozen):
 
 
 def load_matrix(path: Path) -> Matrix:
-    try:
-        return Matrix.model_validate(tomllib.loads(path.read_text(encoding="utf-8")))
-    except FileNotFoundError:
-        raise ConfigError(f"version matrix {path} not found") from None
-    except (tomllib.TOMLDecodeError, ValidationError) as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+    return load_toml(path, Matrix, "version matrix")
 
 
 def version_tuple(text: str) -> tuple[int, ...]:

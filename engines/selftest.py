@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from engines.config import load_toml
 from engines.errors import ConfigError, SelfTestError
 from engines.protocol import Batch, BatchResult, ImageSpec
 from engines.telemetry import GpuSample, TelemetrySource
@@ -86,22 +87,27 @@ class Shape:
 
 
 def load_canaries(path: Path) -> CanarySuite:
-    try:
-        return CanarySuite.model_validate(tomllib.loads(path.read_text(encoding="utf-8")))
-    except FileNotFoundError:
-        raise ConfigError(f"canary file {path} not found") from None
-    except (tomllib.TOMLDecodeError, ValidationError) as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+    return load_toml(path, CanarySuite, "canary file")
+
+
+class _Windows(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    windows: tuple[SloWindow, ...] = ()
 
 
 def load_slo(path: Path, profile: str) -> tuple[SloWindow, ...]:
+    """The profile's array of tables in the SLO file."""
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
-        return tuple(SloWindow.model_validate(w) for w in data.get(profile, []))
     except FileNotFoundError:
         raise ConfigError(f"SLO file {path} not found") from None
-    except (tomllib.TOMLDecodeError, ValidationError) as exc:
+    except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+    try:
+        return _Windows.model_validate({"windows": data.get(profile, [])}).windows
+    except ValidationError as exc:
+        raise ConfigError(f"{path} [{profile}]: {exc}") from None
 
 
 def fingerprint(image: np.ndarray) -> np.ndarray:

@@ -8,7 +8,6 @@ Build-time only: imports torch and diffusers. Output layout::
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -17,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from engines.artifacts import sha256_file
 
 log = logging.getLogger(__name__)
 OPSET = 17
@@ -101,13 +102,6 @@ def export_components(text_encoder: Any, unet: Any, vae: Any, scheduler_config: 
     write_manifest(out, source)
     return out
 
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def build_versions() -> dict[str, str]:
