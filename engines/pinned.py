@@ -19,6 +19,8 @@ class HostAllocator(Protocol):
 
     def empty(self, shape: tuple[int, ...], dtype: type[np.generic]) -> np.ndarray: ...
 
+    def free(self, array: np.ndarray) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -27,6 +29,9 @@ class PageableAllocator:
 
     def empty(self, shape: tuple[int, ...], dtype: type[np.generic]) -> np.ndarray:
         return np.empty(shape, dtype=dtype)
+
+    def free(self, array: np.ndarray) -> None:
+        return None
 
     def close(self) -> None:
         return None
@@ -59,6 +64,12 @@ class PinnedAllocator:
         raw = memoryview((ctypes.c_byte * nbytes).from_address(ptr.value)).cast("B")
         array: np.ndarray = np.frombuffer(raw, dtype=np.dtype(dtype), count=math.prod(shape)).reshape(shape)
         return array
+
+    def free(self, array: np.ndarray) -> None:
+        address = array.ctypes.data
+        if address in self._pointers:
+            self._pointers.remove(address)
+            self._cudart.cudaFreeHost(ctypes.c_void_p(address))
 
     def close(self) -> None:
         while self._pointers:

@@ -19,6 +19,8 @@ from engines.ortlog import capture_ort_output
 from engines.pinned import HostAllocator, PageableAllocator, PinnedAllocator
 
 log = logging.getLogger(__name__)
+MAX_CACHED = 128
+"""Device buffers / host staging buffers kept per (tag, shape, dtype); least recently used go first."""
 
 _ORT_TYPES: dict[str, type[np.generic]] = {
     "tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
@@ -88,7 +90,7 @@ class Runtime:
         self._providers = provider_options(settings, model_dir)
         self.reports: dict[str, SessionReport] = {}
         self._host: HostAllocator | None = None
-        self._staging: dict[tuple[str, tuple[int, ...], str], tuple[np.ndarray, ort.OrtValue]] = {}
+        self._staging: OrderedDict[tuple[str, tuple[int, ...], str], tuple[np.ndarray, ort.OrtValue]] = OrderedDict()
         self._buffers: OrderedDict[tuple[str, tuple[int, ...], str], ort.OrtValue] = OrderedDict()
 
     @property
@@ -139,7 +141,7 @@ class Runtime:
         if value is None:
             value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, self.device, self.device_id)
             self._buffers[key] = value
-            while len(self._buffers) > 128:
+            while len(self._buffers) > MAX_CACHED:
                 self._buffers.popitem(last=False)
         else:
             self._buffers.move_to_end(key)
@@ -159,6 +161,10 @@ class Runtime:
         if key not in self._staging:
             array = self.host.empty(shape, dtype)
             self._staging[key] = (array, ort.OrtValue.ortvalue_from_numpy(array))
+            while len(self._staging) > MAX_CACHED:  # bounded like the device buffers; pinned memory is freed
+                old, _ = self._staging.popitem(last=False)[1]
+                self.host.free(old)
+        self._staging.move_to_end(key)
         return self._staging[key]
 
     def upload(self, tag: str, array: np.ndarray) -> ort.OrtValue:
