@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -103,11 +103,20 @@ class RuntimeSettings(BaseModel):
 M = TypeVar("M", bound=BaseModel)
 
 
+def read_toml(path: Path, what: str, hint: str = "") -> dict[str, Any]:
+    """The parsed file; ConfigError when it is missing or not TOML."""
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {path} not found{hint}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+
+
 def load_toml(path: Path, model: type[M], what: str) -> M:
     """``path`` validated as ``model``; ConfigError names the file and the problem."""
+    data = read_toml(path, what)
     try:
-        return model.model_validate(tomllib.loads(path.read_text(encoding="utf-8")))
-    except FileNotFoundError:
-        raise ConfigError(f"{what} {path} not found") from None
-    except (tomllib.TOMLDecodeError, ValidationError) as exc:
+        return model.model_validate(data)
+    except ValidationError as exc:
         raise ConfigError(f"{path}: {exc}") from None

@@ -13,7 +13,6 @@ import platform
 import statistics
 import threading
 import time
-import tomllib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engines.config import load_toml
+from engines.config import load_toml, read_toml
 from engines.errors import ConfigError, SelfTestError
 from engines.protocol import Batch, BatchResult, ImageSpec
 from engines.telemetry import GpuSample, TelemetrySource
@@ -98,12 +97,7 @@ class _Windows(BaseModel):
 
 def load_slo(path: Path, profile: str) -> tuple[SloWindow, ...]:
     """The profile's array of tables in the SLO file."""
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"SLO file {path} not found") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+    data = read_toml(path, "SLO file")
     try:
         return _Windows.model_validate({"windows": data.get(profile, [])}).windows
     except ValidationError as exc:

@@ -7,13 +7,12 @@ Environment overrides exist only for deployment settings (host, port, model fold
 from __future__ import annotations
 
 import os
-import tomllib
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from engines.config import RuntimeSettings
+from engines.config import RuntimeSettings, read_toml
 from engines.errors import ConfigError
 from engines.matrix import Matrix, load_matrix
 from engines.schedulers import SCHEDULERS
@@ -230,12 +229,7 @@ def _env_overrides(data: dict[str, object]) -> dict[str, object]:
 def load_settings(profile: str = "production", config: Path | None = None) -> Settings:
     """Load ``config`` or ``configs/<profile>.toml``; raises ConfigError naming the file and the field."""
     path = config or CONFIG_DIR / f"{profile}.toml"
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"profile file {path} not found (profiles: dev, production)") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    data = read_toml(path, "profile file", " (profiles: dev, production)")
     if config is None and data.get("profile", profile) != profile:
         raise ConfigError(f"{path} declares profile {data.get('profile')!r}, expected {profile!r}")
     try:
