@@ -23,9 +23,9 @@ from readme import write_section
 
 from engines.build.tiny import build_tiny
 from engines.config import RuntimeSettings
-from engines.pipeline import StableDiffusionOnnx
+from engines.diffusion.pipeline import StableDiffusionOnnx
 from engines.protocol import Batch, ImageSpec
-from engines.runtime import Runtime
+from engines.runtime.sessions import Runtime
 
 CASES = [(64, 1), (64, 4), (256, 1), (256, 4)]
 STEPS = 20

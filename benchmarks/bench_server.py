@@ -26,10 +26,10 @@ import httpx
 from readme import write_section
 
 from engines.config import RuntimeSettings
-from engines.pipeline import StableDiffusionOnnx
+from engines.diffusion.pipeline import StableDiffusionOnnx
 from engines.protocol import Batch, ImageSpec
-from engines.runtime import Runtime
-from server import bench
+from engines.runtime.sessions import Runtime
+from server.cli import bench
 
 ROOT = Path(__file__).parents[1]
 SIZE, STEPS = 64, 20

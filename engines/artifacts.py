@@ -14,17 +14,10 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from engines.errors import NotReadyError
+from engines.errors import ArtifactError
 
 TRT_DIR = "trt"
 VerifyMode = Literal["full", "size", "off"]
-
-
-class ArtifactError(NotReadyError):
-    """A model or engine artifact failed verification (exit code 23)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, permanent=True)
 
 
 def sha256_file(path: Path) -> str:

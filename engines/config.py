@@ -1,14 +1,20 @@
-"""Typed, bounded, frozen runtime settings (the ``[runtime]`` table of a profile)."""
+"""Config types: typed, bounded, frozen models of configs/*.toml, shared by server/ and engines/.
+
+The ``[runtime]`` table of a profile (RuntimeSettings), the version matrix (Matrix), the GPU signature thresholds,
+the canary suite, the SLO windows and the self-test plan built from them, and the one ``WIDTHxHEIGHT`` parser.
+"""
 
 from __future__ import annotations
 
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engines.errors import ConfigError
+from engines.protocol import Batch, ImageSpec
 
 ProviderName = Literal["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
 
@@ -120,3 +126,190 @@ def load_toml(path: Path, model: type[M], what: str) -> M:
         return model.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+
+
+SCHEDULER_NAMES: tuple[str, ...] = ("euler", "euler_a", "ddim", "dpmpp_2m")
+"""Scheduler names as the API accepts them (engines/diffusion/schedulers.py implements each)."""
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    """``WIDTHxHEIGHT`` with ASCII digits only -> (width, height); ValueError otherwise. The one size parser."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isascii() and p.isdigit() and 0 < len(p) <= 5 and int(p) > 0 for p in parts):
+        raise ValueError(f"size {text!r} must look like 512x512")
+    return int(parts[0]), int(parts[1])
+
+
+# Version matrix (configs/matrix.toml)
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class OrtMatrix(_Frozen):
+    version: str = "1.31.1"
+    """onnxruntime-gpu version (prefix)."""
+    cuda: str = "13.0"
+    """CUDA major.minor the ORT build targets."""
+
+
+class CudnnMatrix(_Frozen):
+    major: str = "9"
+
+
+class TensorrtMatrix(_Frozen):
+    version: str = "10"
+    """TensorRT version prefix the ORT TensorRT provider links against."""
+
+
+class DriverMatrix(_Frozen):
+    min_version: str = "580.65"
+    """Minimum NVIDIA driver version (dotted, compared numerically)."""
+
+
+class DeviceMatrix(_Frozen):
+    compute_capabilities: tuple[str, ...] = ("8.0", "8.6", "8.9", "9.0", "10.0", "12.0")
+    count: int = Field(1, ge=1, le=64)
+    """Devices this process expects to see."""
+
+
+class Matrix(_Frozen):
+    onnxruntime: OrtMatrix = OrtMatrix()
+    cudnn: CudnnMatrix = CudnnMatrix()
+    tensorrt: TensorrtMatrix = TensorrtMatrix()
+    driver: DriverMatrix = DriverMatrix()
+    device: DeviceMatrix = DeviceMatrix()
+
+
+def load_matrix(path: Path) -> Matrix:
+    return load_toml(path, Matrix, "version matrix")
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.strip().split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+# GPU signature thresholds (the [signature] table of a profile)
+
+class SignatureThresholds(BaseModel):
+    """Thresholds of the classifier (``[signature]`` in a profile)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    busy_sm_percent: float = Field(95.0, ge=0, le=100)
+    """SM utilization at or above which the card counts as fully busy."""
+    livelock_max_memory_percent: float = Field(2.0, ge=0, le=100)
+    """Busy SMs with the memory controller at or below this are not doing real work."""
+    livelock_max_power_fraction: float = Field(0.5, gt=0, le=1)
+    """...and drawing at most this fraction of the healthy working power."""
+    working_power_w: float | None = Field(None, gt=0)
+    """Healthy working draw of this card under this model; default: 40% of the enforced power limit."""
+    idle_sm_percent: float = Field(10.0, ge=0, le=100)
+    """At or below: the GPU is doing (almost) nothing."""
+    memory_bound_percent: float = Field(60.0, ge=0, le=100)
+    """Memory controller at or above this while SMs are below busy: memory-bound work."""
+
+
+# Self-test: canaries (configs/canaries.toml), SLO windows (configs/slo.toml), the plan
+
+class Canary(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(..., min_length=1, max_length=64)
+    prompt: str = Field(..., min_length=1)
+    negative_prompt: str = ""
+    seed: int = Field(..., ge=0, le=2**32 - 1)
+
+
+class CanarySuite(BaseModel):
+    """configs/canaries.toml"""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    steps: int = Field(8, ge=1, le=100)
+    scheduler: str = "euler"
+    guidance_scale: float = Field(7.5, ge=0, le=30)
+    canary: tuple[Canary, ...] = Field(..., min_length=1)
+
+    def batch(self, shape: Shape) -> Batch:
+        specs = []
+        for i in range(shape.batch):
+            c = self.canary[i % len(self.canary)]
+            specs.append(ImageSpec(c.prompt, c.negative_prompt, c.seed + i // len(self.canary), self.guidance_scale))
+        return Batch(tuple(specs), shape.width, shape.height, self.steps, self.scheduler)
+
+    def names(self, shape: Shape) -> list[str]:
+        return [self.canary[i % len(self.canary)].name for i in range(shape.batch)]
+
+
+class SloWindow(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    size: str
+    batch: int = Field(..., ge=1)
+    steps: int = Field(..., ge=1)
+    budget_s: float = Field(..., gt=0)
+    """Bound on the p95 of the timed canary batches, seconds."""
+    min_gpu_util_percent: float | None = Field(None, ge=0, le=100)
+
+
+@dataclass(frozen=True)
+class Shape:
+    width: int
+    height: int
+    batch: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.width}x{self.height}x{self.batch}"
+
+    @property
+    def size(self) -> str:
+        return f"{self.width}x{self.height}"
+
+
+def load_canaries(path: Path) -> CanarySuite:
+    return load_toml(path, CanarySuite, "canary file")
+
+
+class _Windows(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    windows: tuple[SloWindow, ...] = ()
+
+
+def load_slo(path: Path, profile: str) -> tuple[SloWindow, ...]:
+    """The profile's array of tables in the SLO file."""
+    data = read_toml(path, "SLO file")
+    try:
+        return _Windows.model_validate({"windows": data.get(profile, [])}).windows
+    except ValidationError as exc:
+        raise ConfigError(f"{path} [{profile}]: {exc}") from None
+
+
+@dataclass(frozen=True)
+class SelfTestPlan:
+    """What the self-test runs and against what it judges."""
+
+    suite: CanarySuite
+    shapes: tuple[Shape, ...]
+    slo: tuple[SloWindow, ...]
+    timed_runs: int = 3
+    tolerance: float = 4.0
+    """Max |fingerprint difference| (pixel units) on the recording platform."""
+    cross_platform_tolerance: float = 24.0
+    """...and when the recording came from another platform (CPU vs GPU, fp32 vs fp16)."""
+    require_fingerprints: bool = False
+    fingerprints_file: str = "selftest.json"
+    batch_sizes: tuple[int, ...] = (1,)
+    """Used with the model's native size when ``shapes`` is empty."""
+
+    def window(self, shape: Shape) -> SloWindow | None:
+        return next((w for w in self.slo if (w.size, w.batch, w.steps) == (shape.size, shape.batch,
+                                                                            self.suite.steps)), None)

@@ -10,26 +10,44 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from PIL import Image
 
-from engines import artifacts, selftest
-from engines.config import RuntimeSettings
-from engines.errors import GpuUnavailableError, NotReadyError, SelfTestError, VersionMismatchError
-from engines.faults import FaultInjector
-from engines.matrix import Matrix
-from engines.pipeline import StableDiffusionOnnx
-from engines.preflight import Check, Observations, evaluate, failures, gather
-from engines.protocol import Batch, BatchResult, CanaryCheck, GeneratedImage, ModelInfo
-from engines.runtime import Runtime, provider_options
-from engines.schedulers import SCHEDULERS
-from engines.selftest import Canary, CanarySuite, SelfTestPlan, SelfTestReport, Shape
-from engines.telemetry import TelemetrySource
+from engines import artifacts
+from engines.config import Canary, CanarySuite, Matrix, RuntimeSettings, SelfTestPlan, Shape, SignatureThresholds
+from engines.diffusion.pipeline import StableDiffusionOnnx
+from engines.diffusion.schedulers import SCHEDULERS
+from engines.errors import ArtifactError, GpuUnavailableError, NotReadyError, SelfTestError, VersionMismatchError
+from engines.health import selftest, signature
+from engines.health.preflight import Check, Observations, evaluate, failures, gather
+from engines.protocol import (
+    Artifacts,
+    Attention,
+    Batch,
+    BatchResult,
+    CanaryCheck,
+    Capabilities,
+    CheckResult,
+    EngineArtifacts,
+    Faults,
+    GeneratedImage,
+    GpuSample,
+    IoInfo,
+    ModelInfo,
+    OrtEvent,
+    PlacementSummary,
+    Policy,
+    SelfTestReport,
+    Signature,
+    TelemetrySource,
+    Verdict,
+    fingerprint,
+)
+from engines.runtime.ortlog import StderrTee
+from engines.runtime.sessions import Runtime, SessionReport, provider_options
 
 log = logging.getLogger(__name__)
-SCHEMA_VERSION = 1
 
 
 def _describe(checks: list[Check]) -> str:
@@ -40,7 +58,9 @@ class OrtEngine:
     """One model on one device. ``generate`` runs one batch at a time (a lock), never concurrently."""
 
     def __init__(self, model_dir: Path, settings: RuntimeSettings, matrix: Matrix | None = None,
-                 plan: SelfTestPlan | None = None, faults: FaultInjector | None = None) -> None:
+                 plan: SelfTestPlan | None = None, faults: Faults | None = None,
+                 signature_thresholds: SignatureThresholds | None = None, watch_ort_log: bool = False) -> None:
+        """``watch_ort_log``: from preflight on, tee fd 2 and classify what ORT prints after boot (serving only)."""
         self.model_dir = model_dir
         self.settings = settings
         self.matrix = matrix or Matrix()
@@ -53,13 +73,17 @@ class OrtEngine:
         self._lock = threading.Lock()
         self._observations: Observations | None = None
         self._checks: list[Check] = []
-        self._self_test: dict[str, Any] = {}
         self._errors: list[str] = []
-        self._artifacts: dict[str, Any] = {}
+        self._artifacts = Artifacts()
+        self._info: ModelInfo | None = None
+        self._thresholds = signature_thresholds or SignatureThresholds()
+        self._tee = StderrTee() if watch_ort_log else None
 
-    def preflight(self) -> dict[str, Any]:
+    def preflight(self) -> tuple[CheckResult, ...]:
         """Check versions, provider libraries and the device against the matrix. With a GPU policy, any failure
         raises: version mismatches (exit 21) before a missing GPU path (exit 20)."""
+        if self._tee is not None and not self._tee.running:
+            self._tee.start()
         self._observations = gather()
         self._checks = evaluate(self._observations, self.matrix, self.settings)
         gpu, versions = failures(self._checks)
@@ -70,7 +94,7 @@ class OrtEngine:
             raise VersionMismatchError("version matrix mismatch: " + _describe(versions))
         if gpu:
             raise GpuUnavailableError("GPU path unavailable: " + _describe(gpu))
-        return {"checks": [c.as_dict() for c in self._checks]}
+        return tuple(c.to_model() for c in self._checks)
 
     def load(self) -> None:
         """Verify artifacts, then build every session under the policy."""
@@ -78,6 +102,9 @@ class OrtEngine:
             sources = self._verify_artifacts()
             self._runtime = Runtime(self.settings, self.model_dir)
             self._pipeline = StableDiffusionOnnx(self.model_dir, self._runtime, sources)
+            p = self._pipeline
+            self._info = ModelInfo(self.model_dir.name, p.size_multiple, p.default_size, tuple(SCHEDULERS),
+                                   p.tokenizer.max_length, _unet_digest(self.model_dir))
         except NotReadyError as exc:
             self._errors.append(str(exc))
             raise
@@ -88,20 +115,21 @@ class OrtEngine:
         """The model folder against its manifest; with TensorRT in the policy, the prebuilt engines against this
         node. Returns the EP-context models to load instead of the plain ONNX files."""
         artifacts.verify_model(self.model_dir, self.settings.verify)
-        self._artifacts = {"model_manifest": f"verified ({self.settings.verify})"}
+        self._artifacts = Artifacts(model_manifest=f"verified ({self.settings.verify})")
         trt = self.model_dir / artifacts.TRT_DIR
         if "TensorrtExecutionProvider" not in self.settings.providers:
             return {}
         if not (trt / "manifest.json").is_file():
             if self.settings.tensorrt.require_engines:
-                raise artifacts.ArtifactError(
+                raise ArtifactError(
                     f"no prebuilt TensorRT engines in {trt}: build them with `sdserve engines build` on a node with "
                     "the deployed versions (the server never builds engines in production)")
             log.warning("no prebuilt TensorRT engines in %s: TensorRT may build them on this node (slow boot)", trt)
             return {}
-        live = artifacts.node_identity(self._observations.as_dict() if self._observations else {},
+        live = artifacts.node_identity(self._observations.to_model().model_dump() if self._observations else {},
                                        self.settings.device_id)
-        self._artifacts["engines"] = artifacts.verify_engines(self.model_dir, live, self.settings.verify)
+        found = artifacts.verify_engines(self.model_dir, live, self.settings.verify)
+        self._artifacts = self._artifacts.model_copy(update={"engines": EngineArtifacts.model_validate(found)})
         return {c: trt / f"{c}_ctx.onnx" for c in ("text_encoder", "unet", "vae_decoder")
                 if (trt / f"{c}_ctx.onnx").is_file()}
 
@@ -113,16 +141,9 @@ class OrtEngine:
 
     @property
     def info(self) -> ModelInfo:
-        p = self.pipeline
-        return ModelInfo(self.model_dir.name, p.size_multiple, p.default_size, tuple(SCHEDULERS),
-                         p.tokenizer.max_length, self._digest())
-
-    def _digest(self) -> str:
-        manifest = self.model_dir / "manifest.json"
-        if not manifest.is_file():
-            return ""
-        files = json.loads(manifest.read_text(encoding="utf-8")).get("files", {})
-        return str(files.get("unet/model.onnx", ""))
+        if self._info is None:
+            raise NotReadyError("model not loaded")
+        return self._info
 
     def resolved_plan(self) -> SelfTestPlan:
         """The configured plan (or one built-in canary), with no shapes meaning the model's native size."""
@@ -133,18 +154,11 @@ class OrtEngine:
             return plan
         return dataclasses.replace(plan, shapes=tuple(Shape(size, size, b) for b in plan.batch_sizes))
 
-    def _telemetry(self) -> TelemetrySource | None:
-        if self.settings.device != "cuda":
-            return None
-        from engines.telemetry import NvmlTelemetry
-
-        return NvmlTelemetry()
-
-    def self_test(self) -> dict[str, Any]:
+    def self_test(self) -> SelfTestReport:
         """Canaries at every served shape: sanity, fingerprints, SLO windows (engines/selftest.py)."""
         plan = self.resolved_plan()
         try:
-            self._report = selftest.run(plan, self.generate, self.model_dir, self._telemetry(),
+            self._report = selftest.run(plan, self.generate, self.model_dir, self.telemetry(),
                                         self.settings.device_id)
         except SelfTestError as exc:
             if isinstance(exc.report, SelfTestReport):
@@ -152,10 +166,9 @@ class OrtEngine:
             self._errors.append(str(exc))
             raise
         first = plan.shapes[0]
-        self._boot_fingerprint = selftest.fingerprint(np.asarray(self.generate(plan.suite.batch(
+        self._boot_fingerprint = fingerprint(np.asarray(self.generate(plan.suite.batch(
             Shape(first.width, first.height, 1))).images[0].image))
-        self._self_test = self._report.as_dict()
-        return self._self_test
+        return self._report
 
     def record_fingerprints(self) -> Path:
         return selftest.record(self.resolved_plan(), self.generate, self.model_dir)
@@ -171,7 +184,7 @@ class OrtEngine:
         image = np.asarray(result.images[0].image)
         baseline = next((r.p50_s / first.batch for r in (self._report.shapes if self._report else [])
                          if r.shape == first.key), seconds)
-        distance = (float(np.abs(selftest.fingerprint(image) - self._boot_fingerprint).max())
+        distance = (float(np.abs(fingerprint(image) - self._boot_fingerprint).max())
                     if self._boot_fingerprint is not None else 0.0)
         problem = selftest.sanity(image)
         return CanaryCheck(shape.key, seconds, baseline, distance, plan.tolerance, problem)
@@ -179,22 +192,38 @@ class OrtEngine:
     def generate(self, batch: Batch) -> BatchResult:
         pipeline = self.pipeline
         with self._lock:
-            images, truncated, timings = pipeline(batch)
+            out = pipeline(batch)
             if self.faults is not None and self.faults.latency_s > 0:
                 time.sleep(self.faults.latency_s)
-        out = tuple(GeneratedImage(Image.fromarray(img), spec.seed, trunc)
-                    for img, spec, trunc in zip(images, batch.images, truncated, strict=True))
-        return BatchResult(out, self.provider, timings)
+        images = tuple(GeneratedImage(Image.fromarray(img), spec.seed, trunc, neg)
+                       for img, spec, trunc, neg in zip(out.images, batch.images, out.truncated,
+                                                        out.negative_truncated, strict=True))
+        return BatchResult(images, self.provider, out.timings, len(images))
 
     @property
     def provider(self) -> str:
         return str(self.pipeline.unet.session.get_providers()[0])
 
-    def prompt_overflows(self, texts: list[str]) -> list[bool]:
-        return list(self.pipeline.tokenizer(texts).truncated)
-
     def check_health(self) -> None:
         self.pipeline  # noqa: B018 - raises NotReadyError when not loaded
+
+    def telemetry(self) -> TelemetrySource | None:
+        """NVML on a GPU policy (preflight has already proven it starts); none on the CPU."""
+        if self.settings.device != "cuda":
+            return None
+        try:
+            from engines.health.telemetry import NvmlTelemetry
+
+            return NvmlTelemetry()
+        except Exception as exc:  # pynvml's NVMLError family; preflight reports the cause with its exit code
+            log.error("NVML unavailable for the watchdog: %s", exc)
+            return None
+
+    def signature(self, samples: list[GpuSample], requests_running: bool) -> Signature:
+        return signature.classify(samples, requests_running, self._thresholds)
+
+    def ort_events(self) -> list[OrtEvent]:
+        return self._tee.drain() if self._tee is not None else []
 
     def _accelerated(self) -> bool:
         if self.settings.device != "cuda" or self._pipeline is None or self._runtime is None:
@@ -204,7 +233,7 @@ class OrtEngine:
                 and all(r.providers_used[:1] and r.providers_used[0] != "CPUExecutionProvider" for r in reports)
                 and all(r.placement is None or r.placement.ok for r in reports))
 
-    def capabilities(self) -> dict[str, Any]:
+    def capabilities(self) -> Capabilities:
         """The capability snapshot (schema: engines/schemas/capabilities.schema.json)."""
         accelerated = self._accelerated()
         reports = self._runtime.reports if self._runtime else {}
@@ -214,47 +243,48 @@ class OrtEngine:
             reasons.insert(0, "CPU allowed by the profile (dev): not accelerated")
         status = "pass" if accelerated else ("cpu-dev" if self.settings.allow_cpu and not failed and
                                             not self._errors else "fail")
-        return {
-            "schema_version": SCHEMA_VERSION,
-            "generated_at": datetime.datetime.now(datetime.UTC).isoformat(),
-            "accelerated": accelerated,
-            "verdict": {"status": status, "reasons": reasons},
-            "device": self.settings.device,
-            "device_id": self.settings.device_id,
-            "model": str(self.model_dir),
-            "policy": {"providers": list(self.settings.providers), "allow_cpu": self.settings.allow_cpu,
-                       "enable_fallback": self.settings.allow_cpu,
-                       "disable_cpu_ep_fallback": self.settings.disable_cpu_ep_fallback,
-                       "placement_audit": self.settings.placement_audit,
-                       "cpu_allowlist": list(self.settings.cpu_allowlist)},
-            "provider_options": {name: opts for name, opts in provider_options(self.settings, self.model_dir)},
-            "checks": [c.as_dict() for c in self._checks],
-            "observations": self._observations.as_dict() if self._observations else {},
-            "sessions": {name: r.as_dict() for name, r in reports.items()},
-            "placement_summary": {name: {"nodes_by_provider": r.placement.nodes_by_provider,
-                                         "compute_on_cpu": r.placement.compute_on_cpu, "ok": r.placement.ok}
-                                  for name, r in reports.items() if r.placement is not None},
-            "io": {"binding": "iobinding", "device": self.settings.device,
-                   "host_staging": self._runtime.host.kind if self._runtime else "none",
-                   "buffers_reused_per_shape": True},
-            "arena": self.settings.cuda.model_dump(),
-            "artifacts": self._artifacts,
-            "attention": self._attention(reports),
-            "self_test": self._self_test,
-        }
-
-    @staticmethod
-    def _attention(reports: dict[str, Any]) -> dict[str, Any]:
-        """Whether attention is fused (fused attention ops present) and where those ops run."""
-        fused: dict[str, dict[str, int]] = {}
-        for name, report in reports.items():
-            if report.placement is not None and report.placement.attention:
-                fused[name] = report.placement.attention
-        on_gpu = bool(fused) and all(p != "CPUExecutionProvider" for f in fused.values() for p in f)
-        return {"fused": bool(fused), "on_gpu": on_gpu, "by_session": fused}
+        s = self.settings
+        return Capabilities(
+            generated_at=datetime.datetime.now(datetime.UTC).isoformat(), accelerated=accelerated,
+            verdict=Verdict(status=status, reasons=tuple(reasons)), device=s.device, device_id=s.device_id,
+            model=str(self.model_dir),
+            policy=Policy(providers=s.providers, allow_cpu=s.allow_cpu, enable_fallback=s.allow_cpu,
+                          disable_cpu_ep_fallback=s.disable_cpu_ep_fallback, placement_audit=s.placement_audit,
+                          cpu_allowlist=s.cpu_allowlist),
+            provider_options=dict(provider_options(s, self.model_dir)),
+            checks=tuple(c.to_model() for c in self._checks),
+            observations=self._observations.to_model() if self._observations else None,
+            sessions={name: r.to_model() for name, r in reports.items()},
+            placement_summary={name: PlacementSummary(nodes_by_provider=r.placement.nodes_by_provider,
+                                                      compute_on_cpu=r.placement.compute_on_cpu, ok=r.placement.ok)
+                               for name, r in reports.items() if r.placement is not None},
+            io=IoInfo(binding="iobinding", device=s.device,
+                      host_staging=self._runtime.host.kind if self._runtime else "none",
+                      buffers_reused_per_shape=True),
+            arena=s.cuda.model_dump(), artifacts=self._artifacts, attention=_attention(reports),
+            self_test=self._report)
 
     def close(self) -> None:
         if self._runtime is not None:
             self._runtime.close()
+        if self._tee is not None:
+            self._tee.stop()
         self._pipeline = None
         self._runtime = None
+
+
+def _attention(reports: dict[str, SessionReport]) -> Attention:
+    """Whether attention is fused (fused attention ops present) and where those ops run."""
+    fused = {name: r.placement.attention for name, r in reports.items()
+             if r.placement is not None and r.placement.attention}
+    on_gpu = bool(fused) and all(p != "CPUExecutionProvider" for f in fused.values() for p in f)
+    return Attention(fused=bool(fused), on_gpu=on_gpu, by_session=fused)
+
+
+def _unet_digest(model_dir: Path) -> str:
+    """sha256 of the UNet from the model's manifest, read once at load ("" without a manifest)."""
+    manifest = model_dir / "manifest.json"
+    if not manifest.is_file():
+        return ""
+    entry = json.loads(manifest.read_text(encoding="utf-8")).get("files", {}).get("unet/model.onnx", "")
+    return str(entry.get("sha256", "") if isinstance(entry, dict) else entry)

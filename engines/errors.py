@@ -1,5 +1,6 @@
 """The one error hierarchy. The HTTP layer maps each class to a status in a single table (server/errors.py);
-the CLI maps boot failures to process exit codes (server/exitcodes.py)."""
+the CLI maps boot failures to process exit codes (server/exitcodes.py). Errors that exist only on the HTTP path
+(queue full, deadline, client gone) live in server/errors.py, in the same hierarchy."""
 
 from __future__ import annotations
 
@@ -53,6 +54,13 @@ class VersionMismatchError(NotReadyError):
 
 class PlacementError(NotReadyError):
     """A compute op was placed on a provider the policy forbids (CPU fallback)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, permanent=True)
+
+
+class ArtifactError(NotReadyError):
+    """A model or engine artifact failed verification (exit code 23)."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message, permanent=True)

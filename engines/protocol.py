@@ -1,11 +1,35 @@
-"""The engine protocol: the only way server/ reaches inference."""
+"""The engine protocol: the only way server/ reaches inference, with typed requests, results and reports.
+
+Nothing crossing this boundary is a ``dict[str, Any]``: the capability snapshot, the self-test report, the GPU
+signature and ORT log events are frozen types, and their JSON shape is their ``model_dump(mode="json")``
+(engines/schemas/capabilities.schema.json is tested against it).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol
 
+import numpy as np
 from PIL import Image
+from pydantic import BaseModel, ConfigDict
+
+THUMB = 8
+"""Canary fingerprints are THUMB x THUMB block means."""
+
+
+def fingerprint(image: np.ndarray) -> np.ndarray:
+    """8x8 block means of an HxWx3 uint8 image, in pixel units (0..255): the canary fingerprint that selftest.json
+    records, the watchdog compares and `sdserve gate` compares across rollouts."""
+    h, w = image.shape[:2]
+    rows, cols = np.linspace(0, h, THUMB + 1).astype(int), np.linspace(0, w, THUMB + 1).astype(int)
+    pixels = image.astype(np.float64)
+    return np.array([[pixels[rows[i]:rows[i + 1], cols[j]:cols[j + 1]].mean(axis=(0, 1)) for j in range(THUMB)]
+                     for i in range(THUMB)])
+
+
+# Requests and results
 
 
 @dataclass(frozen=True)
@@ -27,6 +51,8 @@ class Batch:
     height: int = 64
     steps: int = 20
     scheduler: str = "euler"
+    truncate_prompts: bool = True
+    """Over-long prompts: truncate (reported per image) or refuse with InvalidRequestError (tokenized once)."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +60,17 @@ class GeneratedImage:
     image: Image.Image
     seed: int
     prompt_truncated: bool = False
+    negative_prompt_truncated: bool = False
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Seconds per phase of one executed batch."""
+
+    text_encoder: float = 0.0
+    denoise: float = 0.0
+    vae_decode: float = 0.0
+    total: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -41,8 +78,13 @@ class BatchResult:
     images: tuple[GeneratedImage, ...]
     provider: str
     """The execution provider that ran the UNet."""
-    timings: dict[str, float] = field(default_factory=dict)
-    """Seconds per phase: text_encoder, denoise, vae_decode, total."""
+    timings: Timings = Timings()
+    batch_images: int = 0
+    """Images in the batch that actually executed (micro-batching may merge requests); 0 = len(images)."""
+
+    @property
+    def executed(self) -> int:
+        return self.batch_images or len(self.images)
 
 
 @dataclass(frozen=True)
@@ -56,7 +98,7 @@ class ModelInfo:
     schedulers: tuple[str, ...]
     max_prompt_tokens: int
     digest: str = ""
-    """sha256 of the UNet file from the model's manifest ("" when there is no manifest)."""
+    """sha256 of the UNet file from the model's manifest, read once at load ("" when there is no manifest)."""
 
 
 @dataclass(frozen=True)
@@ -71,17 +113,246 @@ class CanaryCheck:
     problem: str | None = None
 
 
+@dataclass
+class Faults:
+    """Fault injection behind an explicit interface (never monkey-patching): created only when the dev profile sets
+    ``debug.fault_injection``, so production cannot be slowed down by a request."""
+
+    latency_s: float = 0.0
+    """Extra seconds added to every batch, inside the execution lock (a slow GPU, as the server sees it)."""
+
+
+# Telemetry, signature and ORT log events
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    sm_percent: float
+    """SM (kernel) utilization, %."""
+    memory_percent: float
+    """Memory-controller utilization, %."""
+    power_w: float
+    power_limit_w: float
+    memory_used_bytes: int = 0
+
+
+class TelemetrySource(Protocol):
+    def sample(self, device_index: int) -> GpuSample: ...
+
+
+SignatureVerdict = Literal["idle", "healthy_compute", "memory_bound", "livelock", "fallback_suspected", "inconclusive"]
+
+
+@dataclass(frozen=True)
+class Signature:
+    """The GPU signature over a window of samples: computing, spinning, idle or CPU fallback."""
+
+    verdict: SignatureVerdict
+    reason: str
+    sm_percent: float
+    memory_percent: float
+    power_w: float
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+EventKind = Literal["provider_library_missing", "provider_creation_failed", "driver_too_old", "cpu_fallback",
+                    "nodes_not_on_preferred_provider", "memcpy_nodes_added", "engine_rebuild", "arena_growth"]
+
+
+Severity = Literal["error", "warning", "info"]
+
+
+class OrtEvent(_Frozen):
+    """A classified ONNX Runtime log line."""
+
+    kind: EventKind
+    severity: Severity
+    """error: the fast path is broken; warning: it is degraded; info: worth knowing."""
+    line: str
+    detail: str = ""
+
+
+# The self-test report
+
+
+class ShapeResult(_Frozen):
+    shape: str
+    latencies_s: tuple[float, ...]
+    p50_s: float
+    p95_s: float
+    budget_s: float | None
+    gpu_util_percent: float | None
+    gpu_util_floor: float | None
+    distances: dict[str, float] = {}
+    """canary name -> max |fingerprint difference| in pixel units."""
+    failures: tuple[str, ...] = ()
+
+
+class SelfTestReport(_Frozen):
+    passed: bool
+    shapes: tuple[ShapeResult, ...]
+    fingerprints: str
+    """'checked against ...', 'not recorded', or 'recorded now'."""
+    seconds: float
+
+
+# The capability snapshot
+
+
+class Verdict(_Frozen):
+    status: Literal["pass", "fail", "cpu-dev"]
+    reasons: tuple[str, ...]
+
+
+class Policy(_Frozen):
+    providers: tuple[str, ...]
+    allow_cpu: bool
+    enable_fallback: bool
+    disable_cpu_ep_fallback: bool
+    placement_audit: bool
+    cpu_allowlist: tuple[str, ...]
+
+
+class CheckResult(_Frozen):
+    name: str
+    category: Literal["gpu", "version"]
+    status: Literal["pass", "fail", "skip"]
+    observed: str
+    expected: str
+    remediation: str = ""
+
+
+class LibraryClosure(_Frozen):
+    library: str
+    missing: dict[str, str]
+    """soname -> the package that ships it."""
+    resolved: dict[str, str]
+
+
+class GpuDevice(_Frozen):
+    index: int
+    name: str
+    compute_capability: str
+    memory_total_bytes: int
+    memory_used_bytes: int
+
+
+class NvmlInfo(_Frozen):
+    available: bool
+    error: str = ""
+    driver_version: str = ""
+    cuda_driver_version: str = ""
+    devices: tuple[GpuDevice, ...] = ()
+
+
+class FoundVersion(_Frozen):
+    version: str | None
+    source: str = ""
+
+
+class Observations(_Frozen):
+    """What preflight found on this node."""
+
+    onnxruntime: str
+    onnxruntime_cuda_build: str
+    available_providers: tuple[str, ...]
+    provider_libraries: dict[str, LibraryClosure]
+    nvml: NvmlInfo
+    cudnn: FoundVersion
+    tensorrt: FoundVersion
+
+
+class Placement(_Frozen):
+    """Which provider runs each node of one session; what landed on the CPU and whether the policy allows it."""
+
+    session: str
+    nodes_by_provider: dict[str, int]
+    cpu_ops: dict[str, int]
+    """op_type -> count of nodes on the CPU provider."""
+    disallowed_on_cpu: dict[str, int]
+    compute_on_cpu: dict[str, int]
+    examples: tuple[str, ...]
+    attention: dict[str, int]
+    """provider -> count of fused attention nodes."""
+    ok: bool
+
+
+class SessionInfo(_Frozen):
+    providers_requested: tuple[str, ...]
+    providers_used: tuple[str, ...]
+    ort_events: tuple[OrtEvent, ...]
+    ort_log: tuple[str, ...]
+    placement: Placement | None
+
+
+class PlacementSummary(_Frozen):
+    nodes_by_provider: dict[str, int]
+    compute_on_cpu: dict[str, int]
+    ok: bool
+
+
+class IoInfo(_Frozen):
+    binding: str
+    device: str
+    host_staging: str
+    buffers_reused_per_shape: bool
+
+
+class EngineArtifacts(_Frozen):
+    path: str
+    profiles: tuple[dict[str, str | int | list[int] | dict[str, str]], ...]
+    cache_read_only: bool
+
+
+class Artifacts(_Frozen):
+    model_manifest: str = "not checked"
+    engines: EngineArtifacts | None = None
+
+
+class Attention(_Frozen):
+    fused: bool
+    on_gpu: bool
+    by_session: dict[str, dict[str, int]]
+
+
+class Capabilities(_Frozen):
+    """The capability snapshot (GET /capabilities, `sdserve doctor --json`): what was proven about the fast path."""
+
+    schema_version: Literal[1] = 1
+    generated_at: str
+    accelerated: bool
+    """True only when every check passed, every session runs on a GPU provider and no compute op is on the CPU."""
+    verdict: Verdict
+    device: Literal["cuda", "cpu"]
+    device_id: int
+    model: str
+    policy: Policy
+    provider_options: dict[str, dict[str, str]]
+    checks: tuple[CheckResult, ...]
+    observations: Observations | None
+    sessions: dict[str, SessionInfo]
+    placement_summary: dict[str, PlacementSummary]
+    io: IoInfo
+    arena: dict[str, str | bool | float | int]
+    artifacts: Artifacts
+    attention: Attention
+    self_test: SelfTestReport | None
+
+
 class Engine(Protocol):
     """Lifecycle verbs of an inference engine."""
 
-    def preflight(self) -> dict[str, Any]:
-        """Check the runtime and device before any model loads; returns the findings."""
+    def preflight(self) -> tuple[CheckResult, ...]:
+        """Check the runtime and device before any model loads; raises when the policy cannot be met."""
 
     def load(self) -> None:
         """Build sessions under the provider policy; raises NotReadyError when the policy cannot be met."""
 
-    def self_test(self) -> dict[str, Any]:
-        """Run canaries on the loaded model; raises when the output or latency is wrong."""
+    def self_test(self) -> SelfTestReport:
+        """Run canaries on the loaded model; raises SelfTestError when the output or latency is wrong."""
 
     def generate(self, batch: Batch) -> BatchResult:
         """Run one batch; raises InvalidRequestError for requests the model cannot serve."""
@@ -89,14 +360,23 @@ class Engine(Protocol):
     def canary(self) -> CanaryCheck:
         """Run one canary now (the watchdog calls this while no request runs)."""
 
-    def prompt_overflows(self, texts: list[str]) -> list[bool]:
-        """Per text: whether it is longer than the text encoder takes (it would be truncated)."""
+    def record_fingerprints(self) -> Path:
+        """Run every canary shape once and store the outputs' fingerprints next to the model."""
 
     def check_health(self) -> None:
         """Raise NotReadyError when the engine can no longer serve on its proven path."""
 
-    def capabilities(self) -> dict[str, Any]:
+    def capabilities(self) -> Capabilities:
         """The capability snapshot: providers, options, checks, verdict."""
+
+    def telemetry(self) -> TelemetrySource | None:
+        """The device's telemetry (NVML on a GPU); None on the CPU or when NVML cannot start."""
+
+    def signature(self, samples: list[GpuSample], requests_running: bool) -> Signature:
+        """Classify a window of telemetry samples (healthy compute, livelock, idle, fallback suspected)."""
+
+    def ort_events(self) -> list[OrtEvent]:
+        """Classified ONNX Runtime log lines printed since the last call (after boot)."""
 
     @property
     def info(self) -> ModelInfo:

@@ -1,4 +1,5 @@
-"""The FastAPI application: the lifespan owns the engine, the watchdog and the stderr tee; the port opens before
+"""The FastAPI application: the lifespan owns the engine (and with it the ORT log tee), the batcher and
+the watchdog; the port opens before
 the model is proven (/health 200, /ready 503 with the state and reasons until the self-test passes)."""
 
 from __future__ import annotations
@@ -11,10 +12,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
-from engines.faults import FaultInjector
-from engines.ortlog import StderrTee
-from engines.protocol import Engine
-from engines.telemetry import TelemetrySource
+from engines.protocol import Engine, Faults
 from server import errors
 from server.exitcodes import ExitCode, exit_code_for
 from server.images import ImageStore
@@ -55,11 +53,10 @@ async def boot(app: FastAPI) -> None:
             app.state.on_fatal(code, reason)
         return
     snapshot = engine.capabilities()
-    for component, session in snapshot.get("sessions", {}).items():
-        used = session.get("providers_used") or ["none"]
-        metrics.provider.labels(component, used[0]).set(1)
-        for event in session.get("ort_events", []):
-            metrics.ort_events.labels(event["kind"]).inc()
+    for component, session in snapshot.sessions.items():
+        metrics.provider.labels(component, (session.providers_used or ("none",))[0]).set(1)
+        for event in session.ort_events:
+            metrics.ort_events.labels(event.kind).inc()
     state.set("ready", [] if not settings.runtime.allow_cpu else ["accelerated: false (dev profile, CPU allowed)"])
     metrics.ready.set(1)
     log.info("ready: serving %s on %s", engine.info.name, settings.runtime.providers[0])
@@ -68,8 +65,7 @@ async def boot(app: FastAPI) -> None:
 
 
 def create_app(engine: Engine, settings: Settings, on_fatal: OnFatal | None = None,
-               telemetry: TelemetrySource | None = None, tee: StderrTee | None = None,
-               faults: FaultInjector | None = None) -> FastAPI:
+               faults: Faults | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         task = asyncio.create_task(boot(app))
@@ -87,10 +83,10 @@ def create_app(engine: Engine, settings: Settings, on_fatal: OnFatal | None = No
                   description="Stable Diffusion text-to-image server that proves its GPU fast path.")
     metrics = Metrics(settings.runtime.device_id)
     state = ServerState()
-    service = ImageService(engine, settings, metrics)
+    service = ImageService(engine, settings, metrics, state)
     app.state.engine, app.state.settings, app.state.metrics = engine, settings, metrics
     app.state.server_state, app.state.service, app.state.faults = state, service, faults
-    app.state.watchdog = Watchdog(engine, service, state, settings, metrics, telemetry, tee)
+    app.state.watchdog = Watchdog(engine, service, state, settings, metrics)
     app.state.on_fatal = on_fatal or (lambda code, reason: None)
     app.state.image_store = ImageStore()
     errors.install(app)

@@ -18,26 +18,10 @@ from typing import Literal
 
 from starlette.concurrency import run_in_threadpool
 
-from engines.errors import NotReadyError, SdserveError
+from engines.errors import NotReadyError
 from engines.protocol import Batch, BatchResult, Engine
+from server.errors import DeadlineExceededError, QueueFullError
 from server.metrics import Metrics
-
-
-class QueueFullError(SdserveError):
-    """The queue is at its bound; ``retry_after`` seconds is the estimated wait."""
-
-    def __init__(self, message: str, retry_after: int) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class ClientGoneError(SdserveError):
-    """The client disconnected; its queued request was dropped (logged as 499, nobody reads the body)."""
-
-
-class DeadlineExceededError(SdserveError):
-    """The request's deadline passed before it could start."""
-
 
 JobState = Literal["queued", "running", "done", "dropped"]
 
@@ -189,10 +173,10 @@ class Batcher:
             self.running -= 1
         elapsed = time.perf_counter() - start
         m = self.metrics
-        m.compute_seconds.observe(result.timings.get("total", elapsed))
+        m.compute_seconds.observe(result.timings.total or elapsed)
         m.batch_size.observe(len(merged.images))
         m.images.inc(len(result.images))
-        m.unet_step_seconds.observe(result.timings.get("denoise", 0.0) / max(1, merged.steps))
+        m.unet_step_seconds.observe(result.timings.denoise / max(1, merged.steps))
         self.stats.batch_seconds = elapsed if not self.stats.batches else 0.8 * self.stats.batch_seconds + 0.2 * elapsed
         self.stats.batches += 1
         self.stats.sizes.append(len(merged.images))
@@ -202,8 +186,8 @@ class Batcher:
             offset += job.images
             job.state = "done"
             if not job.future.done():
-                job.future.set_result(BatchResult(part, result.provider, {**result.timings,
-                                                                          "batch_images": len(merged.images)}))
+                job.future.set_result(BatchResult(part, result.provider, result.timings,
+                                                             len(merged.images)))
 
     async def drain(self, timeout: float) -> int:
         """Stop accepting; let queued and running work finish within ``timeout``; fail what is left (503).

@@ -11,12 +11,38 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engines.errors import InferenceError, InvalidRequestError, NotReadyError, SdserveError
-from server.batcher import ClientGoneError, DeadlineExceededError, QueueFullError
 
 log = logging.getLogger(__name__)
 
+
+class QueueFullError(SdserveError):
+    """The queue is at its bound; ``retry_after`` seconds is the estimated wait."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class ClientGoneError(SdserveError):
+    """The client disconnected; its queued request was dropped (logged as 499, nobody reads the body)."""
+
+
+class DeadlineExceededError(SdserveError):
+    """The request's deadline passed before it could start."""
+
+
+class BodyTooLargeError(SdserveError):
+    """The request body is over the configured cap (413)."""
+
+
+class AuthenticationError(SdserveError):
+    """Missing or invalid API key (401)."""
+
+
 _TABLE: tuple[tuple[type[SdserveError], int, str], ...] = (
     (InvalidRequestError, 400, "invalid_request_error"),
+    (AuthenticationError, 401, "authentication_error"),
+    (BodyTooLargeError, 413, "invalid_request_error"),
     (QueueFullError, 429, "rate_limit_exceeded"),
     (DeadlineExceededError, 504, "timeout"),
     (ClientGoneError, 499, "client_closed_request"),
@@ -53,8 +79,8 @@ def _validation_message(err: dict[str, Any]) -> tuple[str, str | None]:
     return f"{param}: {message}", param
 
 
-def _a1111(request: Request) -> bool:
-    return request.url.path.startswith("/sdapi/")
+def is_a1111(path: str) -> bool:
+    return path.startswith("/sdapi/")
 
 
 def _detail(param: str | None, message: str, type_: str) -> dict[str, Any]:
@@ -64,7 +90,7 @@ def _detail(param: str | None, message: str, type_: str) -> dict[str, Any]:
 
 async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
     message, param = _validation_message(dict(exc.errors()[0]))
-    if _a1111(request):
+    if is_a1111(request.url.path):
         return JSONResponse(_detail(param, message, str(exc.errors()[0].get("type", "value_error"))),
                             status_code=422)
     return JSONResponse(error_body(message, "invalid_request_error", param, "invalid_value"), status_code=400)
@@ -75,24 +101,33 @@ def status_of(exc: Exception) -> tuple[int, str]:
     return next((status, type_) for cls, status, type_ in _TABLE if isinstance(exc, cls))
 
 
-async def _on_sdserve(request: Request, exc: Exception) -> JSONResponse:
+def _headers(exc: SdserveError) -> dict[str, str]:
+    if isinstance(exc, NotReadyError):
+        return {"x-should-retry": "false"} if exc.permanent else {"Retry-After": "5"}
+    if isinstance(exc, QueueFullError):
+        return {"Retry-After": str(exc.retry_after)}
+    if isinstance(exc, AuthenticationError):
+        return {"WWW-Authenticate": "Bearer"}
+    return {}
+
+
+def error_response(exc: SdserveError, path: str) -> JSONResponse:
+    """The response for ``exc`` on ``path``: the one table, A1111's 422 shape for its routes' bad input, no
+    internals in a 500. Exception handlers and the ASGI middleware both answer through here."""
     status, type_ = status_of(exc)
-    headers = {}
     if isinstance(exc, InvalidRequestError):
-        if _a1111(request):
+        if is_a1111(path):
             return JSONResponse(_detail(exc.param, exc.message, "value_error"), status_code=422)
         return JSONResponse(error_body(exc.message, type_, exc.param, "invalid_value"), status_code=status)
-    if isinstance(exc, NotReadyError):
-        if exc.permanent:
-            headers["x-should-retry"] = "false"
-        else:
-            headers["Retry-After"] = "5"
-    if isinstance(exc, QueueFullError):
-        headers["Retry-After"] = str(exc.retry_after)
     if status == 500:  # our own failure: log it, tell the client nothing internal
         log.exception("request failed", exc_info=exc)
         return JSONResponse(error_body("internal error while generating", type_), status_code=status)
-    return JSONResponse(error_body(str(exc), type_), status_code=status, headers=headers)
+    return JSONResponse(error_body(str(exc), type_), status_code=status, headers=_headers(exc))
+
+
+async def _on_sdserve(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, SdserveError)
+    return error_response(exc, request.url.path)
 
 
 async def _on_http(request: Request, exc: Exception) -> JSONResponse:

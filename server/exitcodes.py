@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-from engines.artifacts import ArtifactError
 from engines.errors import (
+    ArtifactError,
     ConfigError,
     GpuUnavailableError,
     InvalidRequestError,

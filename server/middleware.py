@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from engines.errors import SdserveError
+from server.errors import AuthenticationError, BodyTooLargeError, QueueFullError, error_response
 from server.metrics import Metrics
 
 Scope = MutableMapping[str, Any]
@@ -25,12 +26,9 @@ FILES_PREFIX = "/v1/images/files/"
 """URLs handed out by response_format=url: unguessable 128-bit ids, short-lived, fetched without a key."""
 
 
-async def _json_error(send: Send, status: int, message: str, type_: str, headers: dict[str, str] | None = None) -> None:
-    body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": None}}).encode()
-    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": body})
+async def _answer(exc: SdserveError, scope: Scope, receive: Receive, send: Send) -> None:
+    """Answer through the one error table (server/errors.py) with Starlette's own response."""
+    await error_response(exc, str(scope.get("path", "")))(scope, receive, send)
 
 
 class MetricsMiddleware:
@@ -70,7 +68,7 @@ class BodyLimitMiddleware:
             return
         length = dict(scope.get("headers", [])).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await _json_error(send, 413, f"request body over {self.max_bytes} bytes", "invalid_request_error")
+            await _answer(BodyTooLargeError(f"request body over {self.max_bytes} bytes"), scope, receive, send)
             return
         seen = [0]
         started = [False]
@@ -92,7 +90,7 @@ class BodyLimitMiddleware:
             await self.app(scope, counted, tracked)
         except _TooLargeError:
             if not started[0]:
-                await _json_error(send, 413, f"request body over {self.max_bytes} bytes", "invalid_request_error")
+                await _answer(BodyTooLargeError(f"request body over {self.max_bytes} bytes"), scope, receive, send)
 
 
 class _TooLargeError(Exception):
@@ -129,16 +127,16 @@ class AuthMiddleware:
             return
         digest = self._match(scope)
         if digest is None:
-            await _json_error(send, 401, "missing or invalid API key: send Authorization: Bearer <key>",
-                              "authentication_error", {"WWW-Authenticate": "Bearer"})
+            await _answer(AuthenticationError("missing or invalid API key: send Authorization: Bearer <key>"),
+                          scope, receive, send)
             return
         if not path.startswith(GENERATION_PREFIXES):
             await self.app(scope, receive, send)
             return
         key_id = digest[:8]
         if self.in_flight[key_id] >= self.per_key:
-            await _json_error(send, 429, f"too many concurrent requests for this key (limit {self.per_key})",
-                              "rate_limit_exceeded", {"Retry-After": "1"})
+            await _answer(QueueFullError(f"too many concurrent requests for this key (limit {self.per_key})", 1),
+                          scope, receive, send)
             return
         self.in_flight[key_id] += 1
         try:

@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+from engines.config import parse_size
+
+
+def _not_blank(value: str) -> str:
+    if not value.strip():
+        raise ValueError("must not be empty")
+    return value
+
+
+Prompt = Annotated[str, AfterValidator(_not_blank)]
+"""A prompt: text that is not empty or only whitespace."""
 
 
 class ImageGenerationRequest(BaseModel):
@@ -12,7 +24,7 @@ class ImageGenerationRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str = Field(..., description="What to draw. Longer than 77 CLIP tokens is truncated (reported).")
+    prompt: Prompt = Field(..., description="What to draw. Longer than 77 CLIP tokens is truncated (reported).")
     n: int = Field(1, description="Number of images (1..limits.max_n).")
     size: str | None = Field(None, description="WIDTHxHEIGHT, multiples of the model's size factor. "
                                                "Default: the model's native size.")
@@ -29,21 +41,15 @@ class ImageGenerationRequest(BaseModel):
     guidance_scale: float | None = Field(None, ge=0.0, le=30.0, description="Extension: CFG scale.")
     scheduler: str | None = Field(None, description="Extension: euler, euler_a, ddim or dpmpp_2m.")
 
-    @field_validator("prompt")
-    @classmethod
-    def _prompt_not_blank(cls, value: str) -> str:
-        if not value.strip():
-            raise ValueError("must not be empty")
-        return value
-
     @field_validator("size")
     @classmethod
     def _size_format(cls, value: str | None) -> str | None:
         if value is None:
             return value
-        parts = value.lower().split("x")
-        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise ValueError(f"must look like 512x512, got {value!r}")
+        try:
+            parse_size(value)
+        except ValueError:
+            raise ValueError(f"must look like 512x512, got {value[:32]!r}") from None
         return value
 
 

@@ -1,4 +1,6 @@
-"""Turns API requests into engine batches (validated against limits and the model) and results into PNGs."""
+"""The serving object every generation route goes through: readiness gate, request -> engine batch (validated
+against the profile's limits and the model), the bounded queue and micro-batcher, cancellation when the client goes
+away, PNG encoding, prompt-truncation warnings and the headers that trace one request."""
 
 from __future__ import annotations
 
@@ -8,18 +10,23 @@ import io
 import secrets
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from starlette.concurrency import run_in_threadpool
+from starlette.responses import Response
 
-from engines.errors import InvalidRequestError
+from engines.config import parse_size
+from engines.errors import InvalidRequestError, NotReadyError
 from engines.protocol import Batch, BatchResult, Engine, ImageSpec, ModelInfo
 from server.batcher import Batcher
+from server.errors import ClientGoneError
 from server.metrics import Metrics
 from server.schemas import ImageGenerationRequest
-from server.settings import Settings, parse_size
+from server.settings import Settings
+from server.state import ServerState
 
 
 def encode_png(image: object) -> bytes:
@@ -42,6 +49,22 @@ class Generated:
     result: BatchResult
     queue_seconds: float
     encode_seconds: float
+    warnings: list[str]
+
+    def trace_headers(self, response: Response) -> None:
+        """Server-Timing, provider, seeds, executed batch size and warnings of one request."""
+        response.headers["Server-Timing"] = (f"queue;dur={self.queue_seconds * 1000:.1f}, "
+                                             f"compute;dur={self.result.timings.total * 1000:.1f}, "
+                                             f"encode;dur={self.encode_seconds * 1000:.1f}")
+        response.headers["x-sdserve-provider"] = self.result.provider
+        response.headers["x-sdserve-seeds"] = ",".join(str(g.seed) for g in self.result.images)
+        response.headers["x-sdserve-batch-size"] = str(self.result.executed)
+        if self.warnings:
+            response.headers["x-sdserve-warnings"] = "; ".join(self.warnings)
+
+
+Disconnected = Callable[[], Awaitable[bool]]
+CLIENT_POLL_S = 0.1
 
 
 def build_batch(req: ImageGenerationRequest, settings: Settings, info: ModelInfo) -> Batch:
@@ -52,7 +75,7 @@ def build_batch(req: ImageGenerationRequest, settings: Settings, info: ModelInfo
     served = settings.serving.sizes
     width, height = parse_size(served[0]) if served else (info.default_size, info.default_size)
     if req.size is not None:
-        width, height = (int(p) for p in req.size.lower().split("x"))
+        width, height = parse_size(req.size)
     if served and f"{width}x{height}" not in served:
         raise InvalidRequestError(f"size {width}x{height} is not served; served sizes: {', '.join(served)}",
                                   param="size")
@@ -76,15 +99,17 @@ def build_batch(req: ImageGenerationRequest, settings: Settings, info: ModelInfo
     guidance = req.guidance_scale if req.guidance_scale is not None else defaults.guidance_scale
     images = tuple(ImageSpec(req.prompt, req.negative_prompt, (seed + i) % 2**32, guidance)
                    for i in range(req.n))
-    return Batch(images, width, height, steps, scheduler)
+    return Batch(images, width, height, steps, scheduler, settings.limits.prompt_overflow == "truncate")
 
 
 class ImageService:
     """Requests -> the micro-batcher -> PNGs. ``lock`` is held while the engine runs a batch (requests and watchdog
     canaries alike), so there is one executing batch at a time."""
 
-    def __init__(self, engine: Engine, settings: Settings, metrics: Metrics, window_s: float = 300.0) -> None:
+    def __init__(self, engine: Engine, settings: Settings, metrics: Metrics, state: ServerState,
+                 window_s: float = 300.0) -> None:
         self.engine = engine
+        self.state = state
         self.settings = settings
         self.metrics = metrics
         self.lock = asyncio.Lock()
@@ -94,8 +119,29 @@ class ImageService:
         self.recent: deque[Sample] = deque(maxlen=10_000)
         self._last_done = time.monotonic()
 
+    def require_ready(self) -> None:
+        """503 unless the fast path is proven (retryable unless the boot failed for good)."""
+        if self.state.ready:
+            return
+        reasons = "; ".join(self.state.reasons)
+        message = f"server is {self.state.state}" + (f": {reasons}" if reasons else "")
+        raise NotReadyError(message, permanent=self.state.state == "failed")
+
     def to_batch(self, req: ImageGenerationRequest) -> Batch:
         return build_batch(req, self.settings, self.engine.info)
+
+    async def run(self, batch: Batch, timeout_header: str | None, disconnected: Disconnected) -> Generated:
+        """Queue ``batch`` under the request's deadline; drop it if the client disconnects before it is done."""
+        task = asyncio.ensure_future(self.generate(batch, self.deadline(timeout_header)))
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=CLIENT_POLL_S)
+            if done:
+                return task.result()
+            if await disconnected():
+                task.cancel()
+                self.metrics.cancelled.labels("disconnect").inc()
+                await asyncio.gather(task, return_exceptions=True)
+                raise ClientGoneError("client disconnected before the response was ready; its request was dropped")
 
     @property
     def busy(self) -> bool:
@@ -126,11 +172,19 @@ class ImageService:
             self._last_done = time.monotonic()
         t = time.perf_counter()
         pngs = await run_in_threadpool(lambda: [encode_png(g.image) for g in result.images])
-        compute = result.timings.get("total", 0.0)
-        executed = int(result.timings.get("batch_images", len(result.images)))
-        self.recent.append(Sample(time.time(), f"{batch.width}x{batch.height}x{executed}", compute,
+        compute = result.timings.total
+        self.recent.append(Sample(time.time(), f"{batch.width}x{batch.height}x{result.executed}", compute,
                                   len(result.images)))
-        return Generated(pngs, result, max(0.0, t - start - compute), time.perf_counter() - t)
+        return Generated(pngs, result, max(0.0, t - start - compute), time.perf_counter() - t,
+                         self._warnings(result))
+
+    def _warnings(self, result: BatchResult) -> list[str]:
+        """What the pipeline truncated (it tokenized each prompt once)."""
+        tokens = self.engine.info.max_prompt_tokens
+        first = result.images[0]
+        return [f"{name} truncated to {tokens} CLIP tokens"
+                for name, cut in (("prompt", first.prompt_truncated), ("negative_prompt",
+                                                                       first.negative_prompt_truncated)) if cut]
 
     def performance(self, baseline: list[dict[str, Any]]) -> dict[str, Any]:
         """Boot baseline vs live figures over the last ``window_s`` seconds, per shape."""

@@ -12,12 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from engines.config import RuntimeSettings, read_toml
+from engines.config import SCHEDULER_NAMES, RuntimeSettings, SignatureThresholds, parse_size, read_toml
 from engines.errors import ConfigError
-from engines.matrix import Matrix, load_matrix
-from engines.schedulers import SCHEDULERS
-from engines.selftest import SelfTestPlan, Shape, load_canaries, load_slo
-from engines.signature import SignatureThresholds
 
 ENV_PREFIX = "SDSERVE_"
 CONFIG_DIR = Path(os.environ.get(f"{ENV_PREFIX}CONFIG_DIR", Path(__file__).resolve().parent.parent / "configs"))
@@ -61,16 +57,9 @@ class Defaults(BaseModel):
 
     @model_validator(mode="after")
     def _known_scheduler(self) -> Defaults:
-        if self.scheduler not in SCHEDULERS:
-            raise ValueError(f"defaults.scheduler {self.scheduler!r} is not one of {sorted(SCHEDULERS)}")
+        if self.scheduler not in SCHEDULER_NAMES:
+            raise ValueError(f"defaults.scheduler {self.scheduler!r} is not one of {sorted(SCHEDULER_NAMES)}")
         return self
-
-
-def parse_size(text: str) -> tuple[int, int]:
-    parts = text.lower().split("x")
-    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise ValueError(f"size {text!r} must look like 512x512")
-    return int(parts[0]), int(parts[1])
 
 
 class Serving(BaseModel):
@@ -237,25 +226,3 @@ def load_settings(profile: str = "production", config: Path | None = None) -> Se
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
         raise ConfigError(f"{path}: {problems}") from None
-
-
-def config_path(name: str) -> Path:
-    path = Path(name)
-    return path if path.is_absolute() else CONFIG_DIR / path
-
-
-def selftest_plan(settings: Settings) -> SelfTestPlan:
-    """The self-test plan: canaries x served shapes (sizes x batch sizes; no sizes = the model's native size,
-    resolved by the engine after load), the profile's SLO windows."""
-    shapes = tuple(Shape(w, h, b) for w, h in map(parse_size, settings.serving.sizes)
-                   for b in settings.serving.batch_sizes)
-    st = settings.selftest
-    return SelfTestPlan(load_canaries(config_path(st.canaries_file)), shapes,
-                        load_slo(config_path(st.slo_file), settings.profile), st.timed_runs,
-                        st.fingerprint_tolerance, st.cross_platform_tolerance, st.require_fingerprints,
-                        batch_sizes=settings.serving.batch_sizes)
-
-
-def settings_matrix(settings: Settings, override: Path | None = None) -> Matrix:
-    path = override or Path(settings.matrix_file)
-    return load_matrix(path if path.is_absolute() or override else CONFIG_DIR / path)

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-State = Literal["starting", "preflight", "loading", "warming", "self-test", "ready", "degraded", "draining",
+State = Literal["starting", "preflight", "loading", "self-test", "ready", "degraded", "draining",
                 "failed"]
 
 

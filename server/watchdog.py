@@ -10,10 +10,7 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from engines.ortlog import StderrTee
-from engines.protocol import Engine
-from engines.signature import classify
-from engines.telemetry import GpuSample, TelemetrySource
+from engines.protocol import Engine, GpuSample, TelemetrySource
 from server.metrics import Metrics
 from server.service import ImageService
 from server.settings import Settings
@@ -24,9 +21,11 @@ log = logging.getLogger(__name__)
 
 class Watchdog:
     def __init__(self, engine: Engine, service: ImageService, state: ServerState, settings: Settings,
-                 metrics: Metrics, telemetry: TelemetrySource | None = None, tee: StderrTee | None = None) -> None:
+                 metrics: Metrics) -> None:
         self.engine, self.service, self.state, self.settings = engine, service, state, settings
-        self.metrics, self.telemetry, self.tee = metrics, telemetry, tee
+        self.metrics = metrics
+        self._telemetry: TelemetrySource | None = None
+        self._telemetry_opened = False
         self.injected: TelemetrySource | None = None
         """A telemetry trace injected through /debug/faults (dev only); replaces NVML while set."""
         self.active: dict[str, str] = {}
@@ -79,6 +78,13 @@ class Watchdog:
             problems["latency_drift"] = self.active["latency_drift"]  # not yet clean
         return True
 
+    @property
+    def telemetry(self) -> TelemetrySource | None:
+        """The engine's telemetry, opened on first use (after boot: preflight has proven NVML starts)."""
+        if not self._telemetry_opened:
+            self._telemetry, self._telemetry_opened = self.engine.telemetry(), True
+        return self._telemetry
+
     async def _signature(self, problems: dict[str, str]) -> bool:
         source = self.injected or self.telemetry
         if source is None:
@@ -90,16 +96,14 @@ class Watchdog:
             await asyncio.sleep(0.1)
         latest = samples[-1]
         self.metrics.set_gpu(latest.sm_percent, latest.memory_percent, latest.power_w, latest.memory_used_bytes)
-        result = classify(samples, self.service.busy, self.settings.signature)
+        result = self.engine.signature(samples, self.service.busy)
         self.last["signature"] = {"verdict": result.verdict, "reason": result.reason}
         if result.verdict in ("livelock", "fallback_suspected"):
             problems[result.verdict] = result.reason
         return True
 
     def _ort_events(self, problems: dict[str, str]) -> None:
-        if self.tee is None:
-            return
-        for event in self.tee.drain():
+        for event in self.engine.ort_events():
             self.metrics.ort_events.labels(event.kind).inc()
             if event.severity == "error":
                 problems["ort_event"] = f"ONNX Runtime after boot: {event.kind}: {event.line[:200]}"
@@ -130,5 +134,20 @@ class Watchdog:
         cfg = self.settings.watchdog
         return {"enabled": cfg.enabled, "interval_s": cfg.interval_s, "checks": self.checks,
                 "active": dict(self.active), "strikes": self.strikes, "clean_streak": self.clean,
-                "telemetry": "injected trace" if self.injected else ("nvml" if self.telemetry else "none"),
+                "telemetry": "injected trace" if self.injected else ("nvml" if self._telemetry else "none"),
                 "last": self.last}
+
+
+class TraceTelemetry:
+    """Replays recorded samples in a loop: fault injection for the watchdog, and offline analysis."""
+
+    def __init__(self, samples: list[GpuSample]) -> None:
+        if not samples:
+            raise ValueError("a telemetry trace needs at least one sample")
+        self._samples = samples
+        self._next = 0
+
+    def sample(self, device_index: int) -> GpuSample:
+        value = self._samples[self._next % len(self._samples)]
+        self._next += 1
+        return value

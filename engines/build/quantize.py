@@ -13,16 +13,17 @@ from typing import Any
 
 import numpy as np
 
-from engines.artifacts import ArtifactError, file_table
-from engines.config import RuntimeSettings
-from engines.pipeline import StableDiffusionOnnx
-from engines.runtime import Runtime
-from engines.selftest import CanarySuite, Shape, fingerprint
+from engines.artifacts import file_table
+from engines.config import CanarySuite, RuntimeSettings, Shape
+from engines.diffusion.pipeline import StableDiffusionOnnx
+from engines.errors import ArtifactError
+from engines.health.selftest import fingerprint
+from engines.runtime.sessions import Runtime
 
 
 def _canaries(folder: Path, suite: CanarySuite, shape: Shape) -> list[np.ndarray]:
     pipe = StableDiffusionOnnx(folder, Runtime(RuntimeSettings(providers=("CPUExecutionProvider",), allow_cpu=True)))
-    images, _, _ = pipe(suite.batch(shape))
+    images = pipe(suite.batch(shape)).images
     return [fingerprint(img) for img in images]
 
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import onnxruntime as ort
 
-from engines.artifacts import TRT_DIR, ArtifactError, node_identity, read_manifest, sha256_file, write_engine_manifest
-from engines.errors import GpuUnavailableError
-from engines.ortlog import capture_ort_output
+from engines.artifacts import TRT_DIR, node_identity, read_manifest, sha256_file, write_engine_manifest
+from engines.errors import ArtifactError, GpuUnavailableError
+from engines.runtime.ortlog import capture_ort_output
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,7 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from engines.errors import InvalidRequestError
-from server.routes.common import check_prompts, require_ready, run_generation, trace_headers
-from server.schemas import ImageGenerationRequest
+from server.schemas import ImageGenerationRequest, Prompt
 from server.service import b64
 
 router = APIRouter(prefix="/sdapi/v1", tags=["automatic1111"])
@@ -32,7 +31,7 @@ class Txt2ImgRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    prompt: str = Field(..., description="What to draw.")
+    prompt: Prompt = Field(..., description="What to draw.")
     negative_prompt: str = ""
     seed: int = Field(-1, ge=-1, le=2**32 - 1, description="-1 = random")
     steps: int | None = Field(None, ge=1)
@@ -76,10 +75,20 @@ def _sampler(req: Txt2ImgRequest) -> str | None:
     return ours
 
 
+def _openai_request(req: Txt2ImgRequest, seed: int) -> ImageGenerationRequest:
+    """The A1111 fields as the one request model the service validates (size built from the integers)."""
+    size = f"{req.width}x{req.height}" if req.width is not None and req.height is not None else None
+    return ImageGenerationRequest.model_construct(
+        prompt=req.prompt, negative_prompt=req.negative_prompt, n=req.batch_size, size=size, seed=seed % 2**32,
+        steps=req.steps, guidance_scale=req.cfg_scale, scheduler=_sampler(req), response_format="b64_json",
+        model=None, user=None, quality=None, style=None)
+
+
 @router.post("/txt2img", response_model=Txt2ImgResponse)
 async def txt2img(req: Txt2ImgRequest, request: Request, response: Response) -> Txt2ImgResponse:
     """batch_size images per iteration, n_iter iterations; image i uses seed + i."""
-    require_ready(request)
+    service = request.app.state.service
+    service.require_ready()
     req.refuse_unsupported()
     max_n = request.app.state.settings.limits.max_n
     for name, value in (("batch_size", req.batch_size), ("n_iter", req.n_iter)):
@@ -88,14 +97,11 @@ async def txt2img(req: Txt2ImgRequest, request: Request, response: Response) -> 
     if (req.width is None) != (req.height is None):
         raise InvalidRequestError("give both width and height, or neither", param="width")
     seed = req.seed if req.seed >= 0 else secrets.randbelow(2**32 - 1024)
-    service = request.app.state.service
-    batches = [service.to_batch(ImageGenerationRequest.model_validate({
-        "prompt": req.prompt, "negative_prompt": req.negative_prompt, "n": req.batch_size,
-        "size": f"{req.width}x{req.height}" if req.width else None, "seed": seed + i * req.batch_size,
-        "steps": req.steps, "guidance_scale": req.cfg_scale, "scheduler": _sampler(req)})) for i in range(req.n_iter)]
-    warnings = check_prompts(request, batches[0])
-    outs = await asyncio.gather(*(run_generation(request, b) for b in batches))
-    trace_headers(response, outs[-1], warnings)
+    batches = [service.to_batch(_openai_request(req, seed + i * req.batch_size)) for i in range(req.n_iter)]
+    timeout = request.headers.get("x-sdserve-timeout-s")
+    outs = await asyncio.gather(*(service.run(b, timeout, request.is_disconnected) for b in batches))
+    outs[-1].trace_headers(response)
+    warnings = outs[0].warnings
     first = batches[0]
     seeds = [g.seed for out in outs for g in out.result.images]
     info = {"prompt": req.prompt, "negative_prompt": req.negative_prompt, "seed": seeds[0], "all_seeds": seeds,

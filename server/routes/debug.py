@@ -8,7 +8,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from engines.telemetry import GpuSample, TraceTelemetry
+from engines.protocol import GpuSample
+from server.watchdog import TraceTelemetry
 
 router = APIRouter(prefix="/debug", tags=["debug"])
 

@@ -29,9 +29,11 @@ async def ready(request: Request) -> JSONResponse:
 @router.get("/capabilities")
 async def capabilities(request: Request) -> dict[str, Any]:
     """The capability snapshot, with the serving state and its history."""
-    snapshot = request.app.state.engine.capabilities()
-    if not snapshot.get("accelerated", False):
-        snapshot["warning"] = "NOT ACCELERATED: " + "; ".join(snapshot["verdict"]["reasons"][:3])
-        log.warning("capabilities read: %s", snapshot["warning"])
-    return {**snapshot, "profile": request.app.state.settings.profile,
-            "server": request.app.state.server_state.snapshot(), "watchdog": request.app.state.watchdog.snapshot()}
+    caps = request.app.state.engine.capabilities()
+    extra: dict[str, Any] = {"profile": request.app.state.settings.profile,
+                             "server": request.app.state.server_state.snapshot(),
+                             "watchdog": request.app.state.watchdog.snapshot()}
+    if not caps.accelerated:
+        extra["warning"] = "NOT ACCELERATED: " + "; ".join(caps.verdict.reasons[:3])
+        log.warning("capabilities read: %s", extra["warning"])
+    return {**caps.model_dump(mode="json"), **extra}

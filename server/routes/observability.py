@@ -20,9 +20,9 @@ async def metrics(request: Request) -> Response:
 async def performance(request: Request) -> dict[str, Any]:
     """Boot baseline per canary shape (p50/p95 vs budget, GPU utilization vs floor), live p50/p95 per shape,
     images/min and drift against the baseline."""
-    self_test = request.app.state.engine.capabilities().get("self_test", {})
-    baseline = [{"shape": s["shape"], "p50_s": s["p50_s"], "p95_s": s["p95_s"], "budget_s": s["budget_s"],
-                 "gpu_util_percent": s["gpu_util_percent"], "gpu_util_floor": s["gpu_util_floor"]}
-                for s in self_test.get("shapes", [])]
-    report: dict[str, Any] = request.app.state.service.performance(baseline)
-    return report
+    report = request.app.state.engine.capabilities().self_test
+    baseline = [{"shape": s.shape, "p50_s": s.p50_s, "p95_s": s.p95_s, "budget_s": s.budget_s,
+                 "gpu_util_percent": s.gpu_util_percent, "gpu_util_floor": s.gpu_util_floor}
+                for s in (report.shapes if report else ())]
+    performance: dict[str, Any] = request.app.state.service.performance(baseline)
+    return performance

@@ -6,7 +6,6 @@ import time
 
 from fastapi import APIRouter, Request, Response
 
-from server.routes.common import check_prompts, require_ready, run_generation, trace_headers
 from server.schemas import ImageData, ImageGenerationRequest, ImagesResponse
 from server.service import b64
 
@@ -16,11 +15,11 @@ router = APIRouter(tags=["openai"])
 @router.post("/v1/images/generations", response_model=ImagesResponse, response_model_exclude_none=True)
 async def generate_images(req: ImageGenerationRequest, request: Request, response: Response) -> ImagesResponse:
     """Generate ``n`` images for ``prompt``; same seed, same request -> byte-identical PNGs."""
-    require_ready(request)
-    batch = request.app.state.service.to_batch(req)
-    warnings = check_prompts(request, batch)
-    out = await run_generation(request, batch)
-    trace_headers(response, out, warnings)
+    service = request.app.state.service
+    service.require_ready()
+    batch = service.to_batch(req)
+    out = await service.run(batch, request.headers.get("x-sdserve-timeout-s"), request.is_disconnected)
+    out.trace_headers(response)
     if req.response_format == "url":
         store = request.app.state.image_store
         data = [ImageData(url=str(request.url_for("image_file", image_id=store.put(p)))) for p in out.pngs]

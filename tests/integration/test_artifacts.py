@@ -11,11 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engines.artifacts import ArtifactError, verify_model
+from engines.artifacts import verify_model
 from engines.config import RuntimeSettings
-from engines.pipeline import StableDiffusionOnnx
+from engines.diffusion.pipeline import StableDiffusionOnnx
+from engines.errors import ArtifactError
 from engines.protocol import Batch, ImageSpec
-from engines.runtime import Runtime
+from engines.runtime.sessions import Runtime
 
 CPU = RuntimeSettings(providers=("CPUExecutionProvider",), allow_cpu=True)
 
@@ -58,8 +59,8 @@ def test_optimize_lists_fusions_and_stays_within_tolerance(tiny_model: Path, tmp
         assert component["nodes_after"] <= component["nodes_before"]
     verify_model(out, "full")  # a fresh manifest for the optimized folder
     batch = Batch((ImageSpec("a lighthouse", seed=4),), 64, 64, 8, "ddim")
-    ours, _, _ = StableDiffusionOnnx(tiny_model, Runtime(CPU))(batch)
-    optimized, _, _ = StableDiffusionOnnx(out, Runtime(CPU))(batch)
+    ours = StableDiffusionOnnx(tiny_model, Runtime(CPU))(batch).images
+    optimized = StableDiffusionOnnx(out, Runtime(CPU))(batch).images
     assert np.abs(ours.astype(int) - optimized.astype(int)).max() <= 1
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from engines.config import RuntimeSettings
 from engines.errors import GpuUnavailableError, PlacementError
-from engines.runtime import Runtime, enforce
+from engines.runtime.sessions import Runtime, enforce
 from server.settings import load_settings
 
 NO_GPU = pytest.mark.skipif(Path("/dev/nvidia0").exists(), reason="asserts the behaviour of a machine without a GPU")
@@ -45,7 +45,7 @@ def test_production_session_fails_closed_with_classified_ort_lines(tiny_model: P
     with pytest.raises(GpuUnavailableError, match="libcublas"):
         runtime.session(tiny_model / "vae_decoder" / "model.onnx", "vae_decoder")
     events = runtime.reports["vae_decoder"].events
-    assert {"kind": "provider_library_missing", "detail": "libcublas.so.13"}.items() <= events[0].items()
+    assert {"kind": "provider_library_missing", "detail": "libcublas.so.13"}.items() <= events[0].model_dump().items()
     assert runtime.reports["vae_decoder"].log_lines  # raw lines kept for operators
 
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from engines.config import RuntimeSettings
-from engines.pipeline import StableDiffusionOnnx, image_rng
+from engines.diffusion.pipeline import StableDiffusionOnnx, image_rng
 from engines.protocol import Batch, ImageSpec
-from engines.runtime import Runtime
+from engines.runtime.sessions import Runtime
 
 SCHEDULERS = {"euler": "EulerDiscreteScheduler", "euler_a": "EulerAncestralDiscreteScheduler",
               "ddim": "DDIMScheduler", "dpmpp_2m": "DPMSolverMultistepScheduler"}
@@ -71,7 +71,7 @@ def test_images_match_diffusers(scheduler: str, ours: StableDiffusionOnnx, tiny_
     theirs_u8 = (theirs * 255).round().astype(np.uint8)
     batch = Batch(tuple(ImageSpec(p, seed=s, guidance_scale=GUIDANCE) for p, s in zip(PROMPTS, SEEDS, strict=True)),
                   SIZE, SIZE, STEPS, scheduler)
-    mine, _, _ = ours(batch, latents=latents)
+    mine = ours(batch, latents=latents).images
     diff = np.abs(mine.astype(np.int16) - theirs_u8.astype(np.int16))
     assert mine.shape == theirs_u8.shape == (2, SIZE, SIZE, 3)
     assert (diff <= 1).mean() >= 0.999, f"{scheduler}: {(diff > 1).sum()} pixels differ by more than 1/255"

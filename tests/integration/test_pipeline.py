@@ -11,10 +11,10 @@ import pytest
 from onnx import TensorProto, helper
 
 from engines.config import RuntimeSettings
-from engines.pipeline import StableDiffusionOnnx
+from engines.diffusion.pipeline import StableDiffusionOnnx
+from engines.diffusion.tokenizer import ClipTokenizer
 from engines.protocol import Batch, ImageSpec
-from engines.runtime import Runtime
-from engines.tokenizer import ClipTokenizer
+from engines.runtime.sessions import Runtime
 from server.service import encode_png
 
 CPU = RuntimeSettings(providers=("CPUExecutionProvider",), allow_cpu=True)
@@ -32,25 +32,25 @@ def _batch(*seeds: int, scheduler: str = "euler_a", prompt: str = "a lighthouse 
 def test_same_request_twice_gives_identical_pngs(pipe: StableDiffusionOnnx) -> None:
     from PIL import Image
 
-    first, _, _ = pipe(_batch(42))
-    second, _, _ = pipe(_batch(42))
+    first = pipe(_batch(42)).images
+    second = pipe(_batch(42)).images
     assert encode_png(Image.fromarray(first[0])) == encode_png(Image.fromarray(second[0]))
 
 
 def test_different_seeds_give_different_images(pipe: StableDiffusionOnnx) -> None:
-    images, _, _ = pipe(_batch(1, 2))
+    images = pipe(_batch(1, 2)).images
     assert (np.abs(images[0].astype(int) - images[1].astype(int)) > 2).mean() > 0.5
 
 
 @pytest.mark.parametrize("scheduler", ["euler", "euler_a", "ddim", "dpmpp_2m"])
 def test_image_in_a_batch_equals_image_alone(pipe: StableDiffusionOnnx, scheduler: str) -> None:
-    together, _, _ = pipe(_batch(5, 6, 7, scheduler=scheduler))
-    alone, _, _ = pipe(_batch(6, scheduler=scheduler))
+    together = pipe(_batch(5, 6, 7, scheduler=scheduler)).images
+    alone = pipe(_batch(6, scheduler=scheduler)).images
     assert np.abs(together[1].astype(int) - alone[0].astype(int)).max() <= 1
 
 
 def test_long_prompt_is_truncated_and_reported(pipe: StableDiffusionOnnx) -> None:
-    _, truncated, _ = pipe(Batch((ImageSpec("tree " * 100, seed=1), ImageSpec("tree", seed=1)), 64, 64, 2))
+    truncated = pipe(Batch((ImageSpec("tree " * 100, seed=1), ImageSpec("tree", seed=1)), 64, 64, 2)).truncated
     assert truncated == (True, False)
 
 
@@ -112,8 +112,8 @@ def test_models_from_other_exporters_load_and_match(pipe: StableDiffusionOnnx, o
     assert other.text_encoder.input_dtype("input_ids") is np.int32
     assert other.io.timestep_shape == () and other.io.out == "noise_pred"
     batch = _batch(3, scheduler="ddim")  # integer timesteps: an int64 timestep input loses nothing
-    ours, _, _ = pipe(batch)
-    theirs, _, _ = other(batch)
+    ours = pipe(batch).images
+    theirs = other(batch).images
     assert np.array_equal(ours, theirs)
 
 

@@ -3,14 +3,35 @@
 from __future__ import annotations
 
 import threading
-from typing import Any
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
+from engines.config import SCHEDULER_NAMES
 from engines.errors import GpuUnavailableError, NotReadyError
-from engines.protocol import Batch, BatchResult, CanaryCheck, GeneratedImage, ImageSpec, ModelInfo
-from engines.schedulers import SCHEDULERS
+from engines.health.signature import classify
+from engines.protocol import (
+    Artifacts,
+    Attention,
+    Batch,
+    BatchResult,
+    CanaryCheck,
+    Capabilities,
+    CheckResult,
+    GeneratedImage,
+    GpuSample,
+    ImageSpec,
+    IoInfo,
+    ModelInfo,
+    OrtEvent,
+    Policy,
+    SelfTestReport,
+    Signature,
+    TelemetrySource,
+    Timings,
+    Verdict,
+)
 
 
 class FakeEngine:
@@ -22,8 +43,8 @@ class FakeEngine:
         self.closed = False
         self.latency_s = 0.0
 
-    def preflight(self) -> dict[str, Any]:
-        return {"fake": True}
+    def preflight(self) -> tuple[CheckResult, ...]:
+        return ()
 
     def load(self) -> None:
         if self.load_gate is not None:
@@ -32,8 +53,8 @@ class FakeEngine:
             raise self.fail_load
         self.loaded = True
 
-    def self_test(self) -> dict[str, Any]:
-        return {"ok": True}
+    def self_test(self) -> SelfTestReport:
+        return SelfTestReport(passed=True, shapes=(), fingerprints="not recorded", seconds=0.0)
 
     def generate(self, batch: Batch) -> BatchResult:
         if not self.loaded:
@@ -43,25 +64,42 @@ class FakeEngine:
         for spec in batch.images:
             pixels = np.random.default_rng(spec.seed).integers(0, 256, (batch.height, batch.width, 3), np.uint8)
             images.append(GeneratedImage(Image.fromarray(pixels), spec.seed))
-        return BatchResult(tuple(images), "FakeExecutionProvider", {"total": 0.001})
+        return BatchResult(tuple(images), "FakeExecutionProvider", Timings(total=0.001), len(images))
 
     def canary(self) -> CanaryCheck:
         self.generate(Batch((ImageSpec("canary", seed=1),), 64, 64, 2))
         return CanaryCheck("64x64x1", 0.01 + self.latency_s, 0.01, 0.0, 4.0)
 
-    def prompt_overflows(self, texts: list[str]) -> list[bool]:
-        return [len(t.split()) > 75 for t in texts]
+    def record_fingerprints(self) -> Path:
+        raise NotImplementedError("the fake records nothing")
 
     def check_health(self) -> None:
         if not self.loaded:
             raise NotReadyError("not loaded")
 
-    def capabilities(self) -> dict[str, Any]:
-        return {"accelerated": False, "sessions": {}, "verdict": {"status": "cpu-dev", "reasons": ["fake"]}}
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            generated_at="2026-01-01T00:00:00+00:00", accelerated=False,
+            verdict=Verdict(status="cpu-dev", reasons=("fake",)), device="cpu", device_id=0, model="fake",
+            policy=Policy(providers=("CPUExecutionProvider",), allow_cpu=True, enable_fallback=True,
+                          disable_cpu_ep_fallback=False, placement_audit=False, cpu_allowlist=()),
+            provider_options={}, checks=(), observations=None, sessions={}, placement_summary={},
+            io=IoInfo(binding="fake", device="cpu", host_staging="none", buffers_reused_per_shape=False),
+            arena={}, artifacts=Artifacts(), attention=Attention(fused=False, on_gpu=False, by_session={}),
+            self_test=None)
+
+    def telemetry(self) -> TelemetrySource | None:
+        return None
+
+    def signature(self, samples: list[GpuSample], requests_running: bool) -> Signature:
+        return classify(samples, requests_running)  # the real classifier: the watchdog's verdicts depend on it
+
+    def ort_events(self) -> list[OrtEvent]:
+        return []
 
     @property
     def info(self) -> ModelInfo:
-        return ModelInfo("fake", 16, 64, tuple(SCHEDULERS), 77)
+        return ModelInfo("fake", 16, 64, SCHEDULER_NAMES, 77)
 
     def close(self) -> None:
         self.closed = True

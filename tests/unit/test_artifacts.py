@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from engines.artifacts import ArtifactError, compare_node, node_identity, verify_engines, write_engine_manifest
+from engines.artifacts import compare_node, node_identity, verify_engines, write_engine_manifest
+from engines.errors import ArtifactError
 
 BUILT = {"onnxruntime": "1.31.1", "cuda": "13.0", "cudnn_major": "9", "tensorrt": "10.13", "compute_capability": "9.0",
          "gpu": "NVIDIA H200", "driver": "580.95.05"}

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from engines.errors import InvalidRequestError
-from server.bench import require_loopback
-from server.gate import compare, render
+from server.cli.bench import require_loopback
+from server.cli.gate import compare, render
 
 BASE: dict[str, Any] = {
     "format": 1,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engines.ortlog import classify
+from engines.runtime.ortlog import classify
 
 DATA = Path(__file__).parent.parent / "data" / "ort_logs"
 
@@ -41,7 +41,7 @@ def test_stderr_tee_passes_output_through_and_classifies_lines_after_boot(capfd:
     import os
     import time
 
-    from engines.ortlog import StderrTee
+    from engines.runtime.ortlog import StderrTee
 
     tee = StderrTee()
     tee.start()

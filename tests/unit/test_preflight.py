@@ -6,11 +6,11 @@ from dataclasses import replace
 
 import pytest
 
-from engines.config import RuntimeSettings
-from engines.libdeps import Closure
-from engines.matrix import Matrix, matches
-from engines.preflight import Check, Observations, evaluate, failures
-from engines.telemetry import DeviceInfo, NvmlReport
+from engines.config import Matrix, RuntimeSettings
+from engines.health.matrix import matches
+from engines.health.preflight import Check, Observations, evaluate, failures
+from engines.health.telemetry import DeviceInfo, NvmlReport
+from engines.runtime.libdeps import Closure
 
 GPU = RuntimeSettings()  # production policy: TensorRT + CUDA
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from engines import runtime
 from engines.config import RuntimeSettings
+from engines.runtime import sessions as runtime
 
 CPU = RuntimeSettings(providers=("CPUExecutionProvider",), allow_cpu=True)
 

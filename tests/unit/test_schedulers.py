@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from engines.schedulers import NoiseSchedule, make_plan
+from engines.diffusion.schedulers import NoiseSchedule, make_plan
 
 BASE = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "num_train_timesteps": 1000,
         "steps_offset": 1, "set_alpha_to_one": False, "clip_sample": False}

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from engines import selftest
+from engines.config import Canary, CanarySuite, SelfTestPlan, Shape, SloWindow
 from engines.errors import SelfTestError
+from engines.health import selftest
 from engines.protocol import Batch, BatchResult, GeneratedImage
-from engines.selftest import Canary, CanarySuite, SelfTestPlan, Shape, SloWindow
 
 SUITE = CanarySuite(steps=4, canary=(Canary(name="a", prompt="a", seed=1), Canary(name="b", prompt="b", seed=2)))
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engines.signature import SignatureThresholds, classify
-from engines.telemetry import GpuSample
+from engines.config import SignatureThresholds
+from engines.health.signature import classify
+from engines.protocol import GpuSample
 
 LIMIT_W = 300.0  # an A10-class card; healthy work on it drew 115-143 W
 

@@ -6,12 +6,12 @@ import asyncio
 
 import pytest
 
-from engines.telemetry import GpuSample, TraceTelemetry
+from engines.protocol import GpuSample
 from server.metrics import Metrics
 from server.service import ImageService
 from server.settings import load_settings
 from server.state import ServerState
-from server.watchdog import Watchdog
+from server.watchdog import TraceTelemetry, Watchdog
 from tests.unit.fakes import FakeEngine
 
 LIVELOCK = [GpuSample(98, 0, 38, 300)]
@@ -27,7 +27,7 @@ def make() -> tuple[Watchdog, FakeEngine, ServerState]:
     state = ServerState()
     state.set("ready")
     metrics = Metrics()
-    dog = Watchdog(engine, ImageService(engine, settings, metrics), state, settings, metrics)
+    dog = Watchdog(engine, ImageService(engine, settings, metrics, state), state, settings, metrics)
     return dog, engine, state
 
 

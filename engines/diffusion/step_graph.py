@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
-from engines.schedulers import Lin
+from engines.diffusion.schedulers import Lin
 
 BASIS = ("sample", "uncond", "text", "prev", "noise")
 

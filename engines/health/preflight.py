@@ -14,10 +14,12 @@ from typing import Any, Literal
 
 import onnxruntime as ort
 
-from engines.config import RuntimeSettings
-from engines.libdeps import PROVIDER_LIBRARIES, Closure, provider_closure, resolve
-from engines.matrix import Matrix, at_least, matches
-from engines.telemetry import NvmlReport, read_nvml
+from engines.config import Matrix, RuntimeSettings
+from engines.health.matrix import at_least, matches
+from engines.health.telemetry import NvmlReport, read_nvml
+from engines.protocol import CheckResult, FoundVersion, LibraryClosure
+from engines.protocol import Observations as ProtocolObservations
+from engines.runtime.libdeps import PROVIDER_LIBRARIES, Closure, provider_closure, resolve
 
 Status = Literal["pass", "fail", "skip"]
 Category = Literal["gpu", "version"]
@@ -32,8 +34,8 @@ class Check:
     expected: str
     remediation: str = ""
 
-    def as_dict(self) -> dict[str, str]:
-        return asdict(self)
+    def to_model(self) -> CheckResult:
+        return CheckResult(**asdict(self))
 
 
 @dataclass
@@ -49,14 +51,14 @@ class Observations:
     tensorrt_source: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"onnxruntime": self.ort_version, "onnxruntime_cuda_build": self.ort_cuda_version,
-                "available_providers": self.available_providers,
-                "provider_libraries": {p: {"library": c.library, "missing": c.missing, "resolved": c.resolved}
-                                       for p, c in self.closures.items()},
-                "nvml": self.nvml.as_dict(),
-                "cudnn": {"version": self.cudnn_version, "source": self.cudnn_source},
-                "tensorrt": {"version": self.tensorrt_version, "source": self.tensorrt_source}}
+    def to_model(self) -> ProtocolObservations:
+        return ProtocolObservations(
+            onnxruntime=self.ort_version, onnxruntime_cuda_build=self.ort_cuda_version,
+            available_providers=tuple(self.available_providers),
+            provider_libraries={p: LibraryClosure(library=c.library, missing=dict(c.missing),
+                                                  resolved=dict(c.resolved)) for p, c in self.closures.items()},
+            nvml=self.nvml.to_model(), cudnn=FoundVersion(version=self.cudnn_version, source=self.cudnn_source),
+            tensorrt=FoundVersion(version=self.tensorrt_version, source=self.tensorrt_source))
 
 
 def _dist_version(names: tuple[str, ...]) -> tuple[str | None, str]:

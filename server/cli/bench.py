@@ -4,12 +4,15 @@ time). Per concurrency level: p50/p95/p99 latency, images/min, 429 and error rat
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import base64
 import io
 import ipaddress
 import json
+import logging
 import math
+import os
 import socket
 import time
 from dataclasses import asdict, dataclass
@@ -22,7 +25,9 @@ import numpy as np
 from PIL import Image
 
 from engines.errors import InvalidRequestError
-from engines.selftest import fingerprint
+from engines.protocol import fingerprint
+
+log = logging.getLogger("sdserve")
 
 PROMPTS = ("a lighthouse on a cliff at dusk", "a red fox in fresh snow", "an astronaut riding a horse on mars",
            "a bowl of ramen, studio lighting", "a watercolor city skyline", "a steam train crossing a bridge",
@@ -188,3 +193,33 @@ def plot(result: dict[str, Any], path: Path) -> bool:
 def write(result: dict[str, Any], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("bench", help="load-test a running sdserve on this machine")
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--concurrency", default="1,4,8,16,32", help="comma-separated levels")
+    p.add_argument("--requests", type=int, default=64, help="requests per level (bound)")
+    p.add_argument("--max-seconds", type=float, default=120.0, help="time bound per level")
+    p.add_argument("--size", default="64x64")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--out", type=Path, default=Path("bench.json"))
+    p.add_argument("--plot", type=Path, default=None, help="PNG: latency and throughput vs concurrency")
+    p.add_argument("--api-key-env", default="SDSERVE_API_KEY", help="environment variable holding the key")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    if not levels or any(c < 1 or c > 256 for c in levels) or not 1 <= args.requests <= 10_000:
+        raise InvalidRequestError("--concurrency levels must be 1..256 and --requests 1..10000", "concurrency")
+    result = asyncio.run(bench(args.url, levels, args.requests, args.max_seconds, args.size, args.steps,
+                               os.environ.get(args.api_key_env)))
+    write(result, args.out)
+    for level in result["levels"]:
+        log.info("c=%-3d ok %d/%d  429 %d  errors %d  p50 %s p95 %s p99 %s  %.1f images/min", level["concurrency"],
+                 level["ok"], level["requests"], level["rejected_429"], level["errors"], level["p50_s"],
+                 level["p95_s"], level["p99_s"], level["images_per_minute"])
+    if args.plot is not None and not plot(result, args.plot):
+        log.warning("matplotlib is not installed: no plot written")
+    return 0

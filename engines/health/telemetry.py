@@ -3,18 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-
-@dataclass(frozen=True)
-class GpuSample:
-    sm_percent: float
-    """SM (kernel) utilization, %."""
-    memory_percent: float
-    """Memory-controller utilization, %."""
-    power_w: float
-    power_limit_w: float
-    memory_used_bytes: int = 0
+from engines.protocol import GpuDevice, GpuSample, NvmlInfo
 
 
 @dataclass(frozen=True)
@@ -37,9 +28,10 @@ class NvmlReport:
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "devices": [asdict(d) for d in self.devices]}
 
-
-class TelemetrySource(Protocol):
-    def sample(self, device_index: int) -> GpuSample: ...
+    def to_model(self) -> NvmlInfo:
+        return NvmlInfo(available=self.available, error=self.error, driver_version=self.driver_version,
+                        cuda_driver_version=self.cuda_driver_version,
+                        devices=tuple(GpuDevice(**asdict(d)) for d in self.devices))
 
 
 def read_nvml() -> NvmlReport:
@@ -92,17 +84,3 @@ class NvmlTelemetry:
     def close(self) -> None:
         self._nvml.nvmlShutdown()
 
-
-class TraceTelemetry:
-    """Replays recorded samples in a loop: fault injection for the watchdog, and offline analysis."""
-
-    def __init__(self, samples: list[GpuSample]) -> None:
-        if not samples:
-            raise ValueError("a telemetry trace needs at least one sample")
-        self._samples = samples
-        self._next = 0
-
-    def sample(self, device_index: int) -> GpuSample:
-        value = self._samples[self._next % len(self._samples)]
-        self._next += 1
-        return value

@@ -15,12 +15,12 @@ from typing import Any, TypeAlias
 import numpy as np
 import onnxruntime as ort
 
+from engines.diffusion.schedulers import SCHEDULERS, NoiseSchedule, make_plan
+from engines.diffusion.step_graph import build_step_graph, step_coefficients
+from engines.diffusion.tokenizer import ClipTokenizer
 from engines.errors import InferenceError, InvalidRequestError, ModelLoadError
-from engines.protocol import Batch
-from engines.runtime import Runtime, numpy_dtype
-from engines.schedulers import SCHEDULERS, NoiseSchedule, make_plan
-from engines.step_graph import build_step_graph, step_coefficients
-from engines.tokenizer import ClipTokenizer
+from engines.protocol import Batch, Timings
+from engines.runtime.sessions import Runtime, numpy_dtype
 
 Feed: TypeAlias = ort.OrtValue | np.ndarray
 
@@ -59,6 +59,16 @@ def _read_json(path: Path) -> dict[str, Any]:
 def image_rng(seed: int) -> np.random.Generator:
     """Per-image noise stream: the initial latents first, then Euler-ancestral step noise, in order."""
     return np.random.default_rng(seed)
+
+
+@dataclass(frozen=True)
+class PipelineOutput:
+    images: np.ndarray
+    """uint8 [B, H, W, 3]."""
+    truncated: tuple[bool, ...]
+    """Per image: its prompt was longer than the text encoder takes."""
+    negative_truncated: tuple[bool, ...]
+    timings: Timings
 
 
 @dataclass(frozen=True)
@@ -133,16 +143,16 @@ class StableDiffusionOnnx:
         if any(not spec.prompt.strip() for spec in batch.images):
             raise InvalidRequestError("prompt must not be empty", param="prompt")
 
-    def __call__(self, batch: Batch, latents: np.ndarray | None = None) -> tuple[np.ndarray, tuple[bool, ...],
-                                                                                 dict[str, float]]:
-        """Generate ``batch``; returns uint8 images [B,H,W,3], per-image prompt truncation and phase timings.
+    def __call__(self, batch: Batch, latents: np.ndarray | None = None) -> PipelineOutput:
+        """Generate ``batch``: uint8 images, per-image prompt truncation (prompts are tokenized once, here) and
+        phase timings.
         ``latents`` (float32 [B,C,h,w], unscaled unit noise) replaces the seeded initial noise, for parity tests."""
         self.check_inputs(batch)
         t0 = time.perf_counter()
         n = len(batch.images)
         shape = (n, self.latent_channels, batch.height // self.vae_scale_factor, batch.width // self.vae_scale_factor)
         # 1. Encode negative and positive prompts in one call: rows [uncond..., text...].
-        hidden, truncated = self._encode(batch)
+        hidden, truncated, negative_truncated = self._encode(batch)
         t1 = time.perf_counter()
         # 2. Per-request schedule and per-image noise streams.
         plan = make_plan(batch.scheduler, self.schedule, batch.steps)
@@ -179,12 +189,18 @@ class StableDiffusionOnnx:
         # 4. Decode on the device; the image comes down once.
         images = self._decode(final, batch)
         t3 = time.perf_counter()
-        timings = {"text_encoder": t1 - t0, "denoise": t2 - t1, "vae_decode": t3 - t2, "total": t3 - t0}
-        return images, truncated, timings
+        timings = Timings(text_encoder=t1 - t0, denoise=t2 - t1, vae_decode=t3 - t2, total=t3 - t0)
+        return PipelineOutput(images, truncated, negative_truncated, timings)
 
-    def _encode(self, batch: Batch) -> tuple[ort.OrtValue, tuple[bool, ...]]:
+    def _encode(self, batch: Batch) -> tuple[ort.OrtValue, tuple[bool, ...], tuple[bool, ...]]:
+        """Hidden states of [negatives..., prompts...]; refuses over-long prompts unless the batch truncates."""
+        n = len(batch.images)
         prompts = [s.negative_prompt for s in batch.images] + [s.prompt for s in batch.images]
         tokens = self.tokenizer(prompts)
+        if not batch.truncate_prompts and any(tokens.truncated):
+            name = "prompt" if any(tokens.truncated[n:]) else "negative_prompt"
+            raise InvalidRequestError(f"{name} is longer than the text encoder's {self.tokenizer.max_length} "
+                                      "tokens", param=name)
         name = next(iter(self.text_encoder.inputs))
         ids = tokens.ids.astype(self.text_encoder.input_dtype(name))
         outputs = self.text_encoder.outputs
@@ -192,7 +208,7 @@ class StableDiffusionOnnx:
         hidden = self.runtime.buffer("hidden", (len(prompts), ids.shape[1], self.hidden_width),
                                      self.unet.input_dtype(self.io.hidden))
         self.text_encoder.run({name: ids}, {out_name: hidden})
-        return hidden, tokens.truncated[len(batch.images):]
+        return hidden, tokens.truncated[n:], tokens.truncated[:n]
 
     def _decode(self, latents: ort.OrtValue, batch: Batch) -> np.ndarray:
         n = len(batch.images)

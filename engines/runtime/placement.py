@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
 
 import onnxruntime as ort
+
+from engines.protocol import Placement
 
 CONFIG_KEY = "session.record_ep_graph_assignment_info"
 
@@ -40,10 +41,10 @@ class PlacementReport:
     def ok(self) -> bool:
         return not self.disallowed
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"session": self.session, "nodes_by_provider": self.nodes_by_provider, "cpu_ops": self.cpu_ops,
-                "disallowed_on_cpu": self.disallowed, "compute_on_cpu": self.compute_on_cpu,
-                "examples": self.examples, "attention": self.attention, "ok": self.ok}
+    def to_model(self) -> Placement:
+        return Placement(session=self.session, nodes_by_provider=self.nodes_by_provider, cpu_ops=self.cpu_ops,
+                         disallowed_on_cpu=self.disallowed, compute_on_cpu=self.compute_on_cpu,
+                         examples=tuple(self.examples), attention=self.attention, ok=self.ok)
 
 
 def audit(session: ort.InferenceSession, name: str, cpu_allowlist: frozenset[str]) -> PlacementReport:

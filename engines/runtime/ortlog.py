@@ -16,29 +16,18 @@ import sys
 import tempfile
 import threading
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from typing import cast
+
+from engines.protocol import EventKind, OrtEvent, Severity
 
 log = logging.getLogger(__name__)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _CAPTURE_LOCK = threading.Lock()
 
 
-@dataclass(frozen=True)
-class LogEvent:
-    kind: str
-    """provider_library_missing, provider_creation_failed, driver_too_old, cpu_fallback,
-    nodes_not_on_preferred_provider, memcpy_nodes_added, engine_rebuild, arena_growth."""
-    severity: str
-    """error: the fast path is broken; warning: it is degraded; info: worth knowing."""
-    line: str
-    detail: str = ""
-
-    def as_dict(self) -> dict[str, str]:
-        return asdict(self)
-
-
 # (kind, severity, pattern); the first group, when present, becomes the event's detail.
-RULES: tuple[tuple[str, str, re.Pattern[str]], ...] = (
+RULES: tuple[tuple[EventKind, str, re.Pattern[str]], ...] = (
     ("provider_library_missing", "error",
      re.compile(r"Failed to load library .*? with error: (\S+): cannot open shared object file")),
     ("provider_library_missing", "error", re.compile(r"(Please install TensorRT libraries)")),
@@ -54,7 +43,7 @@ RULES: tuple[tuple[str, str, re.Pattern[str]], ...] = (
 )
 
 
-def classify(lines: list[str]) -> list[LogEvent]:
+def classify(lines: list[str]) -> list[OrtEvent]:
     """Events for the lines that match a rule (one event per line, first matching rule wins)."""
     events = []
     for raw in lines:
@@ -62,7 +51,8 @@ def classify(lines: list[str]) -> list[LogEvent]:
         for kind, severity, pattern in RULES:
             match = pattern.search(line)
             if match:
-                events.append(LogEvent(kind, severity, line, match.group(1) if match.groups() else ""))
+                events.append(OrtEvent(kind=kind, severity=cast(Severity, severity), line=line,
+                                       detail=(match.group(1) or "") if match.groups() else ""))
                 break
     return events
 
@@ -70,7 +60,7 @@ def classify(lines: list[str]) -> list[LogEvent]:
 @dataclass
 class Captured:
     lines: list[str] = field(default_factory=list)
-    events: list[LogEvent] = field(default_factory=list)
+    events: list[OrtEvent] = field(default_factory=list)
 
 
 @contextlib.contextmanager
@@ -113,10 +103,14 @@ class StderrTee:
     Session-creation captures still work: they redirect fd 2 and restore it to the pipe."""
 
     def __init__(self) -> None:
-        self.events: list[LogEvent] = []
+        self.events: list[OrtEvent] = []
         self._lock = threading.Lock()
         self._original: int | None = None
         self._thread: threading.Thread | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._original is not None
 
     def start(self) -> None:
         read_fd, write_fd = os.pipe()
@@ -140,7 +134,7 @@ class StderrTee:
                     with self._lock:
                         self.events.extend(found)
 
-    def drain(self) -> list[LogEvent]:
+    def drain(self) -> list[OrtEvent]:
         """Events seen since the last drain."""
         with self._lock:
             taken, self.events = self.events, []

@@ -3,15 +3,20 @@ profile, so the cluster schedules only onto nodes the matrix accepts and the pro
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from engines.matrix import Matrix, version_tuple
-from server.settings import Settings
+from engines.config import Matrix, version_tuple
+from server.bootstrap import settings_matrix
+from server.settings import Settings, load_settings
+
+log = logging.getLogger("sdserve")
 
 APP = "sdserve"
 PORT = 8000
@@ -166,3 +171,27 @@ def write_dashboard(path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dashboard(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return path
+
+
+def register(sub: Any) -> None:
+    deploy = sub.add_parser("deploy", help="render Kubernetes manifests and the Grafana dashboard")
+    p = deploy.add_subparsers(dest="deploy_cmd", required=True).add_parser("render")
+    p.add_argument("--profile", choices=["dev", "production"], default="production")
+    p.add_argument("--config", type=Path, default=None)
+    p.add_argument("--matrix", type=Path, default=None)
+    p.add_argument("--image", default="sdserve:0.1.0")
+    p.add_argument("--color", default="blue", help="this deployment's blue-green color")
+    p.add_argument("--active", default="blue", help="the color the Service sends traffic to")
+    p.add_argument("--startup-budget-s", type=int, default=900, help="boot + self-test budget of the probe")
+    p.add_argument("--out", type=Path, default=Path("deploy/k8s"))
+    p.add_argument("--dashboard", type=Path, default=Path("deploy/grafana/sdserve.json"))
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = load_settings(args.profile, args.config)
+    rendered = render(settings, settings_matrix(settings, args.matrix), args.image, args.color, args.active,
+                      args.startup_budget_s)
+    for path in [*write(args.out, rendered), write_dashboard(args.dashboard)]:
+        log.info("wrote %s", path)
+    return 0

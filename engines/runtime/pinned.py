@@ -11,7 +11,7 @@ from typing import Protocol
 import numpy as np
 
 from engines.errors import GpuUnavailableError
-from engines.libdeps import resolve
+from engines.runtime.libdeps import resolve
 
 
 class HostAllocator(Protocol):

@@ -4,6 +4,7 @@ capability snapshot (providers per session are a regression when they change; li
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from engines.errors import ConfigError
+from server.exitcodes import ExitCode
 
 
 @dataclass(frozen=True)
@@ -108,3 +110,20 @@ def render(rows: list[Row]) -> str:
     failed = sum(r.verdict == "REGRESSION" for r in rows)
     lines.append(f"\n{failed} regression(s)" if failed else "\nno regression: the candidate may take traffic")
     return "\n".join(lines)
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("gate", help="compare two bench results; exit non-zero on regression")
+    p.add_argument("--baseline", type=Path, required=True)
+    p.add_argument("--candidate", type=Path, required=True)
+    p.add_argument("--p95-tolerance", type=float, default=0.10, help="allowed p95 increase (fraction)")
+    p.add_argument("--throughput-tolerance", type=float, default=0.10, help="allowed throughput drop")
+    p.add_argument("--fingerprint-tolerance", type=float, default=4.0, help="pixel units, 8x8 thumbnails")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    tol = Tolerances(args.p95_tolerance, args.throughput_tolerance, fingerprint=args.fingerprint_tolerance)
+    rows = compare(load(args.baseline), load(args.candidate), tol)
+    print(render(rows))
+    return int(ExitCode.GATE_REGRESSION) if any(r.verdict == "REGRESSION" for r in rows) else 0

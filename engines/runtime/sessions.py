@@ -11,12 +11,12 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from engines import placement
-from engines.artifacts import ArtifactError
 from engines.config import RuntimeSettings
-from engines.errors import GpuUnavailableError, ModelLoadError, PlacementError
-from engines.ortlog import capture_ort_output
-from engines.pinned import HostAllocator, PageableAllocator, PinnedAllocator
+from engines.errors import ArtifactError, GpuUnavailableError, ModelLoadError, PlacementError
+from engines.protocol import OrtEvent, SessionInfo
+from engines.runtime import placement
+from engines.runtime.ortlog import capture_ort_output
+from engines.runtime.pinned import HostAllocator, PageableAllocator, PinnedAllocator
 
 log = logging.getLogger(__name__)
 MAX_CACHED = 128
@@ -70,14 +70,15 @@ class SessionReport:
     name: str
     providers_requested: list[str]
     providers_used: list[str] = field(default_factory=list)
-    events: list[dict[str, str]] = field(default_factory=list)
+    events: list[OrtEvent] = field(default_factory=list)
     log_lines: list[str] = field(default_factory=list)
     placement: placement.PlacementReport | None = None
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"providers_requested": self.providers_requested, "providers_used": self.providers_used,
-                "ort_events": self.events, "ort_log": self.log_lines,
-                "placement": self.placement.as_dict() if self.placement else None}
+    def to_model(self) -> SessionInfo:
+        return SessionInfo(providers_requested=tuple(self.providers_requested),
+                           providers_used=tuple(self.providers_used), ort_events=tuple(self.events),
+                           ort_log=tuple(self.log_lines),
+                           placement=self.placement.to_model() if self.placement else None)
 
 
 class Runtime:
@@ -92,10 +93,6 @@ class Runtime:
         self._host: HostAllocator | None = None
         self._staging: OrderedDict[tuple[str, tuple[int, ...], str], tuple[np.ndarray, ort.OrtValue]] = OrderedDict()
         self._buffers: OrderedDict[tuple[str, tuple[int, ...], str], ort.OrtValue] = OrderedDict()
-
-    @property
-    def providers(self) -> list[tuple[str, dict[str, str]]]:
-        return list(self._providers)
 
     def session(self, model: Path | bytes, name: str) -> ort.InferenceSession:
         """A session on the policy's providers, verified. Without allow_cpu: ORT's silent CPU retry is disabled,
@@ -121,7 +118,7 @@ class Runtime:
                                             provider_options=[o for _, o in self._providers], **kwargs)
             except Exception as exc:  # ORT raises RuntimeError/Fail/NoSuchFile, all plain Exceptions
                 error = exc
-        report.log_lines, report.events = captured.lines, [e.as_dict() for e in captured.events]
+        report.log_lines, report.events = captured.lines, list(captured.events)
         if error is not None:
             detail = "; ".join(e.line for e in captured.events if e.severity == "error") or str(error).strip()
             if self.device == "cuda":
@@ -197,13 +194,13 @@ def enforce(report: SessionReport, settings: RuntimeSettings) -> None:
     if not report.providers_used or report.providers_used[0] not in report.providers_requested:
         raise GpuUnavailableError(f"{report.name}: ONNX Runtime placed the session on {report.providers_used}, "
                                   f"policy requires {report.providers_requested}")
-    fallback = [e for e in report.events if e["kind"] == "cpu_fallback"]
+    fallback = [e for e in report.events if e.kind == "cpu_fallback"]
     if fallback:
-        raise GpuUnavailableError(f"{report.name}: ONNX Runtime fell back: {fallback[0]['line']}")
-    rebuild = [e for e in report.events if e["kind"] == "engine_rebuild"]
+        raise GpuUnavailableError(f"{report.name}: ONNX Runtime fell back: {fallback[0].line}")
+    rebuild = [e for e in report.events if e.kind == "engine_rebuild"]
     if rebuild and settings.tensorrt.forbid_engine_build:
-        raise ArtifactError(f"{report.name}: TensorRT would build an engine on this node ({rebuild[0]['line'][:200]});"
+        raise ArtifactError(f"{report.name}: TensorRT would build an engine on this node ({rebuild[0].line[:200]});"
                             " engines are artifacts: build them offline with `sdserve engines build`")
     if rebuild:
         log.warning("%s: TensorRT is building an engine on this node (allowed by the profile): %s", report.name,
-                    rebuild[0]["line"][:200])
+                    rebuild[0].line[:200])

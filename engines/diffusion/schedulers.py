@@ -70,10 +70,6 @@ class SchedulePlan:
     init_noise_sigma: float
     steps: tuple[Step, ...]
 
-    @property
-    def needs_noise(self) -> bool:
-        return any(s.next.noise != 0.0 for s in self.steps)
-
 
 @dataclass(frozen=True)
 class NoiseSchedule:

@@ -1,0 +1,163 @@
+"""Boot self-test: deterministic canaries at every served shape, output fingerprints, and SLO windows as code.
+
+A shape is (width, height, batch). Each shape runs one warm-up batch (so no first real request pays for a kernel
+choice or an engine build), then ``timed_runs`` timed batches. Every image is sanity-checked (not constant, not
+all-black), compared with the fingerprints recorded next to the model (``selftest.json``), and the p95 latency is
+compared with the SLO window for the shape.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engines.config import SelfTestPlan, Shape
+from engines.errors import SelfTestError
+from engines.protocol import Batch, BatchResult, GpuSample, SelfTestReport, ShapeResult, TelemetrySource, fingerprint
+
+
+def sanity(image: np.ndarray) -> str | None:
+    """Why this image cannot be a real output (constant, all black), or None."""
+    if float(image.max()) <= 2.0:
+        return "all-black image"
+    if float(image.astype(np.float32).std()) < 1.0:
+        return "constant image"
+    return None
+
+
+Generate = Callable[[Batch], BatchResult]
+
+
+class _Sampler:
+    """Samples GPU telemetry in the background while timed canaries run."""
+
+    def __init__(self, source: TelemetrySource | None, device: int) -> None:
+        self.source, self.device, self.samples = source, device, list[GpuSample]()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while self.source is not None and not self._stop.is_set():
+            self.samples.append(self.source.sample(self.device))
+            self._stop.wait(0.05)
+
+    def __enter__(self) -> _Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+
+def platform_id(provider: str) -> dict[str, str]:
+    import onnxruntime as ort
+
+    return {"provider": provider, "onnxruntime": ort.__version__, "machine": platform.machine()}
+
+
+def _images(result: BatchResult) -> list[np.ndarray]:
+    return [np.asarray(g.image) for g in result.images]
+
+
+def record(plan: SelfTestPlan, generate: Generate, model_dir: Path) -> Path:
+    """Run every canary shape once and store its fingerprints next to the model."""
+    shapes: dict[str, list[dict[str, Any]]] = {}
+    provider = ""
+    for shape in plan.shapes:
+        result = generate(plan.suite.batch(shape))
+        provider = result.provider
+        shapes[shape.key] = [{"canary": name, "thumb": fingerprint(img).round(3).tolist()}
+                             for name, img in zip(plan.suite.names(shape), _images(result), strict=True)]
+    path = model_dir / plan.fingerprints_file
+    record = {"format": 1, "platform": platform_id(provider), "suite": plan.suite.model_dump(mode="json"),
+              "shapes": shapes}
+    path.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    return path
+
+
+def _recorded(plan: SelfTestPlan, model_dir: Path) -> dict[str, Any] | None:
+    path = model_dir / plan.fingerprints_file
+    if not path.is_file():
+        return None
+    data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    if data.get("suite") != plan.suite.model_dump(mode="json"):
+        raise SelfTestError(f"{path} was recorded for another canary suite: re-record with `sdserve selftest --record`")
+    return data
+
+
+def run(plan: SelfTestPlan, generate: Generate, model_dir: Path, telemetry: TelemetrySource | None = None,
+        device: int = 0) -> SelfTestReport:
+    """Warm up and time every shape, check outputs and budgets; raise SelfTestError naming every failure."""
+    start = time.perf_counter()
+    recorded = _recorded(plan, model_dir)
+    if recorded is None and plan.require_fingerprints:
+        raise SelfTestError(f"no canary fingerprints at {model_dir / plan.fingerprints_file}: "
+                            "record them with `sdserve selftest --record` on a known-good node")
+    results, tolerance, note = [], plan.tolerance, "not recorded"
+    for shape in plan.shapes:
+        batch = plan.suite.batch(shape)
+        warm = generate(batch)
+        if recorded is not None:
+            same = recorded["platform"] == platform_id(warm.provider)
+            tolerance = plan.tolerance if same else plan.cross_platform_tolerance
+            note = f"checked against {recorded['platform']} (tolerance {tolerance})"
+        latencies = []
+        with _Sampler(telemetry, device) as sampler:
+            for _ in range(plan.timed_runs):
+                t = time.perf_counter()
+                generate(batch)
+                latencies.append(time.perf_counter() - t)
+        results.append(_judge(plan, shape, warm, latencies, sampler.samples, recorded, tolerance))
+    failures = [f"{r.shape}: {f}" for r in results for f in r.failures]
+    report = SelfTestReport(passed=not failures, shapes=tuple(results), fingerprints=note,
+                            seconds=time.perf_counter() - start)
+    if failures:
+        raise SelfTestError("self-test failed: " + "; ".join(failures), report)
+    return report
+
+
+def _judge(plan: SelfTestPlan, shape: Shape, warm: BatchResult, latencies: list[float], samples: list[GpuSample],
+           recorded: dict[str, Any] | None, tolerance: float) -> ShapeResult:
+    window = plan.window(shape)
+    p95 = float(np.percentile(latencies, 95))
+    util = statistics.median(s.sm_percent for s in samples) if samples else None
+    names = plan.suite.names(shape)
+    failures = [f"canary {name!r}: {problem}" for name, image in zip(names, _images(warm), strict=True)
+                if (problem := sanity(image))]
+    if window is not None and p95 > window.budget_s:
+        failures.append(f"p95 {p95:.3f}s over budget {window.budget_s:.3f}s")
+    if window is not None and window.min_gpu_util_percent is not None and (util is None or
+                                                                          util < window.min_gpu_util_percent):
+        failures.append(f"GPU utilization {util if util is not None else 'unknown'}% "
+                        f"under floor {window.min_gpu_util_percent}%")
+    distances: dict[str, float] = {}
+    if recorded is not None:
+        _compare(recorded["shapes"].get(shape.key), names, _images(warm), tolerance, distances, failures)
+    return ShapeResult(shape=shape.key, latencies_s=tuple(round(x, 4) for x in latencies),
+                       p50_s=statistics.median(latencies), p95_s=p95,
+                       budget_s=window.budget_s if window else None, gpu_util_percent=util,
+                       gpu_util_floor=window.min_gpu_util_percent if window else None, distances=distances,
+                       failures=tuple(failures))
+
+
+def _compare(stored: list[dict[str, Any]] | None, names: list[str], images: list[np.ndarray], tolerance: float,
+             distances: dict[str, float], failures: list[str]) -> None:
+    """Canary outputs against the recorded fingerprints of their shape; fills ``distances`` and ``failures``."""
+    if stored is None:
+        failures.append("no recorded fingerprint for this shape: re-record")
+        return
+    for name, image, ref in zip(names, images, stored, strict=True):
+        distance = float(np.abs(fingerprint(image) - np.array(ref["thumb"])).max())
+        distances[name] = round(distance, 3)
+        if distance > tolerance:
+            failures.append(f"canary {name!r} fingerprint distance {distance:.1f} over tolerance "
+                            f"{tolerance} (weights or runtime changed)")

@@ -1,0 +1,1 @@
+"""Sessions under the provider policy: placement audit, ORT log capture, pinned host memory, library closure."""

@@ -1,0 +1,117 @@
+"""`sdserve engines ...`: build, export, optimize, quantize and TensorRT-build models (build-time commands)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any
+
+from server.cli.common import DEFAULT_MODEL, add_boot_args, boot_config
+
+log = logging.getLogger("sdserve")
+
+
+def register(sub: Any) -> None:
+    engines = sub.add_parser("engines", help="build and export models").add_subparsers(dest="engines_cmd",
+                                                                                       required=True)
+    tiny = engines.add_parser("tiny", help="build the embedded tiny SD model (random weights)")
+    tiny.add_argument("--out", type=Path, default=DEFAULT_MODEL)
+    tiny.add_argument("--bpe", type=Path, default=None, help="open-clip-torch wheel or its bpe .txt.gz")
+    tiny.add_argument("--diffusers-out", type=Path, default=None, help="also save the torch weights here")
+    export = engines.add_parser("export", help="export a local diffusers SD 1.x/2.x folder to ONNX")
+    export.add_argument("--from", dest="src", type=Path, required=True)
+    export.add_argument("--out", type=Path, required=True)
+    opt = engines.add_parser("optimize", help="ORT transformer-optimizer fusions (+ fp16) into a new folder")
+    opt.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    opt.add_argument("--out", type=Path, required=True)
+    opt.add_argument("--target", choices=["cpu", "cuda"], default="cpu", help="cuda enables CUDA-only fused ops")
+    opt.add_argument("--fp16", action="store_true", help="convert to fp16 (fp32 keep-list for overflow-prone ops)")
+    opt.add_argument("--vae-fp16", action="store_true", help="also convert the VAE (kept fp32 by default)")
+    build = engines.add_parser("build", help="TensorRT engines for the profile's served shapes (GPU node)")
+    add_boot_args(build)
+    build.add_argument("--dry-run", action="store_true", help="print the provider options and artifact plan")
+    build.add_argument("--int8", action="store_true", help="INT8 engines (needs a passed accuracy gate)")
+    build.add_argument("--opt-level", type=int, default=3, choices=range(0, 6), help="TensorRT builder level")
+    quant = engines.add_parser("quantize", help="INT8 UNet weights behind the canary accuracy gate")
+    quant.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    quant.add_argument("--out", type=Path, required=True)
+    quant.add_argument("--max-distance", type=float, default=8.0, help="bound on canary fingerprint distance")
+    for p in (tiny, export, opt, build, quant):
+        p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    if args.engines_cmd == "tiny":
+        from engines.build.tiny import build_tiny
+
+        out = build_tiny(args.out, args.bpe, args.diffusers_out)
+    elif args.engines_cmd == "export":
+        from engines.build.export import export_folder
+
+        out = export_folder(args.src, args.out)
+    elif args.engines_cmd == "optimize":
+        from engines.build.optimize import optimize_folder
+
+        report = optimize_folder(args.model, args.out, args.target, args.fp16, vae_fp32=not args.vae_fp16)
+        print(json.dumps(report, indent=2))
+        out = args.out
+    elif args.engines_cmd == "quantize":
+        from engines.build.quantize import quantize
+        from engines.config import Shape, load_canaries
+        from server.bootstrap import config_path
+
+        size = _native_size(args.model)
+        gate = quantize(args.model, args.out, load_canaries(config_path("canaries.toml")), Shape(size, size, 2),
+                        args.max_distance)
+        print(json.dumps(gate, indent=2))
+        out = args.out
+    else:
+        return _build_engines(args)
+    log.info("model written to %s (manifest.json lists every file's sha256)", out)
+    return 0
+
+
+def _native_size(model: Path) -> int:
+    import json
+
+    unet = json.loads((model / "unet" / "config.json").read_text()) if (model / "unet" / "config.json").is_file() \
+        else {}
+    vae = json.loads((model / "vae_decoder" / "config.json").read_text()) \
+        if (model / "vae_decoder" / "config.json").is_file() else {}
+    factor: int = 2 ** (len(vae.get("block_out_channels", [0] * 4)) - 1)
+    return int(unet.get("sample_size", 64)) * factor
+
+
+def _build_engines(args: argparse.Namespace) -> int:
+    import json
+
+    from engines.build import trtplan
+    from engines.config import parse_size
+
+    boot = boot_config(args)
+    settings = boot.settings
+    sizes = [parse_size(s) for s in settings.serving.sizes] or [(_native_size(args.model),) * 2]
+    flags = trtplan.BuildFlags(fp16=settings.runtime.tensorrt.fp16, int8=args.int8,
+                               builder_optimization_level=args.opt_level)
+    plan = trtplan.plan(args.model, trtplan.profiles_from(sizes, settings.serving.batch_sizes), flags,
+                        settings.runtime.device_id)
+    if args.dry_run:
+        print(json.dumps(plan, indent=2))
+        return 0
+    from engines.build.trt_build import build, require_int8_gate
+
+    if args.int8:
+        require_int8_gate(args.model)
+    gpu = settings.runtime.model_copy(update={"providers": ("TensorrtExecutionProvider", "CUDAExecutionProvider"),
+                                              "allow_cpu": False})
+    from dataclasses import replace
+
+    engine = replace(boot, settings=settings.model_copy(update={"runtime": gpu})).engine()
+    engine.preflight()
+    observations = engine.capabilities().observations
+    manifest = build(args.model, plan, observations.model_dump() if observations else {}, settings.runtime.device_id)
+    log.info("engines and manifest written: %s", manifest)
+    return 0

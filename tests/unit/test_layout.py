@@ -1,0 +1,133 @@
+"""The house rules, read from the source's import graph (ast, nothing imported):
+
+- no import cycle among sdserve's modules (function-level imports included);
+- no module imports a private (underscore) name from another module;
+- server/ reaches engines/ only through the protocol, the error types and the config types (plus the one engine
+  constructor, engines.factory, and the build-time package for the `sdserve engines` commands);
+- engines/ never imports FastAPI, Starlette or server/;
+- torch, diffusers and transformers are imported only under engines/build/.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("server", "engines")
+SERVER_MAY_IMPORT = ("engines.protocol", "engines.errors", "engines.config", "engines.factory")
+BUILD_ONLY = ("torch", "diffusers", "transformers")
+CLI_BUILD = "server/cli/engines.py"
+"""The `sdserve engines` build commands drive engines/build/ (torch allowed there, imported lazily)."""
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _files() -> list[Path]:
+    return sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
+
+
+def _imports(path: Path) -> list[tuple[str, tuple[str, ...]]]:
+    """(module, names) for every import statement in the file, at any depth."""
+    found: list[tuple[str, tuple[str, ...]]] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, ()) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.module, tuple(alias.name for alias in node.names)))
+    return found
+
+
+def _ours(name: str) -> bool:
+    return name.split(".")[0] in PACKAGES
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module(p) for p in _files()}
+    graph: dict[str, set[str]] = {}
+    for path in _files():
+        edges = graph.setdefault(_module(path), set())
+        for module, names in _imports(path):
+            if not _ours(module):
+                continue
+            # "from engines.health import selftest" depends on engines.health.selftest, not the package.
+            targets = [f"{module}.{n}" for n in names if f"{module}.{n}" in modules] or [module]
+            edges.update(t for t in targets if t in modules)
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt):], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_the_walker_sees_imports_inside_functions_and_cycles() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+    serve = _imports(ROOT / "server" / "cli" / "serve.py")
+    assert ("server.app", ("create_app",)) in serve  # imported inside run(): the walker must see it
+
+
+def test_no_import_cycle() -> None:
+    cycle = _cycle(_graph())
+    assert cycle is None, f"import cycle: {' -> '.join(cycle or [])}"
+
+
+def test_no_private_names_imported_across_modules() -> None:
+    offenders = [f"{path.relative_to(ROOT)}: from {module} import {name}" for path in _files()
+                 for module, names in _imports(path) if _ours(module) for name in names
+                 if name.startswith("_") and name != "__version__"]
+    assert offenders == []
+
+
+@pytest.mark.parametrize("path", [p for p in _files() if p.relative_to(ROOT).parts[0] == "server"],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_server_reaches_engines_only_through_the_protocol(path: Path) -> None:
+    allowed = SERVER_MAY_IMPORT + (("engines.build",) if path.relative_to(ROOT).as_posix() == CLI_BUILD else ())
+    bad = [module for module, _ in _imports(path) if module.split(".")[0] == "engines"
+           and not module.startswith(allowed)]
+    assert bad == [], f"{path.relative_to(ROOT)} imports engine internals {bad}: go through engines.protocol"
+
+
+@pytest.mark.parametrize("path", [p for p in _files() if p.relative_to(ROOT).parts[0] == "engines"],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_engines_never_import_the_http_layer(path: Path) -> None:
+    bad = [m for m, _ in _imports(path) if m.split(".")[0] in ("fastapi", "starlette", "uvicorn", "server")]
+    assert bad == []
+
+
+@pytest.mark.parametrize("path", _files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_torch_only_at_build_time(path: Path) -> None:
+    if path.relative_to(ROOT).parts[:2] == ("engines", "build"):
+        return
+    bad = [m for m, _ in _imports(path) if m.split(".")[0] in BUILD_ONLY]
+    assert bad == [], f"{path.relative_to(ROOT)} imports {bad}: torch/diffusers/transformers are build-time only"
+
+
+def test_every_engines_module_lives_in_a_room() -> None:
+    """engines/ top level holds the contract (protocol, errors, config, factory), the engine and artifacts;
+    everything else is in a room: runtime/, diffusion/, health/, build/."""
+    top = sorted(p.stem for p in (ROOT / "engines").glob("*.py"))
+    assert top == ["__init__", "artifacts", "config", "engine", "errors", "factory", "protocol"]
