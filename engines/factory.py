@@ -15,3 +15,17 @@ def create_engine(model: Path, runtime: RuntimeSettings, matrix: Matrix | None =
     from engines.engine import OrtEngine
 
     return OrtEngine(model, runtime, matrix, plan, faults, signature, watch_ort_log)
+
+
+def accept(model: Path | None, runtime: RuntimeSettings, matrix: Matrix, plan: SelfTestPlan,
+           signature: SignatureThresholds, out: Path, *, jobs: int = 10, band_percent: float = 10.0,
+           baseline: Path | None = None, compare: str | None = None, changed: tuple[Path, Path] | None = None,
+           skip_torch_reference: bool = False, budget_s: float = 600.0) -> tuple[str, ...]:
+    """`sdserve accept`: the GPU gate (GpuUnavailableError at once without a GPU), every acceptance step, then
+    ``accept_report.json`` and ``accept_report.md`` under ``out``. Returns the failing sections (empty: accepted)."""
+    from engines.health.accept_run import AcceptOptions, run_acceptance
+
+    return run_acceptance(AcceptOptions(
+        out=out, runtime=runtime, matrix=matrix, plan=plan, thresholds=signature, model=model, jobs=jobs,
+        band_percent=band_percent, baseline=baseline, compare=compare, changed=changed,
+        skip_torch_reference=skip_torch_reference, budget_s=budget_s))

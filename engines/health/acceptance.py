@@ -539,7 +539,8 @@ class LatencySection:
     """Ours next to diffusers' torch fp16 pipeline on the same random-weight SD 1.5-architecture model, same run."""
 
     ours: LatencyRun
-    diffusers: LatencyRun
+    diffusers: LatencyRun | None
+    """None when the torch reference was skipped (--skip-torch-reference): no comparison, and the summary says so."""
     width: int = 512
     height: int = 512
     steps: int = 50
@@ -550,18 +551,100 @@ class LatencySection:
     _derived: ClassVar[tuple[str, ...]] = ("speedup", "ok")
 
     @property
-    def speedup(self) -> float:
-        return self.diffusers.s_per_image / self.ours.s_per_image
+    def speedup(self) -> float | None:
+        return None if self.diffusers is None else self.diffusers.s_per_image / self.ours.s_per_image
 
     @property
     def ok(self) -> bool:
-        return self.speedup >= self.min_speedup
+        """At least ``min_speedup`` over the torch pipeline; a skipped reference judges nothing (the summary says)."""
+        return self.speedup is None or self.speedup >= self.min_speedup
 
     def summary(self) -> str:
-        return (f"{self.width}x{self.height}, {self.steps} steps, batch {self.batch}: ours {self.ours.s_per_image:.3f} "
-                f"s/image ({self.ours.per_step_ms:.1f} ms/step) vs {self.diffusers.runner} "
-                f"{self.diffusers.s_per_image:.3f} s/image ({self.diffusers.per_step_ms:.1f} ms/step), "
-                f"x{self.speedup:.2f}")
+        ours = (f"{self.width}x{self.height}, {self.steps} steps, batch {self.batch}: ours "
+                f"{self.ours.s_per_image:.3f} s/image ({self.ours.per_step_ms:.1f} ms/step)")
+        if self.diffusers is None:
+            return ours + "; diffusers torch reference skipped: no comparison"
+        return (f"{ours} vs {self.diffusers.runner} {self.diffusers.s_per_image:.3f} s/image "
+                f"({self.diffusers.per_step_ms:.1f} ms/step), x{self.speedup:.2f}")
+
+
+@dataclass(frozen=True)
+class StepFailure:
+    """A step that could not produce its section (an exception, a missing input, the time budget spent): recorded
+    in that section's place, so one broken step fails the report without hiding what the other steps proved."""
+
+    step: str
+    error: str
+    seconds: float = 0.0
+
+    _derived: ClassVar[tuple[str, ...]] = ("ok",)
+
+    @property
+    def ok(self) -> bool:
+        return False
+
+    def summary(self) -> str:
+        return f"step failed after {self.seconds:.1f} s: {self.error}"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Inputs the command reads: the one-variable rule's before/after files, the recorded baseline, a replica's timing
+
+
+def parse_key_values(text: str, source: str = "<text>") -> dict[str, str]:
+    """``KEY=VALUE`` lines (``#`` comments and blank lines skipped; split at the first ``=``, both sides stripped).
+
+    ``env`` output and ``pip freeze`` output both read this way (``torch==2.13`` -> key ``torch``, value ``=2.13``),
+    so operators can describe a node before and after a fix with the tools they already run.
+    """
+    found: dict[str, str] = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{source}:{number}: expected KEY=VALUE, got {line[:80]!r}")
+        if key.strip() in found:
+            raise ValueError(f"{source}:{number}: {key.strip()} given twice")
+        found[key.strip()] = value.strip()
+    return found
+
+
+def baseline_jobs_per_hour(baseline: Mapping[str, Any], gpu: str, source: str = "baseline") -> float:
+    """The recorded protocol throughput for GPU model ``gpu`` (NVML's name) from a parsed baseline TOML::
+
+        ["NVIDIA H200"]
+        jobs_per_hour = 1180.0   # the protocol's jobs/hour on a healthy node of this model
+    """
+    entry = baseline.get(gpu)
+    if not isinstance(entry, Mapping) or "jobs_per_hour" not in entry:
+        known = ", ".join(sorted(str(k) for k in baseline)) or "none"
+        raise ValueError(f"{source} has no jobs_per_hour for {gpu!r} (recorded: {known})")
+    value = entry["jobs_per_hour"]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0 or not math.isfinite(value):
+        raise ValueError(f"{source} [{gpu!r}] jobs_per_hour must be a positive number, got {value!r}")
+    return float(value)
+
+
+def server_timing_seconds(header: str, metric: str = "compute") -> float:
+    """The ``dur`` (milliseconds) of ``metric`` in a ``Server-Timing`` header, in seconds.
+
+    A replica's ``compute`` is its pipeline time for the request, the same quantity the candidate's protocol jobs
+    time, so parity compares engines and not the network between the two nodes.
+    """
+    for entry in header.split(","):
+        name, *params = (part.strip() for part in entry.split(";"))
+        if name != metric:
+            continue
+        for param in params:
+            key, _, value = param.partition("=")
+            if key.strip() == "dur":
+                seconds = float(value) / 1000.0
+                if not (math.isfinite(seconds) and seconds > 0):
+                    raise ValueError(f"Server-Timing {metric} duration must be positive, got {value!r}")
+                return seconds
+    raise ValueError(f"no {metric};dur=... in Server-Timing {header[:120]!r}")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -577,25 +660,25 @@ class AcceptReport:
 
     generated_at: str
     node: Mapping[str, str]
-    doctor: DoctorSection
-    boots: tuple[ShapeBoot, ...]
-    placement: tuple[SessionPlacement, ...]
-    staging: tuple[StagingBuffer, ...]
-    copies: CopyCount
-    relocation: RelocationSection
-    protocol: ProtocolSection
-    parity: Parity
-    signature: SignatureSection
-    latency: LatencySection
+    doctor: DoctorSection | StepFailure
+    boots: tuple[ShapeBoot, ...] | StepFailure
+    placement: tuple[SessionPlacement, ...] | StepFailure
+    staging: tuple[StagingBuffer, ...] | StepFailure
+    copies: CopyCount | StepFailure
+    relocation: RelocationSection | StepFailure
+    protocol: ProtocolSection | StepFailure
+    parity: Parity | StepFailure
+    signature: SignatureSection | StepFailure
+    latency: LatencySection | StepFailure
     notes: tuple[str, ...] = field(default=())
 
     def section_results(self) -> dict[str, bool]:
-        """Section name -> ok. Lists pass only when non-empty and every entry passes."""
+        """Section name -> ok. Lists pass only when non-empty and every entry passes; a failed step never passes."""
         return {
             "doctor": self.doctor.ok,
-            "boots": bool(self.boots) and all(b.ok for b in self.boots),
-            "placement": bool(self.placement) and all(p.ok for p in self.placement),
-            "staging": bool(self.staging) and all(b.pinned for b in self.staging),
+            "boots": _all_ok(self.boots, lambda b: b.ok),
+            "placement": _all_ok(self.placement, lambda p: p.ok),
+            "staging": _all_ok(self.staging, lambda b: b.pinned),
             "copies": self.copies.ok,
             "relocation": self.relocation.ok,
             "protocol": self.protocol.ok,
@@ -631,22 +714,33 @@ class AcceptReport:
         return "\n".join(lines) + "\n"
 
     def _details(self) -> list[tuple[str, str]]:
-        boots_ok = sum(1 for b in self.boots if b.ok)
-        refused = sum(len(p.activation_path_cpu_nodes) for p in self.placement)
-        pinned = sum(1 for b in self.staging if b.pinned)
-        shapes = ", ".join(f"{b.width}x{b.height}x{b.batch}" for b in self.boots)
-        return [
-            ("doctor", self.doctor.summary()),
-            ("boots", f"{boots_ok}/{len(self.boots)} shapes booted strict ({shapes})"),
-            ("placement", f"{len(self.placement)} sessions, {refused} activation-path nodes on CPU"),
-            ("staging", f"{pinned}/{len(self.staging)} staging buffers pinned"),
-            ("copies", self.copies.summary()),
-            ("relocation", self.relocation.summary()),
-            ("protocol", self.protocol.summary()),
-            ("parity", self.parity.summary()),
-            ("signature", self.signature.summary()),
-            ("latency", self.latency.summary()),
-        ]
+        details = [(name, _summary(getattr(self, name))) for name in SECTIONS]
+        lists = {"boots": self._boots_detail, "placement": self._placement_detail, "staging": self._staging_detail}
+        return [(name, lists[name]() if name in lists and not isinstance(getattr(self, name), StepFailure)
+                 else text) for name, text in details]
+
+    def _boots_detail(self) -> str:
+        boots = self.boots if isinstance(self.boots, tuple) else ()
+        shapes = ", ".join(f"{b.width}x{b.height}x{b.batch}" for b in boots)
+        return f"{sum(1 for b in boots if b.ok)}/{len(boots)} shapes booted strict ({shapes})"
+
+    def _placement_detail(self) -> str:
+        sessions = self.placement if isinstance(self.placement, tuple) else ()
+        refused = sum(len(p.activation_path_cpu_nodes) for p in sessions)
+        return f"{len(sessions)} sessions, {refused} activation-path nodes on CPU"
+
+    def _staging_detail(self) -> str:
+        buffers = self.staging if isinstance(self.staging, tuple) else ()
+        return f"{sum(1 for b in buffers if b.pinned)}/{len(buffers)} staging buffers pinned"
+
+
+def _all_ok(items: tuple[Any, ...] | StepFailure, ok: Callable[[Any], bool]) -> bool:
+    return not isinstance(items, StepFailure) and bool(items) and all(ok(item) for item in items)
+
+
+def _summary(section: object) -> str:
+    summary = getattr(section, "summary", None)
+    return str(summary()) if callable(summary) else ""
 
 
 def _cell(text: str) -> str:
@@ -669,5 +763,15 @@ def validate(report: Mapping[str, Any]) -> list[str]:
     except ImportError as exc:
         raise ImportError(f"validating an accept report needs jsonschema: {exc}") from exc
     validator = jsonschema.Draft202012Validator(load_schema())
-    errors = sorted(validator.iter_errors(dict(report)), key=lambda e: list(e.absolute_path))
+    errors = sorted((_leaf(e) for e in validator.iter_errors(dict(report))), key=lambda e: list(e.absolute_path))
     return [f"{'/'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}" for e in errors]
+
+
+def _leaf(error: Any) -> Any:
+    """The error that says what is wrong inside an anyOf/oneOf: branch 0 is the alternative (a step failure, or
+    null) and says nothing useful about a section that tried to be the real thing, so the other branches' deepest
+    error is reported."""
+    while error.context:
+        branches = [e for e in error.context if e.schema_path and e.schema_path[0] != 0] or list(error.context)
+        error = max(branches, key=lambda e: len(e.absolute_path))
+    return error

@@ -8,11 +8,11 @@ import os
 import sys
 
 from engines.errors import SdserveError
-from server.cli import bench, deploy, doctor, engines, gate, generate, selftest, serve
+from server.cli import accept, bench, deploy, doctor, engines, gate, generate, selftest, serve
 from server.exitcodes import ExitCode, exit_code_for
 
 log = logging.getLogger("sdserve")
-COMMANDS = (serve, doctor, selftest, generate, engines, bench, gate, deploy)
+COMMANDS = (serve, doctor, selftest, generate, engines, bench, gate, deploy, accept)
 
 
 def parser() -> argparse.ArgumentParser:
