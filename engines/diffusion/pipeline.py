@@ -1,7 +1,9 @@
 """Stable Diffusion txt2img on ONNX Runtime, every session call through IO binding.
 
 Text embeddings, latents, noise predictions and the UNet input live in device buffers reused across steps
-(device ``cpu`` when the policy allows only the CPU). Only the initial noise goes up and the image comes down.
+(device ``cpu`` when the policy allows only the CPU). Only the initial noise (and Euler-ancestral step noise) goes
+up and the image comes down: the latents are scaled for the VAE on the device too. Latents and scheduler state are
+float32 even for fp16 UNets (see step_graph.py); only the UNet's input is cast to its dtype.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from typing import Any, TypeAlias
 import numpy as np
 import onnxruntime as ort
 
-from engines.diffusion.schedulers import SCHEDULERS, NoiseSchedule, make_plan
-from engines.diffusion.step_graph import build_step_graph, step_coefficients
+from engines.diffusion.schedulers import SCHEDULERS, NoiseSchedule, SchedulePlan, make_plan
+from engines.diffusion.step_graph import STATE_DTYPE, build_scale_graph, build_step_graph, step_coefficients
 from engines.diffusion.tokenizer import ClipTokenizer
 from engines.errors import InferenceError, InvalidRequestError, ModelLoadError
 from engines.protocol import Batch, Timings
@@ -36,6 +38,9 @@ class OrtModel:
 
     def input_dtype(self, name: str) -> type[np.generic]:
         return numpy_dtype(self.inputs[name].type)
+
+    def output_dtype(self, index: int = 0) -> type[np.generic]:
+        return numpy_dtype(self.session.get_outputs()[index].type)
 
     def run(self, feeds: dict[str, Feed], outputs: dict[str, ort.OrtValue]) -> None:
         binding = self.session.io_binding()
@@ -111,7 +116,7 @@ class StableDiffusionOnnx:
         self.schedule = NoiseSchedule.from_config(_read_json(folder / "scheduler" / "scheduler_config.json"))
         self.io = _unet_io(self.unet)
         self.latent_dtype = self.unet.input_dtype(self.io.sample)
-        self.step = OrtModel(runtime, build_step_graph(self.latent_dtype), "scheduler_step")
+        self.step = OrtModel(runtime, build_step_graph(self.latent_dtype, self.unet.output_dtype()), "scheduler_step")
         channels = self.unet.inputs[self.io.sample].shape[1]
         unet_cfg = _read_json(folder / "unet" / "config.json")
         vae_cfg = _read_json(folder / "vae_decoder" / "config.json")
@@ -119,6 +124,9 @@ class StableDiffusionOnnx:
         self.vae_scale_factor = 2 ** (len(vae_cfg.get("block_out_channels", [0] * 4)) - 1)
         self.size_multiple = self.vae_scale_factor * 2 ** (len(unet_cfg.get("block_out_channels", [0] * 4)) - 1)
         self.scaling_factor = float(vae_cfg.get("scaling_factor", 0.18215))
+        vae_in = next(iter(self.vae_decoder.inputs))
+        self.vae_scale = OrtModel(runtime, build_scale_graph(1.0 / self.scaling_factor,
+                                                             self.vae_decoder.input_dtype(vae_in)), "vae_scale")
         sample = unet_cfg.get("sample_size", 64)
         self.default_size = int(sample if isinstance(sample, int) else 64) * self.vae_scale_factor
         width = [self.unet.inputs[self.io.hidden].shape[2], self.text_encoder.session.get_outputs()[0].shape[-1]]
@@ -161,14 +169,25 @@ class StableDiffusionOnnx:
         latents = seeded if latents is None else latents  # the stream advances either way
         guidance = np.array([spec.guidance_scale for spec in batch.images], dtype=np.float64)
         # 3. Denoise: UNet on [uncond; text], then the step graph writes the next latents and UNet input.
+        final = self._denoise(plan, latents, hidden, guidance, rngs)
+        t2 = time.perf_counter()
+        # 4. Decode on the device; the image comes down once.
+        images = self._decode(final, batch)
+        t3 = time.perf_counter()
+        timings = Timings(text_encoder=t1 - t0, denoise=t2 - t1, vae_decode=t3 - t2, total=t3 - t0)
+        return PipelineOutput(images, truncated, negative_truncated, timings)
+
+    def _denoise(self, plan: SchedulePlan, latents: np.ndarray, hidden: ort.OrtValue, guidance: np.ndarray,
+                 rngs: list[np.random.Generator]) -> ort.OrtValue:
+        """Run every step; returns the device buffer holding the final float32 latents."""
+        shape, n = latents.shape, len(latents)
         x = latents.astype(np.float64) * plan.init_noise_sigma
-        dt = self.latent_dtype
-        lat = [self.runtime.upload("latents0", x.astype(dt)), self.runtime.buffer("latents1", shape, dt)]
-        den = [self.runtime.upload("denoised0", np.zeros(shape, dt)), self.runtime.buffer("denoised1", shape, dt)]
-        doubled = (2 * n, *shape[1:])
+        f32, dt = STATE_DTYPE, self.latent_dtype
+        lat = [self.runtime.upload("latents0", x.astype(f32)), self.runtime.buffer("latents1", shape, f32)]
+        den = [self.runtime.upload("denoised0", np.zeros(shape, f32)), self.runtime.buffer("denoised1", shape, f32)]
         model_in = self.runtime.upload("unet_in", np.concatenate([x * plan.steps[0].input_scale] * 2).astype(dt))
-        model_out = self.runtime.buffer("unet_out", doubled, dt)
-        zeros = self.runtime.upload("zeros", np.zeros(shape, dt))
+        model_out = self.runtime.buffer("unet_out", (2 * n, *shape[1:]), self.unet.output_dtype())
+        zeros = self.runtime.upload("zeros", np.zeros(shape, f32))
         t_dtype = self.unet.input_dtype(self.io.timestep)
         for i, step in enumerate(plan.steps):
             timestep = np.full(self.io.timestep_shape, step.timestep, dtype=t_dtype)
@@ -177,20 +196,14 @@ class StableDiffusionOnnx:
             noise: Feed = zeros
             if step.next.noise:
                 noise = self.runtime.upload("noise", np.stack([r.standard_normal(shape[1:], dtype=np.float32)
-                                                               for r in rngs]).astype(dt))
+                                                               for r in rngs]))
             scale = plan.steps[i + 1].input_scale if i + 1 < len(plan.steps) else 1.0
             cur = i % 2
             self.step.run({"sample": lat[cur], "model_out": model_out, "prev": den[cur], "noise": noise,
-                           "coeffs": step_coefficients(step.next, step.denoised, guidance, dt),
-                           "in_scale": np.array([scale], dtype=dt)},
+                           "coeffs": step_coefficients(step.next, step.denoised, guidance),
+                           "in_scale": np.array([scale], dtype=f32)},
                           {"next": lat[1 - cur], "denoised": den[1 - cur], "model_in": model_in})
-        final = lat[len(plan.steps) % 2]
-        t2 = time.perf_counter()
-        # 4. Decode on the device; the image comes down once.
-        images = self._decode(final, batch)
-        t3 = time.perf_counter()
-        timings = Timings(text_encoder=t1 - t0, denoise=t2 - t1, vae_decode=t3 - t2, total=t3 - t0)
-        return PipelineOutput(images, truncated, negative_truncated, timings)
+        return lat[len(plan.steps) % 2]
 
     def _encode(self, batch: Batch) -> tuple[ort.OrtValue, tuple[bool, ...], tuple[bool, ...]]:
         """Hidden states of [negatives..., prompts...]; refuses over-long prompts unless the batch truncates."""
@@ -213,11 +226,13 @@ class StableDiffusionOnnx:
     def _decode(self, latents: ort.OrtValue, batch: Batch) -> np.ndarray:
         n = len(batch.images)
         vae_in = next(iter(self.vae_decoder.inputs))
-        scaled = (latents.numpy() / self.scaling_factor).astype(self.vae_decoder.input_dtype(vae_in))
+        # latents / scaling_factor, on the device, written in the VAE's input dtype into a device buffer.
+        scaled = self.runtime.buffer("vae_in", tuple(latents.shape()), self.vae_decoder.input_dtype(vae_in))
+        self.vae_scale.run({"latents": latents}, {"scaled": scaled})
         # The image comes down once, straight into a (pinned, on a GPU) host staging buffer bound as the output.
-        out_dtype = numpy_dtype(self.vae_decoder.session.get_outputs()[0].type)
+        out_dtype = self.vae_decoder.output_dtype()
         host, out = self.runtime.staging("image", (n, 3, batch.height, batch.width), out_dtype)
-        self.vae_decoder.run({vae_in: self.runtime.upload("vae_in", scaled)}, {self.vae_decoder.outputs[0]: out})
+        self.vae_decoder.run({vae_in: scaled}, {self.vae_decoder.outputs[0]: out})
         decoded = host.astype(np.float32)
         if not np.isfinite(decoded).all():
             raise InferenceError("the VAE produced NaN/inf values (fp16 overflow or corrupted weights)")

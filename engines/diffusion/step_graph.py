@@ -1,55 +1,111 @@
-"""The scheduler step as a small ONNX graph, run by the same provider as the UNet.
+"""The scheduler step and the decode scaling as small ONNX graphs, run by the same provider as the UNet.
 
-Inputs: ``sample`` [B,C,H,W], ``model_out`` [2B,C,H,W] (uncond first, then text), ``prev`` [B,C,H,W] (previous
-denoised estimate), ``noise`` [B,C,H,W], ``coeffs`` [B,2,5] (per image: rows next/denoised over the basis
-sample, uncond, text, prev, noise) and ``in_scale`` [1]. Outputs: ``next`` and ``denoised`` [B,C,H,W], and
-``model_in`` [2B,C,H,W] = next * in_scale twice, the UNet input of the following step.
+Step inputs: ``sample`` [B,C,H,W], ``model_out`` [2B,C,H,W] (uncond first, then text; the UNet's output dtype),
+``prev`` [B,C,H,W] (previous denoised estimate), ``noise`` [B,C,H,W], ``coeffs`` [B,2,5] (per image: rows
+next/denoised over the basis sample, uncond, text, prev, noise) and ``in_scale`` [1]. Outputs: ``next`` and
+``denoised`` [B,C,H,W], and ``model_in`` [2B,C,H,W] = next * in_scale twice, in the UNet's input dtype: the UNet
+input of the following step.
+
+The latents and the scheduler state are float32 whatever the UNet's dtype, and so is every step's arithmetic:
+diffusers upcasts the sample before the step for the same reason (``sample = sample.to(torch.float32)`` in
+diffusers/schedulers/scheduling_euler_discrete.py and scheduling_dpmsolver_multistep.py, ``step``). fp16 carries
+about three significant digits; latents start at sigma ~14.6 and the x0 estimates subtract nearly equal terms.
+Unlike diffusers, the state is not cast back to the model dtype after the step: only ``model_in`` is.
+
+On a GPU every node here has a CUDA kernel for float and float16 (Cast: onnxruntime/core/providers/cuda/tensor/
+cast_op.cc; Mul, MatMul: cuda/math/binary_elementwise_ops.cc, cuda/math/matmul.cc), so the arithmetic stays on
+the device; only ``Shape`` feeds the CPU, as a shape value.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from onnx import TensorProto, helper, numpy_helper
+from onnx import NodeProto, TensorProto, ValueInfoProto, helper, numpy_helper
 
 from engines.diffusion.schedulers import Lin
 
 BASIS = ("sample", "uncond", "text", "prev", "noise")
+STATE_DTYPE = np.float32
+"""The dtype of latents, scheduler state, noise and coefficients on the device."""
 
 
-def build_step_graph(dtype: type[np.generic]) -> bytes:
-    """Serialized ONNX model of the step for float32 or float16 latents."""
-    elem = TensorProto.FLOAT16 if np.dtype(dtype) == np.float16 else TensorProto.FLOAT
-    latent = ["B", "C", "H", "W"]
-    inputs = [helper.make_tensor_value_info("sample", elem, latent),
-              helper.make_tensor_value_info("model_out", elem, ["B2", "C", "H", "W"]),
-              helper.make_tensor_value_info("prev", elem, latent),
-              helper.make_tensor_value_info("noise", elem, latent),
-              helper.make_tensor_value_info("coeffs", elem, ["B", 2, 5]),
-              helper.make_tensor_value_info("in_scale", elem, [1])]
-    outputs = [helper.make_tensor_value_info("next", elem, latent),
-               helper.make_tensor_value_info("denoised", elem, latent),
-               helper.make_tensor_value_info("model_in", elem, ["B2", "C", "H", "W"])]
-    flat = numpy_helper.from_array(np.array([0, 1, -1], dtype=np.int64), "flat_shape")
-    nodes = [
-        helper.make_node("Shape", ["sample"], ["shape"]),
-        helper.make_node("Split", ["model_out"], ["uncond", "text"], axis=0),
-        *[helper.make_node("Reshape", [name, "flat_shape"], [f"{name}_flat"]) for name in BASIS],
-        helper.make_node("Concat", [f"{name}_flat" for name in BASIS], ["stack"], axis=1),  # [B,5,N]
-        helper.make_node("MatMul", ["coeffs", "stack"], ["combined"]),  # [B,2,N]
-        helper.make_node("Split", ["combined"], ["next_flat", "denoised_flat"], axis=1),
-        helper.make_node("Reshape", ["next_flat", "shape"], ["next"]),
-        helper.make_node("Reshape", ["denoised_flat", "shape"], ["denoised"]),
-        helper.make_node("Mul", ["next", "in_scale"], ["scaled"]),
-        helper.make_node("Concat", ["scaled", "scaled"], ["model_in"], axis=0),
-    ]
-    graph = helper.make_graph(nodes, "sdserve_scheduler_step", inputs, outputs, initializer=[flat])
+def _elem(dtype: type[np.generic]) -> int:
+    return TensorProto.FLOAT16 if np.dtype(dtype) == np.float16 else TensorProto.FLOAT
+
+
+def _model(nodes: list[NodeProto], name: str, inputs: list[ValueInfoProto], outputs: list[ValueInfoProto],
+           initializers: list[TensorProto]) -> bytes:
+    graph = helper.make_graph(nodes, name, inputs, outputs, initializer=initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="sdserve")
     model.ir_version = 8
     return bytes(model.SerializeToString())
 
 
-def step_coefficients(next_: Lin, denoised: Lin, guidance: np.ndarray, dtype: type[np.generic]) -> np.ndarray:
-    """[B,2,5] coefficients: the model output ``(1 - w)*uncond + w*text`` expanded per image's guidance w."""
+def _to_compute(inputs: dict[str, int], calc: int) -> tuple[list[NodeProto], dict[str, str]]:
+    """For each graph input, the name holding it in the compute type: the input itself or a Cast of it."""
+    names = {name: name if elem == calc else f"{name}_c" for name, elem in inputs.items()}
+    nodes = [helper.make_node("Cast", [name], [names[name]], to=calc) for name, elem in inputs.items() if elem != calc]
+    return nodes, names
+
+
+def _from_compute(outputs: dict[str, int], calc: int) -> tuple[list[NodeProto], dict[str, str]]:
+    """For each graph output, the name the computing node writes: the output itself or a value Cast into it."""
+    names = {name: name if elem == calc else f"{name}_c" for name, elem in outputs.items()}
+    nodes = [helper.make_node("Cast", [names[name]], [name], to=elem) for name, elem in outputs.items() if elem != calc]
+    return nodes, names
+
+
+def build_step_graph(unet_in: type[np.generic], unet_out: type[np.generic],
+                     compute: type[np.generic] = STATE_DTYPE) -> bytes:
+    """Serialized ONNX model of the step. State inputs/outputs are float32; ``model_out`` is ``unet_out`` and
+    ``model_in`` is ``unet_in`` (the UNet's output and sample input dtypes). ``compute`` is the arithmetic precision:
+    always float32 in the pipeline; float16 reproduces the old all-fp16 step, kept for the drift test."""
+    unet, out, state, calc = _elem(unet_in), _elem(unet_out), _elem(STATE_DTYPE), _elem(compute)
+    latent = ["B", "C", "H", "W"]
+    inputs = [helper.make_tensor_value_info("sample", state, latent),
+              helper.make_tensor_value_info("model_out", out, ["B2", "C", "H", "W"]),
+              helper.make_tensor_value_info("prev", state, latent),
+              helper.make_tensor_value_info("noise", state, latent),
+              helper.make_tensor_value_info("coeffs", state, ["B", 2, 5]),
+              helper.make_tensor_value_info("in_scale", state, [1])]
+    outputs = [helper.make_tensor_value_info("next", state, latent),
+               helper.make_tensor_value_info("denoised", state, latent),
+               helper.make_tensor_value_info("model_in", unet, ["B2", "C", "H", "W"])]
+    flat = numpy_helper.from_array(np.array([0, 1, -1], dtype=np.int64), "flat_shape")
+    cast_in, x = _to_compute({"sample": state, "model_out": out, "prev": state, "noise": state,
+                              "coeffs": state, "in_scale": state}, calc)
+    cast_out, y = _from_compute({"next": state, "denoised": state, "model_in": unet}, calc)
+    nodes = [
+        *cast_in,
+        helper.make_node("Shape", ["sample"], ["shape"]),
+        helper.make_node("Split", [x["model_out"]], ["uncond", "text"], axis=0),
+        *[helper.make_node("Reshape", [x.get(name, name), "flat_shape"], [f"{name}_flat"]) for name in BASIS],
+        helper.make_node("Concat", [f"{name}_flat" for name in BASIS], ["stack"], axis=1),  # [B,5,N]
+        helper.make_node("MatMul", [x["coeffs"], "stack"], ["combined"]),  # [B,2,N]
+        helper.make_node("Split", ["combined"], ["next_flat", "denoised_flat"], axis=1),
+        helper.make_node("Reshape", ["next_flat", "shape"], [y["next"]]),
+        helper.make_node("Reshape", ["denoised_flat", "shape"], [y["denoised"]]),
+        helper.make_node("Mul", [y["next"], x["in_scale"]], ["scaled"]),
+        helper.make_node("Concat", ["scaled", "scaled"], [y["model_in"]], axis=0),
+        *cast_out,
+    ]
+    return _model(nodes, "sdserve_scheduler_step", inputs, outputs, [flat])
+
+
+def build_scale_graph(scale: float, out_dtype: type[np.generic]) -> bytes:
+    """Serialized ONNX model ``scaled = Cast(latents * scale)``: float32 latents in, ``out_dtype`` out. The decode
+    step's ``latents / scaling_factor`` on the device, written straight in the VAE's input dtype."""
+    latent = ["B", "C", "H", "W"]
+    factor = numpy_helper.from_array(np.array([scale], dtype=STATE_DTYPE), "scale")
+    nodes = [helper.make_node("Mul", ["latents", "scale"], ["product"]),
+             helper.make_node("Cast", ["product"], ["scaled"], to=_elem(out_dtype))]
+    return _model(nodes, "sdserve_latent_scale",
+                  [helper.make_tensor_value_info("latents", _elem(STATE_DTYPE), latent)],
+                  [helper.make_tensor_value_info("scaled", _elem(out_dtype), latent)], [factor])
+
+
+def step_coefficients(next_: Lin, denoised: Lin, guidance: np.ndarray) -> np.ndarray:
+    """[B,2,5] float32 coefficients: the model output ``(1 - w)*uncond + w*text`` expanded per image's guidance w."""
     rows = np.empty((len(guidance), 2, 5), dtype=np.float64)
     for k, lin in enumerate((next_, denoised)):
         rows[:, k, 0] = lin.sample
@@ -57,4 +113,4 @@ def step_coefficients(next_: Lin, denoised: Lin, guidance: np.ndarray, dtype: ty
         rows[:, k, 2] = lin.model * guidance
         rows[:, k, 3] = lin.prev
         rows[:, k, 4] = lin.noise
-    return rows.astype(dtype)
+    return rows.astype(STATE_DTYPE)

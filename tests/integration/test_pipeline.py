@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
@@ -49,6 +50,22 @@ def test_image_in_a_batch_equals_image_alone(pipe: StableDiffusionOnnx, schedule
     assert np.abs(together[1].astype(int) - alone[0].astype(int)).max() <= 1
 
 
+def test_nothing_comes_down_but_the_image(pipe: StableDiffusionOnnx, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No device value is read back to the host (OrtValue.numpy copies a CUDA tensor down:
+    onnxruntime/python/onnxruntime_pybind_ortvalue.cc): latents are scaled for the VAE on the device and the
+    image arrives through the staging buffer bound as the VAE's output."""
+    batch = _batch(8, 9, scheduler="euler_a")  # euler_a: step noise goes up every step too
+    expected = pipe(batch).images
+
+    def refuse(self: ort.OrtValue) -> np.ndarray:
+        raise AssertionError("OrtValue.numpy() called: a device value came down to the host")
+
+    monkeypatch.setattr(ort.OrtValue, "numpy", refuse)
+    with pytest.raises(AssertionError, match="came down"):  # the patch is live: the old decode would fail here
+        pipe.runtime.buffer("probe", (1,), np.float32).numpy()
+    assert np.array_equal(pipe(batch).images, expected)
+
+
 def test_long_prompt_is_truncated_and_reported(pipe: StableDiffusionOnnx) -> None:
     truncated = pipe(Batch((ImageSpec("tree " * 100, seed=1), ImageSpec("tree", seed=1)), 64, 64, 2)).truncated
     assert truncated == (True, False)
@@ -62,7 +79,7 @@ def test_check_inputs_refuses_instead_of_clamping(pipe: StableDiffusionOnnx) -> 
     assert info.value.param == "size"
 
 
-def _retype_input(model: onnx.ModelProto, name: str, elem: int, shape: list[int], nodes: list[onnx.NodeProto],
+def _retype_input(model: onnx.ModelProto, name: str, elem: int, shape: list[int | str], nodes: list[onnx.NodeProto],
                   new_name: str) -> None:
     """Make input ``name`` arrive as ``elem``/``shape``; ``nodes`` convert it to ``new_name`` for the graph."""
     for node in model.graph.node:
