@@ -16,10 +16,11 @@ import onnxruntime as ort
 
 from engines.config import Matrix, RuntimeSettings
 from engines.health.matrix import at_least, matches
-from engines.health.telemetry import NvmlReport, read_nvml
+from engines.health.telemetry import DeviceInfo, NvmlReport, match_cuda_to_nvml, read_nvml
 from engines.protocol import CheckResult, FoundVersion, LibraryClosure
 from engines.protocol import Observations as ProtocolObservations
 from engines.runtime.libdeps import PROVIDER_LIBRARIES, Closure, provider_closure, resolve
+from engines.runtime.pinned import cuda_pci_bus_ids
 
 Status = Literal["pass", "fail", "skip"]
 Category = Literal["gpu", "version"]
@@ -50,6 +51,24 @@ class Observations:
     tensorrt_version: str | None = None
     tensorrt_source: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    cuda_bus_ids: list[str] | None = None
+    """PCI bus id per CUDA ordinal (this process's numbering); None when the CUDA runtime could not be asked."""
+
+    def nvml_index(self, device_id: int) -> int | None:
+        """NVML index of CUDA ordinal ``device_id``, matched by PCI bus id (CUDA_VISIBLE_DEVICES renumbers CUDA
+        ordinals, never NVML's); without CUDA's answer, the same number if NVML lists it."""
+        if self.cuda_bus_ids is None:
+            return device_id if device_id < len(self.nvml.devices) else None
+        return match_cuda_to_nvml(self.cuda_bus_ids, self.nvml.devices).get(device_id)
+
+    def device(self, device_id: int) -> DeviceInfo | None:
+        index = self.nvml_index(device_id)
+        return next((d for d in self.nvml.devices if d.index == index), None)
+
+    def memory_total(self, device_id: int) -> int | None:
+        """Total memory of the served device (bytes) as NVML reports it; None without NVML or a match."""
+        device = self.device(device_id)
+        return device.memory_total_bytes if device is not None else None
 
     def to_model(self) -> ProtocolObservations:
         return ProtocolObservations(
@@ -91,8 +110,10 @@ def gather() -> Observations:
     trt, trt_src = _dist_version(("tensorrt", "tensorrt-cu13", "tensorrt-cu13-libs", "tensorrt-libs"))
     if trt is None:
         trt, trt_src = _lib_version("libnvinfer.so.10")
+    nvml = read_nvml()
     return Observations(ort.__version__, str(getattr(build_and_package_info, "cuda_version", "")),
-                        list(ort.get_available_providers()), closures, read_nvml(), cudnn, cudnn_src, trt, trt_src)
+                        list(ort.get_available_providers()), closures, nvml, cudnn, cudnn_src, trt, trt_src,
+                        cuda_bus_ids=cuda_pci_bus_ids() if nvml.available else None)
 
 
 def _versions(obs: Observations, matrix: Matrix, settings: RuntimeSettings) -> list[Check]:
@@ -143,7 +164,8 @@ def _providers(obs: Observations, settings: RuntimeSettings) -> list[Check]:
         checks.append(Check(f"provider_libraries:{provider}", "gpu", "fail" if closure.missing else "pass",
                             f"missing: {missing}" if missing else f"{len(closure.resolved)} libraries resolve",
                             "every dependency of " + Path(closure.library).name + " resolves",
-                            "install the packages named, or run onnxruntime.preload_dlls() / set LD_LIBRARY_PATH"))
+                            "install the packages named (the server preloads the pip nvidia-* and TensorRT wheels as "
+                            "onnxruntime.preload_dlls() does), or set LD_LIBRARY_PATH"))
     return checks
 
 
@@ -153,9 +175,11 @@ def _device(obs: Observations, matrix: Matrix, settings: RuntimeSettings) -> lis
         return [Check("nvml", "gpu", "fail", nv.error, "NVIDIA driver and device visible",
                       "run on a GPU node; in containers use the NVIDIA container toolkit (--gpus / nvidia.com/gpu)")]
     checks = [Check("nvml", "gpu", "pass", f"driver {nv.driver_version}", "NVIDIA driver and device visible")]
-    count = len(nv.devices)
-    checks.append(Check("device_count", "gpu", "pass" if count >= m.device.count and settings.device_id < count
-                        else "fail", f"{count} device(s), serving device {settings.device_id}",
+    count = len(nv.devices) if obs.cuda_bus_ids is None else len(obs.cuda_bus_ids)
+    device = obs.device(settings.device_id)
+    where = f"NVML index {device.index} ({device.pci_bus_id or 'bus id unknown'})" if device else "no NVML match"
+    checks.append(Check("device_count", "gpu", "pass" if count >= m.device.count and device is not None
+                        else "fail", f"{count} CUDA device(s), serving ordinal {settings.device_id}: {where}",
                         f">= {m.device.count} device(s)", "check CUDA_VISIBLE_DEVICES and --device-id"))
     checks.append(Check("driver_version", "version", "pass" if at_least(nv.driver_version, m.driver.min_version)
                         else "fail", nv.driver_version, f">= {m.driver.min_version}",
@@ -163,8 +187,7 @@ def _device(obs: Observations, matrix: Matrix, settings: RuntimeSettings) -> lis
     checks.append(Check("cuda_driver", "version", "pass" if at_least(nv.cuda_driver_version, m.onnxruntime.cuda)
                         else "fail", nv.cuda_driver_version, f">= {m.onnxruntime.cuda}",
                         "the driver must support the CUDA version ORT was built for"))
-    if settings.device_id < count:
-        device = nv.devices[settings.device_id]
+    if device is not None:
         checks.append(Check("compute_capability", "gpu", "pass" if device.compute_capability in
                             m.device.compute_capabilities else "fail", f"{device.name} sm {device.compute_capability}",
                             ", ".join(m.device.compute_capabilities), "schedule onto a supported GPU"))

@@ -15,6 +15,8 @@ class DeviceInfo:
     compute_capability: str
     memory_total_bytes: int
     memory_used_bytes: int
+    pci_bus_id: str = ""
+    """nvmlDeviceGetPciInfo().busId, e.g. 00000000:3B:00.0: what ties this NVML index to a CUDA ordinal."""
 
 
 @dataclass
@@ -31,7 +33,9 @@ class NvmlReport:
     def to_model(self) -> NvmlInfo:
         return NvmlInfo(available=self.available, error=self.error, driver_version=self.driver_version,
                         cuda_driver_version=self.cuda_driver_version,
-                        devices=tuple(GpuDevice(**asdict(d)) for d in self.devices))
+                        devices=tuple(GpuDevice(index=d.index, name=d.name, compute_capability=d.compute_capability,
+                                                memory_total_bytes=d.memory_total_bytes,
+                                                memory_used_bytes=d.memory_used_bytes) for d in self.devices))
 
 
 def read_nvml() -> NvmlReport:
@@ -52,7 +56,8 @@ def read_nvml() -> NvmlReport:
             major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(h)
             mem = pynvml.nvmlDeviceGetMemoryInfo(h)
             report.devices.append(DeviceInfo(i, _text(pynvml.nvmlDeviceGetName(h)), f"{major}.{minor}",
-                                             int(mem.total), int(mem.used)))
+                                             int(mem.total), int(mem.used),
+                                             _text(pynvml.nvmlDeviceGetPciInfo(h).busId)))
         return report
     except pynvml.NVMLError as exc:
         return NvmlReport(False, f"NVML query failed: {exc}")
@@ -64,18 +69,40 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def pci_key(bus_id: str) -> tuple[int, int, int, int]:
+    """(domain, bus, device, function) of a PCI bus id in either spelling: NVML's busId has an 8-digit domain
+    (00000000:3B:00.0), cudaDeviceGetPCIBusId a 4-digit one (0000:3b:00.0)."""
+    text = bus_id.strip().lower()
+    try:
+        domain, bus, rest = text.split(":")
+        device, function = rest.split(".")
+        return int(domain, 16), int(bus, 16), int(device, 16), int(function, 16)
+    except ValueError:
+        raise ValueError(f"not a PCI bus id: {bus_id!r}") from None
+
+
+def match_cuda_to_nvml(cuda_bus_ids: list[str], nvml_devices: list[DeviceInfo]) -> dict[int, int]:
+    """CUDA ordinal -> NVML index, matched by PCI bus id. NVML numbers every device on the node; CUDA numbers only
+    the visible ones, in CUDA_VISIBLE_DEVICES order (and by speed unless CUDA_DEVICE_ORDER=PCI_BUS_ID), so
+    ordinal 0 can be NVML index 2. An ordinal whose bus id NVML does not list is left out."""
+    by_bus = {pci_key(d.pci_bus_id): d.index for d in nvml_devices if d.pci_bus_id}
+    return {ordinal: by_bus[key] for ordinal, key in enumerate(map(pci_key, cuda_bus_ids)) if key in by_bus}
+
+
 class NvmlTelemetry:
     """Live samples from NVML (SM and memory-controller utilization over the driver's last sample period, power)."""
 
-    def __init__(self) -> None:
+    def __init__(self, nvml_index: dict[int, int] | None = None) -> None:
+        """``nvml_index``: CUDA ordinal -> NVML index (``match_cuda_to_nvml``); callers pass CUDA ordinals."""
         import pynvml
 
         self._nvml = pynvml
+        self._index = dict(nvml_index or {})
         pynvml.nvmlInit()
 
     def sample(self, device_index: int) -> GpuSample:
         nv = self._nvml
-        h = nv.nvmlDeviceGetHandleByIndex(device_index)
+        h = nv.nvmlDeviceGetHandleByIndex(self._index.get(device_index, device_index))
         util = nv.nvmlDeviceGetUtilizationRates(h)
         mem = nv.nvmlDeviceGetMemoryInfo(h)
         return GpuSample(float(util.gpu), float(util.memory), nv.nvmlDeviceGetPowerUsage(h) / 1000.0,

@@ -165,9 +165,10 @@ def cpu_node_names(session: ort.InferenceSession) -> list[str]:
             if subgraph.ep_name == CPU_PROVIDER for node in subgraph.get_nodes()]
 
 
-def partitioned_graph(model: str | Path, workdir: str | Path | None = None) -> onnx.GraphProto:
+def partitioned_graph(model: str | Path | bytes, workdir: str | Path | None = None) -> onnx.GraphProto:
     """The graph whose node names `get_provider_graph_assignment_info()` reports: the model after ORT's level-1
-    (basic) optimizations, written by a CPU-only session. Weights go to an external file and are not read back."""
+    (basic) optimizations, written by a CPU-only session. Weights go to an external file and are not read back.
+    ``model`` may be serialized bytes (a graph built in process, like the scheduler step)."""
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         out = Path(tmp) / "partitioned.onnx"
         so = ort.SessionOptions()
@@ -175,5 +176,6 @@ def partitioned_graph(model: str | Path, workdir: str | Path | None = None) -> o
         so.optimized_model_filepath = str(out)
         so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "weights.bin")
         so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
-        ort.InferenceSession(str(model), sess_options=so, providers=[CPU_PROVIDER])
+        ort.InferenceSession(model if isinstance(model, bytes) else str(model), sess_options=so,
+                             providers=[CPU_PROVIDER])
         return onnx.load(str(out), load_external_data=False).graph

@@ -8,7 +8,6 @@ import os
 import re
 import struct
 import subprocess
-import sysconfig
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -102,19 +101,95 @@ def _ld_cache() -> dict[str, str]:
     return found
 
 
+# What the TensorRT provider needs from the pip TensorRT wheels (tensorrt-cu13-libs ships them in the
+# `tensorrt_libs` package folder, off the loader's path). onnxruntime.preload_dlls() does not load TensorRT, so
+# sdserve preloads these itself, by the same rule: a file that exists is loaded by its path.
+TENSORRT_PRELOADS: tuple[tuple[str, ...], ...] = (
+    ("tensorrt_libs", "libnvinfer.so.10"), ("tensorrt_libs", "libnvinfer_plugin.so.10"),
+    ("tensorrt_libs", "libnvonnxparser.so.10"))
+# onnxruntime 1.31's list for CUDA 13 on Linux (onnxruntime/__init__.py, _get_nvidia_dll_paths), used only when the
+# installed package no longer offers that function.
+_ORT_CUDA13_PRELOADS: tuple[tuple[str, ...], ...] = (
+    ("nvidia", "cu13", "lib", "libcublasLt.so.13"), ("nvidia", "cu13", "lib", "libcublas.so.13"),
+    ("nvidia", "cu13", "lib", "libnvrtc.so.13"), ("nvidia", "cu13", "lib", "libcurand.so.10"),
+    ("nvidia", "cu13", "lib", "libcufft.so.12"), ("nvidia", "cu13", "lib", "libcudart.so.13"),
+    ("nvidia", "cudnn", "lib", "libcudnn.so.9"))
+_PRELOADED: dict[bool, list[str]] = {}
+
+
+def site_dir() -> Path:
+    """The folder preload_dlls resolves its relative paths against: onnxruntime's parent (site-packages)."""
+    import onnxruntime
+
+    return Path(os.path.normpath(Path(onnxruntime.__file__).parent / ".."))
+
+
+def ort_preload_paths() -> tuple[tuple[str, ...], ...]:
+    """The (folders..., file) tuples onnxruntime.preload_dlls(cuda=True, cudnn=True) tries on Linux, read from the
+    installed package itself so an upgrade that moves the wheels moves this too."""
+    import onnxruntime
+
+    paths = getattr(onnxruntime, "_get_nvidia_dll_paths", None)
+    if paths is None:
+        return _ORT_CUDA13_PRELOADS
+    return tuple(tuple(p) for p in paths(False, True, True))
+
+
+def preload_plan(site: Path | None = None, tensorrt: bool = True) -> dict[str, Path]:
+    """soname -> file for every library the server preloads that exists: preload_dlls' list under ``site``, then
+    the TensorRT wheel's. Once loaded, a later dlopen of that soname finds it whatever the search path."""
+    root = site or site_dir()
+    wanted = [*ort_preload_paths(), *(TENSORRT_PRELOADS if tensorrt else ())]
+    plan: dict[str, Path] = {}
+    for parts in wanted:
+        candidate = root.joinpath(*parts)
+        if candidate.is_file():
+            plan.setdefault(parts[-1], candidate)
+    return plan
+
+
+def preload(tensorrt: bool) -> list[str]:
+    """Load what ``preload_plan`` names, as the server must before creating GPU sessions: provider libraries carry
+    no RUNPATH, so pip CUDA/cuDNN/TensorRT libraries are found only this way (or through LD_LIBRARY_PATH).
+    Calls onnxruntime.preload_dlls() (its printed complaints are returned, not printed), then the TensorRT wheel's
+    libraries. Idempotent; returns what was loaded by path."""
+    import contextlib
+    import ctypes
+    import io
+
+    import onnxruntime
+
+    if tensorrt in _PRELOADED:
+        return list(_PRELOADED[tensorrt])
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        onnxruntime.preload_dlls()
+    loaded = []
+    for soname, path in preload_plan(tensorrt=tensorrt).items():
+        with contextlib.suppress(OSError):  # preflight reports what stays unresolved; session creation says why
+            ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+            loaded.append(f"{soname} ({path})")
+    _PRELOADED[tensorrt] = [*loaded, *printed.getvalue().splitlines()]
+    return list(_PRELOADED[tensorrt])
+
+
 def search_dirs() -> list[Path]:
-    """Where the loader (and onnxruntime.preload_dlls) would look: LD_LIBRARY_PATH, pip nvidia-*/tensorrt wheels,
-    the CUDA toolkit, and the standard library directories."""
+    """The loader's own directories for a library no RUNPATH names: LD_LIBRARY_PATH, then the standard library
+    directories (the ld.so cache covers the rest). pip wheel folders are NOT here: the loader never looks there;
+    they count only through ``preload_plan``, i.e. the files the server actually loads."""
     dirs = [Path(p) for p in os.environ.get("LD_LIBRARY_PATH", "").split(":") if p]
-    site = Path(sysconfig.get_paths()["purelib"])
-    for pattern in ("nvidia/*/lib", "nvidia/cu13/lib", "tensorrt_libs"):
-        dirs += sorted(site.glob(pattern))
-    dirs += [Path(p) for p in ("/usr/local/cuda/lib64", "/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu",
-                               "/lib64", "/usr/lib64", "/lib", "/usr/lib")]
+    dirs += [Path(p) for p in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib64",
+                               "/lib", "/usr/lib")]
     return [d for d in dirs if d.is_dir()]
 
 
-def resolve(soname: str, extra: tuple[str, ...] = ()) -> str | None:
+def resolve(soname: str, extra: tuple[str, ...] = (), site: Path | None = None) -> str | None:
+    """Where session creation will find ``soname``, in the loader's order: already loaded by the server's preload
+    (the same files), the needing library's RPATH/RUNPATH (``extra``), LD_LIBRARY_PATH and the standard
+    directories, then the ld.so cache. None: session creation would fail to load it."""
+    planned = preload_plan(site).get(soname)
+    if planned is not None:
+        return str(planned)
     for directory in [*(Path(p) for p in extra), *search_dirs()]:
         candidate = directory / soname
         if candidate.exists():

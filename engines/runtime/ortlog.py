@@ -37,6 +37,8 @@ RULES: tuple[tuple[EventKind, str, re.Pattern[str]], ...] = (
     ("nodes_not_on_preferred_provider", "warning",
      re.compile(r"(Some nodes were not assigned to the preferred execution providers)")),
     ("memcpy_nodes_added", "warning", re.compile(r"(\d+ Memcpy nodes are added|Memcpy nodes are added)")),
+    # "Engine will be built" is logged at VERBOSE only, so a served process never sees it: on-node builds are
+    # detected from facts (EP-context nodes, the engine cache folder) in engines/runtime/enginecheck.py.
     ("engine_rebuild", "error", re.compile(r"(could not deserialize engine|Engine will be built|"
                                            r"Building new engine)", re.IGNORECASE)),
     ("arena_growth", "info", re.compile(r"(Extending BFCArena)")),

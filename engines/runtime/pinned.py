@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import math
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -37,25 +37,67 @@ class PageableAllocator:
         return None
 
 
+CUDART = "libcudart.so.13"
+
+
+def load_cudart(soname: str = CUDART) -> ctypes.CDLL:
+    """libcudart, found where session creation finds it (engines/runtime/libdeps.py: preloaded wheel, then the
+    loader's own path)."""
+    path = resolve(soname)
+    try:
+        return ctypes.CDLL(path or soname)
+    except OSError as exc:
+        raise GpuUnavailableError(f"pinned host memory needs {soname}: {exc}") from exc
+
+
+def cuda_pci_bus_ids(cudart: Any = None) -> list[str] | None:
+    """PCI bus id of each CUDA ordinal as this process numbers them (after CUDA_VISIBLE_DEVICES), from
+    cudaGetDeviceCount/cudaDeviceGetPCIBusId (device queries: no context is created). None when libcudart cannot
+    load or the runtime refuses (no driver): the caller then cannot map ordinals to NVML indices."""
+    try:
+        lib = cudart if cudart is not None else load_cudart()
+    except GpuUnavailableError:
+        return None
+    count = ctypes.c_int(0)
+    if lib.cudaGetDeviceCount(ctypes.byref(count)) != 0:
+        return None
+    ids = []
+    for ordinal in range(count.value):
+        buffer = ctypes.create_string_buffer(64)
+        if lib.cudaDeviceGetPCIBusId(buffer, len(buffer), ordinal) != 0:
+            return None
+        ids.append(buffer.value.decode())
+    return ids
+
+
 class PinnedAllocator:
-    """cudaHostAlloc/cudaFreeHost through libcudart; every buffer is freed on close()."""
+    """cudaHostAlloc/cudaFreeHost through libcudart on the served device; every buffer is freed on close().
+
+    cudaSetDevice(device_id) comes first on every call: the current device is per host thread and defaults to
+    ordinal 0, so without it the first CUDA call from a request thread creates a context on GPU 0 even when this
+    process serves --device-id 1 (memory and a context on a card another process owns)."""
 
     kind = "pinned"
 
-    def __init__(self, soname: str = "libcudart.so.13") -> None:
-        path = resolve(soname)
-        try:
-            self._cudart = ctypes.CDLL(path or soname)
-        except OSError as exc:
-            raise GpuUnavailableError(f"pinned host memory needs {soname}: {exc}") from exc
+    def __init__(self, device_id: int = 0, cudart: Any = None) -> None:
+        self.device_id = device_id
+        self._cudart = cudart if cudart is not None else load_cudart()
+        self._cudart.cudaSetDevice.argtypes = [ctypes.c_int]
+        self._cudart.cudaSetDevice.restype = ctypes.c_int
         self._cudart.cudaHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint]
         self._cudart.cudaHostAlloc.restype = ctypes.c_int
         self._cudart.cudaFreeHost.argtypes = [ctypes.c_void_p]
         self._cudart.cudaFreeHost.restype = ctypes.c_int
         self._pointers: list[int] = []
 
+    def _on_device(self) -> None:
+        status = self._cudart.cudaSetDevice(self.device_id)
+        if status != 0:
+            raise GpuUnavailableError(f"cudaSetDevice({self.device_id}) failed with CUDA error {status}")
+
     def empty(self, shape: tuple[int, ...], dtype: type[np.generic]) -> np.ndarray:
         nbytes = max(1, math.prod(shape) * np.dtype(dtype).itemsize)
+        self._on_device()
         ptr = ctypes.c_void_p()
         status = self._cudart.cudaHostAlloc(ctypes.byref(ptr), nbytes, 0)
         if status != 0 or not ptr.value:
@@ -69,8 +111,11 @@ class PinnedAllocator:
         address = array.ctypes.data
         if address in self._pointers:
             self._pointers.remove(address)
+            self._on_device()
             self._cudart.cudaFreeHost(ctypes.c_void_p(address))
 
     def close(self) -> None:
+        if self._pointers:
+            self._on_device()
         while self._pointers:
             self._cudart.cudaFreeHost(ctypes.c_void_p(self._pointers.pop()))

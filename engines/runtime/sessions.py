@@ -12,9 +12,10 @@ import numpy as np
 import onnxruntime as ort
 
 from engines.config import RuntimeSettings
-from engines.errors import ArtifactError, GpuUnavailableError, ModelLoadError, PlacementError
+from engines.errors import GpuUnavailableError, ModelLoadError, PlacementError
 from engines.protocol import OrtEvent, SessionInfo
-from engines.runtime import placement
+from engines.runtime import enginecheck, placement
+from engines.runtime.libdeps import preload
 from engines.runtime.ortlog import capture_ort_output
 from engines.runtime.pinned import HostAllocator, PageableAllocator, PinnedAllocator
 
@@ -34,25 +35,43 @@ def numpy_dtype(ort_type: str) -> type[np.generic]:
         raise ValueError(f"unsupported tensor type {ort_type}") from None
 
 
+TRT, CUDA, CPU = "TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"
+
+
+def gpu_mem_limit(settings: RuntimeSettings, total_memory: int | None) -> int | None:
+    """The CUDA arena cap in bytes: gpu_mem_limit_fraction of the device's total (from preflight's NVML reading);
+    None when the total is unknown (no NVML), and ORT's default (no cap) applies."""
+    return int(total_memory * settings.cuda.gpu_mem_limit_fraction) if total_memory else None
+
+
+def _cuda_options(settings: RuntimeSettings, total_memory: int | None) -> dict[str, str]:
+    c = settings.cuda
+    opts = {"device_id": str(settings.device_id), "arena_extend_strategy": c.arena_extend_strategy,
+            "cudnn_conv_algo_search": c.cudnn_conv_algo_search,
+            "do_copy_in_default_stream": str(int(c.do_copy_in_default_stream)),
+            "enable_cuda_graph": str(int(c.enable_cuda_graph)), "prefer_nhwc": str(int(c.prefer_nhwc)),
+            "use_tf32": str(int(c.use_tf32))}
+    limit = gpu_mem_limit(settings, total_memory)
+    if limit:
+        opts["gpu_mem_limit"] = str(limit)
+    return opts
+
+
+def engine_cache_dir(settings: RuntimeSettings, model_dir: Path | None) -> Path:
+    cache = Path(settings.tensorrt.engine_cache_path)
+    return model_dir / cache if not cache.is_absolute() and model_dir is not None else cache
+
+
 def provider_options(settings: RuntimeSettings, model_dir: Path | None = None,
                      total_memory: int | None = None) -> list[tuple[str, dict[str, str]]]:
-    """The (provider, options) list sessions are built with, in priority order, as strings ORT accepts."""
+    """The (provider, options) list sessions are built with, in priority order, as strings ORT accepts.
+    ``total_memory``: the served device's total bytes (preflight's NVML observation) for gpu_mem_limit."""
     out: list[tuple[str, dict[str, str]]] = []
     for name in settings.providers:
-        if name == "CUDAExecutionProvider":
-            c = settings.cuda
-            opts = {"device_id": str(settings.device_id), "arena_extend_strategy": c.arena_extend_strategy,
-                    "cudnn_conv_algo_search": c.cudnn_conv_algo_search,
-                    "do_copy_in_default_stream": str(int(c.do_copy_in_default_stream)),
-                    "enable_cuda_graph": str(int(c.enable_cuda_graph)), "prefer_nhwc": str(int(c.prefer_nhwc)),
-                    "use_tf32": str(int(c.use_tf32))}
-            if total_memory:
-                opts["gpu_mem_limit"] = str(int(total_memory * c.gpu_mem_limit_fraction))
-        elif name == "TensorrtExecutionProvider":
-            t = settings.tensorrt
-            cache = Path(t.engine_cache_path)
-            if not cache.is_absolute() and model_dir is not None:
-                cache = model_dir / cache
+        if name == CUDA:
+            opts = _cuda_options(settings, total_memory)
+        elif name == TRT:
+            t, cache = settings.tensorrt, engine_cache_dir(settings, model_dir)
             opts = {"device_id": str(settings.device_id), "trt_fp16_enable": str(t.fp16),
                     "trt_engine_cache_enable": "True", "trt_engine_cache_path": str(cache),
                     "trt_timing_cache_enable": str(t.timing_cache),
@@ -61,6 +80,20 @@ def provider_options(settings: RuntimeSettings, model_dir: Path | None = None,
             opts = {}
         out.append((name, opts))
     return out
+
+
+def session_providers(settings: RuntimeSettings, in_process: bool, model_dir: Path | None = None,
+                      total_memory: int | None = None) -> list[tuple[str, dict[str, str]]]:
+    """The providers of one component: the policy's, except that graphs built in process get CUDA only.
+
+    Why: such a graph (the 10-node scheduler step of engines/diffusion/step_graph.py, the VAE input scale) has no
+    prebuilt engine, so under a TensorRT policy TensorRT would build one on the node at the first request, and
+    again per new shape. Its own policy is CUDA only: no build, the same math, still on the GPU."""
+    providers = provider_options(settings, model_dir, total_memory)
+    if not in_process or TRT not in settings.providers:
+        return providers
+    rest = [(p, o) for p, o in providers if p != TRT]
+    return rest if any(p == CUDA for p, _ in rest) else [(CUDA, _cuda_options(settings, total_memory)), *rest]
 
 
 @dataclass
@@ -84,19 +117,26 @@ class SessionReport:
 class Runtime:
     """Builds sessions for one device under one policy and owns the device buffers bound to them."""
 
-    def __init__(self, settings: RuntimeSettings, model_dir: Path | None = None) -> None:
+    def __init__(self, settings: RuntimeSettings, model_dir: Path | None = None,
+                 total_memory: int | None = None) -> None:
+        """``total_memory``: the served device's total bytes, from preflight (gpu_mem_limit_fraction needs it)."""
         self.settings = settings
         self.device = settings.device
         self.device_id = settings.device_id if self.device == "cuda" else 0
-        self._providers = provider_options(settings, model_dir)
+        self.model_dir = model_dir
+        self.total_memory = total_memory
         self.reports: dict[str, SessionReport] = {}
+        self._engine_dirs = (enginecheck.watched_dirs(engine_cache_dir(settings, model_dir))
+                             if TRT in settings.providers else ())
+        self._after_load = enginecheck.snapshot(self._engine_dirs)
         self._host: HostAllocator | None = None
         self._staging: OrderedDict[tuple[str, tuple[int, ...], str], tuple[np.ndarray, ort.OrtValue]] = OrderedDict()
         self._buffers: OrderedDict[tuple[str, tuple[int, ...], str], ort.OrtValue] = OrderedDict()
+        if self.device == "cuda":  # provider libraries have no RUNPATH: load the pip CUDA/TensorRT wheels first
+            for line in preload(tensorrt=TRT in settings.providers):
+                log.info("preload: %s", line)
 
-    def session(self, model: Path | bytes, name: str) -> ort.InferenceSession:
-        """A session on the policy's providers, verified. Without allow_cpu: ORT's silent CPU retry is disabled,
-        the providers in use must be the policy's, and the placement audit must find no compute op on the CPU."""
+    def _options(self) -> ort.SessionOptions:
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.log_severity_level = self.settings.ort_log_severity
@@ -106,30 +146,61 @@ class Runtime:
             so.add_session_config_entry(placement.CONFIG_KEY, "1")
         if self.settings.disable_cpu_ep_fallback and not self.settings.allow_cpu:
             so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
-        names = [p for p, _ in self._providers]
-        kwargs: dict[str, Any] = {} if self.settings.allow_cpu else {"enable_fallback": 0}
-        source = model if isinstance(model, bytes) else str(model)
+        return so
+
+    def session(self, model: Path | bytes, name: str) -> ort.InferenceSession:
+        """A session on the component's providers, verified. Without allow_cpu: ORT's silent CPU retry is disabled,
+        every provider asked for must be in use, nothing on the activation path may run on the CPU (placement by
+        data flow), and a TensorRT component must load prebuilt engines (EP-context nodes, an unchanged cache)."""
+        providers = session_providers(self.settings, isinstance(model, bytes), self.model_dir, self.total_memory)
+        names = [p for p, _ in providers]
         report = SessionReport(name, names)
         self.reports[name] = report
-        error: Exception | None = None
-        with capture_ort_output(name) as captured:
-            try:
-                sess = ort.InferenceSession(source, sess_options=so, providers=names,
-                                            provider_options=[o for _, o in self._providers], **kwargs)
-            except Exception as exc:  # ORT raises RuntimeError/Fail/NoSuchFile, all plain Exceptions
-                error = exc
-        report.log_lines, report.events = captured.lines, list(captured.events)
-        if error is not None:
-            detail = "; ".join(e.line for e in captured.events if e.severity == "error") or str(error).strip()
-            if self.device == "cuda":
-                raise GpuUnavailableError(f"{name}: cannot create a session on {names}: {detail}") from error
-            raise ModelLoadError(f"{name}: cannot create a session: {str(error).strip()}") from error
+        if TRT in names:
+            report.events += enginecheck.ep_context_events(model, name)
+            if not self.settings.allow_cpu:
+                enginecheck.gate(report.name, report.events, self.settings.tensorrt.forbid_engine_build)
+        before = enginecheck.snapshot(self._engine_dirs) if TRT in names else {}
+        sess = self._create(model, report, providers)
+        if TRT in names:
+            self._after_load = enginecheck.snapshot(self._engine_dirs)
+            report.events += enginecheck.cache_events(before, self._after_load, f"{name}: session creation")
         report.providers_used = list(sess.get_providers())
         if self.settings.placement_audit:
-            report.placement = placement.audit(sess, name, frozenset(self.settings.cpu_allowlist))
+            report.placement = placement.audit(sess, name, model, classify=not self.settings.allow_cpu)
         enforce(report, self.settings)
         log.info("session %s on %s", name, report.providers_used)
         return sess
+
+    def _create(self, model: Path | bytes, report: SessionReport,
+                providers: list[tuple[str, dict[str, str]]]) -> ort.InferenceSession:
+        names = [p for p, _ in providers]
+        kwargs: dict[str, Any] = {} if self.settings.allow_cpu else {"enable_fallback": 0}
+        source = model if isinstance(model, bytes) else str(model)
+        error: Exception | None = None
+        with capture_ort_output(report.name) as captured:
+            try:
+                sess = ort.InferenceSession(source, sess_options=self._options(), providers=names,
+                                            provider_options=[o for _, o in providers], **kwargs)
+            except Exception as exc:  # ORT raises RuntimeError/Fail/NoSuchFile, all plain Exceptions
+                error = exc
+        report.log_lines, report.events = captured.lines, [*report.events, *captured.events]
+        if error is not None:
+            detail = "; ".join(e.line for e in captured.events if e.severity == "error") or str(error).strip()
+            if self.device == "cuda":
+                raise GpuUnavailableError(f"{report.name}: cannot create a session on {names}: {detail}") from error
+            raise ModelLoadError(f"{report.name}: cannot create a session: {str(error).strip()}") from error
+        return sess
+
+    def check_engine_cache(self, stage: str) -> list[OrtEvent]:
+        """Call after the first run at every served shape (the self-test warm-up): TensorRT builds an engine per
+        new shape on first use, so the cache folder must be as session creation left it. Raises ArtifactError
+        when the policy forbids on-node builds (and the profile does not allow the CPU); returns the events."""
+        events = enginecheck.cache_events(self._after_load, enginecheck.snapshot(self._engine_dirs), stage)
+        if events and not self.settings.allow_cpu:
+            enginecheck.gate(stage, events, self.settings.tensorrt.forbid_engine_build)
+        self._after_load = enginecheck.snapshot(self._engine_dirs)
+        return events
 
     def buffer(self, tag: str, shape: tuple[int, ...], dtype: type[np.generic]) -> ort.OrtValue:
         """A device tensor reused across steps and requests of the same shape (bounded LRU)."""
@@ -148,7 +219,7 @@ class Runtime:
     def host(self) -> HostAllocator:
         """Pinned on a GPU (created on first use, so a failed GPU boot never touches libcudart), pageable on CPU."""
         if self._host is None:
-            self._host = PinnedAllocator() if self.device == "cuda" else PageableAllocator()
+            self._host = PinnedAllocator(self.device_id) if self.device == "cuda" else PageableAllocator()
         return self._host
 
     def staging(self, tag: str, shape: tuple[int, ...], dtype: type[np.generic]) -> tuple[np.ndarray, ort.OrtValue]:
@@ -183,24 +254,43 @@ class Runtime:
 
 
 def enforce(report: SessionReport, settings: RuntimeSettings) -> None:
-    """Refuse a session the policy does not allow: non-allowlisted ops on the CPU (PlacementError), or providers
-    other than the policy's, or an ORT fallback (GpuUnavailableError). The dev policy (allow_cpu) accepts all."""
+    """Refuse a session the policy does not allow. GpuUnavailableError: a provider asked for is not in use (e.g.
+    TensorRT failed to create and ORT went on with CUDA), a provider-creation failure was logged, or ORT fell
+    back. PlacementError (exit 22): a CPU node on the activation path, named. ArtifactError: TensorRT built or
+    would build an engine on this node. The dev policy (allow_cpu) accepts all."""
     if settings.allow_cpu:
         return
-    if report.placement is not None and not report.placement.ok:
-        p = report.placement
-        raise PlacementError(f"{report.name}: ops placed on the CPU that the policy forbids: {p.disallowed} "
-                             f"(compute ops among them: {p.compute_on_cpu}; e.g. {', '.join(p.examples[:3])})")
-    if not report.providers_used or report.providers_used[0] not in report.providers_requested:
-        raise GpuUnavailableError(f"{report.name}: ONNX Runtime placed the session on {report.providers_used}, "
-                                  f"policy requires {report.providers_requested}")
+    _require_providers(report)
+    p = report.placement
+    if p is not None and not p.ok:
+        raise PlacementError(f"{report.name}: {p.refusal()}")
+    enginecheck.gate(report.name, report.events, settings.tensorrt.forbid_engine_build)
+
+
+def _require_providers(report: SessionReport) -> None:
+    """Every provider the component asked for must be in get_providers(): ORT builds the session with what
+    remains when one fails to create (a WARNING, not an error: CreateExecutionProviderFactoryInstance in
+    onnxruntime/python/onnxruntime_pybind_state.cc logs "Failed to create <provider>. Please reference ..." and
+    returns no factory; the 1.31.1 binary holds those strings), so the first provider alone proves nothing."""
+    missing = [p for p in report.providers_requested if p not in report.providers_used]
+    failed = [e for e in report.events if e.kind == "provider_creation_failed"]
+    if missing or failed or not report.providers_used or report.providers_used[0] == CPU:
+        raise GpuUnavailableError(
+            f"{report.name}: ONNX Runtime runs {report.providers_used}, the policy requires "
+            f"{report.providers_requested}" + (f" ({', '.join(missing)} missing)" if missing else "")
+            + f": {creation_failure(report.events)}")
     fallback = [e for e in report.events if e.kind == "cpu_fallback"]
     if fallback:
         raise GpuUnavailableError(f"{report.name}: ONNX Runtime fell back: {fallback[0].line}")
-    rebuild = [e for e in report.events if e.kind == "engine_rebuild"]
-    if rebuild and settings.tensorrt.forbid_engine_build:
-        raise ArtifactError(f"{report.name}: TensorRT would build an engine on this node ({rebuild[0].line[:200]});"
-                            " engines are artifacts: build them offline with `sdserve engines build`")
-    if rebuild:
-        log.warning("%s: TensorRT is building an engine on this node (allowed by the profile): %s", report.name,
-                    rebuild[0].line[:200])
+
+
+def creation_failure(events: list[OrtEvent]) -> str:
+    """Why a provider did not come up, from the captured log: the libraries that did not load, else ORT's line."""
+    libraries = [e.detail for e in events if e.kind == "provider_library_missing" and e.detail.startswith("lib")]
+    failed = [e for e in events if e.kind == "provider_creation_failed"]
+    if libraries:
+        who = f"{', '.join(e.detail for e in failed)}: " if failed else ""
+        return f"{who}cannot load {', '.join(dict.fromkeys(libraries))}"
+    if failed:
+        return "; ".join(e.line[e.line.find("Failed to create"):][:300] for e in failed)
+    return "no provider-creation message was logged (check ort_log in the capability snapshot)"

@@ -12,7 +12,8 @@ import jsonschema
 import pytest
 
 from engines.config import RuntimeSettings
-from engines.errors import GpuUnavailableError, PlacementError
+from engines.errors import GpuUnavailableError
+from engines.runtime import placement
 from engines.runtime.sessions import Runtime, enforce
 from server.settings import load_settings
 
@@ -25,27 +26,31 @@ def _sdserve(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "server.cli", *args], capture_output=True, text=True, timeout=120)
 
 
-def test_placement_audit_lists_compute_ops_on_cpu_and_production_rejects_the_session(tiny_model: Path) -> None:
+def test_placement_audit_classifies_a_cpu_session_and_production_rejects_it(tiny_model: Path) -> None:
+    model = tiny_model / "unet" / "model.onnx"
     runtime = Runtime(CPU)
-    runtime.session(tiny_model / "unet" / "model.onnx", "unet")
+    session = runtime.session(model, "unet")
     report = runtime.reports["unet"]
-    assert report.placement is not None
+    assert report.placement is not None and not report.placement.ok
     assert report.placement.nodes_by_provider == {"CPUExecutionProvider": sum(report.placement.cpu_ops.values())}
-    for op in ("Conv", "MatMul", "Softmax"):
-        assert report.placement.compute_on_cpu[op] > 0
+    assert report.placement.unclassified == "CPU allowed by the profile"  # dev pays no data-flow audit
     enforce(report, CPU)  # dev accepts it
-    with pytest.raises(PlacementError, match="Conv") as info:
+    classified = placement.audit(session, "unet", model)
+    assert any(n.startswith("Conv ") for n in classified.activation_on_cpu)
+    assert {"Gather", "Unsqueeze", "Concat"} <= set(classified.shape_path)  # shape arithmetic: allowed, counted
+    report.placement = classified
+    with pytest.raises(GpuUnavailableError, match=r"runs \['CPUExecutionProvider'\]"):
         enforce(report, load_settings("production").runtime)
-    assert "Shape" not in str(info.value).split("compute ops")[0]  # shape ops are allowlisted
 
 
 @NO_GPU
 def test_production_session_fails_closed_with_classified_ort_lines(tiny_model: Path) -> None:
-    runtime = Runtime(load_settings("production").runtime)
+    cuda_only = load_settings("production").runtime.model_copy(update={"providers": ("CUDAExecutionProvider",)})
+    runtime = Runtime(cuda_only)  # (with TensorRT too, the plain model.onnx is refused first: no EPContext node)
     with pytest.raises(GpuUnavailableError, match="libcublas"):
         runtime.session(tiny_model / "vae_decoder" / "model.onnx", "vae_decoder")
     events = runtime.reports["vae_decoder"].events
-    assert {"kind": "provider_library_missing", "detail": "libcublas.so.13"}.items() <= events[0].model_dump().items()
+    assert {"kind": "provider_library_missing", "detail": "libcublasLt.so.13"}.items() <= events[0].model_dump().items()
     assert runtime.reports["vae_decoder"].log_lines  # raw lines kept for operators
 
 

@@ -66,7 +66,8 @@ def test_missing_library_is_a_gpu_failure_naming_library_user_and_package() -> N
 def test_device_count_and_device_id() -> None:
     settings = RuntimeSettings(device_id=1)
     checks = by_name(evaluate(healthy(), Matrix(), settings))
-    assert checks["device_count"].status == "fail" and "serving device 1" in checks["device_count"].observed
+    count = checks["device_count"]
+    assert count.status == "fail" and "serving ordinal 1: no NVML match" in count.observed
 
 
 def test_cpu_policy_reports_but_requires_nothing() -> None:

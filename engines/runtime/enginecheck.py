@@ -1,0 +1,83 @@
+"""On-node TensorRT engine builds, detected from facts rather than log lines.
+
+ORT announces a build only at VERBOSE severity ("[TensorRT EP] ... engine will be built"), which a served process
+never prints, so a log pattern cannot be the evidence. Two facts are:
+
+- EP-context nodes. A component TensorRT serves from prebuilt engines is loaded from an EP-context model whose
+  nodes have op type ``EPContext`` (domain com.microsoft) pointing at the engine (``ep_cache_context``, with
+  ``embed_mode``, ``hardware_architecture``, ``onnx_model_filename``): GraphHasCtxNode/CreateCtxModel in
+  onnxruntime/core/providers/tensorrt/onnx_ctx_model_helper.cc, docs/EP-Context-Design.md. A plain ONNX graph
+  under TensorRT is compiled on the node.
+- The engine cache folder (trt_engine_cache_path) and the timing cache beside it, listed before and after session
+  creation, and again after the first run at each served shape (TensorRT builds per new input shape on first use).
+  A new or rewritten file there is a build, whatever was logged.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import onnx
+
+from engines.errors import ArtifactError
+from engines.protocol import OrtEvent
+
+log = logging.getLogger(__name__)
+EPCONTEXT = "EPContext"
+Snapshot = dict[str, tuple[int, int]]
+
+
+def watched_dirs(engine_cache: Path) -> tuple[Path, ...]:
+    """The engine cache and the timing cache folder sessions are given (engines/runtime/sessions.py)."""
+    return engine_cache, engine_cache.parent / "timing"
+
+
+def snapshot(dirs: tuple[Path, ...]) -> Snapshot:
+    """path -> (size, mtime_ns) of every file under ``dirs`` (missing folders are empty)."""
+    found: Snapshot = {}
+    for directory in dirs:
+        if directory.is_dir():
+            for path in sorted(directory.rglob("*")):
+                if path.is_file():
+                    stat = path.stat()
+                    found[str(path)] = (stat.st_size, stat.st_mtime_ns)
+    return found
+
+
+def cache_events(before: Snapshot, after: Snapshot, stage: str) -> list[OrtEvent]:
+    """One engine_rebuild event when files appeared or changed between the two listings."""
+    changed = sorted(path for path, stamp in after.items() if before.get(path) != stamp)
+    if not changed:
+        return []
+    names = ", ".join(Path(p).name for p in changed[:5]) + (" ..." if len(changed) > 5 else "")
+    return [OrtEvent(kind="engine_rebuild", severity="error", detail=changed[0],
+                     line=f"{stage}: TensorRT wrote {len(changed)} file(s) to its engine/timing cache ({names}): "
+                          "an engine was built on this node")]
+
+
+def ep_context_nodes(model: Path | bytes) -> int:
+    """How many EPContext nodes the model's main graph holds (weights are not read)."""
+    proto = onnx.load_from_string(model) if isinstance(model, bytes) else onnx.load(str(model),
+                                                                                    load_external_data=False)
+    return sum(1 for node in proto.graph.node if node.op_type == EPCONTEXT)
+
+
+def ep_context_events(model: Path | bytes, name: str) -> list[OrtEvent]:
+    """An engine_rebuild event when a component placed on TensorRT is not an EP-context model."""
+    if ep_context_nodes(model):
+        return []
+    source = "an in-process graph" if isinstance(model, bytes) else str(model)
+    return [OrtEvent(kind="engine_rebuild", severity="error", detail=source,
+                     line=f"no {EPCONTEXT} node in {source}: TensorRT would build the {name} engine on the node")]
+
+
+def gate(name: str, events: list[OrtEvent], forbid: bool) -> None:
+    """ArtifactError on an engine_rebuild event when on-node builds are forbidden; otherwise a warning."""
+    rebuild = [e for e in events if e.kind == "engine_rebuild"]
+    if rebuild and forbid:
+        raise ArtifactError(f"{name}: {rebuild[0].line[:300]}; engines are artifacts: build them offline with "
+                            "`sdserve engines build` (EP-context models under <model>/trt)")
+    if rebuild:
+        log.warning("%s: TensorRT builds engines on this node (allowed by the profile): %s", name,
+                    rebuild[0].line[:300])
