@@ -1,9 +1,23 @@
 """Model and engine artifacts: manifests bound to the version matrix, verified at boot.
 
-A model folder's ``manifest.json`` lists the sha256 of every file. TensorRT engines live in ``<model>/trt/`` with
-their own manifest: the profiles and build flags, the ORT / CUDA / cuDNN / TensorRT versions, GPU name, compute
-capability and driver they were built with, and the sha256 of every file. In production the server never builds an
-engine on the node: a manifest that does not match the live node is refused, naming each difference.
+A model folder's ``manifest.json`` lists every file with its sha256 and size. Boot refuses a folder where a listed
+file is missing or changed *and* one that holds a file the manifest does not list, so deleting an entry from the
+manifest cannot hide a file. Only the manifest itself cannot list its own digest: pin it with
+``runtime.manifest_sha256`` and an edited manifest is refused too.
+
+Exempt from the model manifest, on purpose (``MODEL_EXEMPT``):
+
+- ``manifest.json``: it cannot hash itself; the pinned digest covers it.
+- ``selftest.json``: written after the manifest, on the serving node, by ``sdserve selftest --record``. It holds canary
+  fingerprints, never code or weights: editing it can only make the self-test fail (loudly), never let a changed
+  weight through, since the weights are hashed here.
+- ``trt/``: written after the manifest by ``sdserve engines build`` on a GPU node, with its own manifest (below).
+
+TensorRT engines live in ``<model>/trt/``: one subfolder per served size (``trt/512x512/``) holding the EP-context
+model of each component and its ``engines/`` cache, and one ``trt/manifest.json`` with the profiles, build flags, the
+ORT / CUDA / cuDNN / TensorRT versions, GPU and driver they were built with, the sha256 of each source model, and
+every file's sha256 and size. In production the server never builds an engine on the node: a manifest that does not
+match the live node, or the model it was built from, is refused, naming each difference.
 """
 
 from __future__ import annotations
@@ -17,6 +31,10 @@ from typing import Any, Literal
 from engines.errors import ArtifactError
 
 TRT_DIR = "trt"
+MANIFEST = "manifest.json"
+MODEL_EXEMPT = (MANIFEST, "selftest.json", TRT_DIR)
+"""Top-level names of a model folder that its manifest does not cover (see the module docstring for why)."""
+COMPONENTS = ("text_encoder", "unet", "vae_decoder")
 VerifyMode = Literal["full", "size", "off"]
 
 
@@ -28,9 +46,25 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def file_table(folder: Path, exclude: tuple[str, ...] = ("manifest.json",)) -> dict[str, dict[str, Any]]:
-    return {p.relative_to(folder).as_posix(): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
-            for p in sorted(folder.rglob("*")) if p.is_file() and p.name not in exclude}
+def _on_disk(folder: Path, exempt: tuple[str, ...]) -> list[str]:
+    """Every file under ``folder`` (posix, relative), except top-level names in ``exempt`` (files or folders)."""
+    rels = (p.relative_to(folder).as_posix() for p in sorted(folder.rglob("*")) if p.is_file())
+    return [rel for rel in rels if rel.split("/", 1)[0] not in exempt]
+
+
+def file_table(folder: Path, exempt: tuple[str, ...] = (MANIFEST,)) -> dict[str, dict[str, Any]]:
+    """``path: {sha256, bytes}`` for every file under ``folder`` but the top-level names in ``exempt``."""
+    return {rel: {"sha256": sha256_file(folder / rel), "bytes": (folder / rel).stat().st_size}
+            for rel in _on_disk(folder, exempt)}
+
+
+def write_model_manifest(folder: Path, data: dict[str, Any]) -> Path:
+    """``folder/manifest.json``: ``data`` plus the table of every file (sizes and sha256), keys sorted, no
+    timestamps (the same inputs give the same manifest, byte for byte)."""
+    path = folder / MANIFEST
+    body = {**data, "format": 2, "files": file_table(folder, MODEL_EXEMPT)}
+    path.write_text(json.dumps(body, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8")
+    return path
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
@@ -40,38 +74,62 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise ArtifactError(f"manifest {path} is missing") from None
     except json.JSONDecodeError as exc:
         raise ArtifactError(f"manifest {path} is not JSON: {exc}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("files"), dict):
+        raise ArtifactError(f"manifest {path} has no files table")
     return data
 
 
-def _expected(entry: Any) -> tuple[str, int | None]:
-    """Model manifests store ``path: sha256``; engine manifests ``path: {sha256, bytes}``."""
+def expected(entry: Any) -> tuple[str, int | None]:
+    """(sha256, bytes) of a manifest entry. Format 1 model manifests stored ``path: sha256`` (no size)."""
     if isinstance(entry, str):
         return entry, None
     return str(entry["sha256"]), int(entry["bytes"]) if "bytes" in entry else None
 
 
-def verify_files(folder: Path, manifest: dict[str, Any], mode: VerifyMode) -> list[str]:
-    """Differences between the files on disk and the manifest; empty when they match."""
+def _check_file(path: Path, rel: str, entry: Any, mode: VerifyMode) -> str | None:
+    digest, size = expected(entry)
+    if not path.is_file():
+        return f"{rel}: missing"
+    actual = path.stat().st_size
+    if size is not None and actual != size:
+        return f"{rel}: {actual} bytes, manifest says {size}"
+    if mode == "size" and size is None:
+        return f"{rel}: the manifest records no size (format 1): re-export the model to record sizes"
+    if mode == "full" and (found := sha256_file(path)) != digest:
+        return f"{rel}: sha256 {found[:12]}… differs from the manifest's {digest[:12]}…"
+    return None
+
+
+def verify_files(folder: Path, manifest: dict[str, Any], mode: VerifyMode,
+                 exempt: tuple[str, ...] = (MANIFEST,)) -> list[str]:
+    """Differences between the folder and the manifest, each naming the file: listed files missing, of another size
+    or (full) another sha256, and files on disk the manifest does not list. Empty when they match."""
     if mode == "off":
         return []
-    problems = []
-    for rel, entry in sorted(manifest.get("files", {}).items()):
-        path = folder / rel
-        digest, size = _expected(entry)
-        if not path.is_file():
-            problems.append(f"{rel}: missing")
-        elif mode == "size" and size is not None and path.stat().st_size != size:
-            problems.append(f"{rel}: {path.stat().st_size} bytes, manifest says {size}")
-        elif mode == "full" and sha256_file(path) != digest:
-            problems.append(f"{rel}: sha256 {sha256_file(path)[:12]}… differs from the manifest's {digest[:12]}…")
+    listed: dict[str, Any] = manifest.get("files", {})
+    problems = [p for rel, entry in sorted(listed.items()) if (p := _check_file(folder / rel, rel, entry, mode))]
+    problems += [f"{rel}: not in the manifest" for rel in _on_disk(folder, exempt) if rel not in listed]
     return problems
 
 
-def verify_model(folder: Path, mode: VerifyMode) -> None:
-    """The model folder against its manifest.json; raises ArtifactError naming every tampered file."""
+def check_manifest_digest(path: Path, pinned: str) -> None:
+    """The manifest file's sha256 against the digest pinned in the profile or deployment."""
+    if not path.is_file():
+        raise ArtifactError(f"manifest {path} is missing")
+    found = sha256_file(path)
+    if found != pinned.lower():
+        raise ArtifactError(f"{path}: sha256 {found} is not the pinned runtime.manifest_sha256 {pinned}: the "
+                            "manifest was edited, or this is another model")
+
+
+def verify_model(folder: Path, mode: VerifyMode, pinned: str | None = None) -> None:
+    """The model folder against its manifest.json (and the manifest against ``pinned``, its sha256, when given);
+    raises ArtifactError naming every file that differs."""
     if mode == "off":
         return
-    problems = verify_files(folder, read_manifest(folder / "manifest.json"), mode)
+    if pinned:
+        check_manifest_digest(folder / MANIFEST, pinned)
+    problems = verify_files(folder, read_manifest(folder / MANIFEST), mode, MODEL_EXEMPT)
     if problems:
         raise ArtifactError(f"model folder {folder} does not match its manifest: " + "; ".join(problems))
 
@@ -98,25 +156,99 @@ def compare_node(built: dict[str, Any], live: dict[str, Any]) -> list[str]:
             for key in NODE_KEYS if str(built.get(key)) != str(live.get(key))]
 
 
-def verify_engines(folder: Path, live: dict[str, Any], mode: VerifyMode) -> dict[str, Any]:
-    """``<model>/trt``: manifest bound to this node's versions and GPU, every file intact."""
+def compare_model(engines: dict[str, Any], folder: Path) -> list[str]:
+    """Each component whose engines were built from another model file than the one the model manifest lists."""
+    path = folder / MANIFEST
+    listed = json.loads(path.read_text(encoding="utf-8")).get("files", {}) if path.is_file() else {}
+    problems = []
+    for component, digest in sorted(engines.get("model", {}).items()):
+        entry = listed.get(f"{component}/model.onnx")
+        if entry is not None and expected(entry)[0] != digest:
+            problems.append(f"{component}: engines built from sha256 {str(digest)[:12]}…, the model folder has "
+                            f"{expected(entry)[0][:12]}…")
+    return problems
+
+
+def _relative_inside(rel: str) -> bool:
+    return bool(rel) and not rel.startswith("/") and ".." not in Path(rel).parts
+
+
+def context_problems(ctx_model: Path, rel: str, listed: dict[str, Any]) -> list[str]:
+    """An EP-context model's EPContext nodes must name their engine by a path relative to the context model's folder,
+    inside it, and listed in the engine manifest. ORT refuses the rest when it loads the model:
+    onnxruntime/core/providers/tensorrt/onnx_ctx_model_helper.cc, TensorRTCacheModelHandler::GetEpContextFromGraph
+    ("the ep_cache_context attribute should be set with a relative path", "'..' ... not allowed"); the engine path is
+    joined to the context model's folder (GetPathOrParentPathOfCtxModel), which is what makes the folder movable."""
+    import onnx
+
+    base = Path(rel).parent
+    problems = []
+    for node in onnx.load(str(ctx_model), load_external_data=False).graph.node:
+        if node.op_type != "EPContext":
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if attrs.get("embed_mode", 1):
+            continue  # engine bytes embedded in the node: covered by the context model's own hash
+        cache = attrs.get("ep_cache_context", b"")
+        cache = cache.decode() if isinstance(cache, bytes) else str(cache)
+        if not _relative_inside(cache):
+            problems.append(f"{rel}: ep_cache_context {cache!r} is not a relative path inside {base.as_posix()}/ "
+                            "(ORT refuses absolute and '..' paths; rebuild with `sdserve engines build`)")
+        elif (base / cache).as_posix() not in listed:
+            problems.append(f"{rel}: engine {(base / cache).as_posix()} is not in the engine manifest")
+    return problems
+
+
+def context_models(folder: Path) -> dict[str, dict[str, Path]]:
+    """Per served size (``"512x512"``), each component's EP-context model, from ``<model>/trt/manifest.json``.
+
+    One engine per size: ORT 1.31's TensorRT provider parses several optimization profiles (ParseProfileShapes,
+    onnxruntime/core/providers/tensorrt/tensorrt_execution_provider_utils.h) but keeps its execution context on profile
+    0 (open PR microsoft/onnxruntime#31624), so a second size in one engine would fail at run time. The engine loads,
+    per size, the context models named here. Empty when there is no engine manifest."""
     trt = folder / TRT_DIR
-    manifest = read_manifest(trt / "manifest.json")
+    if not (trt / MANIFEST).is_file():
+        return {}
+    sizes: dict[str, Any] = read_manifest(trt / MANIFEST).get("sizes", {})
+    out: dict[str, dict[str, Path]] = {}
+    for size, entry in sorted(sizes.items()):
+        paths = entry.get("context_models", {})
+        bad = [str(rel) for rel in paths.values() if not _relative_inside(str(rel))]
+        if bad:
+            raise ArtifactError(f"engine manifest {trt / MANIFEST}: context model paths {bad} must be relative "
+                                f"inside {TRT_DIR}/")
+        out[size] = {component: trt / str(rel) for component, rel in sorted(paths.items())}
+    return out
+
+
+def verify_engines(folder: Path, live: dict[str, Any], mode: VerifyMode) -> dict[str, Any]:
+    """``<model>/trt``: manifest bound to this node's versions and GPU and to this model's files, every file
+    intact and listed, every context model pointing at an engine inside its folder."""
+    trt = folder / TRT_DIR
+    manifest = read_manifest(trt / MANIFEST)
     problems = compare_node(manifest.get("node", {}), live)
     if problems:
         raise ArtifactError("TensorRT engines do not match this node (rebuild them with `sdserve engines build` on "
                             "the deployed versions): " + "; ".join(problems))
-    problems = verify_files(trt, manifest, mode)
+    problems = compare_model(manifest, folder) + verify_files(trt, manifest, mode)
+    if mode != "off" and not problems:
+        for paths in context_models(folder).values():
+            for ctx in paths.values():
+                rel = ctx.relative_to(trt).as_posix()
+                problems += context_problems(ctx, rel, manifest["files"]) if ctx.is_file() else [f"{rel}: missing"]
     if problems:
         raise ArtifactError(f"TensorRT artifacts in {trt} do not match their manifest: " + "; ".join(problems))
     return {"path": str(trt), "profiles": manifest.get("profiles", []),
             "cache_read_only": not os.access(trt, os.W_OK)}
 
 
-def write_engine_manifest(trt: Path, node: dict[str, Any], profiles: list[dict[str, Any]], flags: dict[str, Any],
-                          model: dict[str, str]) -> Path:
-    path = trt / "manifest.json"
-    data = {"format": 1, "model": model, "node": node, "profiles": profiles, "build_flags": flags,
+def write_engine_manifest(trt: Path, node: dict[str, Any], sizes: dict[str, dict[str, Any]],
+                          flags: dict[str, Any], model: dict[str, str]) -> Path:
+    """``trt/manifest.json``. ``sizes``: per size key, ``{"profile": {...}, "context_models": {component: rel}}``
+    with paths relative to ``trt/`` (nothing absolute: the model folder may be moved or mounted elsewhere)."""
+    path = trt / MANIFEST
+    data = {"format": 2, "model": model, "node": node, "sizes": sizes,
+            "profiles": [entry["profile"] for _, entry in sorted(sizes.items())], "build_flags": flags,
             "files": file_table(trt)}
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return path

@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from engines.artifacts import file_table
+from engines.artifacts import write_model_manifest
 
 log = logging.getLogger(__name__)
 Target = Literal["cpu", "cuda"]
@@ -123,6 +123,5 @@ def optimize_folder(src: Path, out: Path, target: Target = "cpu", fp16: bool = F
     (out / "optimize.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     manifest = json.loads((src / "manifest.json").read_text()) if (src / "manifest.json").is_file() else {}
     manifest["source"] = {**manifest.get("source", {}), "optimized": {"target": target, "fp16": fp16}}
-    manifest["files"] = {k: v["sha256"] for k, v in file_table(out).items()}
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    write_model_manifest(out, manifest)
     return report

@@ -2,6 +2,10 @@
 
 The quantized model is accepted only if every canary's fingerprint stays within ``max_distance`` (pixel units,
 8x8 thumbnails) of the unquantized model's on the same seeds; otherwise nothing is written and the command fails.
+
+Dynamic quantization emits DynamicQuantizeLinear and MatMulInteger: the CPU and CUDA providers run them, TensorRT's
+ONNX parser imports neither (onnx/onnx-tensorrt docs/operators.md: both "N"), so such a model is for the CUDA path
+only and `sdserve engines build` refuses it (engines/build/trtplan.py ``trt_unimportable_ops``).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from engines.artifacts import file_table
+from engines.artifacts import write_model_manifest
 from engines.config import CanarySuite, RuntimeSettings, Shape
 from engines.diffusion.pipeline import StableDiffusionOnnx
 from engines.errors import ArtifactError
@@ -38,13 +42,13 @@ def quantize(src: Path, out: Path, suite: CanarySuite, shape: Shape, max_distanc
     ref, got = _canaries(src, suite, shape), _canaries(out, suite, shape)
     distances = [float(np.abs(a - b).max()) for a, b in zip(ref, got, strict=True)]
     gate = {"passed": max(distances) <= max_distance, "max_distance": round(max(distances), 3),
-            "bound": max_distance, "canaries": suite.names(shape), "shape": shape.key, "weights": "int8 (dynamic)"}
+            "bound": max_distance, "canaries": suite.names(shape), "shape": shape.key, "weights": "int8 (dynamic)",
+            "providers": "CUDA/CPU only: TensorRT does not import dynamic quantization"}
     if not gate["passed"]:
         shutil.rmtree(out)
         raise ArtifactError(f"INT8 refused by the accuracy gate: canary fingerprint distance {gate['max_distance']} "
                             f"over the bound {max_distance}")
     manifest = json.loads((src / "manifest.json").read_text()) if (src / "manifest.json").is_file() else {}
     manifest["int8_gate"] = gate
-    manifest["files"] = {k: v["sha256"] for k, v in file_table(out).items()}
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    write_model_manifest(out, manifest)
     return gate

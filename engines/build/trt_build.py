@@ -1,9 +1,11 @@
-"""`sdserve engines build`: TensorRT engines for the served shape profiles, on a GPU node with the deployed
-versions, dumped as EP-context models next to the model, with a manifest bound to the node (engines/artifacts.py)."""
+"""`sdserve engines build`: TensorRT engines for the served sizes, on a GPU node with the deployed versions, dumped
+as EP-context models next to the model (one folder per size), with a manifest bound to the node and to the model
+(engines/artifacts.py)."""
 
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -11,6 +13,7 @@ from typing import Any
 import onnxruntime as ort
 
 from engines.artifacts import TRT_DIR, node_identity, read_manifest, sha256_file, write_engine_manifest
+from engines.build.trtplan import ENGINE_CACHE, MODEL_RELATIVE, TIMING_CACHE
 from engines.errors import ArtifactError, GpuUnavailableError
 from engines.runtime.ortlog import capture_ort_output
 
@@ -26,27 +29,65 @@ def require_int8_gate(model_dir: Path) -> dict[str, Any]:
     return dict(gate)
 
 
+def session_options(model_dir: Path, options: dict[str, str]) -> dict[str, str]:
+    """The plan's provider options for this build: model-relative paths made absolute (ORT reads them against the
+    working directory). ``trt_engine_cache_path`` stays relative: with ``trt_dump_ep_context_model`` ORT joins it to
+    the context model's folder and writes it, relative, into the EPContext node's ``ep_cache_context``
+    (tensorrt_execution_provider.cc; onnx_ctx_model_helper.cc GetPathOrParentPathOfCtxModel)."""
+    out = dict(options)
+    for key in MODEL_RELATIVE:
+        if key in out:
+            out[key] = str(model_dir / out[key])
+    if Path(out.get("trt_engine_cache_path", "")).is_absolute():
+        raise ArtifactError("trt_engine_cache_path must be relative to the context model (ORT refuses an absolute "
+                            "path when dumping EP-context models)")
+    return out
+
+
+def _fresh_trt(model_dir: Path) -> Path:
+    """``trt/`` emptied of earlier builds (the timing cache is kept: it only speeds the builder up)."""
+    trt = model_dir / TRT_DIR
+    if trt.exists():
+        for child in trt.iterdir():
+            if child.is_dir() and child.name != Path(TIMING_CACHE).name:
+                shutil.rmtree(child)
+            elif child.is_file():
+                child.unlink()
+    (model_dir / TIMING_CACHE).mkdir(parents=True, exist_ok=True)
+    return trt
+
+
+def _build_one(model_dir: Path, size: str, component: str, spec: dict[str, Any]) -> Path:
+    options = session_options(model_dir, spec["provider_options"])
+    ctx = Path(options["trt_ep_context_file_path"])
+    (ctx.parent / ENGINE_CACHE).mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    log.info("building the TensorRT engine for %s at %s; this takes minutes", component, size)
+    with capture_ort_output(component) as captured:
+        try:
+            ort.InferenceSession(str(model_dir / spec["source"]), providers=["TensorrtExecutionProvider"],
+                                 provider_options=[options], enable_fallback=0)
+        except Exception as exc:  # ORT raises plain exceptions; the captured lines say why
+            raise GpuUnavailableError(f"{component} at {size}: TensorRT build failed: {str(exc).strip()}") from exc
+    for event in captured.events:
+        log.info("%s: %s", component, event.line[:200])
+    if not ctx.is_file():
+        raise ArtifactError(f"{component} at {size}: TensorRT wrote no EP-context model {ctx}")
+    log.info("%s at %s done in %.0fs", component, size, time.monotonic() - start)
+    return ctx
+
+
 def build(model_dir: Path, plan: dict[str, Any], observations: dict[str, Any], device_id: int) -> Path:
-    """Create one TensorRT session per component (the provider builds and dumps the engines), then write the
-    manifest. Raises GpuUnavailableError when the TensorRT provider cannot run here."""
+    """Per served size, one TensorRT session per component (the provider builds the engine and dumps the context
+    model into ``trt/<size>/``), then the manifest. Raises GpuUnavailableError when TensorRT cannot run here."""
     if "TensorrtExecutionProvider" not in ort.get_available_providers():
         raise GpuUnavailableError("this onnxruntime has no TensorRT provider compiled in")
-    trt = model_dir / TRT_DIR
-    (trt / "engines").mkdir(parents=True, exist_ok=True)
-    (trt / "timing").mkdir(parents=True, exist_ok=True)
-    for component, spec in plan["components"].items():
-        start = time.monotonic()
-        log.info("building TensorRT engines for %s (%d profile(s)); this takes minutes", component,
-                 len(plan["profiles"]))
-        with capture_ort_output(component) as captured:
-            try:
-                ort.InferenceSession(spec["source"], providers=["TensorrtExecutionProvider"],
-                                     provider_options=[spec["provider_options"]], enable_fallback=0)
-            except Exception as exc:  # ORT raises plain exceptions; the captured lines say why
-                raise GpuUnavailableError(f"{component}: TensorRT build failed: {str(exc).strip()}") from exc
-        for event in captured.events:
-            log.info("%s: %s", component, event.line[:200])
-        log.info("%s done in %.0fs", component, time.monotonic() - start)
-    model = {c: sha256_file(Path(spec["source"])) for c, spec in plan["components"].items()}
-    return write_engine_manifest(trt, node_identity(observations, device_id), plan["profiles"], plan["build_flags"],
-                                 model)
+    trt = _fresh_trt(model_dir)
+    sizes: dict[str, dict[str, Any]] = {}
+    for size, entry in plan["sizes"].items():
+        built = {c: _build_one(model_dir, size, c, spec) for c, spec in entry["components"].items()}
+        sizes[size] = {"profile": entry["profile"],
+                       "context_models": {c: ctx.relative_to(trt).as_posix() for c, ctx in built.items()}}
+    first = next(iter(plan["sizes"].values()))["components"]
+    model = {c: sha256_file(model_dir / spec["source"]) for c, spec in first.items()}
+    return write_engine_manifest(trt, node_identity(observations, device_id), sizes, plan["build_flags"], model)

@@ -1,9 +1,20 @@
-"""TensorRT build plan: per component, the exact provider options for the served shape profiles.
+"""TensorRT build plan: per served size and component, the exact provider options of one engine.
 
-One TensorRT optimization profile per served size, covering the served batch sizes (min = smallest, opt = max =
-largest; the UNet and text encoder see 2x the batch because of classifier-free guidance). Profiles are given to the
-TensorRT provider by repeating each input name, one entry per profile. Engines are dumped as EP-context models so a
-serving node loads prebuilt engines and never builds one.
+One engine per served size. ORT 1.31's TensorRT provider parses several profiles when an input name repeats in
+``trt_profile_*_shapes`` (ParseProfileShapes, onnxruntime/core/providers/tensorrt/tensorrt_execution_provider_utils.h)
+and builds them, but keeps its execution context on profile 0 (open PR microsoft/onnxruntime#31624): inputs that fit
+only another profile fail at run time. So each size gets its own EP-context models and engine cache under
+``trt/<WxH>/``, with one profile covering batch 1..max (opt at the common batch; the UNet and text encoder see 2x the
+batch because of classifier-free guidance).
+
+Every dim comes from the model: symbolic dims (optimum exports name batch, sequence, channels) are resolved from the
+component configs, and a plan with a dim still unresolved is refused rather than filled with 1.
+
+Paths in the plan are relative, so a plan (and what it builds) does not tie the model to the build folder:
+``trt_engine_cache_path`` is relative to the context model's folder, as ORT requires when dumping EP-context models
+(tensorrt_execution_provider.cc logs an ERROR for an absolute path and joins it to the context model's folder via
+GetPathOrParentPathOfCtxModel, onnx_ctx_model_helper.cc); the context-model and timing-cache paths are relative to the
+model folder and resolved by the builder (engines/build/trt_build.py).
 """
 
 from __future__ import annotations
@@ -15,21 +26,51 @@ from typing import Any
 
 import onnx
 
-from engines.artifacts import TRT_DIR
+from engines.artifacts import COMPONENTS, TRT_DIR
+from engines.errors import ArtifactError
 
-COMPONENTS = ("text_encoder", "unet", "vae_decoder")
+ENGINE_CACHE = "engines"
+"""Engine cache folder, relative to the context model's folder (trt/<WxH>/engines)."""
+TIMING_CACHE = f"{TRT_DIR}/timing"
+MODEL_RELATIVE = ("trt_ep_context_file_path", "trt_timing_cache_path")
+"""Provider options that the plan gives relative to the model folder; the builder makes them absolute."""
+
+TRT_UNIMPORTABLE = ("DynamicQuantizeLinear", "MatMulInteger", "ConvInteger", "DynamicQuantizeMatMul",
+                    "MatMulIntegerToFloat", "QAttention")
+"""Ops TensorRT's ONNX parser does not import (onnx/onnx-tensorrt docs/operators.md lists DynamicQuantizeLinear,
+MatMulInteger and ConvInteger as "N"; the com.microsoft ones are ORT contrib ops from its quantizer). A graph with any
+of them splits between providers instead of becoming one engine."""
+
+# Input layouts by component and rank: each dim's role, resolved from the model's configs and the profile.
+ROLES: dict[str, dict[int, tuple[str, ...]]] = {
+    "text_encoder": {2: ("cfg_batch", "tokens")},
+    "text_encoder_2": {2: ("cfg_batch", "tokens")},
+    "unet": {4: ("cfg_batch", "unet_channels", "height", "width"), 3: ("cfg_batch", "tokens", "hidden"),
+             1: ("timesteps",), 0: ()},
+    "vae_decoder": {4: ("batch", "latent_channels", "height", "width")},
+}
+NAMED_ROLES: dict[str, dict[str, tuple[str, ...]]] = {
+    "unet": {"text_embeds": ("cfg_batch", "pooled"), "time_ids": ("cfg_batch", "time_ids")},
+}
+"""SDXL's extra UNet inputs (same rank, told apart by name): the pooled projection of the second text encoder and
+the six micro-conditioning time ids (original size, crop top-left, target size)."""
+OPTIONAL_COMPONENTS = ("text_encoder_2",)
+"""Built when the model folder has them (SDXL's second text encoder)."""
 
 
 @dataclass(frozen=True)
 class ShapeProfile:
+    """One served size and the batch range its engines take (images, before the CFG doubling)."""
+
     width: int
     height: int
     batch_min: int
+    batch_opt: int
     batch_max: int
 
     @property
     def name(self) -> str:
-        return f"{self.width}x{self.height}xb{self.batch_min}-{self.batch_max}"
+        return f"{self.width}x{self.height}"
 
 
 @dataclass(frozen=True)
@@ -40,65 +81,136 @@ class BuildFlags:
     timing_cache: bool = True
 
 
-def _inputs(path: Path) -> dict[str, list[int | str]]:
-    """Input names and declared dims, read from the graph without loading external weights."""
+def _json(path: Path) -> dict[str, Any]:
+    data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    return data if isinstance(data, dict) else {}
+
+
+def _int(*values: Any) -> int | None:
+    """The first positive int below 100,000 (tokenizers store 1e30 for "no limit")."""
+    return next((v for v in values if isinstance(v, int) and not isinstance(v, bool) and 0 < v < 100_000), None)
+
+
+def model_dims(model_dir: Path) -> dict[str, int | None]:
+    """The dims a Stable Diffusion export leaves symbolic, read from its configs (None where none says)."""
+    text = _json(model_dir / "text_encoder" / "config.json")
+    text_2 = _json(model_dir / "text_encoder_2" / "config.json")
+    unet = _json(model_dir / "unet" / "config.json")
+    vae = _json(model_dir / "vae_decoder" / "config.json")
+    tokenizer = _json(model_dir / "tokenizer" / "tokenizer_config.json")
+    blocks = vae.get("block_out_channels")
+    return {"tokens": _int(tokenizer.get("model_max_length"), text.get("max_position_embeddings")),
+            "unet_channels": _int(unet.get("in_channels")),
+            "latent_channels": _int(vae.get("latent_channels"), unet.get("out_channels"), unet.get("in_channels")),
+            "hidden": _int(unet.get("cross_attention_dim"), text.get("hidden_size")),
+            "pooled": _int(text_2.get("projection_dim"), text_2.get("hidden_size")),
+            "time_ids": 6,
+            "factor": 2 ** (len(blocks) - 1) if isinstance(blocks, list) and blocks else 8}
+
+
+def graph_inputs(path: Path) -> dict[str, list[int | str]]:
+    """Input names and declared dims (int, or the symbolic name; "" when unnamed), read without external weights."""
     model = onnx.load(str(path), load_external_data=False)
     init = {i.name for i in model.graph.initializer}
     return {i.name: [d.dim_value if d.HasField("dim_value") else d.dim_param for d in i.type.tensor_type.shape.dim]
             for i in model.graph.input if i.name not in init}
 
 
-def _dims(template: list[int | str], concrete: dict[int, int]) -> str:
-    dims = [concrete.get(i, d if isinstance(d, int) and d > 0 else 1) for i, d in enumerate(template)]
-    return "x".join(str(d) for d in dims)
+def resolve(component: str, name: str, declared: list[int | str], values: dict[str, int | None]) -> list[int]:
+    """Concrete dims of one input; ArtifactError naming the input and dim when one cannot be resolved, or when a
+    fixed dim in the graph contradicts what the configs and profile need."""
+    roles = NAMED_ROLES.get(component, {}).get(name) or ROLES.get(component, {}).get(len(declared))
+    dims = []
+    for i, dim in enumerate(declared):
+        role = roles[i] if roles else None
+        want = values.get(role) if role else None
+        fixed = dim if isinstance(dim, int) and dim > 0 else None
+        if fixed is not None and want is not None and fixed != want:
+            raise ArtifactError(f"{component} input {name!r} dim {i} is {fixed} in the graph, but the plan needs "
+                                f"{want} ({role})")
+        if fixed is None and want is None:
+            raise ArtifactError(f"{component} input {name!r} dim {i} ({dim or 'unnamed'!s}) cannot be resolved: "
+                                f"no {role or 'known role for this input'} in the model's configs; refusing a plan "
+                                "with an unresolved dim")
+        dims.append(fixed if fixed is not None else int(want or 0))
+    return dims
 
 
-def component_shapes(component: str, inputs: dict[str, list[int | str]], p: ShapeProfile, batch: int,
-                     factor: int) -> str:
-    """``name:dims`` for every input of ``component`` at ``batch`` images of profile ``p``."""
-    h, w = p.height // factor, p.width // factor
-    parts = []
-    for name, dims in inputs.items():
-        if component == "text_encoder":
-            concrete = {0: 2 * batch}
-        elif component == "unet" and len(dims) == 4:
-            concrete = {0: 2 * batch, 2: h, 3: w}
-        elif component == "unet" and len(dims) == 3:
-            concrete = {0: 2 * batch}
-        elif component == "vae_decoder":
-            concrete = {0: batch, 2: h, 3: w}
-        else:  # timestep: static
-            concrete = {}
-        parts.append(f"{name}:{_dims(dims, concrete)}")
-    return ",".join(parts)
+def component_shapes(component: str, inputs: dict[str, list[int | str]], dims: dict[str, int | None],
+                     p: ShapeProfile, batch: int, cfg: bool = True) -> str:
+    """``name:dims`` for every input of ``component`` at ``batch`` images of profile ``p``; ``cfg`` doubles the
+    text-side batch (classifier-free guidance), without it the rows are the images (guidance <= 1: the UNet runs
+    the conditional half only)."""
+    factor = dims["factor"] or 8
+    values = {**dims, "batch": batch, "cfg_batch": 2 * batch if cfg else batch, "height": p.height // factor,
+              "width": p.width // factor, "timesteps": 1}  # the pipeline feeds one timestep per UNet call
+    return ",".join(f"{name}:" + "x".join(str(d) for d in resolve(component, name, declared, values))
+                    for name, declared in inputs.items())
+
+
+def _options(component: str, inputs: dict[str, list[int | str]], dims: dict[str, int | None], p: ShapeProfile,
+             flags: BuildFlags, device_id: int) -> dict[str, str]:
+    # min: one image without CFG (a guidance <= 1 request runs the UNet on the conditional rows only);
+    # opt and max: with CFG. One engine then serves both paths at every batch in range.
+    shapes = {k: component_shapes(component, inputs, dims, p, b, cfg)
+              for k, b, cfg in (("min", p.batch_min, False), ("opt", p.batch_opt, True), ("max", p.batch_max, True))}
+    return {
+        "device_id": str(device_id), "trt_fp16_enable": str(flags.fp16), "trt_int8_enable": str(flags.int8),
+        "trt_builder_optimization_level": str(flags.builder_optimization_level),
+        "trt_engine_cache_enable": "True", "trt_engine_cache_path": ENGINE_CACHE,
+        "trt_timing_cache_enable": str(flags.timing_cache), "trt_timing_cache_path": TIMING_CACHE,
+        "trt_profile_min_shapes": shapes["min"], "trt_profile_opt_shapes": shapes["opt"],
+        "trt_profile_max_shapes": shapes["max"],
+        "trt_dump_ep_context_model": "True", "trt_ep_context_embed_mode": "0",
+        "trt_ep_context_file_path": f"{TRT_DIR}/{p.name}/{component}_ctx.onnx",
+    }
 
 
 def plan(model_dir: Path, profiles: list[ShapeProfile], flags: BuildFlags, device_id: int = 0) -> dict[str, Any]:
-    """The artifact plan: provider options per component and the files the build will write."""
-    vae_cfg = model_dir / "vae_decoder" / "config.json"
-    factor = 2 ** (len(json.loads(vae_cfg.read_text()).get("block_out_channels", [0] * 4)) - 1) if vae_cfg.is_file() \
-        else 8
-    out = model_dir / TRT_DIR
-    components = {}
+    """The artifact plan: per size, per component, the provider options and the files the build will write. Every
+    path in it is relative (to the model folder, or for the engine cache to the context model's folder)."""
+    if len({p.name for p in profiles}) != len(profiles):
+        raise ArtifactError(f"the served sizes repeat: {[p.name for p in profiles]}")
+    dims = model_dims(model_dir)
+    present = [*COMPONENTS, *(c for c in OPTIONAL_COMPONENTS if (model_dir / c / "model.onnx").is_file())]
+    inputs = {c: graph_inputs(model_dir / c / "model.onnx") for c in present}
+    sizes = {}
+    for p in profiles:
+        components = {c: {"source": f"{c}/model.onnx", "provider_options": _options(c, inputs[c], dims, p, flags,
+                                                                                    device_id),
+                          "writes": [f"{TRT_DIR}/{p.name}/{c}_ctx.onnx", f"{TRT_DIR}/{p.name}/{ENGINE_CACHE}/*"]}
+                      for c in present}
+        sizes[p.name] = {"profile": asdict(p) | {"name": p.name}, "components": components}
+    return {"model": model_dir.name, "dims": dims, "build_flags": asdict(flags), "sizes": sizes,
+            "manifest": f"{TRT_DIR}/manifest.json"}
+
+
+def profiles_from(sizes: list[tuple[int, int]], batch_max: int, batch_opt: int) -> list[ShapeProfile]:
+    """One profile per size: batch 1..``batch_max``, optimized for ``batch_opt``."""
+    if not 1 <= batch_opt <= batch_max:
+        raise ArtifactError(f"opt batch {batch_opt} must be within 1..{batch_max}")
+    return [ShapeProfile(w, h, 1, batch_opt, batch_max) for w, h in sizes]
+
+
+def trt_unimportable_ops(model_dir: Path) -> dict[str, dict[str, int]]:
+    """Per component, the ops in its graph that TensorRT's ONNX parser does not import, with counts."""
+    found: dict[str, dict[str, int]] = {}
     for component in COMPONENTS:
-        inputs = _inputs(model_dir / component / "model.onnx")
-        mins = [component_shapes(component, inputs, p, p.batch_min, factor) for p in profiles]
-        maxs = [component_shapes(component, inputs, p, p.batch_max, factor) for p in profiles]
-        options = {
-            "device_id": str(device_id), "trt_fp16_enable": str(flags.fp16), "trt_int8_enable": str(flags.int8),
-            "trt_builder_optimization_level": str(flags.builder_optimization_level),
-            "trt_engine_cache_enable": "True", "trt_engine_cache_path": str(out / "engines"),
-            "trt_timing_cache_enable": str(flags.timing_cache), "trt_timing_cache_path": str(out / "timing"),
-            "trt_profile_min_shapes": ",".join(mins), "trt_profile_opt_shapes": ",".join(maxs),
-            "trt_profile_max_shapes": ",".join(maxs),
-            "trt_dump_ep_context_model": "True", "trt_ep_context_file_path": str(out / f"{component}_ctx.onnx"),
-            "trt_ep_context_embed_mode": "0",
-        }
-        components[component] = {"source": str(model_dir / component / "model.onnx"), "provider_options": options,
-                                 "writes": [f"{TRT_DIR}/{component}_ctx.onnx", f"{TRT_DIR}/engines/*.engine"]}
-    return {"model": str(model_dir), "profiles": [asdict(p) | {"name": p.name} for p in profiles],
-            "build_flags": asdict(flags), "components": components, "manifest": f"{TRT_DIR}/manifest.json"}
+        graph = onnx.load(str(model_dir / component / "model.onnx"), load_external_data=False).graph
+        for node in graph.node:
+            if node.op_type in TRT_UNIMPORTABLE:
+                ops = found.setdefault(component, {})
+                ops[node.op_type] = ops.get(node.op_type, 0) + 1
+    return found
 
 
-def profiles_from(sizes: list[tuple[int, int]], batch_sizes: tuple[int, ...]) -> list[ShapeProfile]:
-    return [ShapeProfile(w, h, min(batch_sizes), max(batch_sizes)) for w, h in sizes]
+def refuse_unimportable(model_dir: Path) -> None:
+    """ArtifactError naming each op TensorRT would not import: the engine would split between providers."""
+    found = trt_unimportable_ops(model_dir)
+    if found:
+        listed = "; ".join(f"{c}: " + ", ".join(f"{op} x{n}" for op, n in sorted(ops.items()))
+                           for c, ops in sorted(found.items()))
+        raise ArtifactError(f"TensorRT build refused: {model_dir} has ops TensorRT's ONNX parser does not import "
+                            f"({listed}); the engine would split between providers. Dynamic INT8 (`sdserve engines "
+                            "quantize`) serves on the CUDA provider only; build TensorRT engines from the "
+                            "unquantized model")

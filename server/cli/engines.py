@@ -19,6 +19,8 @@ def register(sub: Any) -> None:
     tiny.add_argument("--out", type=Path, default=DEFAULT_MODEL)
     tiny.add_argument("--bpe", type=Path, default=None, help="open-clip-torch wheel or its bpe .txt.gz")
     tiny.add_argument("--diffusers-out", type=Path, default=None, help="also save the torch weights here")
+    tiny.add_argument("--family", choices=("sd1", "sd2", "sdxl", "turbo"), default="sd1",
+                      help="which family's structure to build in miniature (default sd1, the embedded model)")
     export = engines.add_parser("export", help="export a local diffusers SD 1.x/2.x folder to ONNX")
     export.add_argument("--from", dest="src", type=Path, required=True)
     export.add_argument("--out", type=Path, required=True)
@@ -33,6 +35,8 @@ def register(sub: Any) -> None:
     build.add_argument("--dry-run", action="store_true", help="print the provider options and artifact plan")
     build.add_argument("--int8", action="store_true", help="INT8 engines (needs a passed accuracy gate)")
     build.add_argument("--opt-level", type=int, default=3, choices=range(0, 6), help="TensorRT builder level")
+    build.add_argument("--opt-batch", type=int, default=None,
+                       help="batch the engines are tuned for (default: the largest of serving.batch_sizes)")
     quant = engines.add_parser("quantize", help="INT8 UNet weights behind the canary accuracy gate")
     quant.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     quant.add_argument("--out", type=Path, required=True)
@@ -47,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     if args.engines_cmd == "tiny":
         from engines.build.tiny import build_tiny
 
-        out = build_tiny(args.out, args.bpe, args.diffusers_out)
+        out = build_tiny(args.out, args.bpe, args.diffusers_out, args.family)
     elif args.engines_cmd == "export":
         from engines.build.export import export_folder
 
@@ -70,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         out = args.out
     else:
         return _build_engines(args)
-    log.info("model written to %s (manifest.json lists every file's sha256)", out)
+    log.info("model written to %s (manifest.json lists every file's sha256 and size)", out)
     return 0
 
 
@@ -93,22 +97,34 @@ def _build_engines(args: argparse.Namespace) -> int:
 
     boot = boot_config(args)
     settings = boot.settings
+    # Refused before anything else, dry runs included: a plan for a graph TensorRT cannot import is no plan.
+    trtplan.refuse_unimportable(args.model)
+    if args.int8:
+        from engines.build.trt_build import require_int8_gate
+
+        require_int8_gate(args.model)
     sizes = [parse_size(s) for s in settings.serving.sizes] or [(_native_size(args.model),) * 2]
+    # The engine takes every batch the server can form: the batcher's max_batch, one request's max_n, the warmed sizes.
+    served = settings.serving.batch_sizes
+    batch_max = max(settings.queue.max_batch, settings.limits.max_n, *served)
     flags = trtplan.BuildFlags(fp16=settings.runtime.tensorrt.fp16, int8=args.int8,
                                builder_optimization_level=args.opt_level)
-    plan = trtplan.plan(args.model, trtplan.profiles_from(sizes, settings.serving.batch_sizes), flags,
-                        settings.runtime.device_id)
+    profiles = trtplan.profiles_from(sizes, batch_max, args.opt_batch or max(served))
+    plan = trtplan.plan(args.model, profiles, flags, settings.runtime.device_id)
     if args.dry_run:
         print(json.dumps(plan, indent=2))
         return 0
-    from engines.build.trt_build import build, require_int8_gate
+    return _build_on_gpu(args, boot, plan)
 
-    if args.int8:
-        require_int8_gate(args.model)
-    gpu = settings.runtime.model_copy(update={"providers": ("TensorrtExecutionProvider", "CUDAExecutionProvider"),
-                                              "allow_cpu": False})
+
+def _build_on_gpu(args: argparse.Namespace, boot: Any, plan: dict[str, Any]) -> int:
     from dataclasses import replace
 
+    from engines.build.trt_build import build
+
+    settings = boot.settings
+    gpu = settings.runtime.model_copy(update={"providers": ("TensorrtExecutionProvider", "CUDAExecutionProvider"),
+                                              "allow_cpu": False})
     engine = replace(boot, settings=settings.model_copy(update={"runtime": gpu})).engine()
     engine.preflight()
     observations = engine.capabilities().observations

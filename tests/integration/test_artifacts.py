@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from engines.artifacts import verify_model
+from engines.build.trtplan import graph_inputs
 from engines.config import RuntimeSettings
 from engines.diffusion.pipeline import StableDiffusionOnnx
 from engines.errors import ArtifactError
@@ -27,8 +28,9 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_tiny_manifest_lists_every_file_and_the_build_versions(tiny_model: Path) -> None:
     manifest = json.loads((tiny_model / "manifest.json").read_text())
-    on_disk = {p.relative_to(tiny_model).as_posix() for p in tiny_model.rglob("*") if p.is_file()}
-    assert set(manifest["files"]) == on_disk - {"manifest.json"}
+    on_disk = {p.relative_to(tiny_model).as_posix(): p.stat().st_size for p in tiny_model.rglob("*") if p.is_file()}
+    assert set(manifest["files"]) == set(on_disk) - {"manifest.json"}
+    assert all(entry["bytes"] == on_disk[rel] for rel, entry in manifest["files"].items())  # sizes recorded
     assert {"torch", "diffusers", "onnx", "sdserve"} <= set(manifest["built_with"])
     verify_model(tiny_model, "full")
 
@@ -68,12 +70,47 @@ def test_build_dry_run_prints_provider_options_and_plan(tiny_model: Path) -> Non
     done = _cli("engines", "build", "--profile", "production", "--model", str(tiny_model), "--dry-run")
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)
-    assert [p["name"] for p in plan["profiles"]] == ["512x512xb1-4"]
-    unet = plan["components"]["unet"]["provider_options"]
-    assert unet["trt_profile_min_shapes"].startswith("sample:2x4x64x64,")
-    assert "sample:8x4x64x64" in unet["trt_profile_max_shapes"]
+    assert list(plan["sizes"]) == ["512x512"]  # one engine per served size
+    assert plan["sizes"]["512x512"]["profile"] | {"name": "512x512"} == {
+        "width": 512, "height": 512, "batch_min": 1, "batch_opt": 4, "batch_max": 4, "name": "512x512"}
+    components = plan["sizes"]["512x512"]["components"]
+    unet = components["unet"]["provider_options"]
+    assert unet["trt_profile_min_shapes"] == "sample:1x4x64x64,timestep:1,encoder_hidden_states:1x77x32"
+    assert unet["trt_profile_max_shapes"] == "sample:8x4x64x64,timestep:1,encoder_hidden_states:8x77x32"
     assert unet["trt_dump_ep_context_model"] == "True" and unet["trt_fp16_enable"] == "True"
-    assert plan["components"]["vae_decoder"]["provider_options"]["trt_profile_max_shapes"] == "latent_sample:4x4x64x64"
+    assert unet["trt_engine_cache_path"] == "engines"  # relative to the context model (ORT's EP-context rule)
+    assert unet["trt_ep_context_file_path"] == "trt/512x512/unet_ctx.onnx"
+    assert components["vae_decoder"]["provider_options"]["trt_profile_max_shapes"] == "latent_sample:4x4x64x64"
+    assert str(tiny_model) not in done.stdout  # nothing in the plan ties the artifacts to this folder
+
+
+def test_optimum_style_symbolic_dims_plan_like_the_tiny_model(tiny_model: Path, tmp_path: Path) -> None:
+    """optimum-cli exports name batch, sequence and channel dims; the plan resolves them from the configs to the same
+    shapes as the tiny model's own export (the old planner set them to 1: encoder_hidden_states:8x1x32)."""
+    import onnx
+
+    symbolic = {"text_encoder": {"input_ids": ["batch_size", "sequence_length"]},
+                "unet": {"sample": ["batch_size", "num_channels", "height", "width"], "timestep": ["steps"],
+                         "encoder_hidden_states": ["batch_size", "sequence_length", "hidden_size"]},
+                "vae_decoder": {"latent_sample": ["batch_size", "num_channels_latent", "height_latent",
+                                                  "width_latent"]}}
+    model = tmp_path / "optimum"
+    shutil.copytree(tiny_model, model)
+    for component, inputs in symbolic.items():
+        graph = onnx.load(str(model / component / "model.onnx"))
+        for value in graph.graph.input:
+            for dim, name in zip(value.type.tensor_type.shape.dim, inputs.get(value.name, []), strict=False):
+                dim.dim_param = name  # clears dim_value (a oneof)
+        onnx.save(graph, str(model / component / "model.onnx"))
+    assert graph_inputs(model / "unet" / "model.onnx")["encoder_hidden_states"] == symbolic["unet"][
+        "encoder_hidden_states"]
+    plans = [json.loads(_cli("engines", "build", "--profile", "production", "--model", str(m), "--dry-run").stdout)
+             for m in (tiny_model, model)]
+    ours, theirs = (p["sizes"]["512x512"]["components"] for p in plans)
+    for component in ("text_encoder", "unet", "vae_decoder"):
+        for key in ("trt_profile_min_shapes", "trt_profile_opt_shapes", "trt_profile_max_shapes"):
+            assert theirs[component]["provider_options"][key] == ours[component]["provider_options"][key]
+    assert "encoder_hidden_states:8x77x32" in theirs["unet"]["provider_options"]["trt_profile_max_shapes"]
 
 
 def test_build_without_tensorrt_fails_closed(tiny_model: Path) -> None:
@@ -95,6 +132,12 @@ def test_int8_needs_the_accuracy_gate(tiny_model: Path, tmp_path: Path) -> None:
     gate = json.loads((tmp_path / "q" / "manifest.json").read_text())["int8_gate"]
     assert gate["passed"] and gate["max_distance"] <= gate["bound"]
     verify_model(tmp_path / "q", "full")
+    # A passed gate is not enough for TensorRT: its ONNX parser imports neither op (onnx-tensorrt operators.md).
+    for extra in ((), ("--dry-run",)):
+        split = _cli("engines", "build", "--profile", "production", "--model", str(tmp_path / "q"), "--int8", *extra)
+        assert split.returncode == 23, split.stdout + split.stderr
+        assert "DynamicQuantizeLinear" in split.stderr and "MatMulInteger" in split.stderr
+        assert "unet:" in split.stderr and "would split between providers" in split.stderr
 
 
 def test_two_builds_give_the_same_hashes(tiny_model: Path, tmp_path: Path) -> None:
@@ -106,4 +149,5 @@ def test_two_builds_give_the_same_hashes(tiny_model: Path, tmp_path: Path) -> No
     assert done.returncode == 0, done.stderr
     first = json.loads((tiny_model / "manifest.json").read_text())
     second = json.loads((tmp_path / "again" / "manifest.json").read_text())
-    assert first["files"] == second["files"] and len(first["files"]) == 13
+    on_disk = {p.relative_to(tmp_path / "again").as_posix() for p in (tmp_path / "again").rglob("*") if p.is_file()}
+    assert first["files"] == second["files"] and set(second["files"]) == on_disk - {"manifest.json"}
