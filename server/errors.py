@@ -31,6 +31,10 @@ class DeadlineExceededError(SdserveError):
     """The request's deadline passed before it could start."""
 
 
+class JobInterruptedError(SdserveError):
+    """The caller interrupted the request (POST /sdapi/v1/interrupt) before it started (409)."""
+
+
 class BodyTooLargeError(SdserveError):
     """The request body is over the configured cap (413)."""
 
@@ -39,10 +43,32 @@ class AuthenticationError(SdserveError):
     """Missing or invalid API key (401)."""
 
 
+class BindError(SdserveError):
+    """The configured host:port cannot be bound (in use, not permitted, no such address): exit code 12."""
+
+
+REQUEST_ID = "x-request-id"
+"""Response header naming the request in the server log (an incoming one is kept when it is short and plain)."""
+
+
+def request_id_of(scope: Any) -> str:
+    """The id the guard middleware gave this request ("-" outside a request)."""
+    state = scope.get("state") if isinstance(scope, dict) else None
+    return str(state.get("request_id", "-")) if isinstance(state, dict) else "-"
+
+
+def internal_error(request_id: str, type_: str = "server_error") -> JSONResponse:
+    """A sanitized 500: no traceback or class name, the request id to find it in the log, and the connection
+    closed (the client must not reuse a connection whose request failed inside the server)."""
+    return JSONResponse(error_body(f"internal server error (request id {request_id})", type_),
+                        status_code=500, headers={"connection": "close", REQUEST_ID: request_id})
+
+
 _TABLE: tuple[tuple[type[SdserveError], int, str], ...] = (
     (InvalidRequestError, 400, "invalid_request_error"),
     (AuthenticationError, 401, "authentication_error"),
     (BodyTooLargeError, 413, "invalid_request_error"),
+    (JobInterruptedError, 409, "request_interrupted"),
     (QueueFullError, 429, "rate_limit_exceeded"),
     (DeadlineExceededError, 504, "timeout"),
     (ClientGoneError, 499, "client_closed_request"),
@@ -111,7 +137,7 @@ def _headers(exc: SdserveError) -> dict[str, str]:
     return {}
 
 
-def error_response(exc: SdserveError, path: str) -> JSONResponse:
+def error_response(exc: SdserveError, path: str, request_id: str = "-") -> JSONResponse:
     """The response for ``exc`` on ``path``: the one table, A1111's 422 shape for its routes' bad input, no
     internals in a 500. Exception handlers and the ASGI middleware both answer through here."""
     status, type_ = status_of(exc)
@@ -120,14 +146,14 @@ def error_response(exc: SdserveError, path: str) -> JSONResponse:
             return JSONResponse(_detail(exc.param, exc.message, "value_error"), status_code=422)
         return JSONResponse(error_body(exc.message, type_, exc.param, "invalid_value"), status_code=status)
     if status == 500:  # our own failure: log it, tell the client nothing internal
-        log.exception("request failed", exc_info=exc)
-        return JSONResponse(error_body("internal error while generating", type_), status_code=status)
+        log.error("request %s failed", request_id, exc_info=exc)
+        return internal_error(request_id, type_)
     return JSONResponse(error_body(str(exc), type_), status_code=status, headers=_headers(exc))
 
 
 async def _on_sdserve(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, SdserveError)
-    return error_response(exc, request.url.path)
+    return error_response(exc, request.url.path, request_id_of(request.scope))
 
 
 async def _on_http(request: Request, exc: Exception) -> JSONResponse:
@@ -136,13 +162,9 @@ async def _on_http(request: Request, exc: Exception) -> JSONResponse:
                         headers=exc.headers)
 
 
-async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-    log.exception("unhandled error on %s", request.url.path, exc_info=exc)
-    return JSONResponse(error_body("internal server error", "server_error"), status_code=500)
-
-
 def install(app: FastAPI) -> None:
+    """Handlers for the errors we raise on purpose. Anything else is answered by GuardMiddleware (outermost), not
+    by Starlette's ServerErrorMiddleware, which re-raises into uvicorn and drops the kept-alive connection."""
     app.add_exception_handler(RequestValidationError, _on_validation)  # type: ignore[arg-type]
     app.add_exception_handler(SdserveError, _on_sdserve)
     app.add_exception_handler(StarletteHTTPException, _on_http)
-    app.add_exception_handler(Exception, _on_unexpected)

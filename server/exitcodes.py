@@ -14,6 +14,7 @@ from engines.errors import (
     SelfTestError,
     VersionMismatchError,
 )
+from server.errors import BindError
 
 
 class ExitCode(IntEnum):
@@ -22,6 +23,7 @@ class ExitCode(IntEnum):
     USAGE = 2
     CONFIG_INVALID = 10
     MODEL_INVALID = 11
+    CANNOT_BIND = 12
     GPU_UNAVAILABLE = 20
     VERSION_MISMATCH = 21
     PLACEMENT_FAILED = 22
@@ -39,6 +41,7 @@ _TABLE: tuple[tuple[type[BaseException], ExitCode], ...] = (
     (PlacementError, ExitCode.PLACEMENT_FAILED),
     (SelfTestError, ExitCode.SELF_TEST_FAILED),
     (ArtifactError, ExitCode.ARTIFACT_INVALID),
+    (BindError, ExitCode.CANNOT_BIND),
 )
 
 

@@ -11,20 +11,23 @@ from fastapi import HTTPException
 
 
 class ImageStore:
-    """At most ``max_items`` images, each for ``ttl_s`` seconds; ids are unguessable (128-bit)."""
+    """At most ``max_items`` images and ``max_bytes`` PNG bytes (the newest image is always kept), each for
+    ``ttl_s`` seconds, oldest dropped first; ids are unguessable (128-bit)."""
 
-    def __init__(self, max_items: int = 256, ttl_s: float = 600.0) -> None:
-        self.max_items, self.ttl_s = max_items, ttl_s
+    def __init__(self, max_items: int = 256, ttl_s: float = 600.0, max_bytes: int = 64 << 20) -> None:
+        self.max_items, self.ttl_s, self.max_bytes = max_items, ttl_s, max_bytes
         self._items: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
         self._lock = threading.Lock()
+        self.bytes = 0
 
     def put(self, png: bytes) -> str:
         image_id = secrets.token_urlsafe(16)
         with self._lock:
             self._evict()
             self._items[image_id] = (time.monotonic() + self.ttl_s, png)
-            while len(self._items) > self.max_items:
-                self._items.popitem(last=False)
+            self.bytes += len(png)
+            while len(self._items) > self.max_items or (self.bytes > self.max_bytes and len(self._items) > 1):
+                self._drop_oldest()
         return image_id
 
     def get(self, image_id: str) -> bytes:
@@ -38,7 +41,11 @@ class ImageStore:
     def _evict(self) -> None:
         now = time.monotonic()
         while self._items and next(iter(self._items.values()))[0] < now:
-            self._items.popitem(last=False)
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        _, (_, png) = self._items.popitem(last=False)
+        self.bytes -= len(png)
 
     def __len__(self) -> int:
         return len(self._items)

@@ -1,0 +1,248 @@
+"""Hostile clients against real `sdserve serve` processes: bad input never costs the next request, an idle-connection
+flood cannot starve the probes, a trickling client cannot stretch shutdown, a model file changed under the server
+degrades /ready, forged Host headers are ignored, and each startup failure has its documented exit code."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import FAST_WATCHDOG, ServerProcess, dev_config
+
+GEN, A1111 = "/v1/images/generations", "/sdapi/v1/txt2img"
+OK_BODY = {"prompt": "a kite", "size": "64x64", "steps": 2}
+HEADER_TIMEOUT_S = 1.5
+CAP = 64
+BOUNDS = {"max_connections = 1000": f"max_connections = {CAP}",
+          "header_timeout_s = 10.0": f"header_timeout_s = {HEADER_TIMEOUT_S}"}
+
+
+def _wait_ready_body(url: str, predicate: Callable[[dict[str, Any]], bool], timeout: float = 30) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    body: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        body = httpx.get(f"{url}/ready", timeout=5).json()
+        if predicate(body):
+            return body
+        time.sleep(0.1)
+    raise AssertionError(f"/ready never matched; last: {body}")
+
+
+@pytest.fixture(scope="module")
+def bounded(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A dev server with a low connection cap and a short request-head timeout (a test profile)."""
+    config = dev_config(tmp_path_factory.mktemp("bounded"), replace=BOUNDS)
+    server = ServerProcess("--config", str(config), "--model", str(tiny_model))
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        assert server.stop() == 0, server.log
+
+
+def test_bad_input_is_4xx_and_the_kept_alive_connection_serves_the_next_request(bounded: ServerProcess) -> None:
+    bad = [(A1111, b'{"prompt": "\\ud800x", "width": 64, "height": 64, "steps": 2}', 422),
+           (GEN, b'{"prompt": "a", "negative_prompt": "\\ud800x", "size": "64x64"}', 400),
+           (A1111, b'{"prompt": " ", "width": 64, "height": 64}', 422),
+           (GEN, b'{"prompt": "a", "prompt": "b"}', 400),
+           (GEN, b'{"prompt": "a", "steps": true}', 400),
+           (GEN, b'{"prompt": "a", "size": "' + b"9" * 5000 + b'x64"}', 400)]
+    with httpx.Client(base_url=bounded.url or "", timeout=30) as client:
+        for path, raw, status in bad:
+            response = client.post(path, content=raw, headers={"content-type": "application/json"})
+            assert response.status_code == status, (path, raw[:60], response.text)
+            assert "connection" not in response.headers  # the connection is kept for the next request
+            ok = client.post(GEN, json=OK_BODY)
+            assert ok.status_code == 200, ok.text
+        top = client.post(A1111, json={"prompt": "a", "seed": 2**32 - 1, "n_iter": 2, "width": 64, "height": 64,
+                                       "steps": 2})
+        assert top.status_code == 200 and json.loads(top.json()["info"])["all_seeds"] == [2**32 - 1, 0]
+
+
+def test_chunked_body_over_the_cap_is_413(bounded: ServerProcess) -> None:
+    def chunks() -> Iterator[bytes]:
+        yield b'{"prompt": "'
+        for _ in range(40):
+            yield b"a" * 32768
+        yield b'"}'
+
+    response = httpx.post(f"{bounded.url}{GEN}", content=chunks(), headers={"content-type": "application/json"})
+    assert response.request.headers["transfer-encoding"] == "chunked"
+    assert response.status_code == 413, response.text
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_idle_connection_flood_cannot_starve_health(bounded: ServerProcess) -> None:
+    url = bounded.url or ""
+    host, port = url.removeprefix("http://").split(":")
+    lines_before = len(bounded.lines)
+    idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(5 * CAP)]
+    try:
+        for _ in range(10):
+            start = time.monotonic()
+            response = httpx.get(f"{url}/health", timeout=5)
+            assert response.status_code == 200 and time.monotonic() - start < 1.0
+        # Every idle connection is closed by the server: evicted by the cap, or at the request-head timeout.
+        deadline = time.monotonic() + HEADER_TIMEOUT_S + 10
+        pending = list(idle)
+        while pending and time.monotonic() < deadline:
+            readable, _, _ = select.select(pending, [], [], 0.5)
+            pending = [s for s in pending if not (s in readable and _closed_by_peer(s))]
+        assert not pending, f"{len(pending)} idle connections still open"
+    finally:
+        for sock in idle:
+            sock.close()
+    assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+    assert len(bounded.lines) - lines_before < 20, "".join(bounded.lines[lines_before:])
+
+
+def test_slow_request_head_is_closed_at_the_header_timeout(bounded: ServerProcess) -> None:
+    host, port = (bounded.url or "").removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=HEADER_TIMEOUT_S + 10) as sock:
+        start = time.monotonic()
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # never the blank line that ends the head
+        assert sock.recv(1024) == b""
+        assert HEADER_TIMEOUT_S - 0.2 <= time.monotonic() - start < HEADER_TIMEOUT_S + 5
+
+
+def _busy(host: str, port: int) -> socket.socket:
+    """A connection whose request head the server has parsed (it answers 100 Continue once the app reads the body)
+    and whose body trickles: busy, so never evicted."""
+    sock = socket.create_connection((host, port), timeout=10)
+    sock.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                 b"expect: 100-continue\r\ncontent-length: 1000\r\n\r\n")
+    assert sock.recv(1024).startswith(b"HTTP/1.1 100")
+    sock.sendall(b"{")
+    return sock
+
+
+def test_connections_over_the_cap_with_every_one_busy_are_refused_fast(bounded: ServerProcess) -> None:
+    host, port = (bounded.url or "").removeprefix("http://").split(":")
+    busy = [_busy(host, int(port)) for _ in range(CAP)]
+    try:
+        for _ in range(3):
+            start = time.monotonic()
+            with socket.create_connection((host, int(port)), timeout=5) as extra:
+                answer = extra.recv(1024)
+            assert answer.startswith(b"HTTP/1.1 503") and b"too many connections" in answer, answer
+            assert time.monotonic() - start < 1.0
+    finally:
+        for sock in busy:
+            sock.close()
+    _wait_ready_body(bounded.url or "", lambda b: b["state"] == "ready")
+
+
+def test_forged_host_gets_relative_links_and_no_server_header(bounded: ServerProcess) -> None:
+    response = httpx.post(f"{bounded.url}{GEN}", json={**OK_BODY, "response_format": "url"},
+                          headers={"host": "evil.example"}, timeout=30)
+    assert response.status_code == 200
+    link = response.json()["data"][0]["url"]
+    assert link.startswith("/v1/images/files/") and "evil" not in link
+    png = httpx.get(f"{bounded.url}{link}")
+    assert png.status_code == 200 and png.content.startswith(b"\x89PNG")
+    assert "server" not in response.headers and "server" not in png.headers
+
+
+def test_trickling_client_cannot_stretch_shutdown_past_the_drain_bound(tiny_model: Path, tmp_path: Path) -> None:
+    drain = 2.0
+    config = dev_config(tmp_path, replace={"drain_timeout_s = 10": f"drain_timeout_s = {drain}"})
+    server = ServerProcess("--config", str(config), "--model", str(tiny_model))
+    stop = threading.Event()
+    host, port = server.wait_ready().removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    try:
+        sock.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: 100000\r\n\r\n{")
+
+        def trickle() -> None:
+            while not stop.wait(0.2):
+                try:
+                    sock.sendall(b" ")
+                except OSError:
+                    return
+
+        threading.Thread(target=trickle, daemon=True).start()
+        start = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        code = server.proc.wait(timeout=drain + 30)
+        elapsed = time.monotonic() - start
+    finally:
+        stop.set()
+        sock.close()
+        server.stop()
+    assert code == 0, server.log
+    assert elapsed < drain + 5, f"exit took {elapsed:.1f}s\n{server.log}"
+
+
+def test_model_file_changed_under_a_running_server_degrades_ready_and_recovers(tiny_model: Path,
+                                                                              tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    server = ServerProcess("--config", str(dev_config(tmp_path, replace=FAST_WATCHDOG)), "--model", str(model))
+    try:
+        url = server.wait_ready()
+        manifest = model / "manifest.json"
+        original = manifest.read_bytes()
+        manifest.write_bytes(original.replace(b"{", b"{ ", 1))
+        body = _wait_ready_body(url, lambda b: b["state"] == "degraded")
+        assert "model_files" in body["codes"] and "manifest.json changed on disk" in " ".join(body["reasons"])
+        assert str(tmp_path) not in json.dumps(body)
+        refused = httpx.post(f"{url}{GEN}", json=OK_BODY, timeout=30)
+        assert refused.status_code == 503, refused.text  # never a 500 per request
+        manifest.write_bytes(original)
+        _wait_ready_body(url, lambda b: b["state"] == "ready")
+        assert httpx.post(f"{url}{GEN}", json=OK_BODY, timeout=30).status_code == 200
+    finally:
+        assert server.stop() == 0, server.log
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "server.cli", "serve", "--profile", "dev", *args],
+                          capture_output=True, text=True, timeout=120, env={**os.environ})
+
+
+def _reason_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "(exit code" in line]
+
+
+def test_missing_model_folder_exits_11(tmp_path: Path) -> None:
+    result = _serve("--model", str(tmp_path / "nowhere"), "--port", "0")
+    assert result.returncode == 11, result.stderr
+    assert len(_reason_lines(result.stderr)) == 1 and "does not exist" in result.stderr
+
+
+def test_model_path_that_is_a_file_exits_11(tmp_path: Path) -> None:
+    (tmp_path / "model.onnx").write_bytes(b"not a folder")
+    result = _serve("--model", str(tmp_path / "model.onnx"), "--port", "0")
+    assert result.returncode == 11, result.stderr
+    assert len(_reason_lines(result.stderr)) == 1 and "is not a folder" in result.stderr
+
+
+def test_port_in_use_exits_12(tiny_model: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = _serve("--model", str(tiny_model), "--port", str(port))
+    assert result.returncode == 12, result.stderr
+    assert len(_reason_lines(result.stderr)) == 1 and f"cannot bind 127.0.0.1:{port}" in result.stderr
