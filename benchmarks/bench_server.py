@@ -5,7 +5,11 @@
 3. `sdserve bench` at concurrency 1..32 against the dev profile (queue 32, max_batch 4): p50/p95/p99, 429 share,
    with the plot committed.
 
-    python benchmarks/bench_server.py --model models/tiny [--write-readme README.md]
+Every ratio the README quotes is rendered here from the results (median and range over the runs), never typed.
+
+    python benchmarks/bench_server.py --model models/tiny [--rounds 3] [--write-readme README.md]
+    python benchmarks/bench_server.py --repeats 2 --rounds 1 --requests 4 --levels 1,2   (smallest settings)
+    python benchmarks/bench_server.py --from-results benchmarks/results/server_cpu.json --write-readme README.md
 """
 
 from __future__ import annotations
@@ -93,8 +97,9 @@ def overhead(model: Path, tmp: Path, n: int) -> dict[str, float]:
     return {"direct_pipeline_s": round(d, 4), "server_e2e_s": round(e, 4), "ratio": round(e / d, 3)}
 
 
-def throughput(model: Path, tmp: Path, requests: int, rounds: int = 3) -> dict[str, float]:
-    """Images/min at concurrency 16 for max_batch 1, 4 and 8, alternating over ``rounds``; medians."""
+def throughput(model: Path, tmp: Path, requests: int, rounds: int = 3) -> dict[str, object]:
+    """Images/min at concurrency 16 for max_batch 1, 4 and 8, alternating within each round; per-round ratios
+    (each against the max_batch=1 run of the same round) with their median and range."""
     runs: dict[int, list[float]] = {1: [], 4: [], 8: []}
     for _ in range(rounds):
         for max_batch in runs:
@@ -107,32 +112,45 @@ def throughput(model: Path, tmp: Path, requests: int, rounds: int = 3) -> dict[s
                 runs[max_batch].append(asyncio.run(level()).images_per_minute)
             finally:
                 server.close()
-    out = {f"max_batch_{mb}_images_per_min": round(statistics.median(v), 1) for mb, v in runs.items()}
-    out["ratio"] = round(out["max_batch_4_images_per_min"] / out["max_batch_1_images_per_min"], 3)
-    out["ratio_8"] = round(out["max_batch_8_images_per_min"] / out["max_batch_1_images_per_min"], 3)
+    out: dict[str, object] = {f"max_batch_{mb}_images_per_min": round(statistics.median(v), 1)
+                              for mb, v in runs.items()}
+    out["runs"] = {str(mb): [round(x, 1) for x in v] for mb, v in runs.items()}
+    for mb, key in ((4, "ratio"), (8, "ratio_8")):
+        ratios = [b / a for a, b in zip(runs[1], runs[mb], strict=True)]
+        out[key] = round(statistics.median(ratios), 3)
+        out[f"{key}_runs"] = [round(r, 3) for r in ratios]
     return out
 
 
-def concurrency(model: Path, tmp: Path, requests: int) -> dict[str, object]:
+def concurrency(model: Path, tmp: Path, requests: int, levels: list[int], results: Path) -> dict[str, object]:
     server = Server(model, _config(tmp, 4))
     try:
-        result = asyncio.run(bench.bench(server.url, [1, 4, 8, 16, 32], requests, 300, f"{SIZE}x{SIZE}", STEPS))
+        result = asyncio.run(bench.bench(server.url, levels, requests, 300, f"{SIZE}x{SIZE}", STEPS))
     finally:
         server.close()
-    bench.write(result, ROOT / "benchmarks" / "results" / "bench_cpu.json")
-    bench.plot(result, ROOT / "benchmarks" / "results" / "bench_cpu.png")
+    bench.write(result, results / "bench_cpu.json")
+    bench.plot(result, results / "bench_cpu.png")
     return result
 
 
-def table(o: dict[str, float], t: dict[str, float], c: dict[str, object]) -> str:
+def _range(t: dict[str, object], key: str) -> str:
+    runs: list[float] = t.get(f"{key}_runs") or []  # type: ignore[assignment]
+    if not runs:
+        return "ratio of medians; no range recorded (older run)"
+    return f"median of per-run ratios, range {min(runs)}–{max(runs)}x over {len(runs)} runs"
+
+
+def table(o: dict[str, float], t: dict[str, object], c: dict[str, object]) -> str:
+    met = "met" if float(t["ratio"]) >= 1.3 else "NOT met"  # type: ignore[arg-type]
     lines = [f"Tiny model, {SIZE}x{SIZE}, {STEPS} steps, Euler, this 2-core machine (server and client share it).", "",
              "| measure | value | target |", "|---|---|---|",
              f"| server overhead: e2e at concurrency 1 / direct pipeline call | {o['server_e2e_s']}s / "
              f"{o['direct_pipeline_s']}s = **{o['ratio']}** | <= 1.05 |",
-             f"| micro-batching: images/min at concurrency 16, max_batch=4 / max_batch=1 | "
-             f"{t['max_batch_4_images_per_min']} / {t['max_batch_1_images_per_min']} = **{t['ratio']}x** | >= 1.3x |",
+             f"| micro-batching: images/min at concurrency 16, max_batch=4 / max_batch=1 "
+             f"| {t['max_batch_4_images_per_min']} / {t['max_batch_1_images_per_min']} → **{t['ratio']}x**, "
+             f"{_range(t, 'ratio')} | >= 1.3x ({met}) |",
              f"| ... with max_batch=8 / max_batch=1 | {t['max_batch_8_images_per_min']} / "
-             f"{t['max_batch_1_images_per_min']} = **{t['ratio_8']}x** | |",
+             f"{t['max_batch_1_images_per_min']} → **{t['ratio_8']}x**, {_range(t, 'ratio_8')} | |",
              "", "`sdserve bench` against the dev profile (queue 32, max_batch 4), "
              f"{c['per_level']} requests per level:", "",
              "| concurrency | ok | 429 share | p50 (s) | p95 (s) | p99 (s) | images/min |",
@@ -148,18 +166,27 @@ def table(o: dict[str, float], t: dict[str, float], c: dict[str, object]) -> str
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", type=Path, default=ROOT / "models" / "tiny")
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=20, help="interleaved direct/e2e pairs for the overhead")
+    parser.add_argument("--rounds", type=int, default=3, help="micro-batching rounds (max_batch 1, 4, 8 each)")
     parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--levels", default="1,4,8,16,32", help="sdserve bench concurrency levels")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "server_cpu.json")
+    parser.add_argument("--from-results", type=Path, default=None, help="render saved results; run nothing")
     parser.add_argument("--write-readme", type=Path, default=None)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        o = overhead(args.model, Path(tmp), args.repeats)
-        print("overhead", o, flush=True)
-        t = throughput(args.model, Path(tmp), args.requests)
-        print("throughput", t, flush=True)
-        c = concurrency(args.model, Path(tmp), args.requests)
-    (ROOT / "benchmarks" / "results" / "server_cpu.json").write_text(json.dumps({"overhead": o, "throughput": t},
-                                                                                 indent=2) + "\n")
+    if args.from_results is not None:
+        saved = json.loads(args.from_results.read_text())
+        o, t = saved["overhead"], saved["throughput"]
+        c = json.loads((args.from_results.parent / "bench_cpu.json").read_text())
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            o = overhead(args.model, Path(tmp), args.repeats)
+            print("overhead", o, flush=True)
+            t = throughput(args.model, Path(tmp), args.requests, args.rounds)
+            print("throughput", t, flush=True)
+            c = concurrency(args.model, Path(tmp), args.requests, [int(x) for x in args.levels.split(",")],
+                            args.out.parent)
+        args.out.write_text(json.dumps({"overhead": o, "throughput": t}, indent=2) + "\n")
     text = table(o, t, c)
     print(text)
     write_section(args.write_readme, "server", text)

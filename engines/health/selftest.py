@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from engines.config import SelfTestPlan, Shape
-from engines.errors import SelfTestError
+from engines.errors import InferenceError, SelfTestError
 from engines.protocol import Batch, BatchResult, GpuSample, SelfTestReport, ShapeResult, TelemetrySource, fingerprint
 
 
@@ -94,6 +94,14 @@ def _recorded(plan: SelfTestPlan, model_dir: Path) -> dict[str, Any] | None:
     return data
 
 
+def _canary_run(generate: Generate, batch: Batch, shape: Shape) -> BatchResult:
+    """One canary batch; an output the engine refuses (NaN/inf, all-black) fails the self-test (exit 24)."""
+    try:
+        return generate(batch)
+    except InferenceError as exc:
+        raise SelfTestError(f"self-test failed: {shape.key}: canary output refused: {exc}") from exc
+
+
 def run(plan: SelfTestPlan, generate: Generate, model_dir: Path, telemetry: TelemetrySource | None = None,
         device: int = 0) -> SelfTestReport:
     """Warm up and time every shape, check outputs and budgets; raise SelfTestError naming every failure."""
@@ -105,7 +113,7 @@ def run(plan: SelfTestPlan, generate: Generate, model_dir: Path, telemetry: Tele
     results, tolerance, note = [], plan.tolerance, "not recorded"
     for shape in plan.shapes:
         batch = plan.suite.batch(shape)
-        warm = generate(batch)
+        warm = _canary_run(generate, batch, shape)
         if recorded is not None:
             same = recorded["platform"] == platform_id(warm.provider)
             tolerance = plan.tolerance if same else plan.cross_platform_tolerance
@@ -114,7 +122,7 @@ def run(plan: SelfTestPlan, generate: Generate, model_dir: Path, telemetry: Tele
         with _Sampler(telemetry, device) as sampler:
             for _ in range(plan.timed_runs):
                 t = time.perf_counter()
-                generate(batch)
+                _canary_run(generate, batch, shape)
                 latencies.append(time.perf_counter() - t)
         results.append(_judge(plan, shape, warm, latencies, sampler.samples, recorded, tolerance))
     failures = [f"{r.shape}: {f}" for r in results for f in r.failures]

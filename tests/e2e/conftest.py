@@ -96,3 +96,32 @@ def dev_config(tmp_path: Path, *, replace: dict[str, str] | None = None, append:
 
 
 FAST_WATCHDOG = {"interval_s = 5.0": "interval_s = 0.3", "idle_before_canary_s = 1.0": "idle_before_canary_s = 0.1"}
+
+
+def model_with_vae_output(tiny_model: Path, dest: Path, value: float) -> Path:
+    """A copy of the tiny model whose VAE decoder outputs ``value`` at every pixel (conv_out weight zeroed, bias set),
+    with its manifest re-signed so the file check passes and only the output itself is wrong. NaN gives non-finite
+    output; a large negative value gives an all-black image after the [-1, 1] -> [0, 255] mapping."""
+    import json
+    import shutil
+
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    from engines.artifacts import file_table
+
+    shutil.copytree(tiny_model, dest)
+    path = dest / "vae_decoder" / "model.onnx"
+    vae = onnx.load(path)
+    conv_out = [n for n in vae.graph.node if n.op_type == "Conv"][-1]
+    for tensor in vae.graph.initializer:
+        if tensor.name in conv_out.input[1:]:
+            array = numpy_helper.to_array(tensor)
+            filled = np.zeros_like(array) if tensor.name == conv_out.input[1] else np.full_like(array, value)
+            tensor.CopyFrom(numpy_helper.from_array(filled.astype(array.dtype), tensor.name))
+    onnx.save(vae, path)
+    manifest = json.loads((dest / "manifest.json").read_text())
+    manifest["files"] = {k: v for k, v in file_table(dest).items() if k != "selftest.json"}
+    (dest / "manifest.json").write_text(json.dumps(manifest))
+    return dest

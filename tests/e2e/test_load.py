@@ -42,6 +42,29 @@ def _metric(url: str, name: str, labels: dict[str, str] | None = None) -> float:
     return 0.0
 
 
+def _until(what: str, predicate, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
+    """Poll ``predicate`` (a server-side observation) until it holds; fail naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never observed: {what}")
+        time.sleep(0.02)
+
+
+def _started(url: str | None) -> float:
+    """Batches' requests that left the queue and started (the queue-wait histogram observes each at start)."""
+    return _metric(url or "", "sdserve_queue_wait_seconds_count")
+
+
+def _queued(url: str | None) -> float:
+    return _metric(url or "", "sdserve_queue_depth")
+
+
+async def _until_async(what: str, predicate, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
+    """``_until`` inside an event loop (the blocking probe runs in a thread, so the loop keeps sending)."""
+    await asyncio.to_thread(_until, what, predicate, timeout)
+
+
 def _pixels(item: dict[str, str]) -> np.ndarray:
     with Image.open(io.BytesIO(base64.b64decode(item["b64_json"]))) as image:
         return np.asarray(image.convert("RGB"), dtype=np.int16)
@@ -133,8 +156,9 @@ def test_deadline_passed_before_start_is_504(sequential: ServerProcess) -> None:
 
     async def run() -> tuple[httpx.Response, httpx.Response]:
         async with httpx.AsyncClient(timeout=60) as client:
+            started = _started(url)
             first = asyncio.create_task(client.post(f"{url}{GEN}", json={"prompt": "slow", "steps": 2}))
-            await asyncio.sleep(0.3)
+            await _until_async("the slow request started", lambda: _started(url) > started)
             late = await client.post(f"{url}{GEN}", json={"prompt": "late", "steps": 2},
                                      headers={"x-sdserve-timeout-s": "0.5"})
             return await first, late
@@ -152,16 +176,20 @@ def test_client_disconnect_cancels_its_queued_request(sequential: ServerProcess)
 
     async def run() -> httpx.Response:
         async with httpx.AsyncClient(timeout=60) as client:
+            started = _started(url)
             first = asyncio.create_task(client.post(f"{url}{GEN}", json={"prompt": "slow", "steps": 2}))
-            await asyncio.sleep(0.3)
-            with pytest.raises(httpx.ReadTimeout):
+            await _until_async("the slow request started", lambda: _started(url) > started)
+            with pytest.raises(httpx.ReadTimeout):  # queued behind the slow one (1.5 s) when it gives up
                 await client.post(f"{url}{GEN}", json={"prompt": "impatient", "steps": 2}, timeout=0.3)
             return await first
 
     assert asyncio.run(run()).status_code == 200
-    time.sleep(2.0)  # long enough for the dropped request to have run, had it not been dropped
-    assert _metric(url or "", "sdserve_requests_cancelled_total", {"reason": "disconnect"}) == 1
-    assert _metric(url or "", "sdserve_images_generated_total") - before == 1
+    _until("the disconnect was noticed",
+           lambda: _metric(url or "", "sdserve_requests_cancelled_total", {"reason": "disconnect"}) == 1)
+    # FIFO with max_batch 1: had the impatient request been kept, it would run before this one.
+    _inject(url, 0)
+    assert httpx.post(f"{url}{GEN}", json={"prompt": "after", "steps": 2}, timeout=60).status_code == 200
+    assert _metric(url or "", "sdserve_images_generated_total") - before == 2  # slow + after, never impatient
 
 
 def test_sigterm_drains_queued_work_then_exits_0(sequential: ServerProcess) -> None:
@@ -172,14 +200,14 @@ def test_sigterm_drains_queued_work_then_exits_0(sequential: ServerProcess) -> N
     def post(i: int) -> None:
         results.append(httpx.post(f"{url}{GEN}", json={"prompt": f"p{i}", "steps": 2}, timeout=60).status_code)
 
+    started = _started(url)
     threads = [threading.Thread(target=post, args=(i,)) for i in range(3)]
     for t in threads:
         t.start()
-    time.sleep(0.3)
+    _until("one request running and two queued", lambda: _started(url) > started and _queued(url) == 2)
     sequential.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.2)
-    ready = httpx.get(f"{url}/ready")
-    assert ready.status_code == 503 and ready.json()["state"] == "draining"
+    _until("/ready says draining", lambda: httpx.get(f"{url}/ready").json()["state"] == "draining")
+    assert httpx.get(f"{url}/ready").status_code == 503
     for t in threads:
         t.join()
     assert results == [200, 200, 200]
@@ -196,10 +224,11 @@ def test_sigterm_with_more_work_than_the_drain_timeout_answers_503_not_silence(t
     def post(i: int) -> None:
         results.append(httpx.post(f"{url}{GEN}", json={"prompt": f"p{i}", "steps": 2}, timeout=60).status_code)
 
+    started = _started(url)
     threads = [threading.Thread(target=post, args=(i,)) for i in range(5)]
     for t in threads:
         t.start()
-    time.sleep(0.3)
+    _until("one request running and four queued", lambda: _started(url) > started and _queued(url) == 4)
     server.proc.send_signal(signal.SIGTERM)
     for t in threads:
         t.join()

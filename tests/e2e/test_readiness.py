@@ -19,7 +19,7 @@ from onnx import numpy_helper
 from prometheus_client.parser import text_string_to_metric_families
 
 from engines.artifacts import file_table
-from tests.e2e.conftest import FAST_WATCHDOG, ServerProcess, dev_config
+from tests.e2e.conftest import FAST_WATCHDOG, ServerProcess, dev_config, model_with_vae_output
 
 BOOT_STATES = {"starting", "preflight", "loading", "self-test"}
 
@@ -137,21 +137,30 @@ def _inject(url: str, **faults: object) -> None:
     assert httpx.put(f"{url}/debug/faults", json=faults).status_code == 200
 
 
+def _boot_p50(url: str, shape: str = "64x64x1") -> float:
+    """The canary's boot baseline as the server measured it (self-test p50 at the watchdog's canary shape)."""
+    shapes = httpx.get(f"{url}/capabilities").json()["self_test"]["shapes"]
+    return float(next(s["p50_s"] for s in shapes if s["shape"] == shape))
+
+
 def test_injected_latency_flips_ready_and_recovers(watched: str) -> None:
-    _inject(watched, latency_s=0.6)
-    start = time.monotonic()
-    body = _wait(watched, lambda b: b["state"] == "degraded", timeout=20)
-    detected = time.monotonic() - start
+    _wait(watched, lambda b: b["state"] == "ready")
+    # Large relative to the measured baseline, however contended the boot was: every canary is then at least
+    # 10x its baseline, far over drift_factor (3), whatever the machine's load does to the compute part.
+    latency = max(0.3, 10 * _boot_p50(watched))
+    _inject(watched, latency_s=latency)
+    body = _wait(watched, lambda b: b["state"] == "degraded", timeout=30 + 6 * latency)
     assert "latency drift" in body["reasons"][0]
-    assert detected < 10  # window: drift_consecutive (2) canaries at interval 0.3 s, each slowed by 0.6 s
     assert httpx.get(f"{watched}/ready").status_code == 503
     assert _metric(watched, "sdserve_degraded", {"reason": "latency_drift"}) == 1.0
+    assert _metric(watched, "sdserve_ready", {}) == 0.0
     caps = httpx.get(f"{watched}/capabilities").json()
-    assert "latency_drift" in caps["watchdog"]["active"]
+    assert "latency_drift" in caps["watchdog"]["active"] and caps["watchdog"]["last"]["canary"]["ratio"] > 3
     assert any(t["state"] == "degraded" for t in caps["server"]["history"])
     _inject(watched, latency_s=0)
-    _wait(watched, lambda b: b["state"] == "ready", timeout=20)
+    _wait(watched, lambda b: b["state"] == "ready", timeout=60)
     assert _metric(watched, "sdserve_degraded", {"reason": "latency_drift"}) == 0.0
+    assert _metric(watched, "sdserve_ready", {}) == 1.0
 
 
 LIVELOCK = [{"sm_percent": sm, "memory_percent": mem, "power_w": w, "power_limit_w": 300.0}
@@ -164,11 +173,16 @@ def test_injected_livelock_trace_flips_ready_and_recovers(watched: str) -> None:
     body = _wait(watched, lambda b: b["state"] == "degraded", timeout=20)
     assert "livelock signature: SM" in " ".join(body["reasons"])
     assert _metric(watched, "sdserve_degraded", {"reason": "livelock"}) == 1.0
-    assert _metric(watched, "sdserve_gpu_memory_controller_utilization_percent", {"gpu": "0"}) <= 1.0
+    assert _metric(watched, "sdserve_ready", {}) == 0.0
     caps = httpx.get(f"{watched}/capabilities").json()
-    assert caps["watchdog"]["telemetry"] == "injected trace" and "livelock" in caps["watchdog"]["active"]
+    # The classifier's verdict and the state history, not the trace's own numbers echoed back.
+    assert caps["watchdog"]["last"]["signature"]["verdict"] == "livelock"
+    degraded = [t for t in caps["server"]["history"] if t["state"] == "degraded"]
+    assert degraded and any("livelock signature" in r for r in degraded[-1]["reasons"])
     _inject(watched)
-    _wait(watched, lambda b: b["state"] == "ready", timeout=20)
+    _wait(watched, lambda b: b["state"] == "ready", timeout=30)
+    assert _metric(watched, "sdserve_degraded", {"reason": "livelock"}) == 0.0
+    assert _metric(watched, "sdserve_ready", {}) == 1.0
 
 
 EXPECTED_METRICS = {
@@ -199,3 +213,43 @@ def test_metrics_parse_and_every_series_is_present_after_one_request(watched: st
     perf = httpx.get(f"{watched}/performance").json()
     assert {b["shape"] for b in perf["baseline"]} == {"64x64x1", "64x64x2"}
     assert perf["live"]["64x64x1"]["count"] >= 1 and perf["images_per_minute"] > 0
+
+
+def _engine(model: Path):  # type: ignore[no-untyped-def]
+    from engines.config import RuntimeSettings
+    from engines.factory import create_engine
+
+    engine = create_engine(model, RuntimeSettings(providers=("CPUExecutionProvider",), allow_cpu=True))
+    engine.preflight()
+    engine.load()
+    return engine
+
+
+@pytest.mark.parametrize(("value", "fragment"), [(float("nan"), "NaN/inf"), (-1e4, "black")])
+def test_non_finite_and_all_black_images_are_refused_not_returned(tiny_model: Path, tmp_path: Path, value: float,
+                                                                  fragment: str) -> None:
+    """The real engine's generate path: an image that cannot be a real output raises instead of being returned."""
+    from engines.errors import SdserveError
+    from engines.protocol import Batch, ImageSpec
+
+    engine = _engine(model_with_vae_output(tiny_model, tmp_path / "model", value))
+    try:
+        with pytest.raises(SdserveError, match=fragment):
+            engine.generate(Batch((ImageSpec("a lighthouse", seed=3),), 64, 64, 2))
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(("value", "fragment"), [(float("nan"), "NaN/inf"), (-1e4, "all-black image")])
+def test_server_with_non_finite_or_black_output_never_becomes_ready(tiny_model: Path, tmp_path: Path,
+                                                                     value: float, fragment: str) -> None:
+    server = ServerProcess("--profile", "dev", "--model", str(model_with_vae_output(tiny_model, tmp_path / "m",
+                                                                                     value)))
+    try:
+        assert server._found.wait(30), server.log
+        body = _wait(server.url or "", lambda b: b["state"] == "failed", timeout=60)
+        assert fragment in " ".join(body["reasons"])
+        refused = httpx.post(f"{server.url}/v1/images/generations", json={"prompt": "a", "steps": 2})
+        assert refused.status_code == 503 and "data" not in refused.json()
+    finally:
+        assert server.stop() == 0, server.log

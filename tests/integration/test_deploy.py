@@ -110,7 +110,8 @@ esac
 """
 
 
-def _rollout(tmp: Path, **env: str) -> tuple[int, str]:
+def _rollout(tmp: Path, **env: str) -> tuple[int, str, str]:
+    """(exit code, the fake tools' call log, the script's stderr)."""
     for name, body in (("kubectl", FAKE_KUBECTL), ("sdserve", FAKE_SDSERVE)):
         (tmp / name).write_text(body)
         (tmp / name).chmod(0o755)
@@ -119,11 +120,11 @@ def _rollout(tmp: Path, **env: str) -> tuple[int, str]:
            "PORT_FORWARD_WAIT": "0", **env}
     done = subprocess.run([str(ROOT / "deploy" / "rollout.sh"), "sdserve:candidate"], capture_output=True, text=True,
                           timeout=60, env=env)
-    return done.returncode, log.read_text()
+    return done.returncode, log.read_text(), done.stderr
 
 
 def test_rollout_switches_traffic_when_the_gate_passes(tmp_path: Path) -> None:
-    code, calls = _rollout(tmp_path)
+    code, calls, _ = _rollout(tmp_path)
     assert code == 0
     assert "sdserve deploy render --image sdserve:candidate --color green --active blue" in calls
     assert "sdserve gate --baseline" in calls
@@ -131,11 +132,17 @@ def test_rollout_switches_traffic_when_the_gate_passes(tmp_path: Path) -> None:
     assert "delete deployment" not in calls
 
 
-@pytest.mark.parametrize(("env", "reason"), [({"FAKE_GATE_RC": "30"}, "gate"), ({"FAKE_ROLLOUT_RC": "1"}, "ready")])
-def test_rollout_rolls_back_on_regression_or_unready(tmp_path: Path, env: dict[str, str], reason: str) -> None:
-    code, calls = _rollout(tmp_path, **env)
+@pytest.mark.parametrize(("env", "reason", "benched"), [
+    ({"FAKE_GATE_RC": "30"}, "sdserve gate found a regression -> rolling back", True),
+    ({"FAKE_ROLLOUT_RC": "1"}, "the candidate never became ready", False),
+])
+def test_rollout_rolls_back_on_regression_or_unready(tmp_path: Path, env: dict[str, str], reason: str,
+                                                     benched: bool) -> None:
+    code, calls, stderr = _rollout(tmp_path, **env)
     assert code == 1
+    assert reason in stderr  # the rollback names why, and it is this cause, not the other
     assert "delete deployment sdserve-green" in calls and "patch service" not in calls
+    assert ("sdserve gate --baseline" in calls) is benched  # an unready candidate is never benchmarked or gated
 
 
 def test_rollout_script_is_shellcheck_clean() -> None:

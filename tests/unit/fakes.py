@@ -28,6 +28,7 @@ from engines.protocol import (
     Policy,
     SelfTestReport,
     Signature,
+    StepHook,
     TelemetrySource,
     Timings,
     Verdict,
@@ -42,6 +43,13 @@ class FakeEngine:
         self.batches: list[Batch] = []
         self.closed = False
         self.latency_s = 0.0
+        self.drift_distance = 0.0
+        """Fingerprint distance the canary reports (tolerance 4.0): > 4 is output drift."""
+        self.canary_problem: str | None = None
+        self.pending_events: list[OrtEvent] = []
+        """ORT log events the next ``ort_events()`` call returns (then forgets, like the engine's tee)."""
+        self.provider = "FakeExecutionProvider"
+        """The provider the fake says ran each batch."""
 
     def preflight(self) -> tuple[CheckResult, ...]:
         return ()
@@ -56,19 +64,25 @@ class FakeEngine:
     def self_test(self) -> SelfTestReport:
         return SelfTestReport(passed=True, shapes=(), fingerprints="not recorded", seconds=0.0)
 
-    def generate(self, batch: Batch) -> BatchResult:
+    def generate(self, batch: Batch, on_step: StepHook | None = None) -> BatchResult:
         if not self.loaded:
             raise NotReadyError("not loaded")
         self.batches.append(batch)
+        done = batch.steps
+        for step in range(1, batch.steps + 1):  # the protocol's step boundaries, as the real pipeline calls them
+            if on_step is not None and not on_step(step, batch.steps) and step < batch.steps:
+                done = step
+                break
         images = []
         for spec in batch.images:
             pixels = np.random.default_rng(spec.seed).integers(0, 256, (batch.height, batch.width, 3), np.uint8)
             images.append(GeneratedImage(Image.fromarray(pixels), spec.seed))
-        return BatchResult(tuple(images), "FakeExecutionProvider", Timings(total=0.001), len(images))
+        return BatchResult(tuple(images), self.provider, Timings(total=0.001), len(images), done,
+                           done < batch.steps)
 
     def canary(self) -> CanaryCheck:
         self.generate(Batch((ImageSpec("canary", seed=1),), 64, 64, 2))
-        return CanaryCheck("64x64x1", 0.01 + self.latency_s, 0.01, 0.0, 4.0)
+        return CanaryCheck("64x64x1", 0.01 + self.latency_s, 0.01, self.drift_distance, 4.0, self.canary_problem)
 
     def record_fingerprints(self) -> Path:
         raise NotImplementedError("the fake records nothing")
@@ -95,7 +109,8 @@ class FakeEngine:
         return classify(samples, requests_running)  # the real classifier: the watchdog's verdicts depend on it
 
     def ort_events(self) -> list[OrtEvent]:
-        return []
+        events, self.pending_events = self.pending_events, []
+        return events
 
     @property
     def info(self) -> ModelInfo:

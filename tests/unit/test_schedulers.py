@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -10,35 +12,70 @@ from engines.diffusion.schedulers import NoiseSchedule, make_plan
 
 BASE = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "num_train_timesteps": 1000,
         "steps_offset": 1, "set_alpha_to_one": False, "clip_sample": False}
-CLASSES = {"euler": "EulerDiscreteScheduler", "ddim": "DDIMScheduler", "dpmpp_2m": "DPMSolverMultistepScheduler"}
+CLASSES = {"euler": "EulerDiscreteScheduler", "euler_a": "EulerAncestralDiscreteScheduler", "ddim": "DDIMScheduler",
+           "dpmpp_2m": "DPMSolverMultistepScheduler"}
+STEP_TOLERANCE = 2e-5
+"""Per step, relative to the sample's magnitude. Float32 (diffusers) vs float64 (ours) agree to ~1.5e-6; a sigma
+0.2% off moves a step by ~1e-3, so this bound fails it (test_a_sigma_off_by_0_2_percent_fails_the_comparison)."""
+
+
+def _step_errors(name: str, config: dict[str, object], steps: int,
+                 schedule: NoiseSchedule | None = None) -> list[float]:
+    """Run our plan and diffusers' scheduler side by side on the same random model outputs and, for Euler ancestral,
+    the same per-step noise (twin torch generators: diffusers draws it with randn_tensor -> torch.randn); return
+    each step's max |ours - theirs| over max(1, |ours|). Also checks timesteps, init sigma and input scales."""
+    import diffusers
+
+    theirs = getattr(diffusers, CLASSES[name]).from_config(config)
+    theirs.set_timesteps(steps)
+    plan = make_plan(name, schedule or NoiseSchedule.from_config(config), steps)
+    assert [s.timestep for s in plan.steps] == pytest.approx(theirs.timesteps.numpy().astype(float).tolist())
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 4, 8, 8)) * plan.init_noise_sigma
+    prev = np.zeros_like(x)
+    x_t = torch.from_numpy(x.astype(np.float32))
+    their_noise, our_noise = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    errors = [abs(plan.init_noise_sigma - float(theirs.init_noise_sigma)) / float(theirs.init_noise_sigma)]
+    for i, step in enumerate(plan.steps):
+        out = rng.standard_normal(x.shape)
+        scaled = theirs.scale_model_input(x_t, theirs.timesteps[i])
+        errors.append(abs(float((scaled.numpy() / x_t.numpy()).mean()) - step.input_scale) / step.input_scale)
+        x_t = theirs.step(torch.from_numpy(out.astype(np.float32)), theirs.timesteps[i], x_t,
+                          generator=their_noise).prev_sample
+        noise = (torch.randn(x.shape, generator=our_noise, dtype=torch.float32).numpy().astype(np.float64)
+                 if step.next.noise else np.zeros_like(x))
+        nxt, den = step.next, step.denoised
+        x, prev = (nxt.sample * x + nxt.model * out + nxt.prev * prev + nxt.noise * noise,
+                   den.sample * x + den.model * out)
+        errors.append(float(np.abs(x - x_t.numpy()).max()) / max(1.0, float(np.abs(x).max())))
+    return errors
 
 
 @pytest.mark.parametrize("name", sorted(CLASSES))
 @pytest.mark.parametrize("spacing", ["leading", "linspace", "trailing"])
 @pytest.mark.parametrize("prediction", ["epsilon", "v_prediction"])
 @pytest.mark.parametrize("steps", [7, 20])
-def test_trajectory_matches_diffusers(name: str, spacing: str, prediction: str, steps: int) -> None:
-    import diffusers
-
+def test_trajectory_matches_diffusers_at_every_step(name: str, spacing: str, prediction: str, steps: int) -> None:
     config = {**BASE, "timestep_spacing": spacing, "prediction_type": prediction}
-    theirs = getattr(diffusers, CLASSES[name]).from_config(config)
-    theirs.set_timesteps(steps)
-    plan = make_plan(name, NoiseSchedule.from_config(config), steps)
-    assert [s.timestep for s in plan.steps] == pytest.approx(theirs.timesteps.numpy().astype(float).tolist())
-    assert plan.init_noise_sigma == pytest.approx(float(theirs.init_noise_sigma), rel=1e-5)
+    errors = _step_errors(name, config, steps)
+    worst = max(range(len(errors)), key=errors.__getitem__)
+    assert errors[worst] < STEP_TOLERANCE, f"entry {worst} of {len(errors)} off by {errors[worst]:.2e}"
 
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((1, 4, 8, 8)) * plan.init_noise_sigma
-    prev = np.zeros_like(x)
-    x_t = torch.from_numpy(x.astype(np.float32))
-    for i, step in enumerate(plan.steps):
-        out = rng.standard_normal(x.shape)
-        scaled = theirs.scale_model_input(x_t, theirs.timesteps[i])
-        assert (scaled.numpy() / x_t.numpy()).mean() == pytest.approx(step.input_scale, rel=1e-5)
-        x_t = theirs.step(torch.from_numpy(out.astype(np.float32)), theirs.timesteps[i], x_t).prev_sample
-        nxt, den = step.next, step.denoised
-        x, prev = nxt.sample * x + nxt.model * out + nxt.prev * prev, den.sample * x + den.model * out
-    assert np.abs(x - x_t.numpy()).max() < 1e-3 * max(1.0, float(np.abs(x).max()))
+
+def test_euler_ancestral_adds_noise_every_step_but_the_last() -> None:
+    plan = make_plan("euler_a", NoiseSchedule.from_config(BASE), 10)
+    assert all(s.next.noise > 0 for s in plan.steps[:-1]) and plan.steps[-1].next.noise == 0  # final sigma is 0
+
+
+@pytest.mark.parametrize("name", sorted(CLASSES))
+def test_a_sigma_off_by_0_2_percent_fails_the_comparison(name: str) -> None:
+    """The bound above is tight enough to matter: the same comparison on a schedule whose sigmas are 0.2% too
+    large fails for every sampler."""
+    config = {**BASE, "timestep_spacing": "leading"}
+    schedule = NoiseSchedule.from_config(config)
+    sigmas = schedule.sigmas() * 1.002
+    off = dataclasses.replace(schedule, alphas_cumprod=(1.0 / (1.0 + sigmas**2)).astype(np.float32))
+    assert max(_step_errors(name, config, 20, off)) > 10 * STEP_TOLERANCE
 
 
 def test_defaulted_config_keys_use_each_samplers_default() -> None:

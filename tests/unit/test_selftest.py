@@ -52,6 +52,26 @@ def test_missing_fingerprints_are_refused_only_when_required(tmp_path: Path) -> 
         selftest.run(plan(require_fingerprints=True), generator(), tmp_path)
 
 
+@pytest.mark.parametrize(("pixels", "problem"), [
+    (np.zeros((32, 32, 3), np.uint8), "all-black image"),
+    (np.random.default_rng(0).integers(0, 3, (32, 32, 3)).astype(np.uint8), "all-black image"),  # noise <= 2
+    (np.full((32, 32, 3), 200, np.uint8), "constant image"),
+    (np.random.default_rng(0).integers(0, 8, (32, 32, 3)).astype(np.uint8), None),  # dark, but an image
+])
+def test_sanity_refuses_black_and_constant_images(pixels: np.ndarray, problem: str | None) -> None:
+    assert selftest.sanity(pixels) == problem
+
+
+def test_black_canary_fails_the_self_test_naming_it(tmp_path: Path) -> None:
+    def black(batch: Batch) -> BatchResult:
+        images = tuple(GeneratedImage(Image.fromarray(np.zeros((batch.height, batch.width, 3), np.uint8)), s.seed)
+                       for s in batch.images)
+        return BatchResult(images, "CPUExecutionProvider")
+
+    with pytest.raises(SelfTestError, match="32x32x1: canary 'a': all-black image"):
+        selftest.run(plan(), black, tmp_path)
+
+
 def test_constant_output_fails_sanity(tmp_path: Path) -> None:
     with pytest.raises(SelfTestError, match="canary 'a': constant image"):
         selftest.run(plan(), generator(constant=True), tmp_path)
@@ -79,3 +99,14 @@ def test_fingerprint_is_8x8_block_means() -> None:
     thumb = selftest.fingerprint(image)
     assert thumb.shape == (8, 8, 3)
     assert thumb[0, 0, 0] == 255 and thumb[7, 7, 0] == 0
+
+
+@pytest.mark.parametrize(("offset", "passes"), [(3, True), (6, False)])
+def test_fingerprint_tolerance_is_the_boundary(tmp_path: Path, offset: float, passes: bool) -> None:
+    """Just under the tolerance (4.0) passes, just over fails: a looser comparison would let small drifts through."""
+    selftest.record(plan(), generator(), tmp_path)
+    if passes:
+        assert selftest.run(plan(), generator(offset=offset), tmp_path).passed
+    else:
+        with pytest.raises(SelfTestError, match="fingerprint distance 6.0 over tolerance 4.0"):
+            selftest.run(plan(), generator(offset=offset), tmp_path)
