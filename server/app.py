@@ -11,20 +11,34 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware.cors import CORSMiddleware
 
 from engines.protocol import Engine, Faults
 from server import errors
 from server.exitcodes import ExitCode, exit_code_for
 from server.images import ImageStore
 from server.metrics import Metrics
-from server.middleware import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
-from server.routes import a1111, debug, health, observability, openai_images
+from server.middleware import (
+    AuthMiddleware,
+    BodyLimitMiddleware,
+    GuardMiddleware,
+    MetricsMiddleware,
+    StrictJsonMiddleware,
+)
+from server.routes import a1111, a1111_info, debug, health, observability, openai_images
+from server.schemas import document_openapi
 from server.service import ImageService
 from server.settings import Settings
 from server.state import ServerState
 from server.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
+SETTLE_S = 60.0
+"""At shutdown, how long to wait for an executing batch to return before closing the engine: closing ONNX Runtime
+sessions under a running batch can abort the process, so past this the engine is left to the process exit."""
+EXPOSED_HEADERS = ("x-request-id", "x-sdserve-model", "x-sdserve-provider", "x-sdserve-seeds",
+                   "x-sdserve-batch-size", "x-sdserve-warnings", "x-sdserve-interrupted", "server-timing",
+                   "retry-after", "x-should-retry")
 
 OnFatal = Callable[[ExitCode, str], None]
 
@@ -47,7 +61,8 @@ async def boot(app: FastAPI) -> None:
         code = exit_code_for(exc)
         reason = str(exc) if code != ExitCode.INTERNAL else f"{type(exc).__name__}: {exc}"
         log.error("boot failed (exit code %d %s): %s", code, code.name, reason)
-        state.set("failed", [reason])
+        public = str(exc) if code != ExitCode.INTERNAL else "internal error during boot (details: the log)"
+        state.set("failed", [public], details=[reason], codes=[code.name.lower()])
         metrics.set_degraded({"boot_failed"})
         if settings.on_boot_failure == "exit":
             app.state.on_fatal(code, reason)
@@ -74,12 +89,17 @@ def create_app(engine: Engine, settings: Settings, on_fatal: OnFatal | None = No
             yield
         finally:
             tasks = [t for t in (task, batching, getattr(app.state, "watchdog_task", None)) if t is not None]
+            settled = await app.state.service.settle(SETTLE_S)  # cancelling the batcher does not stop its thread
             for t in tasks:
                 t.cancel()
             await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=10)
-            await run_in_threadpool(engine.close)
+            if settled:
+                await run_in_threadpool(engine.close)
+            else:
+                log.error("a batch was still executing %.0fs into shutdown: exiting without closing the engine",
+                          SETTLE_S)
 
-    app = FastAPI(title="sdserve", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="sdserve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Stable Diffusion text-to-image server that proves its GPU fast path.")
     metrics = Metrics(settings.runtime.device_id)
     state = ServerState()
@@ -88,18 +108,32 @@ def create_app(engine: Engine, settings: Settings, on_fatal: OnFatal | None = No
     app.state.server_state, app.state.service, app.state.faults = state, service, faults
     app.state.watchdog = Watchdog(engine, service, state, settings, metrics)
     app.state.on_fatal = on_fatal or (lambda code, reason: None)
-    app.state.image_store = ImageStore()
+    app.state.image_store = ImageStore(max_bytes=settings.server.url_store_max_bytes)
     errors.install(app)
-    auth = settings.auth
-    app.add_middleware(AuthMiddleware, digests=auth.api_key_sha256, exempt=auth.exempt_paths,
-                       per_key=auth.per_key_concurrency)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.queue.max_body_bytes)
-    app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: sees every status, 401/413 included
-    for router in (health.router, observability.router, openai_images.router, a1111.router):
+    _add_middleware(app, settings, metrics)
+    for router in (health.router, observability.router, openai_images.router, a1111.router, a1111_info.router):
         app.include_router(router)
     if settings.debug.fault_injection and faults is not None:
         app.include_router(debug.router)
+    app.openapi = lambda: document_openapi(app, settings.auth)  # type: ignore[method-assign]
     return app
+
+
+def _add_middleware(app: FastAPI, settings: Settings, metrics: Metrics) -> None:
+    """Outermost last: guard -> CORS (when configured) -> metrics -> body cap -> auth -> strict JSON -> routes.
+    CORS sits outside auth: a browser's preflight carries no credentials."""
+    auth, server = settings.auth, settings.server
+    app.add_middleware(StrictJsonMiddleware, keep_prompt=server.log_prompts)
+    app.add_middleware(AuthMiddleware, digests=auth.api_key_sha256, exempt=auth.exempt_paths,
+                       per_key=auth.per_key_concurrency)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.queue.max_body_bytes)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)  # sees every status, 401/413/500 included
+    if server.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(server.cors_origins), allow_credentials=False,
+                           allow_methods=["GET", "HEAD", "POST"], expose_headers=list(EXPOSED_HEADERS),
+                           allow_headers=["authorization", "content-type", "x-request-id", "x-sdserve-timeout-s"],
+                           max_age=600)
+    app.add_middleware(GuardMiddleware, log_prompts=server.log_prompts)
 
 
 async def drain(app: FastAPI) -> None:
@@ -107,6 +141,8 @@ async def drain(app: FastAPI) -> None:
     state: ServerState = app.state.server_state
     settings: Settings = app.state.settings
     state.set("draining", ["shutting down: finishing queued work, accepting none"])
+    log.warning("draining: /ready is 503, queued work finishes within %.0fs; a second SIGTERM/SIGINT stops at once",
+                settings.queue.drain_timeout_s)
     app.state.metrics.ready.set(0)
     watchdog = getattr(app.state, "watchdog_task", None)
     if watchdog is not None:
@@ -114,3 +150,11 @@ async def drain(app: FastAPI) -> None:
     failed = await app.state.service.batcher.drain(settings.queue.drain_timeout_s)
     log.warning("drained: %d queued request(s) were not started before the %.0fs drain deadline", failed,
                 settings.queue.drain_timeout_s)
+
+
+def stop_now(app: FastAPI) -> None:
+    """A second SIGTERM/SIGINT: every request still waiting answers 503 at once and the executing batch stops at
+    its next step boundary; the lifespan then waits for it before closing the engine (no abort)."""
+    app.state.server_state.set("draining", ["stopping now: a second signal; requests in flight got 503"])
+    app.state.metrics.ready.set(0)
+    app.state.service.stop()

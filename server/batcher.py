@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 
 from engines.errors import NotReadyError
 from engines.protocol import Batch, BatchResult, Engine
-from server.errors import DeadlineExceededError, QueueFullError
+from server.errors import DeadlineExceededError, JobInterruptedError, QueueFullError
 from server.metrics import Metrics
 
 JobState = Literal["queued", "running", "done", "dropped"]
@@ -32,7 +32,10 @@ class Job:
     future: asyncio.Future[BatchResult]
     enqueued: float
     deadline: float | None
+    owner: str | None = None
+    """Who submitted it (the API key id; None without auth): /sdapi/v1/interrupt stops the caller's jobs only."""
     state: JobState = "queued"
+    interrupted: bool = False
 
     @property
     def images(self) -> int:
@@ -42,6 +45,16 @@ class Job:
     def group(self) -> tuple[int, int, int, str]:
         b = self.batch
         return (b.width, b.height, b.steps, b.scheduler)
+
+
+@dataclass
+class Progress:
+    """The executing batch, as /sdapi/v1/progress reports it."""
+
+    steps_done: int
+    steps_total: int
+    started: float
+    images: int
 
 
 @dataclass
@@ -58,10 +71,12 @@ class Batcher:
         self.engine, self.metrics, self.lock = engine, metrics, lock
         self.max_queue, self.max_batch, self.max_delay_s = max_queue, max_batch, max_delay_s
         self.queue: deque[Job] = deque()
+        self._live: list[Job] = []
         self.running = 0
         self.draining = False
         self.stats = BatchStats()
         self.peak_queue = 0
+        self.progress: Progress | None = None
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -76,13 +91,28 @@ class Batcher:
         ahead = math.ceil(sum(j.images for j in self.queue) / self.max_batch) + 1
         return max(1, math.ceil(ahead * per_batch))
 
-    async def submit(self, batch: Batch, deadline: float | None) -> BatchResult:
-        """Queue ``batch`` and wait for its result; raises QueueFullError, DeadlineExceededError, NotReadyError."""
+    def interrupt(self, owner: str | None, queued_too: bool = True) -> tuple[int, int]:
+        """Stop ``owner``'s jobs: queued ones are dropped (JobInterruptedError), running ones stop at the next step
+        boundary once every job in their batch is interrupted. Returns (running, queued) jobs hit."""
+        queued = [j for j in self.queue if j.owner == owner] if queued_too else []
+        for job in queued:
+            self._drop(job)
+            if not job.future.done():
+                job.future.set_exception(JobInterruptedError("request interrupted (POST /sdapi/v1/interrupt) "
+                                                             "before it started"))
+        running = [j for j in self._live if j.owner == owner and not j.interrupted]
+        for job in running:
+            job.interrupted = True
+        return len(running), len(queued)
+
+    async def submit(self, batch: Batch, deadline: float | None, owner: str | None = None) -> BatchResult:
+        """Queue ``batch`` and wait for its result; raises QueueFullError, DeadlineExceededError, NotReadyError,
+        JobInterruptedError."""
         if self.draining:
             raise NotReadyError("server is draining: send the request to another replica")
         if len(self.queue) >= self.max_queue:
             raise QueueFullError(f"queue full ({self.max_queue} requests waiting)", self.retry_after())
-        job = Job(batch, asyncio.get_running_loop().create_future(), time.monotonic(), deadline)
+        job = Job(batch, asyncio.get_running_loop().create_future(), time.monotonic(), deadline, owner)
         self.queue.append(job)
         self.peak_queue = max(self.peak_queue, len(self.queue))
         self._gauge()
@@ -158,11 +188,17 @@ class Batcher:
         merged = replace(live[0].batch, images=tuple(s for j in live for s in j.batch.images))
         self.running += 1
         start = time.perf_counter()
+
+        def on_step(done: int, total: int) -> bool:  # runs in the engine's thread, between steps
+            self.progress = Progress(done, total, start, len(merged.images))
+            return not all(j.interrupted for j in live)
+
         try:
             async with self.lock:
                 for job in live:
                     self.metrics.queue_seconds.observe(time.monotonic() - job.enqueued)
-                result = await run_in_threadpool(self.engine.generate, merged)
+                self._live, self.progress = live, Progress(0, merged.steps, start, len(merged.images))
+                result = await run_in_threadpool(self.engine.generate, merged, on_step)
         except Exception as exc:  # every waiting request gets the failure; none hangs
             for job in live:
                 job.state = "done"
@@ -171,6 +207,7 @@ class Batcher:
             return
         finally:
             self.running -= 1
+            self._live, self.progress = [], None
         elapsed = time.perf_counter() - start
         m = self.metrics
         m.compute_seconds.observe(result.timings.total or elapsed)
@@ -186,8 +223,8 @@ class Batcher:
             offset += job.images
             job.state = "done"
             if not job.future.done():
-                job.future.set_result(BatchResult(part, result.provider, result.timings,
-                                                             len(merged.images)))
+                job.future.set_result(BatchResult(part, result.provider, result.timings, len(merged.images),
+                                                  result.steps_done, result.interrupted))
 
     async def drain(self, timeout: float) -> int:
         """Stop accepting; let queued and running work finish within ``timeout``; fail what is left (503).

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.platform_collector import PlatformCollector
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 DEGRADED_REASONS = ("boot_failed", "latency_drift", "output_drift", "canary_invalid", "livelock",
@@ -16,6 +17,8 @@ class Metrics:
 
     def __init__(self, device_id: int = 0) -> None:
         r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, open fds, ...
+        PlatformCollector(registry=r)  # python_info
         self.gpu = str(device_id)
         self.requests = Counter("sdserve_requests_total", "HTTP requests by route and status", ["route", "status"],
                                 registry=r)

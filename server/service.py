@@ -9,7 +9,7 @@ import base64
 import io
 import secrets
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +21,7 @@ from starlette.responses import Response
 from engines.config import parse_size
 from engines.errors import InvalidRequestError, NotReadyError
 from engines.protocol import Batch, BatchResult, Engine, ImageSpec, ModelInfo
+from server.a1111_options import checkpoint_names
 from server.batcher import Batcher
 from server.errors import ClientGoneError
 from server.metrics import Metrics
@@ -50,6 +51,8 @@ class Generated:
     queue_seconds: float
     encode_seconds: float
     warnings: list[str]
+    model: str = ""
+    """The served model id that ran (x-sdserve-model: an alias in the request still names the real model)."""
 
     def trace_headers(self, response: Response) -> None:
         """Server-Timing, provider, seeds, executed batch size and warnings of one request."""
@@ -61,10 +64,50 @@ class Generated:
         response.headers["x-sdserve-batch-size"] = str(self.result.executed)
         if self.warnings:
             response.headers["x-sdserve-warnings"] = "; ".join(self.warnings)
+        if self.model:
+            response.headers["x-sdserve-model"] = self.model
 
 
 Disconnected = Callable[[], Awaitable[bool]]
 CLIENT_POLL_S = 0.1
+
+
+def served_model(requested: str | None, settings: Settings, info: ModelInfo) -> str:
+    """The served model id for an OpenAI ``model``: absent, the served id (the model's folder name) or another of
+    its A1111 names (title, hash), or a profile alias (``[api] model_aliases``). Anything else is a 400 naming the
+    served id and the aliases: a request for another model is never silently answered by this one."""
+    if requested is None or requested in checkpoint_names(info) or requested in settings.api.model_aliases:
+        return info.name
+    aliases = list(settings.api.model_aliases)
+    raise InvalidRequestError(f"model {requested[:64]!r} is not served here; served: {[info.name]}"
+                              + (f", aliases: {aliases}" if aliases else "") + " (GET /v1/models)", param="model")
+
+
+def alias_models(settings: Settings, info: ModelInfo) -> list[dict[str, Any]]:
+    """GET /v1/models entries for the profile's ``[api] model_aliases``: each runs the served model (``parent``)."""
+    return [{"id": alias, "object": "model", "created": 0, "owned_by": "sdserve", "parent": info.name}
+            for alias in settings.api.model_aliases]
+
+
+def quality_steps(req: ImageGenerationRequest, settings: Settings) -> int | None:
+    """The steps OpenAI's ``quality`` asks for (``[api] quality_steps``; "auto" or absent: None, the default);
+    ``style`` has no mapping (sdserve has no styles). Anything not mapped is a 400 naming the field."""
+    if req.style is not None:
+        raise InvalidRequestError(f"style {req.style[:32]!r} is not supported: sdserve has no styles (steer the "
+                                  "image with prompt and negative_prompt)", param="style")
+    if req.quality is None or req.quality == "auto":
+        return None
+    mapped = settings.api.quality_steps
+    if req.quality not in mapped:
+        raise InvalidRequestError(f"quality {req.quality[:32]!r} is not supported here; supported: "
+                                  f"{['auto', *mapped]}", param="quality")
+    if req.steps is not None:
+        raise InvalidRequestError("quality and steps both set: give one of them", param="quality")
+    steps = mapped[req.quality]
+    if steps > settings.limits.max_steps:  # a profile that lowered max_steps below its quality table
+        raise InvalidRequestError(f"quality {req.quality!r} means {steps} steps, over this server's limit of "
+                                  f"{settings.limits.max_steps}", param="quality")
+    return steps
 
 
 def build_batch(req: ImageGenerationRequest, settings: Settings, info: ModelInfo) -> Batch:
@@ -72,9 +115,10 @@ def build_batch(req: ImageGenerationRequest, settings: Settings, info: ModelInfo
     limits, defaults = settings.limits, settings.defaults
     if not 1 <= req.n <= limits.max_n:
         raise InvalidRequestError(f"n must be between 1 and {limits.max_n}, got {req.n}", param="n")
+    served_model(req.model, settings, info)
     served = settings.serving.sizes
     width, height = parse_size(served[0]) if served else (info.default_size, info.default_size)
-    if req.size is not None:
+    if req.size is not None and req.size != "auto":  # "auto": the default, the model's native size
         width, height = parse_size(req.size)
     if served and f"{width}x{height}" not in served:
         raise InvalidRequestError(f"size {width}x{height} is not served; served sizes: {', '.join(served)}",
@@ -84,7 +128,8 @@ def build_batch(req: ImageGenerationRequest, settings: Settings, info: ModelInfo
             raise InvalidRequestError(
                 f"size {req.size}: {name} {value} must be a multiple of {info.size_multiple} "
                 f"and at most {cap}", param="size")
-    steps = req.steps if req.steps is not None else defaults.steps
+    mapped = quality_steps(req, settings)
+    steps = req.steps if req.steps is not None else mapped if mapped is not None else defaults.steps
     if steps > limits.max_steps:
         raise InvalidRequestError(f"steps must be at most {limits.max_steps}, got {steps}", param="steps")
     scheduler = req.scheduler or defaults.scheduler
@@ -118,6 +163,9 @@ class ImageService:
         self.window_s = window_s
         self.recent: deque[Sample] = deque(maxlen=10_000)
         self._last_done = time.monotonic()
+        self._owners: Counter[str | None] = Counter()
+        """Callers with a request in flight (stop() interrupts their running batches)."""
+        self.stopping = False
 
     def require_ready(self) -> None:
         """503 unless the fast path is proven (retryable unless the boot failed for good)."""
@@ -130,18 +178,45 @@ class ImageService:
     def to_batch(self, req: ImageGenerationRequest) -> Batch:
         return build_batch(req, self.settings, self.engine.info)
 
-    async def run(self, batch: Batch, timeout_header: str | None, disconnected: Disconnected) -> Generated:
-        """Queue ``batch`` under the request's deadline; drop it if the client disconnects before it is done."""
-        task = asyncio.ensure_future(self.generate(batch, self.deadline(timeout_header)))
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=CLIENT_POLL_S)
-            if done:
-                return task.result()
-            if await disconnected():
-                task.cancel()
-                self.metrics.cancelled.labels("disconnect").inc()
-                await asyncio.gather(task, return_exceptions=True)
-                raise ClientGoneError("client disconnected before the response was ready; its request was dropped")
+    async def run(self, batch: Batch, timeout_header: str | None, disconnected: Disconnected,
+                  owner: str | None = None) -> Generated:
+        """Queue ``batch`` under the request's deadline for ``owner`` (the caller's API key id: whose requests
+        /sdapi/v1/interrupt stops); drop it if the client disconnects, answer 503 if the server stops first."""
+        task = asyncio.ensure_future(self.generate(batch, self.deadline(timeout_header), owner))
+        self._owners[owner] += 1
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=CLIENT_POLL_S)
+                if self.stopping:
+                    await _cancel(task)
+                    raise NotReadyError("server stopped before this request completed: retry it on another "
+                                        "replica")
+                if done:
+                    return task.result()
+                if await disconnected():
+                    await _cancel(task)
+                    self.metrics.cancelled.labels("disconnect").inc()
+                    raise ClientGoneError("client disconnected before the response was ready; its request was "
+                                          "dropped")
+        finally:
+            self._owners[owner] -= 1
+            if not self._owners[owner]:
+                del self._owners[owner]
+
+    def stop(self) -> None:
+        """Stop at once (a second SIGTERM/SIGINT): every request still waiting answers 503 within CLIENT_POLL_S
+        (its queued job is dropped), the running batch stops at its next step boundary, nothing new is queued."""
+        self.stopping = True
+        self.batcher.draining = True
+        for owner in list(self._owners):
+            self.batcher.interrupt(owner, queued_too=False)
+
+    async def settle(self, timeout_s: float) -> bool:
+        """Wait until no batch is executing (the engine is then safe to close); False when ``timeout_s`` passed."""
+        deadline = time.monotonic() + timeout_s
+        while self.batcher.running and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return not self.batcher.running
 
     @property
     def busy(self) -> bool:
@@ -164,10 +239,10 @@ class ImageService:
             timeout = min(timeout, asked)
         return time.monotonic() + timeout
 
-    async def generate(self, batch: Batch, deadline: float | None = None) -> Generated:
+    async def generate(self, batch: Batch, deadline: float | None = None, owner: str | None = None) -> Generated:
         start = time.perf_counter()
         try:
-            result = await self.batcher.submit(batch, deadline)
+            result = await self.batcher.submit(batch, deadline, owner)
         finally:
             self._last_done = time.monotonic()
         t = time.perf_counter()
@@ -176,7 +251,7 @@ class ImageService:
         self.recent.append(Sample(time.time(), f"{batch.width}x{batch.height}x{result.executed}", compute,
                                   len(result.images)))
         return Generated(pngs, result, max(0.0, t - start - compute), time.perf_counter() - t,
-                         self._warnings(result))
+                         self._warnings(result), self.engine.info.name)
 
     def _warnings(self, result: BatchResult) -> list[str]:
         """What the pipeline truncated (it tokenized each prompt once)."""
@@ -204,6 +279,11 @@ class ImageService:
                 "images_per_minute": round(images * 60.0 / span, 3), "drift_p50_ratio": drift,
                 "queue": {"depth": len(b.queue), "max_size": b.max_queue, "peak": b.peak_queue,
                           "max_batch": b.max_batch, "batch_seconds_ewma": round(b.stats.batch_seconds, 4)}}
+
+
+async def _cancel(task: asyncio.Future[Generated]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 def b64(data: bytes) -> str:

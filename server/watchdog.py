@@ -10,6 +10,7 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
+from engines.errors import NotReadyError
 from engines.protocol import Engine, GpuSample, TelemetrySource
 from server.metrics import Metrics
 from server.service import ImageService
@@ -49,6 +50,7 @@ class Watchdog:
         problems: dict[str, str] = {}
         probed = await self._canary(problems)
         probed = await self._signature(problems) or probed
+        probed = await self._files(problems) or probed
         self._ort_events(problems)
         self.checks += 1
         self._apply(problems, probed or bool(problems))
@@ -101,6 +103,14 @@ class Watchdog:
         if result.verdict in ("livelock", "fallback_suspected"):
             problems[result.verdict] = result.reason
         return True
+
+    async def _files(self, problems: dict[str, str]) -> bool:
+        """engine.check_health: a model file changed on disk since boot degrades /ready naming it."""
+        try:
+            await run_in_threadpool(self.engine.check_health)
+        except NotReadyError as exc:
+            problems["model_files"] = str(exc)
+        return set(self.active) == {"model_files"}  # a clean result counts toward recovery only from this one
 
     def _ort_events(self, problems: dict[str, str]) -> None:
         for event in self.engine.ort_events():

@@ -1,6 +1,6 @@
 """Samplers without torch: each step is a linear combination of device tensors.
 
-For Euler, Euler ancestral, DDIM and DPM-Solver++ 2M (as diffusers implements them), one denoising step is
+For Euler, Euler ancestral, DDIM and DPM-Solver++ 2M / 2M SDE (as diffusers implements them), one denoising step is
 
     next     = a*sample + b*model_output + c*prev_denoised + d*noise
     denoised = e*sample + f*model_output + g*prev_denoised
@@ -10,13 +10,36 @@ pipeline applies them on the device with one small ONNX graph, so latents never 
 Classifier-free guidance is linear too: ``model_output = (1 - w)*uncond + w*text``, expanded per image by the pipeline.
 
 A plan is computed per request and holds no mutable state, so concurrent requests never share scheduler state.
+
+Names: a sampler (``euler``, ``euler_a``, ``ddim``, ``dpmpp_2m``, ``dpmpp_2m_sde``, ``dpmpp_2m_sde_heun``), then
+optionally a sigma schedule as diffusers' scheduler-overview table maps A1111's schedule types (docs/source/en/api/
+schedulers/overview.md): ``_karras`` (``use_karras_sigmas=True``), ``_exponential`` (``use_exponential_sigmas=True``,
+``timestep_spacing="linspace"``), ``_uniform`` (``timestep_spacing="linspace"``), ``_sgm_uniform``
+(``timestep_spacing="trailing"``). Without a suffix the model's own ``scheduler_config.json`` decides. DDIM takes no
+suffix. diffusers' EulerAncestralDiscreteScheduler has no Karras/exponential option: ``euler_a_karras`` and
+``euler_a_exponential`` run its ancestral step on the sigmas EulerDiscreteScheduler computes for that option.
+
+Not served, because a step is not linear in (sample, this model output, ONE previous x0 estimate, fresh noise):
+- lms: LMSDiscreteScheduler (order 4) combines the last 4 derivatives, three of them from earlier steps.
+- plms / pndm: PNDMScheduler combines the last 4 eps predictions (and runs Runge-Kutta warm-up steps).
+- unipc: UniPCMultistepScheduler's corrector re-updates from the previous step's input sample (more state).
+- heun: HeunDiscreteScheduler calls the model twice per step (Euler predictor, then trapezoid corrector).
+- dpm2 / dpm2_a: KDPM2(Ancestral)DiscreteScheduler call the model twice per step (at a midpoint sigma).
+- dpmpp_sde: DPMSolverSDEScheduler (single-step DPM++ SDE) calls the model twice per step, Brownian-tree noise.
+- dpmpp_2s_a: DPM++ 2S ancestral (single-step, second order) calls the model twice per step.
+- dpmpp_3m_sde: third order, needs the x0 estimates of the two previous steps.
+- dpm_fast / dpm_adaptive / restart: variable or repeated model calls per step (adaptive step size, restarts).
+- ddim_cfgpp: DDIM CFG++ re-noises with the unconditional prediction alone, a basis coefficient outside ``Lin``.
+- lcm: linear, but meaningful only for LCM-distilled weights, which the served model families do not include.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -141,19 +164,48 @@ def _float_timesteps(schedule: NoiseSchedule, n: int) -> np.ndarray:
     return np.arange(total, 0, -total / n).round().astype(np.float32) - 1
 
 
-def _euler_sigmas(schedule: NoiseSchedule, n: int) -> tuple[np.ndarray, np.ndarray, float]:
+def _karras(sigma_min: float, sigma_max: float, n: int) -> np.ndarray:
+    """Karras et al. (2022) eq. 5 with rho 7, as diffusers' ``_convert_to_karras``."""
+    ramp = np.linspace(0, 1, n)
+    lo, hi = sigma_min ** (1 / 7.0), sigma_max ** (1 / 7.0)
+    return np.asarray((hi + ramp * (lo - hi)) ** 7.0)
+
+
+def _exponential(sigma_min: float, sigma_max: float, n: int) -> np.ndarray:
+    """Evenly spaced in log sigma, as diffusers' ``_convert_to_exponential``."""
+    return np.exp(np.linspace(math.log(sigma_max), math.log(sigma_min), n))
+
+
+SIGMA_KINDS: dict[str, Callable[[float, float, int], np.ndarray]] = {"karras": _karras, "exponential": _exponential}
+
+
+def _sigma_to_t(sigmas: np.ndarray, log_sigmas: np.ndarray) -> np.ndarray:
+    """Fractional training timesteps of ``sigmas``, linear in log sigma between neighbours (diffusers' _sigma_to_t)."""
+    log_sigma = np.log(np.maximum(sigmas, 1e-10))
+    dists = log_sigma - log_sigmas[:, np.newaxis]
+    low = np.cumsum(dists >= 0, axis=0).argmax(axis=0).clip(max=log_sigmas.shape[0] - 2)
+    w = np.clip((log_sigmas[low] - log_sigma) / (log_sigmas[low] - log_sigmas[low + 1]), 0, 1)
+    return np.asarray((1 - w) * low + w * (low + 1))
+
+
+def _euler_sigmas(schedule: NoiseSchedule, n: int, kind: str | None) -> tuple[np.ndarray, np.ndarray, float]:
+    """Timesteps, sigmas (final 0 appended) and the initial noise scale, as EulerDiscreteScheduler.set_timesteps:
+    a Karras/exponential ``kind`` spans the spaced sigmas' range and maps each sigma back to a fractional timestep."""
     timesteps = _float_timesteps(schedule, n)
     base = schedule.sigmas()
     sigmas = np.interp(timesteps, np.arange(0, len(base)), base)
+    if kind is not None:
+        sigmas = SIGMA_KINDS[kind](float(sigmas[-1]), float(sigmas[0]), n)
+        timesteps = _sigma_to_t(sigmas, np.log(base)).astype(np.float32)
     sigmas = np.concatenate([sigmas, [0.0]]).astype(np.float32)
     max_sigma = float(sigmas.max())
     init = (max_sigma**2 + 1) ** 0.5 if schedule.spacing("linspace") == "leading" else max_sigma
     return timesteps, sigmas, init
 
 
-def euler(schedule: NoiseSchedule, n: int) -> SchedulePlan:
+def euler(schedule: NoiseSchedule, n: int, kind: str | None = None) -> SchedulePlan:
     """Euler discrete (Karras et al. algorithm 2 without churn), as diffusers' EulerDiscreteScheduler."""
-    timesteps, sigmas, init = _euler_sigmas(schedule, n)
+    timesteps, sigmas, init = _euler_sigmas(schedule, n, kind)
     steps = []
     for i, t in enumerate(timesteps):
         sigma, sigma_next = float(sigmas[i]), float(sigmas[i + 1])
@@ -164,9 +216,9 @@ def euler(schedule: NoiseSchedule, n: int) -> SchedulePlan:
     return SchedulePlan(init, tuple(steps))
 
 
-def euler_ancestral(schedule: NoiseSchedule, n: int) -> SchedulePlan:
+def euler_ancestral(schedule: NoiseSchedule, n: int, kind: str | None = None) -> SchedulePlan:
     """Euler ancestral (eta 1), as diffusers' EulerAncestralDiscreteScheduler; needs fresh noise per step."""
-    timesteps, sigmas, init = _euler_sigmas(schedule, n)
+    timesteps, sigmas, init = _euler_sigmas(schedule, n, kind)
     steps = []
     for i, t in enumerate(timesteps):
         sigma, sigma_to = float(sigmas[i]), float(sigmas[i + 1])
@@ -206,54 +258,96 @@ def ddim(schedule: NoiseSchedule, n: int) -> SchedulePlan:
     return SchedulePlan(1.0, tuple(steps))
 
 
-def _dpm_timesteps(schedule: NoiseSchedule, n: int) -> np.ndarray:
+def _dpm_sigmas(schedule: NoiseSchedule, n: int, kind: str | None) -> tuple[np.ndarray, np.ndarray]:
+    """Integer timesteps and sigmas (final 0 appended), as DPMSolverMultistepScheduler.set_timesteps. A
+    Karras/exponential ``kind`` spans the whole training range whatever the spacing; diffusers rounds the Karras
+    timesteps but truncates the exponential ones (its int64 cast), and so do we."""
     total = schedule.num_train_timesteps
     spacing = schedule.spacing("linspace")
-    if spacing == "linspace":
-        return np.linspace(0, total - 1, n + 1).round()[::-1][:-1].astype(np.int64)
-    if spacing == "leading":
-        ratio = total // (n + 1)
-        return (np.arange(0, n + 1) * ratio).round()[::-1][:-1].astype(np.int64) + schedule.steps_offset
-    return np.arange(total, 0, -total / n).round().astype(np.int64) - 1
-
-
-def dpmpp_2m(schedule: NoiseSchedule, n: int) -> SchedulePlan:
-    """DPM-Solver++ (2M, midpoint), as diffusers' DPMSolverMultistepScheduler with its defaults
-    (lower-order final step, final sigma zero)."""
-    timesteps = _dpm_timesteps(schedule, n)
     base = schedule.sigmas()
-    sigmas = np.concatenate([np.interp(timesteps, np.arange(0, len(base)), base), [0.0]]).astype(np.float32)
+    if kind is not None:
+        sigmas = SIGMA_KINDS[kind](float(base[0]), float(base[-1]), n)
+        t = _sigma_to_t(sigmas, np.log(base))
+        timesteps = (t.round() if kind == "karras" else t).astype(np.int64)
+    else:
+        if spacing == "linspace":
+            timesteps = np.linspace(0, total - 1, n + 1).round()[::-1][:-1].astype(np.int64)
+        elif spacing == "leading":
+            ratio = total // (n + 1)
+            timesteps = (np.arange(0, n + 1) * ratio).round()[::-1][:-1].astype(np.int64) + schedule.steps_offset
+        else:
+            timesteps = np.arange(total, 0, -total / n).round().astype(np.int64) - 1
+        sigmas = np.interp(timesteps, np.arange(0, len(base)), base)
+    return timesteps, np.concatenate([sigmas, [0.0]]).astype(np.float32)
 
-    def alpha_sigma(sig: float) -> tuple[float, float]:
-        a = 1.0 / math.sqrt(sig * sig + 1.0)
-        return a, sig * a
 
+def _alpha_sigma(sigma: float) -> tuple[float, float]:
+    """VP (alpha_t, sigma_t) of the VE noise level ``sigma``."""
+    a = 1.0 / math.sqrt(sigma * sigma + 1.0)
+    return a, sigma * a
+
+
+def dpmpp_2m(schedule: NoiseSchedule, n: int, kind: str | None = None, variant: str = "ode") -> SchedulePlan:
+    """DPM-Solver++ (2M), as diffusers' DPMSolverMultistepScheduler with its defaults (midpoint solver, lower-order
+    final step, final sigma zero). ``variant`` "sde" is ``algorithm_type="sde-dpmsolver++"`` (fresh noise each step)
+    and "sde_heun" adds ``solver_type="heun"``."""
+    timesteps, sigmas = _dpm_sigmas(schedule, n, kind)
     steps = []
     for i, t in enumerate(timesteps):
-        a_t, s_t = alpha_sigma(float(sigmas[i + 1]))
-        a_s0, s_s0 = alpha_sigma(float(sigmas[i]))
+        a_t, s_t = _alpha_sigma(float(sigmas[i + 1]))
+        a_s0, s_s0 = _alpha_sigma(float(sigmas[i]))
         x0 = schedule.denoised(float(sigmas[i]), 1.0)
         exp_neg_h = (a_s0 * s_t) / (s_s0 * a_t)  # exp(lambda_s0 - lambda_t), finite when sigma_t == 0
-        first_order = i == 0 or i == len(timesteps) - 1  # no history yet; final sigma zero -> first order
-        if first_order:
-            d = x0
-        else:
-            a_s1, s_s1 = alpha_sigma(float(sigmas[i - 1]))
+        second_order = 0 < i < len(timesteps) - 1  # else no history yet, or the final step (final sigma zero)
+        d1 = Lin()
+        if second_order:
+            a_s1, s_s1 = _alpha_sigma(float(sigmas[i - 1]))
             lam = [math.log(a) - math.log(s) for a, s in ((a_t, s_t), (a_s0, s_s0), (a_s1, s_s1))]
-            r0 = (lam[1] - lam[2]) / (lam[0] - lam[1])
-            d = x0 * (1.0 + 0.5 / r0) - PREV * (0.5 / r0)
-        nxt = SAMPLE * (s_t / s_s0) - d * (a_t * (exp_neg_h - 1.0))
+            d1 = (x0 - PREV) * ((lam[0] - lam[1]) / (lam[1] - lam[2]))  # (m0 - m1) / r0
+        if variant == "ode":
+            nxt = SAMPLE * (s_t / s_s0) - (x0 + d1 * 0.5) * (a_t * (exp_neg_h - 1.0))
+        else:
+            damp = 1.0 - exp_neg_h**2  # 1 - exp(-2h)
+            heun = variant == "sde_heun" and second_order  # -2h = 2 log(exp(-h))
+            c1 = a_t * (damp / (2 * math.log(exp_neg_h)) + 1) if heun else 0.5 * a_t * damp
+            nxt = (SAMPLE * (s_t / s_s0 * exp_neg_h) + x0 * (a_t * damp) + d1 * c1
+                   + NOISE * (s_t * math.sqrt(damp)))
         steps.append(Step(float(t), 1.0, nxt, x0))
     return SchedulePlan(1.0, tuple(steps))
 
 
-SCHEDULERS: dict[str, Callable[[NoiseSchedule, int], SchedulePlan]] = {
+SAMPLERS: dict[str, Callable[..., SchedulePlan]] = {
     "euler": euler,
     "euler_a": euler_ancestral,
-    "ddim": ddim,
     "dpmpp_2m": dpmpp_2m,
+    "dpmpp_2m_sde": partial(dpmpp_2m, variant="sde"),
+    "dpmpp_2m_sde_heun": partial(dpmpp_2m, variant="sde_heun"),
 }
-"""Scheduler names as the API accepts them."""
+"""Samplers that take a sigma schedule suffix (DDIM does not)."""
+
+SIGMA_SCHEDULES: dict[str, tuple[str | None, str | None]] = {
+    "karras": ("karras", None),
+    "exponential": ("exponential", "linspace"),
+    "uniform": (None, "linspace"),
+    "sgm_uniform": (None, "trailing"),
+}
+"""Schedule suffix -> (sigma kind, timestep_spacing override), per diffusers' A1111 schedule-type table."""
+
+
+def _scheduled(sampler: Callable[..., SchedulePlan], kind: str | None, spacing: str | None,
+               schedule: NoiseSchedule, n: int) -> SchedulePlan:
+    if spacing is not None:
+        schedule = dataclasses.replace(schedule, timestep_spacing=spacing)
+    return sampler(schedule, n, kind)
+
+
+SCHEDULERS: dict[str, Callable[[NoiseSchedule, int], SchedulePlan]] = {
+    "euler": euler, "euler_a": euler_ancestral, "ddim": ddim, "dpmpp_2m": dpmpp_2m,
+    "dpmpp_2m_sde": SAMPLERS["dpmpp_2m_sde"], "dpmpp_2m_sde_heun": SAMPLERS["dpmpp_2m_sde_heun"],
+    **{f"{name}_{suffix}": partial(_scheduled, sampler, kind, spacing)
+       for name, sampler in SAMPLERS.items() for suffix, (kind, spacing) in SIGMA_SCHEDULES.items()},
+}
+"""Scheduler names as the API accepts them (engines.config.SCHEDULER_NAMES lists the same, in this order)."""
 
 
 def make_plan(name: str, schedule: NoiseSchedule, num_steps: int) -> SchedulePlan:
@@ -261,6 +355,6 @@ def make_plan(name: str, schedule: NoiseSchedule, num_steps: int) -> SchedulePla
     try:
         factory = SCHEDULERS[name]
     except KeyError:
-        raise InvalidRequestError(f"unknown scheduler {name!r}; expected one of {sorted(SCHEDULERS)}",
+        raise InvalidRequestError(f"unknown scheduler {name!r}; expected one of {list(SCHEDULERS)}",
                                   param="scheduler") from None
     return factory(schedule, num_steps)

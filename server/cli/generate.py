@@ -16,12 +16,15 @@ def register(sub: Any) -> None:
     p = sub.add_parser("generate", help="generate one image to a PNG file")
     add_boot_args(p)
     p.add_argument("prompt")
-    p.add_argument("-o", "--out", type=Path, default=Path("out.png"))
+    p.add_argument("-o", "--out", type=Path, default=Path("out.png"),
+                   help="PNG path; with -n above 1, image i goes to <stem>-<i><suffix>")
+    p.add_argument("-n", type=int, default=1, help="images (seeds seed, seed+1, ...)")
     p.add_argument("--negative-prompt", default="")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--size", default=None, help="WIDTHxHEIGHT")
-    p.add_argument("--scheduler", default=None)
+    p.add_argument("--scheduler", default=None, help="sdserve name (euler, dpmpp_2m, ...) or an A1111 sampler "
+                                                      "name (\"DPM++ 2M\", \"Euler a\", ...)")
     p.add_argument("--guidance-scale", type=float, default=None)
     p.set_defaults(run=run)
 
@@ -29,26 +32,43 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from engines.errors import InvalidRequestError
+    from engines.errors import GpuUnavailableError, InvalidRequestError
     from server.schemas import ImageGenerationRequest
     from server.service import build_batch, encode_png
 
-    boot = boot_config(args)
+    boot = boot_config(args)  # every option is checked before anything loads
     try:
         req = ImageGenerationRequest.model_validate(
             {"prompt": args.prompt, "negative_prompt": args.negative_prompt, "seed": args.seed, "steps": args.steps,
-             "size": args.size, "scheduler": args.scheduler, "guidance_scale": args.guidance_scale})
+             "size": args.size, "scheduler": _scheduler(args.scheduler), "guidance_scale": args.guidance_scale,
+             "n": args.n})
     except ValidationError as exc:
         first = exc.errors()[0]
-        raise InvalidRequestError(f"--{first['loc'][0]}: {first['msg']}", str(first["loc"][0])) from None
+        name = str(first["loc"][0]) if first["loc"] else "prompt"
+        raise InvalidRequestError(f"--{name.replace('_', '-')}: {first['msg']}", name) from None
     engine = boot.engine()
-    engine.preflight()
-    engine.load()
     try:
+        engine.preflight()
+        engine.load()
         result = engine.generate(build_batch(req, boot.settings, engine.info))
-        args.out.write_bytes(encode_png(result.images[0].image))
+    except GpuUnavailableError:
+        if args.profile == "production":
+            log.error("no usable GPU here: add --profile dev to generate on the CPU (slow, not accelerated)")
+        raise
     finally:
         engine.close()
-    log.info("wrote %s (%s, %.2fs on %s)", args.out, result.images[0].image.size, result.timings.total,
-             result.provider)
+    for index, generated in enumerate(result.images):
+        path = args.out if len(result.images) == 1 else args.out.with_name(f"{args.out.stem}-{index}{args.out.suffix}")
+        path.write_bytes(encode_png(generated.image))
+        log.info("wrote %s (%s, seed %d, %.2fs on %s)", path, generated.image.size, generated.seed,
+                 result.timings.total, result.provider)
     return 0
+
+
+def _scheduler(name: str | None) -> str | None:
+    """An A1111 sampler name ("DPM++ 2M", "Euler a") as the API's scheduler name; other names pass through."""
+    if name is None:
+        return None
+    from server.routes.a1111 import sampler_name
+
+    return sampler_name(name) or name

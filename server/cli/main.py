@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -13,12 +14,46 @@ from server.exitcodes import ExitCode, exit_code_for
 
 log = logging.getLogger("sdserve")
 COMMANDS = (serve, doctor, selftest, generate, engines, bench, gate, deploy, accept)
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, the access-log fields (``record.access``, see
+    server/middleware.py) when present, and the traceback as text."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, object] = {"time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{record.msecs:03.0f}",
+                                   "level": record.levelname, "logger": record.name,
+                                   "message": record.getMessage()}
+        line |= getattr(record, "access", None) or {}
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return json.dumps(line, default=str, ensure_ascii=False)
+
+
+def configure_logging(level: str, fmt: str) -> None:
+    """stderr, text or JSON lines (``--log-format``)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    logging.basicConfig(level=level.upper(), handlers=[handler])
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sdserve")
+    except PackageNotFoundError:  # running from a checkout that was never installed
+        return "unknown (not installed)"
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sdserve", description="A Stable Diffusion server that proves its GPU fast "
                                                             "path; exits non-zero with a documented code when not.")
     p.add_argument("--log-level", default=os.environ.get("SDSERVE_LOG_LEVEL", "INFO"))
+    p.add_argument("--log-format", choices=("text", "json"), default=os.environ.get("SDSERVE_LOG_FORMAT", "text"),
+                   help="json: one JSON object per log line (access lines carry their fields)")
+    p.add_argument("--version", action="version", version=f"sdserve {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.register(sub)
@@ -27,8 +62,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     for noisy in ("httpx", "httpcore", "matplotlib"):  # one line per request is noise in a load test
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 from typing import Any
 
+from engines.errors import ModelLoadError
 from server.cli.common import add_boot_args, boot_config
 
 log = logging.getLogger("sdserve")
@@ -19,10 +21,20 @@ def register(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
+def check_model_folder(model: Path) -> None:
+    """Exit 11 at once, before the port opens, for a model path that is missing or not a folder."""
+    if not model.exists():
+        raise ModelLoadError(f"model folder {model} does not exist (--model or SDSERVE_MODEL)")
+    if not model.is_dir():
+        raise ModelLoadError(f"model path {model} is not a folder (--model or SDSERVE_MODEL)")
+
+
 def run(args: argparse.Namespace) -> int:
+    """Exit codes: 11 model folder missing, 12 port cannot be bound, 10 bad profile; the rest from boot."""
     from server.app import create_app
     from server.launcher import Launcher
 
+    check_model_folder(args.model)
     boot = boot_config(args)
     settings = boot.settings
     if settings.runtime.allow_cpu:

@@ -26,8 +26,8 @@ def test_openai_client_url_format_serves_short_lived_pngs(dev_server: str) -> No
                                     extra_body={"steps": 4})
     assert len(result.data) == 2
     for item in result.data:
-        assert item.url is not None and "/v1/images/files/" in item.url
-        png = httpx.get(item.url)
+        assert item.url is not None and item.url.startswith("/v1/images/files/")  # no public_base_url: relative
+        png = httpx.get(f"{dev_server}{item.url}")
         assert png.status_code == 200 and png.headers["content-type"] == "image/png"
         with Image.open(io.BytesIO(png.content)) as image:
             assert image.size == (64, 64)
@@ -50,7 +50,7 @@ def test_webuiapi_client_txt2img(dev_server: str) -> None:
                         height=48, sampler_name="DPM++ 2M")
     assert again.images[0].tobytes() == result.images[0].tobytes()
     names = [s["name"] for s in api.get_samplers()]
-    assert names == ["Euler", "Euler a", "DDIM", "DPM++ 2M"]
+    assert names[:4] == ["Euler", "Euler a", "DDIM", "DPM++ 2M"] and "DPM++ 2M SDE" in names
     models = api.get_sd_models()
     assert models[0]["model_name"] and len(models[0]["sha256"]) == 64
 
@@ -104,7 +104,7 @@ def test_auth_keys_probes_open_and_keys_never_logged(guarded: ServerProcess) -> 
     body = {"prompt": "a key", "steps": 2}
     assert httpx.post(f"{url}{GEN}", json=body).status_code == 401
     wrong = httpx.post(f"{url}{GEN}", json=body, headers={"Authorization": "Bearer sk-wrong"})
-    assert wrong.status_code == 401 and wrong.headers["www-authenticate"] == "Bearer"
+    assert wrong.status_code == 401 and wrong.headers["www-authenticate"].startswith("Bearer, Basic")
     assert httpx.post(f"{url}{GEN}", json=body, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
     for probe in ("/health", "/ready", "/metrics"):
         assert httpx.get(f"{url}{probe}").status_code == 200

@@ -19,7 +19,7 @@ def client(dev_server: str) -> openai.OpenAI:
 
 
 def test_images_generate_returns_pngs_of_the_requested_size_and_count(client: openai.OpenAI) -> None:
-    result = client.images.generate(model="tiny", prompt="a watercolor fox", n=2, size="64x64",  # type: ignore[arg-type]
+    result = client.images.generate(model="dall-e-2", prompt="a watercolor fox", n=2, size="64x64",  # type: ignore[arg-type]
                                     response_format="b64_json")
     assert len(result.data) == 2
     for item in result.data:

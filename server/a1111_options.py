@@ -1,0 +1,133 @@
+"""The AUTOMATIC1111 options sdserve answers at /sdapi/v1/options, and the writes it can honour.
+
+Keys, types and A1111's defaults come from AUTOMATIC1111/stable-diffusion-webui ``modules/shared_options.py``
+(``sd_model_checkpoint``, ``sd_checkpoint_hash`` (hidden options), ``samples_format``, ``samples_save``,
+``CLIP_stop_at_last_layers``, ``sd_vae``, ``send_seed``, ``send_size``, ``live_previews_enable``). A1111's
+``Api.set_config`` (``modules/api/api.py``) writes any key and saves it to disk; sdserve instead:
+
+* answers only the keys below, each with what sdserve really does (``samples_save`` is false: sdserve never writes
+  images to disk; ``live_previews_enable`` is false: the engine reports no intermediate images);
+* accepts a write that equals what sdserve does (so a client may post back the whole GET body, as Open WebUI's
+  ``set_image_model`` does) and a write to a key it can honour (``send_seed``, ``send_size``: kept for the life of
+  the process, never on disk);
+* refuses everything else with 422 naming the key: an unknown key, a value sdserve cannot honour, a checkpoint that is
+  not the served model (the message names the served one). A refused write changes nothing (all keys are checked
+  before any is stored).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from engines.errors import InvalidRequestError
+from engines.protocol import ModelInfo
+
+
+def model_title(info: ModelInfo) -> str:
+    """The served model's A1111 title, ``name [shorthash]``: what /sdapi/v1/sd-models lists and clients send back."""
+    short = info.digest[:10]
+    return f"{info.name} [{short}]" if short else info.name
+
+
+def checkpoint_names(info: ModelInfo) -> frozenset[str]:
+    """The names a client may use for the served model (A1111 accepts the title, the name and the hashes too)."""
+    names = {model_title(info), info.name}
+    if info.digest:
+        names |= {info.digest, info.digest[:10]}
+    return frozenset(names)
+
+
+def refuse_other_checkpoint(value: object, info: ModelInfo, param: str) -> None:
+    """422 unless ``value`` names the served model; the message names the served one (one model per process)."""
+    if not isinstance(value, str) or value not in checkpoint_names(info):
+        raise InvalidRequestError(f"{param}: {value!r} is not served here; this server serves only "
+                                  f"{model_title(info)!r} (one model per process)", param=param)
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """A setting sdserve cannot change: a write is accepted only when it equals what sdserve does."""
+
+    value: Callable[[ModelInfo], object]
+    accepts: Callable[[object, ModelInfo], bool]
+    why: str
+
+
+def _const(value: object) -> Callable[[ModelInfo], object]:
+    return lambda info: value
+
+
+def _is(*allowed: object) -> Callable[[object, ModelInfo], bool]:
+    return lambda value, info: type(value) is not bool and value in allowed
+
+
+FIXED: dict[str, Fixed] = {
+    "sd_checkpoint_hash": Fixed(lambda info: info.digest, lambda v, info: v == info.digest,
+                                "read-only: the sha256 of the served model"),
+    "samples_format": Fixed(_const("png"), lambda v, info: isinstance(v, str) and v.lower() == "png",
+                            "sdserve returns PNG images only"),
+    "samples_save": Fixed(_const(False), lambda v, info: v is False, "sdserve never writes images to disk"),
+    "CLIP_stop_at_last_layers": Fixed(_const(1), _is(1),
+                                      "the served text encoder outputs its last layer only (clip skip 1)"),
+    "sd_vae": Fixed(_const("Automatic"), _is("Automatic", "None"),
+                    "the served model's own VAE is the only one (Automatic or None, as A1111 names it)"),
+    "live_previews_enable": Fixed(_const(False), lambda v, info: v is False,
+                                  "no live previews: the engine reports no intermediate images"),
+}
+WRITABLE: dict[str, bool] = {"send_seed": True, "send_size": True}
+"""Boolean settings sdserve keeps for the process (A1111 defaults); they are interface hints, stored and echoed."""
+
+
+class OptionsStore:
+    """The process's A1111 options: the fixed ones derived from the served model, the writable ones in memory."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, bool] = dict(WRITABLE)
+
+    def snapshot(self, info: ModelInfo) -> dict[str, Any]:
+        """The GET /sdapi/v1/options body."""
+        body: dict[str, Any] = {"sd_model_checkpoint": model_title(info)}
+        body |= {key: fixed.value(info) for key, fixed in FIXED.items()}
+        return body | self.values
+
+    def problems(self, body: Mapping[str, object], info: ModelInfo, prefix: str = "") -> list[tuple[str, str]]:
+        """(param, message) for every key of ``body`` sdserve cannot honour; empty when all can be."""
+        found: list[tuple[str, str]] = []
+        for key, value in body.items():
+            param = prefix + key
+            if key == "sd_model_checkpoint":
+                try:
+                    refuse_other_checkpoint(value, info, param)
+                except InvalidRequestError as exc:
+                    found.append((param, exc.message))
+            elif key in FIXED:
+                fixed = FIXED[key]
+                if not fixed.accepts(value, info):
+                    found.append((param, f"{param}: cannot be set to {value!r} (it is {fixed.value(info)!r}): "
+                                         f"{fixed.why}"))
+            elif key in WRITABLE:
+                if not isinstance(value, bool):
+                    found.append((param, f"{param}: must be true or false, got {value!r}"))
+            else:
+                found.append((param, f"{param}: unknown or unsupported option; sdserve supports "
+                                     f"{sorted(['sd_model_checkpoint', *FIXED, *WRITABLE])}"))
+        return found
+
+    def check(self, body: Mapping[str, object], info: ModelInfo, prefix: str = "") -> None:
+        """Raise one 422 naming the first refused key, its message listing every refused key.
+
+        ``prefix`` names where the keys came from: "" for POST /options, "override_settings." for a generation
+        request's per-request overrides (which are checked, never stored)."""
+        found = self.problems(body, info, prefix)
+        if found:
+            raise InvalidRequestError("; ".join(message for _, message in found), param=found[0][0])
+
+    def apply(self, body: Mapping[str, object], info: ModelInfo) -> None:
+        """POST /sdapi/v1/options: all keys are checked before any is stored, so a refused write changes nothing."""
+        self.check(body, info)
+        for key in WRITABLE.keys() & body.keys():
+            value = body[key]
+            assert isinstance(value, bool)  # checked above
+            self.values[key] = value
