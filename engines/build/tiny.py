@@ -1,12 +1,18 @@
-"""The embedded tiny model: an architecturally faithful miniature SD 1.x built from a fixed seed, no downloads.
+"""The embedded tiny models: architecturally faithful miniatures of each served family, built from a fixed seed,
+no downloads.
 
-CLIP text encoder (real 49,408-token vocabulary), cross-attention UNet, 4-level AutoencoderKL (VAE scale
-factor 8 like real SD). Its weights are random: images are noise-like patterns, not pictures. It exists so the
-whole server, tests and benchmarks run anywhere in seconds.
+sd1: CLIP text encoder (real 49,408-token vocabulary), cross-attention UNet, 4-level AutoencoderKL (VAE scale
+factor 8 like real SD). sd2: the same scaled down from SD 2.x: OpenCLIP-style encoder (gelu, ``!`` padding, the
+legacy eos id 2), linear-projection transformers, v-prediction, 768/512 native size ratio. sdxl: two text encoders
+(the second with a pooled projection), ``text_time`` added conditioning, VAE scaling 0.13025 with force_upcast.
+turbo: SD-Turbo (the SD 2.1 architecture distilled for 1-4 steps): trailing timestep spacing, epsilon. Their
+weights are random: images are noise-like patterns, not pictures. They exist so the whole server, tests and
+benchmarks run anywhere in seconds.
 """
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -17,6 +23,7 @@ from engines.build.clip_vocab import find_bpe_source, write_tokenizer
 from engines.build.export import export_components
 
 SEED = 0
+FAMILIES = ("sd1", "sd2", "sdxl", "turbo")
 
 TEXT_ENCODER = dict(hidden_size=32, intermediate_size=37, num_attention_heads=4, num_hidden_layers=5,
                     vocab_size=49408, max_position_embeddings=77, hidden_act="quick_gelu",
@@ -31,9 +38,29 @@ VAE = dict(block_out_channels=(32, 64, 64, 64), in_channels=3, out_channels=3, l
 SCHEDULER = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000,
                  skip_prk_steps=True, steps_offset=1, set_alpha_to_one=False)
 
+# SD 2.x: OpenCLIP ViT-H as transformers holds it (gelu; bos 0 / eos 2 / pad 1 are the legacy ids its config
+# carries, which make the pooled output take the argmax token), linear projections, per-level head counts.
+OPENCLIP = {**TEXT_ENCODER, "hidden_act": "gelu", "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 1}
+UNET_SD2 = {**UNET, "attention_head_dim": (2, 4), "use_linear_projection": True, "upcast_attention": True}
+SD2_SAMPLE = 12
+"""SD 2.x's native 768 over SD 1.x's 512, on the tiny scale (8 latents = 64 px -> 12 = 96 px)."""
+# SDXL: CLIP ViT-L (penultimate states) + OpenCLIP bigG with projection (penultimate + pooled), concatenated;
+# text_time conditioning: 6 time ids x addition_time_embed_dim + the pooled projection width.
+UNET_SDXL = {**UNET, "sample_size": 16, "attention_head_dim": (2, 4), "use_linear_projection": True,
+             "transformer_layers_per_block": (1, 2), "cross_attention_dim": 64, "addition_embed_type": "text_time",
+             "addition_time_embed_dim": 8, "projection_class_embeddings_input_dim": 6 * 8 + 32}
+VAE_SDXL = {**VAE, "scaling_factor": 0.13025, "force_upcast": True}
+SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "sd1": ("PNDMScheduler", {}),
+    "sd2": ("DDIMScheduler", {"prediction_type": "v_prediction", "clip_sample": False}),
+    "sdxl": ("EulerDiscreteScheduler", {"beta_schedule": "scaled_linear", "interpolation_type": "linear",
+                                        "timestep_spacing": "leading"}),
+    "turbo": ("EulerDiscreteScheduler", {"prediction_type": "epsilon", "timestep_spacing": "trailing"}),
+}
+
 
 def make_components(seed: int = SEED) -> dict[str, Any]:
-    """text_encoder, unet, vae and scheduler built deterministically on the CPU."""
+    """text_encoder, unet, vae and scheduler of the SD 1.x tiny model, built deterministically on the CPU."""
     from diffusers import AutoencoderKL, PNDMScheduler, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
@@ -46,28 +73,81 @@ def make_components(seed: int = SEED) -> dict[str, Any]:
     return {"text_encoder": text_encoder, "unet": unet, "vae": vae, "scheduler": PNDMScheduler(**SCHEDULER)}
 
 
-def save_diffusers(components: dict[str, Any], tokenizer_dir: Path, out: Path) -> Path:
+def make_family_components(family: str, seed: int = SEED) -> dict[str, Any]:
+    """The tiny model of ``family`` (one of FAMILIES), each module seeded alike; sd1 is make_components."""
+    import diffusers
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    if family == "sd1":
+        return make_components(seed)
+    xl = family == "sdxl"
+    sample = 8 if family == "turbo" else SD2_SAMPLE
+    unet_cfg = UNET_SDXL if xl else {**UNET_SD2, "sample_size": sample}
+    torch.manual_seed(seed)
+    text_encoder = CLIPTextModel(CLIPTextConfig(**(TEXT_ENCODER if xl else OPENCLIP))).eval()
+    components: dict[str, Any] = {"text_encoder": text_encoder}
+    if xl:
+        torch.manual_seed(seed + 1)  # not the first encoder's weights again
+        components["text_encoder_2"] = CLIPTextModelWithProjection(CLIPTextConfig(**OPENCLIP)).eval()
+    torch.manual_seed(seed)
+    components["unet"] = UNet2DConditionModel(**unet_cfg).eval()
+    torch.manual_seed(seed)
+    components["vae"] = AutoencoderKL(**(VAE_SDXL if xl else VAE)).eval()
+    name, extra = SCHEDULERS[family]
+    # from_config drops the keys a class does not take (skip_prk_steps is PNDM's), as loading a real folder does.
+    components["scheduler"] = getattr(diffusers, name).from_config({**SCHEDULER, **extra})
+    return components
+
+
+def _pad_with_bang(tokenizer_dir: Path) -> None:
+    """OpenCLIP's tokenizer folders pad with ``!`` (id 0), not the end token: SD 2.x and SDXL's tokenizer_2."""
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        path = tokenizer_dir / name
+        config = json.loads(path.read_text(encoding="utf-8"))
+        path.write_text(json.dumps({**config, "pad_token": "!"}, indent=2), encoding="utf-8")
+
+
+def save_diffusers(components: dict[str, Any], tokenizer_dir: Path, out: Path,
+                   tokenizer_2_dir: Path | None = None) -> Path:
     """The same weights as a diffusers folder, for parity tests, benchmarks and `engines export`."""
-    from diffusers import StableDiffusionPipeline
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
     from transformers import CLIPTokenizer
 
-    pipe = StableDiffusionPipeline(**components, tokenizer=CLIPTokenizer.from_pretrained(tokenizer_dir),
-                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    tokenizer = CLIPTokenizer.from_pretrained(tokenizer_dir)
+    if "text_encoder_2" in components:
+        pipe: Any = StableDiffusionXLPipeline(**components, tokenizer=tokenizer,
+                                              tokenizer_2=CLIPTokenizer.from_pretrained(tokenizer_2_dir))
+    else:
+        pipe = StableDiffusionPipeline(**components, tokenizer=tokenizer, safety_checker=None,
+                                       feature_extractor=None, requires_safety_checker=False)
     pipe.save_pretrained(out)
     return out
 
 
-def build_tiny(out: Path, bpe: Path | None = None, diffusers_out: Path | None = None) -> Path:
-    """Build and export the tiny model to ``out`` (ONNX layout + manifest)."""
-    components = make_components()
+def build_tiny(out: Path, bpe: Path | None = None, diffusers_out: Path | None = None, family: str = "sd1") -> Path:
+    """Build and export the tiny model of ``family`` to ``out`` (ONNX layout + manifest)."""
+    components = make_family_components(family)
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer_dir = Path(tmp) / "tokenizer"
         write_tokenizer(find_bpe_source(bpe), tokenizer_dir)
+        tokenizer_2_dir = None
+        if family in ("sd2", "turbo"):
+            _pad_with_bang(tokenizer_dir)
+        elif family == "sdxl":
+            tokenizer_2_dir = Path(tmp) / "tokenizer_2"
+            write_tokenizer(find_bpe_source(bpe), tokenizer_2_dir)
+            _pad_with_bang(tokenizer_2_dir)
         # DDIM reads clip_sample (default True in diffusers); SD configs set it False and so do we.
-        scheduler_config = {"_class_name": "PNDMScheduler", **components["scheduler"].config,
-                            "clip_sample": False}
+        scheduler = components["scheduler"]
+        scheduler_config = {"_class_name": type(scheduler).__name__, **scheduler.config, "clip_sample": False}
+        source: dict[str, Any] = {"kind": "tiny", "seed": SEED} if family == "sd1" else \
+            {"kind": "tiny", "family": family, "seed": SEED}
         export_components(components["text_encoder"], components["unet"], components["vae"],
-                          scheduler_config, tokenizer_dir, out, {"kind": "tiny", "seed": SEED})
+                          scheduler_config, tokenizer_dir, out, source,
+                          text_encoder_2=components.get("text_encoder_2"), tokenizer_2_dir=tokenizer_2_dir)
         if diffusers_out is not None:  # after the export: save_pretrained rewrites the configs it saves
-            save_diffusers(components, tokenizer_dir, diffusers_out)
+            save_diffusers(components, tokenizer_dir, diffusers_out, tokenizer_2_dir)
     return out

@@ -4,27 +4,40 @@ Text embeddings, latents, noise predictions and the UNet input live in device bu
 (device ``cpu`` when the policy allows only the CPU). Only the initial noise (and Euler-ancestral step noise) goes
 up and the image comes down: the latents are scaled for the VAE on the device too. Latents and scheduler state are
 float32 even for fp16 UNets (see step_graph.py); only the UNet's input is cast to its dtype.
+
+The model family (engines/diffusion/family.py) decides what differs between SD 1.x, SD 2.x, SDXL and Turbo: one or
+two text encoders, SDXL's extra UNet inputs, the CFG default; the loop is shared. When every image of a batch has
+guidance <= 1 (Turbo's 0 included) the UNet runs on the conditional rows only: n rows, not 2n.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
 import numpy as np
 import onnxruntime as ort
 
+from engines.diffusion import family as families
+from engines.diffusion.family import Family, read_json
 from engines.diffusion.schedulers import SCHEDULERS, NoiseSchedule, SchedulePlan, make_plan
-from engines.diffusion.step_graph import STATE_DTYPE, build_scale_graph, build_step_graph, step_coefficients
+from engines.diffusion.step_graph import (
+    STATE_DTYPE,
+    build_scale_graph,
+    build_step_graph,
+    build_text_join_graph,
+    step_coefficients,
+)
 from engines.diffusion.tokenizer import ClipTokenizer
 from engines.errors import InferenceError, InvalidRequestError, ModelLoadError
-from engines.protocol import Batch, Timings
+from engines.protocol import Batch, StepHook, Timings
 from engines.runtime.sessions import Runtime, numpy_dtype
 
 Feed: TypeAlias = ort.OrtValue | np.ndarray
+log = logging.getLogger(__name__)
 
 
 class OrtModel:
@@ -54,13 +67,6 @@ class OrtModel:
         self.session.run_with_iobinding(binding)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    data = json.loads(path.read_text(encoding="utf-8"))
-    return data if isinstance(data, dict) else {}
-
-
 def image_rng(seed: int) -> np.random.Generator:
     """Per-image noise stream: the initial latents first, then Euler-ancestral step noise, in order."""
     return np.random.default_rng(seed)
@@ -74,66 +80,105 @@ class PipelineOutput:
     """Per image: its prompt was longer than the text encoder takes."""
     negative_truncated: tuple[bool, ...]
     timings: Timings
+    steps_done: int
+    """Denoising steps that ran (fewer when ``on_step`` stopped the batch)."""
 
 
 @dataclass(frozen=True)
-class UNetIO:
-    sample: str
-    timestep: str
-    hidden: str
-    out: str
-    timestep_shape: tuple[int, ...]
+class Conditioning:
+    """The UNet's text conditioning for one batch: rows [uncond..., text...] with CFG, [text...] without."""
+
+    hidden: ort.OrtValue
+    text_embeds: ort.OrtValue | None
+    """SDXL's pooled embeddings (None for SD 1.x/2.x)."""
+    truncated: tuple[bool, ...]
+    negative_truncated: tuple[bool, ...]
 
 
-def _unet_io(model: OrtModel) -> UNetIO:
-    by_rank: dict[int, str] = {}
-    for name, arg in model.inputs.items():
-        by_rank.setdefault(len(arg.shape), name)
-    extra = set(model.inputs) - set(by_rank.values())
-    if extra or not {4, 3} <= set(by_rank) or not ({0, 1} & set(by_rank)):
-        raise ModelLoadError(f"unet inputs {sorted(model.inputs)} are not SD 1.x/2.x "
-                             "(expected sample, timestep, encoder_hidden_states)")
-    timestep = by_rank.get(0) or by_rank[1]
-    shape = model.inputs[timestep].shape
-    return UNetIO(by_rank[4], timestep, by_rank[3], model.outputs[0], () if not shape else (1,))
+@dataclass(frozen=True)
+class SecondEncoder:
+    """SDXL's second tokenizer and encoder, each encoder's penultimate-state output, and the join graph."""
+
+    tokenizer: ClipTokenizer
+    model: OrtModel
+    penultimate: tuple[str, str]
+    join: OrtModel
+    text_embeds_input: str
 
 
 class StableDiffusionOnnx:
-    """Loads an optimum-layout folder and runs txt2img batches."""
+    """Loads an optimum-layout folder of a served family and runs txt2img batches."""
 
-    def __init__(self, folder: Path, runtime: Runtime, sources: dict[str, Path] | None = None) -> None:
-        """``sources`` replaces a component's model.onnx (e.g. a TensorRT EP-context model with prebuilt engines)."""
-        for part in ("text_encoder", "unet", "vae_decoder"):
+    def __init__(self, folder: Path, runtime: Runtime, sources: dict[str, Path] | None = None,
+                 label: str = "") -> None:
+        """``sources`` replaces a component's model.onnx (e.g. a TensorRT EP-context model with prebuilt engines);
+        ``label`` (e.g. "@512x512") tells one size's sessions from another's in the runtime's reports.
+        ModelLoadError (exit 11) names what was found when the folder is no family sdserve serves."""
+        self.family: Family = families.detect(folder)
+        parts = ["text_encoder", "unet", "vae_decoder"] + (["text_encoder_2"] if self.family.xl else [])
+        for part in parts:
             if not (folder / part / "model.onnx").is_file():
-                raise ModelLoadError(f"{folder} has no {part}/model.onnx (expected the optimum ONNX layout)")
-        paths = {part: (sources or {}).get(part, folder / part / "model.onnx")
-                 for part in ("text_encoder", "unet", "vae_decoder")}
+                raise ModelLoadError(f"{folder} has no {part}/model.onnx (expected the optimum ONNX layout of a "
+                                     f"{self.family.name} model)")
+        paths = {part: (sources or {}).get(part, folder / part / "model.onnx") for part in parts}
         self.runtime = runtime
         self.tokenizer = ClipTokenizer(folder / "tokenizer")
-        self.text_encoder = OrtModel(runtime, paths["text_encoder"], "text_encoder")
-        self.unet = OrtModel(runtime, paths["unet"], "unet")
-        self.vae_decoder = OrtModel(runtime, paths["vae_decoder"], "vae_decoder")
-        self.schedule = NoiseSchedule.from_config(_read_json(folder / "scheduler" / "scheduler_config.json"))
-        self.io = _unet_io(self.unet)
+        self.text_encoder = OrtModel(runtime, paths["text_encoder"], "text_encoder" + label)
+        self.unet = OrtModel(runtime, paths["unet"], "unet" + label)
+        self.io = families.unet_io(self.family, {n: a.shape for n, a in self.unet.inputs.items()}, self.unet.outputs)
+        self.vae_decoder = OrtModel(runtime, paths["vae_decoder"], "vae_decoder" + label)
+        self.schedule = NoiseSchedule.from_config(read_json(folder / "scheduler" / "scheduler_config.json"))
         self.latent_dtype = self.unet.input_dtype(self.io.sample)
-        self.step = OrtModel(runtime, build_step_graph(self.latent_dtype, self.unet.output_dtype()), "scheduler_step")
+        out_dtype = self.unet.output_dtype()
+        self.step = OrtModel(runtime, build_step_graph(self.latent_dtype, out_dtype), "scheduler_step" + label)
+        self.step_cond = OrtModel(runtime, build_step_graph(self.latent_dtype, out_dtype, cfg=False),
+                                  "scheduler_step_cond" + label)
+        self._load_geometry(folder, label)
+        self._load_second_encoder(folder, paths, label)
+
+    def _load_geometry(self, folder: Path, label: str) -> None:
         channels = self.unet.inputs[self.io.sample].shape[1]
-        unet_cfg = _read_json(folder / "unet" / "config.json")
-        vae_cfg = _read_json(folder / "vae_decoder" / "config.json")
+        unet_cfg = read_json(folder / "unet" / "config.json")
+        vae_cfg = read_json(folder / "vae_decoder" / "config.json")
         self.latent_channels = channels if isinstance(channels, int) else int(unet_cfg.get("in_channels", 4))
         self.vae_scale_factor = 2 ** (len(vae_cfg.get("block_out_channels", [0] * 4)) - 1)
         self.size_multiple = self.vae_scale_factor * 2 ** (len(unet_cfg.get("block_out_channels", [0] * 4)) - 1)
-        self.scaling_factor = float(vae_cfg.get("scaling_factor", 0.18215))
+        self.scaling_factor = self.family.vae_scaling_factor
         vae_in = next(iter(self.vae_decoder.inputs))
-        self.vae_scale = OrtModel(runtime, build_scale_graph(1.0 / self.scaling_factor,
-                                                             self.vae_decoder.input_dtype(vae_in)), "vae_scale")
-        sample = unet_cfg.get("sample_size", 64)
-        self.default_size = int(sample if isinstance(sample, int) else 64) * self.vae_scale_factor
+        if self.family.vae_force_upcast and self.vae_decoder.input_dtype(vae_in) == np.float16:
+            # SDXL's VAE overflows in fp16 (NaN images): decode in fp32, or use a VAE fixed for fp16.
+            raise ModelLoadError(f"{folder}: the {self.family.name} VAE decoder is fp16 but its config says "
+                                 "force_upcast (it overflows in fp16): export it in fp32 (`sdserve engines optimize` "
+                                 "without --vae-fp16) or use an fp16-fixed VAE whose config sets force_upcast false")
+        self.vae_scale = OrtModel(self.runtime, build_scale_graph(1.0 / self.scaling_factor,
+                                                                  self.vae_decoder.input_dtype(vae_in)),
+                                  "vae_scale" + label)
+        self.default_size = self.family.native_size
         width = [self.unet.inputs[self.io.hidden].shape[2], self.text_encoder.session.get_outputs()[0].shape[-1]]
         known = [w for w in width if isinstance(w, int)]
         if not known:
             raise ModelLoadError("cannot tell the text embedding width from the unet or text_encoder inputs")
         self.hidden_width = known[0]
+
+    def _load_second_encoder(self, folder: Path, paths: dict[str, Path], label: str) -> None:
+        """SDXL: the second tokenizer and encoder, whose outputs join the first's on the device."""
+        self.second: SecondEncoder | None = None
+        if not self.family.xl or self.io.text_embeds is None:
+            return
+        model = OrtModel(self.runtime, paths["text_encoder_2"], "text_encoder_2" + label)
+        penultimate = (families.penultimate_output(self.text_encoder.outputs,
+                                                   read_json(folder / "text_encoder" / "config.json")),
+                       families.penultimate_output(model.outputs, read_json(folder / "text_encoder_2" /
+                                                                            "config.json")))
+        if "text_embeds" not in model.outputs:
+            raise ModelLoadError(f"{folder}: text_encoder_2 has no text_embeds output (outputs {model.outputs}): "
+                                 "SDXL's pooled projection comes from it")
+        dtypes = [_output_dtype(self.text_encoder, penultimate[0]), _output_dtype(model, penultimate[1]),
+                  _output_dtype(model, "text_embeds"), self.unet.input_dtype(self.io.hidden),
+                  self.unet.input_dtype(self.io.text_embeds)]
+        join = OrtModel(self.runtime, build_text_join_graph(*dtypes), "text_join" + label)
+        self.second = SecondEncoder(ClipTokenizer(folder / "tokenizer_2"), model, penultimate, join,
+                                    self.io.text_embeds)
 
     def check_inputs(self, batch: Batch) -> None:
         """Refuse (never clamp) what this model cannot serve; the server validates first, this is the backstop."""
@@ -151,77 +196,133 @@ class StableDiffusionOnnx:
         if any(not spec.prompt.strip() for spec in batch.images):
             raise InvalidRequestError("prompt must not be empty", param="prompt")
 
-    def __call__(self, batch: Batch, latents: np.ndarray | None = None) -> PipelineOutput:
+    def __call__(self, batch: Batch, latents: np.ndarray | None = None,
+                 on_step: StepHook | None = None) -> PipelineOutput:
         """Generate ``batch``: uint8 images, per-image prompt truncation (prompts are tokenized once, here) and
         phase timings.
-        ``latents`` (float32 [B,C,h,w], unscaled unit noise) replaces the seeded initial noise, for parity tests."""
+        ``latents`` (float32 [B,C,h,w], unscaled unit noise) replaces the seeded initial noise, for parity tests.
+        ``on_step(done, total)`` runs after every step; False stops there and the current latents are decoded."""
         self.check_inputs(batch)
         t0 = time.perf_counter()
         n = len(batch.images)
         shape = (n, self.latent_channels, batch.height // self.vae_scale_factor, batch.width // self.vae_scale_factor)
-        # 1. Encode negative and positive prompts in one call: rows [uncond..., text...].
-        hidden, truncated, negative_truncated = self._encode(batch)
+        # 1. Encode negative and positive prompts in one call: rows [uncond..., text...]; without CFG (every
+        #    guidance <= 1, as diffusers decides) the prompts alone.
+        guidance = np.array([families.effective_guidance(s.guidance_scale) for s in batch.images], dtype=np.float64)
+        cfg = bool((guidance > 1.0).any())
+        cond = self._encode(batch, cfg)
         t1 = time.perf_counter()
         # 2. Per-request schedule and per-image noise streams.
         plan = make_plan(batch.scheduler, self.schedule, batch.steps)
         rngs = [image_rng(spec.seed) for spec in batch.images]
         seeded = np.stack([rng.standard_normal(shape[1:], dtype=np.float32) for rng in rngs])
         latents = seeded if latents is None else latents  # the stream advances either way
-        guidance = np.array([spec.guidance_scale for spec in batch.images], dtype=np.float64)
-        # 3. Denoise: UNet on [uncond; text], then the step graph writes the next latents and UNet input.
-        final = self._denoise(plan, latents, hidden, guidance, rngs)
+        # 3. Denoise: UNet on [uncond; text] (or [text]), then the step graph writes the next latents and UNet input.
+        final, steps_done = self._denoise(plan, latents, cond, guidance, rngs, batch, on_step)
         t2 = time.perf_counter()
         # 4. Decode on the device; the image comes down once.
         images = self._decode(final, batch)
         t3 = time.perf_counter()
         timings = Timings(text_encoder=t1 - t0, denoise=t2 - t1, vae_decode=t3 - t2, total=t3 - t0)
-        return PipelineOutput(images, truncated, negative_truncated, timings)
+        return PipelineOutput(images, cond.truncated, cond.negative_truncated, timings, steps_done)
 
-    def _denoise(self, plan: SchedulePlan, latents: np.ndarray, hidden: ort.OrtValue, guidance: np.ndarray,
-                 rngs: list[np.random.Generator]) -> ort.OrtValue:
-        """Run every step; returns the device buffer holding the final float32 latents."""
+    def _unet_feeds(self, cond: Conditioning, batch: Batch, rows: int) -> dict[str, Feed]:
+        """The conditioning inputs of every step: hidden states, and SDXL's pooled embeddings and time ids."""
+        feeds: dict[str, Feed] = {self.io.hidden: cond.hidden}
+        if self.io.text_embeds is not None and self.io.time_ids is not None and cond.text_embeds is not None:
+            ids = families.time_ids(batch.height, batch.width, batch.original_size, batch.crops_coords_top_left)
+            feeds[self.io.text_embeds] = cond.text_embeds
+            feeds[self.io.time_ids] = np.array([ids] * rows, dtype=self.unet.input_dtype(self.io.time_ids))
+        return feeds
+
+    def _denoise(self, plan: SchedulePlan, latents: np.ndarray, cond: Conditioning, guidance: np.ndarray,
+                 rngs: list[np.random.Generator], batch: Batch,
+                 on_step: StepHook | None = None) -> tuple[ort.OrtValue, int]:
+        """Run every step (or until ``on_step`` says stop); returns the device buffer holding the float32 latents
+        and the number of steps run. The UNet batch is 2n with CFG and n without."""
         shape, n = latents.shape, len(latents)
+        copies = 2 if (guidance > 1.0).any() else 1
+        step_graph = self.step if copies == 2 else self.step_cond
         x = latents.astype(np.float64) * plan.init_noise_sigma
         f32, dt = STATE_DTYPE, self.latent_dtype
         lat = [self.runtime.upload("latents0", x.astype(f32)), self.runtime.buffer("latents1", shape, f32)]
         den = [self.runtime.upload("denoised0", np.zeros(shape, f32)), self.runtime.buffer("denoised1", shape, f32)]
-        model_in = self.runtime.upload("unet_in", np.concatenate([x * plan.steps[0].input_scale] * 2).astype(dt))
-        model_out = self.runtime.buffer("unet_out", (2 * n, *shape[1:]), self.unet.output_dtype())
+        model_in = self.runtime.upload("unet_in", np.concatenate([x * plan.steps[0].input_scale] * copies).astype(dt))
+        model_out = self.runtime.buffer("unet_out", (copies * n, *shape[1:]), self.unet.output_dtype())
         zeros = self.runtime.upload("zeros", np.zeros(shape, f32))
+        feeds = self._unet_feeds(cond, batch, copies * n)
         t_dtype = self.unet.input_dtype(self.io.timestep)
         for i, step in enumerate(plan.steps):
             timestep = np.full(self.io.timestep_shape, step.timestep, dtype=t_dtype)
-            self.unet.run({self.io.sample: model_in, self.io.timestep: timestep, self.io.hidden: hidden},
-                          {self.io.out: model_out})
+            self.unet.run({self.io.sample: model_in, self.io.timestep: timestep, **feeds}, {self.io.out: model_out})
             noise: Feed = zeros
             if step.next.noise:
                 noise = self.runtime.upload("noise", np.stack([r.standard_normal(shape[1:], dtype=np.float32)
                                                                for r in rngs]))
             scale = plan.steps[i + 1].input_scale if i + 1 < len(plan.steps) else 1.0
             cur = i % 2
-            self.step.run({"sample": lat[cur], "model_out": model_out, "prev": den[cur], "noise": noise,
-                           "coeffs": step_coefficients(step.next, step.denoised, guidance),
-                           "in_scale": np.array([scale], dtype=f32)},
-                          {"next": lat[1 - cur], "denoised": den[1 - cur], "model_in": model_in})
-        return lat[len(plan.steps) % 2]
+            step_graph.run({"sample": lat[cur], "model_out": model_out, "prev": den[cur], "noise": noise,
+                            "coeffs": step_coefficients(step.next, step.denoised, guidance),
+                            "in_scale": np.array([scale], dtype=f32)},
+                           {"next": lat[1 - cur], "denoised": den[1 - cur], "model_in": model_in})
+            if on_step is not None and not on_step(i + 1, len(plan.steps)) and i + 1 < len(plan.steps):
+                return lat[(i + 1) % 2], i + 1
+        return lat[len(plan.steps) % 2], len(plan.steps)
 
-    def _encode(self, batch: Batch) -> tuple[ort.OrtValue, tuple[bool, ...], tuple[bool, ...]]:
-        """Hidden states of [negatives..., prompts...]; refuses over-long prompts unless the batch truncates."""
-        n = len(batch.images)
-        prompts = [s.negative_prompt for s in batch.images] + [s.prompt for s in batch.images]
-        tokens = self.tokenizer(prompts)
+    def _tokens(self, tokenizer: ClipTokenizer, batch: Batch,
+                prompts: list[str]) -> tuple[np.ndarray, tuple[bool, ...]]:
+        """Token ids of ``prompts``; refuses over-long prompts unless the batch truncates."""
+        tokens = tokenizer(prompts)
+        negatives = len(prompts) - len(batch.images)
         if not batch.truncate_prompts and any(tokens.truncated):
-            name = "prompt" if any(tokens.truncated[n:]) else "negative_prompt"
-            raise InvalidRequestError(f"{name} is longer than the text encoder's {self.tokenizer.max_length} "
+            name = "prompt" if any(tokens.truncated[negatives:]) else "negative_prompt"
+            raise InvalidRequestError(f"{name} is longer than the text encoder's {tokenizer.max_length} "
                                       "tokens", param=name)
+        return tokens.ids, tokens.truncated
+
+    def _encode(self, batch: Batch, cfg: bool) -> Conditioning:
+        """Hidden states of [negatives..., prompts...] (prompts only without CFG)."""
+        n = len(batch.images)
+        negatives = [s.negative_prompt for s in batch.images] if cfg else []
+        prompts = negatives + [s.prompt for s in batch.images]
+        ids, truncated = self._tokens(self.tokenizer, batch, prompts)
+        negative_truncated = truncated[:n] if cfg else (False,) * n
+        if self.second is not None:
+            hidden, pooled = self._encode_xl(self.second, batch, prompts, ids, len(negatives))
+            return Conditioning(hidden, pooled, truncated[len(negatives):], negative_truncated)
         name = next(iter(self.text_encoder.inputs))
-        ids = tokens.ids.astype(self.text_encoder.input_dtype(name))
         outputs = self.text_encoder.outputs
         out_name = "last_hidden_state" if "last_hidden_state" in outputs else outputs[0]
         hidden = self.runtime.buffer("hidden", (len(prompts), ids.shape[1], self.hidden_width),
                                      self.unet.input_dtype(self.io.hidden))
-        self.text_encoder.run({name: ids}, {out_name: hidden})
-        return hidden, tokens.truncated[n:], tokens.truncated[:n]
+        self.text_encoder.run({name: ids.astype(self.text_encoder.input_dtype(name))}, {out_name: hidden})
+        return Conditioning(hidden, None, truncated[len(negatives):], negative_truncated)
+
+    def _encode_xl(self, second: SecondEncoder, batch: Batch, prompts: list[str], ids: np.ndarray,
+                   negatives: int) -> tuple[ort.OrtValue, ort.OrtValue]:
+        """SDXL: both encoders' penultimate states, joined on the device with the second's pooled projection;
+        rows of empty negative prompts are zeros under force_zeros_for_empty_prompt (as diffusers)."""
+        ids_2, _ = self._tokens(second.tokenizer, batch, prompts)
+        rows, length = ids.shape
+        states = []
+        pooled = self.runtime.buffer("pooled", (rows, _static_width(second.model, "text_embeds")),
+                                     _output_dtype(second.model, "text_embeds"))
+        for k, (model, token_ids) in enumerate(((self.text_encoder, ids), (second.model, ids_2))):
+            out = second.penultimate[k]
+            states.append(self.runtime.buffer(f"states{k}", (rows, length, _static_width(model, out)),
+                                              _output_dtype(model, out)))
+            name = next(iter(model.inputs))
+            model.run({name: token_ids.astype(model.input_dtype(name))},
+                      {out: states[k], **({"text_embeds": pooled} if k else {})})
+        keep = np.ones((rows, 1), dtype=STATE_DTYPE)
+        if self.family.force_zeros_for_empty_prompt:
+            keep[:negatives, 0] = [0.0 if not p else 1.0 for p in prompts[:negatives]]
+        hidden = self.runtime.buffer("hidden", (rows, length, self.hidden_width), self.unet.input_dtype(self.io.hidden))
+        embeds = self.runtime.buffer("text_embeds", (rows, pooled.shape()[1]),
+                                     self.unet.input_dtype(second.text_embeds_input))
+        second.join.run({"h1": states[0], "h2": states[1], "pooled": pooled, "keep": keep},
+                        {"hidden": hidden, "text_embeds": embeds})
+        return hidden, embeds
 
     def _decode(self, latents: ort.OrtValue, batch: Batch) -> np.ndarray:
         n = len(batch.images)
@@ -238,3 +339,14 @@ class StableDiffusionOnnx:
             raise InferenceError("the VAE produced NaN/inf values (fp16 overflow or corrupted weights)")
         image = np.clip(decoded / 2 + 0.5, 0.0, 1.0)
         return np.ascontiguousarray((image.transpose(0, 2, 3, 1) * 255).round().astype(np.uint8))
+
+
+def _output_dtype(model: OrtModel, name: str) -> type[np.generic]:
+    return numpy_dtype(next(o for o in model.session.get_outputs() if o.name == name).type)
+
+
+def _static_width(model: OrtModel, name: str) -> int:
+    width = next(o for o in model.session.get_outputs() if o.name == name).shape[-1]
+    if not isinstance(width, int):
+        raise ModelLoadError(f"{model.name} output {name} has no fixed last dimension ({width!r})")
+    return width

@@ -15,6 +15,10 @@ Unlike diffusers, the state is not cast back to the model dtype after the step: 
 On a GPU every node here has a CUDA kernel for float and float16 (Cast: onnxruntime/core/providers/cuda/tensor/
 cast_op.cc; Mul, MatMul: cuda/math/binary_elementwise_ops.cc, cuda/math/matmul.cc), so the arithmetic stays on
 the device; only ``Shape`` feeds the CPU, as a shape value.
+
+Without CFG (every image's guidance <= 1, e.g. Turbo at guidance 0) the UNet runs on the B conditional rows only:
+``build_step_graph(..., cfg=False)`` takes ``model_out`` [B,C,H,W] as both the uncond and text basis terms (their
+coefficients then sum to the model coefficient) and writes ``model_in`` [B,C,H,W].
 """
 
 from __future__ import annotations
@@ -56,21 +60,23 @@ def _from_compute(outputs: dict[str, int], calc: int) -> tuple[list[NodeProto], 
 
 
 def build_step_graph(unet_in: type[np.generic], unet_out: type[np.generic],
-                     compute: type[np.generic] = STATE_DTYPE) -> bytes:
+                     compute: type[np.generic] = STATE_DTYPE, cfg: bool = True) -> bytes:
     """Serialized ONNX model of the step. State inputs/outputs are float32; ``model_out`` is ``unet_out`` and
     ``model_in`` is ``unet_in`` (the UNet's output and sample input dtypes). ``compute`` is the arithmetic precision:
-    always float32 in the pipeline; float16 reproduces the old all-fp16 step, kept for the drift test."""
+    always float32 in the pipeline; float16 reproduces the old all-fp16 step, kept for the drift test. ``cfg``
+    False: the UNet ran on the conditional rows only (model_out and model_in have B rows, not 2B)."""
     unet, out, state, calc = _elem(unet_in), _elem(unet_out), _elem(STATE_DTYPE), _elem(compute)
     latent = ["B", "C", "H", "W"]
+    rows = "B2" if cfg else "B"
     inputs = [helper.make_tensor_value_info("sample", state, latent),
-              helper.make_tensor_value_info("model_out", out, ["B2", "C", "H", "W"]),
+              helper.make_tensor_value_info("model_out", out, [rows, "C", "H", "W"]),
               helper.make_tensor_value_info("prev", state, latent),
               helper.make_tensor_value_info("noise", state, latent),
               helper.make_tensor_value_info("coeffs", state, ["B", 2, 5]),
               helper.make_tensor_value_info("in_scale", state, [1])]
     outputs = [helper.make_tensor_value_info("next", state, latent),
                helper.make_tensor_value_info("denoised", state, latent),
-               helper.make_tensor_value_info("model_in", unet, ["B2", "C", "H", "W"])]
+               helper.make_tensor_value_info("model_in", unet, [rows, "C", "H", "W"])]
     flat = numpy_helper.from_array(np.array([0, 1, -1], dtype=np.int64), "flat_shape")
     cast_in, x = _to_compute({"sample": state, "model_out": out, "prev": state, "noise": state,
                               "coeffs": state, "in_scale": state}, calc)
@@ -78,7 +84,9 @@ def build_step_graph(unet_in: type[np.generic], unet_out: type[np.generic],
     nodes = [
         *cast_in,
         helper.make_node("Shape", ["sample"], ["shape"]),
-        helper.make_node("Split", [x["model_out"]], ["uncond", "text"], axis=0),
+        *([helper.make_node("Split", [x["model_out"]], ["uncond", "text"], axis=0)] if cfg else
+          [helper.make_node("Identity", [x["model_out"]], ["uncond"]),
+           helper.make_node("Identity", [x["model_out"]], ["text"])]),
         *[helper.make_node("Reshape", [x.get(name, name), "flat_shape"], [f"{name}_flat"]) for name in BASIS],
         helper.make_node("Concat", [f"{name}_flat" for name in BASIS], ["stack"], axis=1),  # [B,5,N]
         helper.make_node("MatMul", [x["coeffs"], "stack"], ["combined"]),  # [B,2,N]
@@ -86,7 +94,7 @@ def build_step_graph(unet_in: type[np.generic], unet_out: type[np.generic],
         helper.make_node("Reshape", ["next_flat", "shape"], [y["next"]]),
         helper.make_node("Reshape", ["denoised_flat", "shape"], [y["denoised"]]),
         helper.make_node("Mul", [y["next"], x["in_scale"]], ["scaled"]),
-        helper.make_node("Concat", ["scaled", "scaled"], [y["model_in"]], axis=0),
+        helper.make_node("Concat", ["scaled", "scaled"] if cfg else ["scaled"], [y["model_in"]], axis=0),
         *cast_out,
     ]
     return _model(nodes, "sdserve_scheduler_step", inputs, outputs, [flat])
@@ -102,6 +110,32 @@ def build_scale_graph(scale: float, out_dtype: type[np.generic]) -> bytes:
     return _model(nodes, "sdserve_latent_scale",
                   [helper.make_tensor_value_info("latents", _elem(STATE_DTYPE), latent)],
                   [helper.make_tensor_value_info("scaled", _elem(out_dtype), latent)], [factor])
+
+
+def build_text_join_graph(h1: type[np.generic], h2: type[np.generic], pooled: type[np.generic],
+                          hidden_out: type[np.generic], pooled_out: type[np.generic]) -> bytes:
+    """Serialized ONNX model of SDXL's conditioning on the device: ``hidden = concat(h1, h2, axis=-1) * keep`` and
+    ``text_embeds = pooled * keep``, where ``keep`` [B,1] float32 is 0 for rows conditioned on zeros (an empty
+    negative prompt under force_zeros_for_empty_prompt) and 1 otherwise; inputs in the encoders' output dtypes,
+    outputs in the UNet's input dtypes (float32 in between)."""
+    state = _elem(STATE_DTYPE)
+    elems = {"h1": _elem(h1), "h2": _elem(h2), "pooled": _elem(pooled), "keep": state}
+    cast_in, x = _to_compute(elems, state)
+    cast_out, y = _from_compute({"hidden": _elem(hidden_out), "text_embeds": _elem(pooled_out)}, state)
+    shape3 = numpy_helper.from_array(np.array([-1, 1, 1], dtype=np.int64), "keep_shape")
+    nodes = [*cast_in,
+             helper.make_node("Concat", [x["h1"], x["h2"]], ["joined"], axis=2),
+             helper.make_node("Reshape", [x["keep"], "keep_shape"], ["keep3"]),
+             helper.make_node("Mul", ["joined", "keep3"], [y["hidden"]]),
+             helper.make_node("Mul", [x["pooled"], x["keep"]], [y["text_embeds"]]),
+             *cast_out]
+    inputs = [helper.make_tensor_value_info("h1", elems["h1"], ["B", "T", "D1"]),
+              helper.make_tensor_value_info("h2", elems["h2"], ["B", "T", "D2"]),
+              helper.make_tensor_value_info("pooled", elems["pooled"], ["B", "P"]),
+              helper.make_tensor_value_info("keep", state, ["B", 1])]
+    outputs = [helper.make_tensor_value_info("hidden", _elem(hidden_out), ["B", "T", "D"]),
+               helper.make_tensor_value_info("text_embeds", _elem(pooled_out), ["B", "P"])]
+    return _model(nodes, "sdserve_text_join", inputs, outputs, [shape3])
 
 
 def step_coefficients(next_: Lin, denoised: Lin, guidance: np.ndarray) -> np.ndarray:
