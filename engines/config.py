@@ -27,17 +27,35 @@ class CudaOptions(BaseModel):
     arena_extend_strategy: Literal["kNextPowerOfTwo", "kSameAsRequested"] = "kSameAsRequested"
     """How the arena grows; kSameAsRequested avoids hoarding power-of-two blocks under varied shapes."""
     gpu_mem_limit_fraction: float = Field(0.9, gt=0.0, le=1.0)
-    """Arena cap as a fraction of the device's total memory."""
+    """Arena cap as a fraction of the served device's total memory (read by preflight through NVML); the
+    capability snapshot reports the byte limit (provider_options gpu_mem_limit, arena gpu_mem_limit_bytes)."""
     cudnn_conv_algo_search: Literal["EXHAUSTIVE", "HEURISTIC", "DEFAULT"] = "HEURISTIC"
     """Conv algorithm search; EXHAUSTIVE benchmarks every shape on first use (slow first requests)."""
     do_copy_in_default_stream: bool = True
     """Copies on the compute stream: simpler ordering, no cross-stream races."""
     enable_cuda_graph: bool = False
-    """CUDA graphs for static shapes only (one graph per session); off unless shapes are fixed."""
+    """Must stay false: refused at validation (see CUDA_GRAPH_REFUSAL)."""
     prefer_nhwc: bool = False
     """NHWC convolution kernels where available."""
     use_tf32: bool = True
     """TF32 math for fp32 matmul/conv on Ampere and newer."""
+
+    @model_validator(mode="after")
+    def _no_cuda_graph(self) -> CudaOptions:
+        if self.enable_cuda_graph:
+            raise ValueError(CUDA_GRAPH_REFUSAL)
+        return self
+
+
+CUDA_GRAPH_REFUSAL = (
+    "runtime.cuda.enable_cuda_graph = true is refused: ONNX Runtime replays a captured CUDA graph only with every "
+    "node on the CUDA provider, every input and output bound at the same device address as at capture, and one "
+    "gpu_graph_id run option per captured shape (onnxruntime/core/providers/cuda/cuda_execution_provider.cc, "
+    "the gpu_graph_id key in onnxruntime_run_options_config_keys.h, and the refusal 'cannot use the graph capture "
+    "feature' in core/session/inference_session.cc). This pipeline rebinds per-step inputs from the host (timestep, "
+    "scheduler coefficients), keeps shape arithmetic on the CPU, and serves shapes that vary per request (size, "
+    "batch): a graph would replay stale addresses or the wrong shape. Set enable_cuda_graph = false.")
+"""Why CUDA graphs are refused at config validation; the message a profile with them on fails with."""
 
 
 class TensorrtOptions(BaseModel):
@@ -72,16 +90,21 @@ class RuntimeSettings(BaseModel):
     intra_op_threads: int = Field(0, ge=0, le=256)
     """ORT intra-op threads; 0 lets ONNX Runtime choose."""
     placement_audit: bool = True
-    """Record per-node provider assignment and refuse sessions with non-allowlisted ops on the CPU (GPU policies)."""
+    """Record per-node provider assignment and refuse sessions with a CPU node on an activation's path (GPU
+    policies); CPU nodes that compute only on shape values are allowed and counted (engines/runtime/dataflow.py)."""
     cpu_allowlist: tuple[str, ...] = ("Shape", "Reshape", "Unsqueeze", "Squeeze", "Gather", "Concat", "Slice",
                                       "Cast", "ConstantOfShape", "Constant", "Range", "Equal", "Where", "Expand",
                                       "Identity", "Size", "NonZero")
-    """Shape ops allowed to stay on the CPU in a GPU session (CUDA leaves shape arithmetic on the host)."""
+    """Deprecated and ignored: the placement audit decides by data flow, not op name (an op-name list cannot tell
+    shape arithmetic from compute). Still accepted so existing profiles load; reported in the snapshot's policy."""
     disable_cpu_ep_fallback: bool = False
     """Also set session.disable_cpu_ep_fallback=1: ORT refuses any CPU node outright. Off by default because
     dynamic-shape models keep shape ops on the CPU; the placement audit is the finer check."""
     verify: Literal["full", "size", "off"] = "full"
     """Check model (and engine) files against their manifests at load: sha256 (full), sizes only, or not at all."""
+    manifest_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    """sha256 (lowercase hex) of the model's manifest.json, pinned in the profile or deployment. The manifest covers
+    every file of the model folder; this digest covers the manifest, so an edited manifest is refused (exit 23)."""
     ort_log_severity: int = Field(2, ge=0, le=4)
     """ORT log level during session creation (0 verbose .. 4 fatal); captured lines are classified."""
     cuda: CudaOptions = CudaOptions()
@@ -98,6 +121,9 @@ class RuntimeSettings(BaseModel):
                              "remove it, or set allow_cpu = true (dev profile only)")
         if self.providers[-1] != "CPUExecutionProvider" and "CPUExecutionProvider" in self.providers:
             raise ValueError("runtime.providers: CPUExecutionProvider must come last")
+        if self.manifest_sha256 and self.verify == "off":
+            raise ValueError("runtime.manifest_sha256 is pinned but runtime.verify is off: set verify = \"full\" "
+                             "(or \"size\"), or remove the pin")
         return self
 
     @property
@@ -128,8 +154,12 @@ def load_toml(path: Path, model: type[M], what: str) -> M:
         raise ConfigError(f"{path}: {exc}") from None
 
 
-SCHEDULER_NAMES: tuple[str, ...] = ("euler", "euler_a", "ddim", "dpmpp_2m")
-"""Scheduler names as the API accepts them (engines/diffusion/schedulers.py implements each)."""
+SCHEDULER_NAMES: tuple[str, ...] = (
+    "euler", "euler_a", "ddim", "dpmpp_2m", "dpmpp_2m_sde", "dpmpp_2m_sde_heun",
+    *(f"{sampler}_{schedule}" for sampler in ("euler", "euler_a", "dpmpp_2m", "dpmpp_2m_sde", "dpmpp_2m_sde_heun")
+      for schedule in ("karras", "exponential", "uniform", "sgm_uniform")))
+"""Scheduler names as the API accepts them: a sampler, then optionally a sigma schedule (DDIM takes none).
+engines/diffusion/schedulers.py implements each, in this order (tests/unit/test_samplers_a1111.py checks)."""
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -227,6 +257,18 @@ class Canary(BaseModel):
     seed: int = Field(..., ge=0, le=2**32 - 1)
 
 
+class FamilyCanaries(BaseModel):
+    """A model family's canary set ([family.<name>] in configs/canaries.toml): what it sets replaces the suite's."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    steps: int | None = Field(None, ge=1, le=100)
+    scheduler: str | None = None
+    guidance_scale: float | None = Field(None, ge=0, le=30)
+    canary: tuple[Canary, ...] = ()
+    """Prompts of this family's canaries; empty: the suite's."""
+
+
 class CanarySuite(BaseModel):
     """configs/canaries.toml"""
 
@@ -236,6 +278,17 @@ class CanarySuite(BaseModel):
     scheduler: str = "euler"
     guidance_scale: float = Field(7.5, ge=0, le=30)
     canary: tuple[Canary, ...] = Field(..., min_length=1)
+    family: dict[str, FamilyCanaries] = {}
+    """Per model family (sd1, sd2, sdxl, turbo): the canary set the self-test and watchdog run for it."""
+
+    def for_family(self, name: str) -> CanarySuite:
+        """The suite a model of family ``name`` runs: this one with the family's table applied."""
+        table = self.family.get(name)
+        if table is None:
+            return self
+        update: dict[str, object] = {k: v for k, v in (("steps", table.steps), ("scheduler", table.scheduler),
+                                                        ("guidance_scale", table.guidance_scale)) if v is not None}
+        return self.model_copy(update={**update, "canary": table.canary or self.canary, "family": {}})
 
     def batch(self, shape: Shape) -> Batch:
         specs = []

@@ -18,8 +18,17 @@ from engines import artifacts
 from engines.config import Canary, CanarySuite, Matrix, RuntimeSettings, SelfTestPlan, Shape, SignatureThresholds
 from engines.diffusion.pipeline import StableDiffusionOnnx
 from engines.diffusion.schedulers import SCHEDULERS
-from engines.errors import ArtifactError, GpuUnavailableError, NotReadyError, SelfTestError, VersionMismatchError
+from engines.errors import (
+    ArtifactError,
+    GpuUnavailableError,
+    InferenceError,
+    InvalidRequestError,
+    NotReadyError,
+    SelfTestError,
+    VersionMismatchError,
+)
 from engines.health import selftest, signature
+from engines.health.integrity import IntegrityWatcher
 from engines.health.preflight import Check, Observations, evaluate, failures, gather
 from engines.protocol import (
     Artifacts,
@@ -40,14 +49,18 @@ from engines.protocol import (
     Policy,
     SelfTestReport,
     Signature,
+    StepHook,
     TelemetrySource,
     Verdict,
     fingerprint,
 )
+from engines.runtime.libdeps import preload
 from engines.runtime.ortlog import StderrTee
-from engines.runtime.sessions import Runtime, SessionReport, provider_options
+from engines.runtime.sessions import Runtime, SessionReport, gpu_mem_limit, provider_options
 
 log = logging.getLogger(__name__)
+ANY = "*"
+"""The key of the one pipeline that serves every size (no per-size TensorRT engines)."""
 
 
 def _describe(checks: list[Check]) -> str:
@@ -68,7 +81,8 @@ class OrtEngine:
         self.faults = faults
         self._report: SelfTestReport | None = None
         self._boot_fingerprint: np.ndarray | None = None
-        self._pipeline: StableDiffusionOnnx | None = None
+        self._pipelines: dict[str, StableDiffusionOnnx] = {}
+        """Per served size ("512x512") with prebuilt TensorRT engines (one engine per size); else one, under ANY."""
         self._runtime: Runtime | None = None
         self._lock = threading.Lock()
         self._observations: Observations | None = None
@@ -84,6 +98,8 @@ class OrtEngine:
         raises: version mismatches (exit 21) before a missing GPU path (exit 20)."""
         if self._tee is not None and not self._tee.running:
             self._tee.start()
+        if self.settings.device == "cuda":  # what preflight resolves is what sessions will load: preload first
+            preload(tensorrt="TensorrtExecutionProvider" in self.settings.providers)
         self._observations = gather()
         self._checks = evaluate(self._observations, self.matrix, self.settings)
         gpu, versions = failures(self._checks)
@@ -100,44 +116,74 @@ class OrtEngine:
         """Verify artifacts, then build every session under the policy."""
         try:
             sources = self._verify_artifacts()
-            self._runtime = Runtime(self.settings, self.model_dir)
-            self._pipeline = StableDiffusionOnnx(self.model_dir, self._runtime, sources)
-            p = self._pipeline
+            self._integrity = IntegrityWatcher(self.model_dir)  # what was just verified, watched after boot
+            self._runtime = Runtime(self.settings, self.model_dir, self._device_total())
+            self._pipelines = {size: StableDiffusionOnnx(self.model_dir, self._runtime, parts,
+                                                         "" if size == ANY else f"@{size}")
+                               for size, parts in sources.items()}
+            p = self.pipeline
+            f = p.family
             self._info = ModelInfo(self.model_dir.name, p.size_multiple, p.default_size, tuple(SCHEDULERS),
-                                   p.tokenizer.max_length, _unet_digest(self.model_dir))
+                                   p.tokenizer.max_length, _unet_digest(self.model_dir), f.name,
+                                   f.prediction_type, f.text_encoders, f.vae_scaling_factor, f.cfg_default,
+                                   f.default_steps, f.default_guidance)
+            log.info("model %s: %s", self.model_dir.name, f.describe())
+            if self.plan is not None:  # the family's canary set (configs/canaries.toml [family.<name>])
+                self.plan = dataclasses.replace(self.plan, suite=self.plan.suite.for_family(f.name))
         except NotReadyError as exc:
             self._errors.append(str(exc))
             raise
         if self.settings.allow_cpu:
             log.warning("CPU execution allowed by the profile: this server is NOT accelerated")
 
-    def _verify_artifacts(self) -> dict[str, Path]:
+    def _device_total(self) -> int | None:
+        """The served device's total memory from preflight's NVML reading (matched by PCI bus id)."""
+        if self._observations is None or self.settings.device != "cuda":
+            return None
+        return self._observations.memory_total(self.settings.device_id)
+
+    def _verify_artifacts(self) -> dict[str, dict[str, Path]]:
         """The model folder against its manifest; with TensorRT in the policy, the prebuilt engines against this
-        node. Returns the EP-context models to load instead of the plain ONNX files."""
-        artifacts.verify_model(self.model_dir, self.settings.verify)
+        node. Returns, per served size, the EP-context models to load instead of the plain ONNX files (one engine
+        per size: engines/artifacts.py context_models); {ANY: {}} for the plain model at every size."""
+        artifacts.verify_model(self.model_dir, self.settings.verify, self.settings.manifest_sha256)
         self._artifacts = Artifacts(model_manifest=f"verified ({self.settings.verify})")
         trt = self.model_dir / artifacts.TRT_DIR
         if "TensorrtExecutionProvider" not in self.settings.providers:
-            return {}
+            return {ANY: {}}
         if not (trt / "manifest.json").is_file():
             if self.settings.tensorrt.require_engines:
                 raise ArtifactError(
                     f"no prebuilt TensorRT engines in {trt}: build them with `sdserve engines build` on a node with "
                     "the deployed versions (the server never builds engines in production)")
             log.warning("no prebuilt TensorRT engines in %s: TensorRT may build them on this node (slow boot)", trt)
-            return {}
+            return {ANY: {}}
         live = artifacts.node_identity(self._observations.to_model().model_dump() if self._observations else {},
                                        self.settings.device_id)
         found = artifacts.verify_engines(self.model_dir, live, self.settings.verify)
         self._artifacts = self._artifacts.model_copy(update={"engines": EngineArtifacts.model_validate(found)})
-        return {c: trt / f"{c}_ctx.onnx" for c in ("text_encoder", "unet", "vae_decoder")
-                if (trt / f"{c}_ctx.onnx").is_file()}
+        per_size = artifacts.context_models(self.model_dir)
+        if not per_size:
+            raise ArtifactError(f"the engine manifest in {trt} lists no served sizes: rebuild with `sdserve engines "
+                                "build`")
+        return per_size
 
     @property
     def pipeline(self) -> StableDiffusionOnnx:
-        if self._pipeline is None:
+        """The first loaded pipeline (all share the model's configs and tokenizer)."""
+        if not self._pipelines:
             raise NotReadyError("model not loaded")
-        return self._pipeline
+        return next(iter(self._pipelines.values()))
+
+    def _pipeline_for(self, batch: Batch) -> StableDiffusionOnnx:
+        if not self._pipelines:
+            raise NotReadyError("model not loaded")
+        size = f"{batch.width}x{batch.height}"
+        found = self._pipelines.get(size) or self._pipelines.get(ANY)
+        if found is None:
+            raise InvalidRequestError(f"size {size} has no prebuilt TensorRT engine on this server; served sizes: "
+                                      f"{', '.join(self._pipelines)}", param="size")
+        return found
 
     @property
     def info(self) -> ModelInfo:
@@ -165,10 +211,22 @@ class OrtEngine:
                 self._report = exc.report
             self._errors.append(str(exc))
             raise
+        self.check_engine_builds("self-test warm-up at every served shape")
         first = plan.shapes[0]
         self._boot_fingerprint = fingerprint(np.asarray(self.generate(plan.suite.batch(
             Shape(first.width, first.height, 1))).images[0].image))
         return self._report
+
+    def check_engine_builds(self, stage: str) -> None:
+        """After the first run at each served shape: TensorRT's engine cache must be unchanged since load (an
+        on-node build otherwise; ArtifactError when the profile forbids them). Self-test calls it."""
+        if self._runtime is None:
+            return
+        try:
+            self._runtime.check_engine_cache(stage)
+        except ArtifactError as exc:
+            self._errors.append(str(exc))
+            raise
 
     def record_fingerprints(self) -> Path:
         return selftest.record(self.resolved_plan(), self.generate, self.model_dir)
@@ -189,23 +247,33 @@ class OrtEngine:
         problem = selftest.sanity(image)
         return CanaryCheck(shape.key, seconds, baseline, distance, plan.tolerance, problem)
 
-    def generate(self, batch: Batch) -> BatchResult:
-        pipeline = self.pipeline
+    def generate(self, batch: Batch, on_step: StepHook | None = None) -> BatchResult:
+        """Run ``batch``; an all-black image (or NaN/inf from the VAE) is refused with InferenceError, never
+        returned as a picture."""
+        pipeline = self._pipeline_for(batch)
         with self._lock:
-            out = pipeline(batch)
+            out = pipeline(batch, on_step=on_step)
             if self.faults is not None and self.faults.latency_s > 0:
                 time.sleep(self.faults.latency_s)
+        for index, image in enumerate(out.images):
+            if selftest.sanity(image) == "all-black image":
+                raise InferenceError(f"image {index} of the batch is an all-black image (an fp16 overflow or broken "
+                                     "weights): refused, not returned")
         images = tuple(GeneratedImage(Image.fromarray(img), spec.seed, trunc, neg)
                        for img, spec, trunc, neg in zip(out.images, batch.images, out.truncated,
                                                         out.negative_truncated, strict=True))
-        return BatchResult(images, self.provider, out.timings, len(images))
+        return BatchResult(images, self.provider, out.timings, len(images), out.steps_done,
+                           out.steps_done < batch.steps)
 
     @property
     def provider(self) -> str:
         return str(self.pipeline.unet.session.get_providers()[0])
 
     def check_health(self) -> None:
+        """NotReadyError when not loaded, or naming each model file that changed on disk since load (the
+        watchdog calls this; only files whose size/mtime changed are hashed again)."""
         self.pipeline  # noqa: B018 - raises NotReadyError when not loaded
+        self._integrity.check()
 
     def telemetry(self) -> TelemetrySource | None:
         """NVML on a GPU policy (preflight has already proven it starts); none on the CPU."""
@@ -214,7 +282,10 @@ class OrtEngine:
         try:
             from engines.health.telemetry import NvmlTelemetry
 
-            return NvmlTelemetry()
+            obs = self._observations
+            mapping = ({self.settings.device_id: index} if obs is not None and
+                       (index := obs.nvml_index(self.settings.device_id)) is not None else None)
+            return NvmlTelemetry(mapping)
         except Exception as exc:  # pynvml's NVMLError family; preflight reports the cause with its exit code
             log.error("NVML unavailable for the watchdog: %s", exc)
             return None
@@ -226,11 +297,12 @@ class OrtEngine:
         return self._tee.drain() if self._tee is not None else []
 
     def _accelerated(self) -> bool:
-        if self.settings.device != "cuda" or self._pipeline is None or self._runtime is None:
+        if self.settings.device != "cuda" or not self._pipelines or self._runtime is None:
             return False
         reports = self._runtime.reports.values()
         return (all(c.status != "fail" for c in self._checks) and bool(self._checks)
-                and all(r.providers_used[:1] and r.providers_used[0] != "CPUExecutionProvider" for r in reports)
+                and all(r.providers_used[:1] and r.providers_used[0] != "CPUExecutionProvider"
+                        and set(r.providers_requested) <= set(r.providers_used) for r in reports)
                 and all(r.placement is None or r.placement.ok for r in reports))
 
     def capabilities(self) -> Capabilities:
@@ -251,7 +323,7 @@ class OrtEngine:
             policy=Policy(providers=s.providers, allow_cpu=s.allow_cpu, enable_fallback=s.allow_cpu,
                           disable_cpu_ep_fallback=s.disable_cpu_ep_fallback, placement_audit=s.placement_audit,
                           cpu_allowlist=s.cpu_allowlist),
-            provider_options=dict(provider_options(s, self.model_dir)),
+            provider_options=dict(provider_options(s, self.model_dir, self._device_total())),
             checks=tuple(c.to_model() for c in self._checks),
             observations=self._observations.to_model() if self._observations else None,
             sessions={name: r.to_model() for name, r in reports.items()},
@@ -261,15 +333,16 @@ class OrtEngine:
             io=IoInfo(binding="iobinding", device=s.device,
                       host_staging=self._runtime.host.kind if self._runtime else "none",
                       buffers_reused_per_shape=True),
-            arena=s.cuda.model_dump(), artifacts=self._artifacts, attention=_attention(reports),
-            self_test=self._report)
+            arena={**s.cuda.model_dump(), "gpu_mem_limit_bytes": gpu_mem_limit(s, self._device_total()) or 0},
+            artifacts=self._artifacts, attention=_attention(reports),
+            self_test=self._report, family=self._info.family_summary() if self._info else {})
 
     def close(self) -> None:
         if self._runtime is not None:
             self._runtime.close()
         if self._tee is not None:
             self._tee.stop()
-        self._pipeline = None
+        self._pipelines = {}
         self._runtime = None
 
 

@@ -7,6 +7,7 @@ signature and ORT log events are frozen types, and their JSON shape is their ``m
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
@@ -53,6 +54,10 @@ class Batch:
     scheduler: str = "euler"
     truncate_prompts: bool = True
     """Over-long prompts: truncate (reported per image) or refuse with InvalidRequestError (tokenized once)."""
+    original_size: tuple[int, int] | None = None
+    """SDXL micro-conditioning: the (height, width) the image claims to come from; None = the target size."""
+    crops_coords_top_left: tuple[int, int] = (0, 0)
+    """SDXL micro-conditioning: the (top, left) crop it claims; (0, 0) as diffusers."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,11 @@ class Timings:
     total: float = 0.0
 
 
+StepHook = Callable[[int, int], bool]
+"""Called after each denoising step with (steps done, steps in total); returning False stops the batch at this step
+boundary: the images are decoded from the latents so far (A1111's interrupt)."""
+
+
 @dataclass(frozen=True)
 class BatchResult:
     images: tuple[GeneratedImage, ...]
@@ -81,6 +91,9 @@ class BatchResult:
     timings: Timings = Timings()
     batch_images: int = 0
     """Images in the batch that actually executed (micro-batching may merge requests); 0 = len(images)."""
+    steps_done: int = 0
+    """Denoising steps that ran; fewer than the batch's steps when a StepHook stopped it."""
+    interrupted: bool = False
 
     @property
     def executed(self) -> int:
@@ -99,6 +112,22 @@ class ModelInfo:
     max_prompt_tokens: int
     digest: str = ""
     """sha256 of the UNet file from the model's manifest, read once at load ("" when there is no manifest)."""
+    family: str = "sd1"
+    """sd1 | sd2 | sdxl | turbo (engines/diffusion/family.py); ``default_size`` is its native size."""
+    prediction_type: str = "epsilon"
+    text_encoders: int = 1
+    vae_scaling_factor: float = 0.18215
+    cfg_default: bool = True
+    """Whether the family's default guidance runs classifier-free guidance (Turbo: no, guidance 0)."""
+    default_steps: int = 20
+    default_guidance: float = 7.5
+
+    def family_summary(self) -> dict[str, str | int | float | bool]:
+        """The family fields as /v1/models, /sdapi/v1/sd-models and /capabilities report them."""
+        return {"family": self.family, "native_size": self.default_size, "prediction_type": self.prediction_type,
+                "text_encoders": self.text_encoders, "vae_scaling_factor": self.vae_scaling_factor,
+                "cfg_default": self.cfg_default, "default_steps": self.default_steps,
+                "default_guidance": self.default_guidance}
 
 
 @dataclass(frozen=True)
@@ -278,6 +307,12 @@ class Placement(_Frozen):
     attention: dict[str, int]
     """provider -> count of fused attention nodes."""
     ok: bool
+    shape_path: dict[str, int] = {}
+    """op_type -> CPU nodes computing only on shape values (allowed by the data-flow audit)."""
+    activation_on_cpu: tuple[str, ...] = ()
+    """'OpType name' of CPU nodes on an activation's path (refused in production)."""
+    unmatched: tuple[str, ...] = ()
+    """CPU node names the partitioned graph does not hold (refused: fail closed)."""
 
 
 class SessionInfo(_Frozen):
@@ -340,6 +375,8 @@ class Capabilities(_Frozen):
     artifacts: Artifacts
     attention: Attention
     self_test: SelfTestReport | None
+    family: dict[str, str | int | float | bool] = {}
+    """The served model's family (ModelInfo.family_summary); empty before the model loads."""
 
 
 class Engine(Protocol):
@@ -354,8 +391,9 @@ class Engine(Protocol):
     def self_test(self) -> SelfTestReport:
         """Run canaries on the loaded model; raises SelfTestError when the output or latency is wrong."""
 
-    def generate(self, batch: Batch) -> BatchResult:
-        """Run one batch; raises InvalidRequestError for requests the model cannot serve."""
+    def generate(self, batch: Batch, on_step: StepHook | None = None) -> BatchResult:
+        """Run one batch; raises InvalidRequestError for requests the model cannot serve. ``on_step`` reports
+        progress after every step and may stop the batch there."""
 
     def canary(self) -> CanaryCheck:
         """Run one canary now (the watchdog calls this while no request runs)."""

@@ -27,6 +27,60 @@ class ServerSettings(BaseModel):
     """Interface to bind."""
     port: int = Field(8000, ge=0, le=65535)
     """TCP port; 0 picks a free one and logs it."""
+    max_connections: int = Field(1000, ge=8, le=1_000_000)
+    """Open TCP connections at most (lowered at start to fit under RLIMIT_NOFILE). One more closes the oldest
+    connection that has not sent a complete request head, else is refused at once with 503."""
+    header_timeout_s: float = Field(10.0, gt=0, le=300)
+    """Seconds a connection may take to send a complete request head (a new connection, or a kept-alive one
+    between requests); then it is closed."""
+    public_base_url: str = ""
+    """Base of the links response_format=url returns (e.g. https://img.example.com); empty: relative links. Never
+    built from the request's Host header."""
+    url_store_max_bytes: int = Field(64 << 20, ge=1 << 20, le=16 << 30)
+    """PNG bytes kept for response_format=url (oldest dropped first), besides the 256-image count bound."""
+    cors_origins: tuple[str, ...] = ()
+    """Browser origins allowed to call the API (e.g. "https://chat.example.com", or "*"); empty: CORS off (no
+    CORS headers, preflights are answered like any other request)."""
+    log_prompts: bool = False
+    """Put the prompt in the access-log line. Off: prompts are never logged."""
+
+    @model_validator(mode="after")
+    def _base_url(self) -> ServerSettings:
+        url = self.public_base_url
+        if url and (not url.startswith(("http://", "https://")) or any(c in url for c in "?#\\ ")
+                    or not url.isascii()):
+            raise ValueError(f"server.public_base_url {url!r} must be an http(s) URL without query or fragment")
+        for origin in self.cors_origins:
+            scheme, _, host = origin.partition("://")
+            if origin != "*" and (scheme not in ("http", "https") or not host or not origin.isascii()
+                                  or any(c in host for c in "/?#\\ *")):
+                raise ValueError(f"server.cors_origins: {origin!r} must be \"*\" or an origin like "
+                                 "https://chat.example.com (scheme, host, optional port; no path)")
+        return self
+
+
+class ApiSettings(BaseModel):
+    """How client-facing names map onto what this server serves."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_aliases: tuple[str, ...] = ()
+    """OpenAI ``model`` names that run the served model (e.g. "dall-e-2", "gpt-image-1", so clients' defaults
+    work); the response's x-sdserve-model header names the model that ran. Any other name is a 400."""
+    quality_steps: dict[str, int] = {}
+    """OpenAI ``quality`` values honoured, each as a number of denoising steps (e.g. {standard = 20, hd = 40});
+    "auto" means the profile's default steps. Any other value is a 400 listing these."""
+
+    @model_validator(mode="after")
+    def _check(self) -> ApiSettings:
+        for alias in self.model_aliases:
+            if not alias.strip() or len(alias) > 128:
+                raise ValueError(f"api.model_aliases: {alias!r} must be a non-empty name of at most 128 characters")
+        for quality, steps in self.quality_steps.items():
+            if quality == "auto" or not 1 <= steps <= 200:
+                raise ValueError(f"api.quality_steps.{quality}: steps must be 1..200 and \"auto\" is built in "
+                                 "(the profile's default steps)")
+        return self
 
 
 class Limits(BaseModel):
@@ -60,6 +114,13 @@ class Defaults(BaseModel):
         if self.scheduler not in SCHEDULER_NAMES:
             raise ValueError(f"defaults.scheduler {self.scheduler!r} is not one of {sorted(SCHEDULER_NAMES)}")
         return self
+
+
+FAMILIES = ("sd1", "sd2", "sdxl", "turbo")
+"""Model families the engine reports (engines/diffusion/family.py)."""
+FAMILY_DEFAULTS = {"turbo": Defaults(steps=1, guidance_scale=0.0, scheduler="euler")}
+"""Built-in request defaults where the profile's [defaults] would be wrong for the family: few-step (Turbo)
+models are distilled for 1-4 steps without CFG (their model cards: 1 step, guidance 0)."""
 
 
 class Serving(BaseModel):
@@ -186,6 +247,15 @@ class Settings(BaseModel):
     queue: QueueSettings = QueueSettings()
     auth: AuthSettings = AuthSettings()
     debug: DebugSettings = DebugSettings()
+    api: ApiSettings = ApiSettings()
+    family_defaults: dict[str, Defaults] = {}
+    """Request defaults per model family ([family_defaults.turbo], [family_defaults.sdxl], ...), used instead of
+    [defaults] when the served model is of that family. Turbo has built-in ones (1 step, guidance 0)."""
+
+    def defaults_for(self, family: str) -> Defaults:
+        """The request defaults for a model of ``family``: the profile's table for it, else the built-in one,
+        else [defaults]."""
+        return self.family_defaults.get(family) or FAMILY_DEFAULTS.get(family) or self.defaults
 
     @model_validator(mode="after")
     def _cross(self) -> Settings:
@@ -196,6 +266,12 @@ class Settings(BaseModel):
             raise ValueError("debug.fault_injection is allowed in the dev profile only")
         if self.defaults.steps > self.limits.max_steps:
             raise ValueError(f"defaults.steps {self.defaults.steps} exceeds limits.max_steps {self.limits.max_steps}")
+        for family, defaults in self.family_defaults.items():
+            if family not in FAMILIES:
+                raise ValueError(f"family_defaults.{family}: unknown family; expected one of {list(FAMILIES)}")
+            if defaults.steps > self.limits.max_steps:
+                raise ValueError(f"family_defaults.{family}.steps {defaults.steps} exceeds limits.max_steps "
+                                 f"{self.limits.max_steps}")
         return self
 
 

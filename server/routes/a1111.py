@@ -12,48 +12,82 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from engines.errors import InvalidRequestError
-from server.schemas import ImageGenerationRequest, Prompt
+from engines.protocol import ModelInfo
+from server.a1111_options import OptionsStore
+from server.middleware import api_key_id
+from server.schemas import ImageGenerationRequest, Prompt, Text, error_responses
 from server.service import b64
 
 router = APIRouter(prefix="/sdapi/v1", tags=["automatic1111"])
 
-SAMPLERS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "Euler": ("euler", ("k_euler",)),
-    "Euler a": ("euler_a", ("k_euler_a",)),
-    "DDIM": ("ddim", ()),
-    "DPM++ 2M": ("dpmpp_2m", ("k_dpmpp_2m",)),
+SAMPLERS: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "Euler": ("euler", ("k_euler",), ""),
+    "Euler a": ("euler_a", ("k_euler_a", "k_euler_ancestral"), ""),
+    "DDIM": ("ddim", (), ""),
+    "DPM++ 2M": ("dpmpp_2m", ("k_dpmpp_2m",), "karras"),
+    "DPM++ 2M SDE": ("dpmpp_2m_sde", ("k_dpmpp_2m_sde",), "exponential"),
+    "DPM++ 2M SDE Heun": ("dpmpp_2m_sde_heun", ("k_dpmpp_2m_sde_heun",), "exponential"),
 }
-_BY_NAME = {alias.lower(): ours for name, (ours, aliases) in SAMPLERS.items() for alias in (name, *aliases)}
+"""A1111 sampler -> (our sampler, A1111's aliases, the schedule A1111's "Automatic" means for it: its
+modules/sd_samplers_kdiffusion.py ``options["scheduler"]``; "" = the model's own scheduler_config, as for Euler)."""
+SCHEDULES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "Automatic": ("", ("automatic",)), "Uniform": ("uniform", ("uniform",)), "Karras": ("karras", ("karras",)),
+    "Exponential": ("exponential", ("exponential",)), "SGM Uniform": ("sgm_uniform", ("sgm_uniform", "SGMUniform")),
+}
+"""A1111 schedule type (modules/sd_schedulers.py label) -> (our scheduler-name suffix, A1111's name and aliases)."""
+UNSERVED: dict[str, str] = {
+    **dict.fromkeys(("DPM++ SDE", "DPM++ 2S a", "Heun", "DPM2", "DPM2 a", "DPM adaptive", "Restart"),
+                    "it calls the model more than once per step"),
+    **dict.fromkeys(("LMS", "PLMS", "UniPC", "DPM++ 3M SDE"), "it needs more than one previous step's prediction"),
+    "DPM fast": "it calls the model a varying number of times per step",
+    "DDIM CFG++": "it re-noises with the unconditional prediction alone",
+    "LCM": "it needs LCM-distilled weights",
+}
+"""A1111 samplers sdserve refuses, and why (engines/diffusion/schedulers.py's docstring has the details)."""
+_BY_NAME = {alias.lower(): name for name, (_, aliases, _) in SAMPLERS.items() for alias in (name, *aliases)}
+_SCHEDULE_BY_NAME = {alias.lower(): label for label, (_, aliases) in SCHEDULES.items() for alias in (label, *aliases)}
+_A1111_SCHEDULES = ("Polyexponential", "KL Optimal", "Align Your Steps", "Simple", "Normal", "Beta",
+                    "Karras Exponential")
+"""A1111's other schedule types (refused): recognized as a suffix of a legacy sampler name."""
 
 
 class Txt2ImgRequest(BaseModel):
     """The A1111 txt2img fields sdserve honours; other A1111 fields are accepted and ignored."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     prompt: Prompt = Field(..., description="What to draw.")
-    negative_prompt: str = ""
+    negative_prompt: Text = ""
     seed: int = Field(-1, ge=-1, le=2**32 - 1, description="-1 = random")
-    steps: int | None = Field(None, ge=1)
+    steps: int | None = Field(None, ge=1, le=200)
     cfg_scale: float | None = Field(None, ge=0, le=30)
-    width: int | None = Field(None, ge=1)
-    height: int | None = Field(None, ge=1)
-    batch_size: int = Field(1, ge=1)
-    n_iter: int = Field(1, ge=1)
-    sampler_name: str | None = Field(None, description="Euler, Euler a, DDIM, DPM++ 2M")
+    width: int | None = Field(None, ge=1, le=4096)
+    height: int | None = Field(None, ge=1, le=4096)
+    batch_size: int = Field(1, ge=1, le=16)
+    n_iter: int = Field(1, ge=1, le=16)
+    sampler_name: str | None = Field(None, description="GET /sdapi/v1/samplers lists them; a legacy name with a "
+                                     "schedule (\"DPM++ 2M Karras\") works too")
     sampler_index: str | None = Field(None, description="legacy alias of sampler_name")
-    scheduler: str | None = Field(None, description="A1111 noise schedule; only Automatic is supported")
+    scheduler: str | None = Field(None, description="A1111 schedule type: Automatic (the sampler's A1111 default), "
+                                  "Uniform, Karras, Exponential or SGM Uniform; DDIM takes Automatic only")
     # Features sdserve does not implement: accepted only when off, refused (422) rather than silently ignored.
     enable_hr: bool = False
     restore_faces: bool = False
     tiling: bool = False
     script_name: str | None = None
     alwayson_scripts: dict[str, Any] = Field(default_factory=dict)
+    styles: list[str] = Field(default_factory=list, description="sdserve has no styles: any style is a 422")
+    override_settings: dict[str, Any] = Field(default_factory=dict, description="only what sdserve already does "
+                                              "(e.g. sd_model_checkpoint naming the served model); else 422")
+    override_settings_restore_afterwards: bool = True
 
     def refuse_unsupported(self) -> None:
         for name in ("enable_hr", "restore_faces", "tiling", "script_name", "alwayson_scripts"):
             if getattr(self, name):
                 raise InvalidRequestError(f"{name} is not supported by sdserve", param=name)
+        if self.styles:
+            raise InvalidRequestError(f"unknown style {self.styles[0][:64]!r}: sdserve has no styles "
+                                      "(GET /sdapi/v1/prompt-styles lists none)", param="styles")
 
 
 class Txt2ImgResponse(BaseModel):
@@ -63,16 +97,52 @@ class Txt2ImgResponse(BaseModel):
     """JSON text, as A1111 returns it."""
 
 
+def _split_schedule(name: str) -> tuple[str, str | None]:
+    """A legacy combined name ("DPM++ 2M Karras") -> ("DPM++ 2M", "Karras"), as A1111's
+    modules/sd_samplers.py get_sampler_and_scheduler strips a schedule label, name or alias."""
+    samplers = {*_BY_NAME, *(s.lower() for s in UNSERVED)}
+    for suffix in (*_SCHEDULE_BY_NAME, *(s.lower() for s in _A1111_SCHEDULES)):
+        if name.lower().endswith(" " + suffix) and name[: -len(suffix) - 1].lower() in samplers:
+            return name[: -len(suffix) - 1], name[-len(suffix):]
+    return name, None
+
+
+def resolve_sampler(name: str, schedule: str | None = None) -> str:
+    """The API scheduler name for an A1111 sampler name or alias and schedule type ("DPM++ 2M", "Karras" ->
+    "dpmpp_2m_karras"); a schedule in the name wins, as in A1111. Raises InvalidRequestError (422) naming what is
+    refused and listing what is served."""
+    base, suffix = _split_schedule(name)
+    label = _BY_NAME.get(base.lower())
+    if label is None:
+        why = next((f": sdserve does not implement it ({reason})" for s, reason in UNSERVED.items()
+                    if s.lower() == base.lower()), "")
+        raise InvalidRequestError(f"unknown sampler {name!r}{why}; available: {list(SAMPLERS)}",
+                                  param="sampler_name")
+    ours, _, automatic = SAMPLERS[label]
+    wanted = suffix or schedule or "Automatic"
+    known = _SCHEDULE_BY_NAME.get(wanted.lower())
+    if known is None or (ours == "ddim" and known != "Automatic"):
+        offered = ["Automatic"] if ours == "ddim" else list(SCHEDULES)
+        raise InvalidRequestError(f"scheduler {wanted!r} is not supported with {label}; available: {offered}",
+                                  param="scheduler")
+    chosen = SCHEDULES[known][0] or automatic
+    return f"{ours}_{chosen}" if chosen else ours
+
+
+def sampler_label(ours: str) -> str:
+    """The A1111 sampler name of an API scheduler name ("dpmpp_2m_karras" -> "DPM++ 2M")."""
+    for suffix in sorted((s for s, _ in SCHEDULES.values() if s), key=len, reverse=True):
+        ours = ours.removesuffix("_" + suffix)
+    return next(name for name, (base, _, _) in SAMPLERS.items() if base == ours)
+
+
 def _sampler(req: Txt2ImgRequest) -> str | None:
     name = req.sampler_name or req.sampler_index
     if name is None:
+        if (req.scheduler or "automatic").lower() != "automatic":
+            raise InvalidRequestError("a scheduler other than Automatic needs a sampler_name", param="scheduler")
         return None
-    ours = _BY_NAME.get(name.lower())
-    if ours is None:
-        raise InvalidRequestError(f"unknown sampler {name!r}; available: {list(SAMPLERS)}", param="sampler_name")
-    if req.scheduler not in (None, "", "Automatic", "automatic"):
-        raise InvalidRequestError(f"scheduler {req.scheduler!r} is not supported (only Automatic)", param="scheduler")
-    return ours
+    return resolve_sampler(name, req.scheduler)
 
 
 def _openai_request(req: Txt2ImgRequest, seed: int) -> ImageGenerationRequest:
@@ -84,12 +154,14 @@ def _openai_request(req: Txt2ImgRequest, seed: int) -> ImageGenerationRequest:
         model=None, user=None, quality=None, style=None)
 
 
-@router.post("/txt2img", response_model=Txt2ImgResponse)
+@router.post("/txt2img", response_model=Txt2ImgResponse,
+             responses=error_responses(400, 401, 413, 422, 429, 500, 503, 504, validation=True))
 async def txt2img(req: Txt2ImgRequest, request: Request, response: Response) -> Txt2ImgResponse:
     """batch_size images per iteration, n_iter iterations; image i uses seed + i."""
     service = request.app.state.service
     service.require_ready()
     req.refuse_unsupported()
+    OptionsStore().check(req.override_settings, request.app.state.engine.info, "override_settings.")
     max_n = request.app.state.settings.limits.max_n
     for name, value in (("batch_size", req.batch_size), ("n_iter", req.n_iter)):
         if value > max_n:
@@ -99,23 +171,29 @@ async def txt2img(req: Txt2ImgRequest, request: Request, response: Response) -> 
     seed = req.seed if req.seed >= 0 else secrets.randbelow(2**32 - 1024)
     batches = [service.to_batch(_openai_request(req, seed + i * req.batch_size)) for i in range(req.n_iter)]
     timeout = request.headers.get("x-sdserve-timeout-s")
-    outs = await asyncio.gather(*(service.run(b, timeout, request.is_disconnected) for b in batches))
+    owner = api_key_id(request.scope)
+    outs = await asyncio.gather(*(service.run(b, timeout, request.is_disconnected, owner) for b in batches))
     outs[-1].trace_headers(response)
     warnings = outs[0].warnings
     first = batches[0]
     seeds = [g.seed for out in outs for g in out.result.images]
     info = {"prompt": req.prompt, "negative_prompt": req.negative_prompt, "seed": seeds[0], "all_seeds": seeds,
             "all_prompts": [req.prompt] * len(seeds), "width": first.width, "height": first.height,
-            "sampler_name": next(k for k, v in SAMPLERS.items() if v[0] == first.scheduler), "cfg_scale":
+            "sampler_name": sampler_label(first.scheduler), "cfg_scale":
             first.images[0].guidance_scale, "steps": first.steps, "batch_size": req.batch_size, "n_iter": req.n_iter,
-            "sd_model_name": request.app.state.engine.info.name, "warnings": warnings}
+            "sd_model_name": request.app.state.engine.info.name, "warnings": warnings,
+            "interrupted": any(out.result.interrupted for out in outs),
+            "steps_done": min(out.result.steps_done or first.steps for out in outs)}
+    if info["interrupted"]:
+        response.headers["x-sdserve-interrupted"] = f"{info['steps_done']}/{first.steps}"
     return Txt2ImgResponse(images=[b64(p) for out in outs for p in out.pngs],
                            parameters=req.model_dump(), info=json.dumps(info))
 
 
 @router.get("/samplers")
 async def samplers() -> list[dict[str, Any]]:
-    return [{"name": name, "aliases": list(aliases), "options": {}} for name, (_, aliases) in SAMPLERS.items()]
+    return [{"name": name, "aliases": list(aliases), "options": {"scheduler": automatic} if automatic else {}}
+            for name, (_, aliases, automatic) in SAMPLERS.items()]
 
 
 @router.get("/scripts")
@@ -126,7 +204,26 @@ async def scripts() -> dict[str, list[str]]:
 
 @router.get("/sd-models")
 async def sd_models(request: Request) -> list[dict[str, Any]]:
+    """The served model. ``config`` names the family the way A1111 does, by the model config it would load
+    (repositories' v1-inference.yaml, v2-inference-v.yaml, sd_xl_base.yaml, ...); GET /v1/models has the details."""
     info = request.app.state.engine.info
     short = info.digest[:10] if info.digest else ""
     return [{"title": f"{info.name} [{short}]" if short else info.name, "model_name": info.name, "hash": short,
-             "sha256": info.digest, "filename": info.name, "config": None}]
+             "sha256": info.digest, "filename": info.name, "config": _a1111_config(info)}]
+
+
+def _a1111_config(info: ModelInfo) -> str:
+    if info.text_encoders == 2:
+        return "sd_xl_turbo.yaml" if info.family == "turbo" else "sd_xl_base.yaml"
+    if info.family == "sd1":
+        return "v1-inference.yaml"
+    return "v2-inference-v.yaml" if info.prediction_type == "v_prediction" else "v2-inference.yaml"
+
+
+def sampler_name(name: str) -> str | None:
+    """The API scheduler name for an A1111 sampler name or alias ("DPM++ 2M", "k_euler_a", "DPM++ 2M Karras"), its
+    schedule Automatic unless the name carries one; None when sdserve does not serve it."""
+    try:
+        return resolve_sampler(name)
+    except InvalidRequestError:
+        return None
