@@ -42,9 +42,10 @@ class Job:
         return len(self.batch.images)
 
     @property
-    def group(self) -> tuple[int, int, int, str]:
+    def group(self) -> tuple[object, ...]:
+        """Requests merge into one batch only when everything but the per-image settings is equal."""
         b = self.batch
-        return (b.width, b.height, b.steps, b.scheduler)
+        return (b.width, b.height, b.steps, b.scheduler, b.truncate_prompts, b.original_size, b.crops_coords_top_left)
 
 
 @dataclass

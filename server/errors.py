@@ -132,6 +132,10 @@ def _headers(exc: SdserveError) -> dict[str, str]:
         return {"x-should-retry": "false"} if exc.permanent else {"Retry-After": "5"}
     if isinstance(exc, QueueFullError):
         return {"Retry-After": str(exc.retry_after)}
+    if isinstance(exc, DeadlineExceededError):
+        # The deadline passed while the request waited: retrying at once would wait again. openai-python retries
+        # every 5xx unless this header says false (_base_client.py, _should_retry).
+        return {"x-should-retry": "false"}
     if isinstance(exc, AuthenticationError):
         return {"WWW-Authenticate": "Bearer"}
     return {}

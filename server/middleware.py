@@ -1,4 +1,4 @@
-"""ASGI middleware: the guard (request ids, one access-log line per request, ``x-should-retry: false`` on 504s; any
+"""ASGI middleware: the guard (request ids, one access-log line per request; any
 unexpected exception -> a sanitized 500 that closes the connection), request metrics, body-size cap (413, chunked
 bodies too), strict JSON (duplicate keys, oversized numbers, NaN, lone surrogates: 400/422), auth (401: Bearer API
 keys or HTTP Basic ``user:pass``) with per-key concurrency (429).
@@ -82,13 +82,9 @@ def _access_fields(scope: Scope, status: int, seconds: float, log_prompts: bool)
 
 class GuardMiddleware:
     """Outermost: gives every request an id (x-request-id on every response), writes one access-log line per
-    request (logger ``sdserve.access``, fields in ``record.access``), marks every 504 ``x-should-retry: false`` and
-    turns any exception that escapes the app into a sanitized 500 with ``connection: close``, logged once with its
-    traceback and the id.
-
-    A 504 means the request's deadline passed while it waited in the queue: a client retrying at once would wait
-    behind the same queue again, so the OpenAI SDK, which retries every 5xx unless the response says
-    ``x-should-retry: false`` (openai-python ``_base_client.py`` ``_should_retry``), is told not to."""
+    request (logger ``sdserve.access``, fields in ``record.access``) and turns any exception that escapes the app
+    into a sanitized 500 with ``connection: close``, logged once with its traceback and the id. (A 504's
+    ``x-should-retry: false`` comes from the error table, server/errors.py.)"""
 
     def __init__(self, app: ASGIApp, log_prompts: bool = False) -> None:
         self.app, self.log_prompts = app, log_prompts
@@ -107,8 +103,6 @@ class GuardMiddleware:
                 status[0] = int(message["status"])
                 headers = MutableHeaders(scope=message)
                 headers[REQUEST_ID] = request_id
-                if status[0] == 504:
-                    headers.setdefault("x-should-retry", "false")
             await send(message)
 
         try:

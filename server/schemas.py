@@ -65,6 +65,21 @@ class ImageGenerationRequest(BaseModel):
     scheduler: str | None = Field(None, description="Extension: a sampler (euler, euler_a, ddim, dpmpp_2m, "
                                   "dpmpp_2m_sde, dpmpp_2m_sde_heun), optionally with a sigma schedule suffix except "
                                   "for ddim (_karras, _exponential, _uniform, _sgm_uniform), e.g. dpmpp_2m_karras.")
+    original_size: str | None = Field(None, description="Extension, SDXL only: the WIDTHxHEIGHT the image claims to "
+                                        "come from (micro-conditioning); default: the requested size.")
+    crops_coords_top_left: list[Annotated[int, Field(ge=0, le=16384)]] | None = Field(
+        None, min_length=2, max_length=2, description="Extension, SDXL only: [top, left] of the claimed crop "
+                                                      "(micro-conditioning); default [0, 0].")
+
+    @field_validator("original_size")
+    @classmethod
+    def _original_size_format(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                parse_size(value)
+            except ValueError:
+                raise ValueError(f"must look like 1024x1024, got {value[:32]!r}") from None
+        return value
 
     @field_validator("size")
     @classmethod

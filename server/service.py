@@ -112,7 +112,7 @@ def quality_steps(req: ImageGenerationRequest, settings: Settings) -> int | None
 
 def build_batch(req: ImageGenerationRequest, settings: Settings, info: ModelInfo) -> Batch:
     """Validate a request against the profile's limits and the model; fill defaults; expand per-image seeds."""
-    limits, defaults = settings.limits, settings.defaults
+    limits, defaults = settings.limits, settings.defaults_for(info.family)
     if not 1 <= req.n <= limits.max_n:
         raise InvalidRequestError(f"n must be between 1 and {limits.max_n}, got {req.n}", param="n")
     served_model(req.model, settings, info)
@@ -144,7 +144,23 @@ def build_batch(req: ImageGenerationRequest, settings: Settings, info: ModelInfo
     guidance = req.guidance_scale if req.guidance_scale is not None else defaults.guidance_scale
     images = tuple(ImageSpec(req.prompt, req.negative_prompt, (seed + i) % 2**32, guidance)
                    for i in range(req.n))
-    return Batch(images, width, height, steps, scheduler, settings.limits.prompt_overflow == "truncate")
+    original, crops = _micro_conditioning(req, info)
+    return Batch(images, width, height, steps, scheduler, settings.limits.prompt_overflow == "truncate", original,
+                 crops)
+
+
+def _micro_conditioning(req: ImageGenerationRequest, info: ModelInfo) -> tuple[tuple[int, int] | None,
+                                                                              tuple[int, int]]:
+    """SDXL's original_size (as the (height, width) diffusers takes) and crop; refused for other families."""
+    for name in ("original_size", "crops_coords_top_left"):
+        if getattr(req, name) is not None and info.family != "sdxl":
+            raise InvalidRequestError(f"{name} applies to SDXL models only; this model is {info.family}", param=name)
+    original = None
+    if req.original_size is not None:
+        width, height = parse_size(req.original_size)
+        original = (height, width)
+    crops = req.crops_coords_top_left or [0, 0]
+    return original, (crops[0], crops[1])
 
 
 class ImageService:

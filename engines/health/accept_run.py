@@ -2,10 +2,10 @@
 
 The GPU gate comes first and costs a fraction of a second (NVML and the CUDA provider's library closure, from
 preflight.gather): without a GPU it raises GpuUnavailableError (exit 20) before anything is built or written. Then
-each step is a function that returns its report section (engines/health/acceptance.py); a step that raises, or
-finds the budget spent, is recorded as a StepFailure in its section's place and the others still run. The report
-is checked against engines/schemas/accept_report.schema.json and written as JSON and Markdown.
-Unverified on a GPU so far (written on a machine without one): every step below the gate.
+each step is a function that returns its report section (engines/health/acceptance.py, accept_copies.py,
+accept_report.py); a step that raises, or finds the budget spent, is recorded as a StepFailure in its section's
+place and the others still run. The report is checked against engines/schemas/accept_report.schema.json and
+written as JSON and Markdown. Unverified on a GPU so far (written on a machine without one): every step below the gate.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ import onnxruntime as ort
 from engines.config import Matrix, RuntimeSettings, SelfTestPlan, Shape, SignatureThresholds
 from engines.engine import OrtEngine
 from engines.errors import GpuUnavailableError, NotReadyError, SdserveError
+from engines.health import accept_copies as cop
+from engines.health import accept_report as rep
 from engines.health import acceptance as acc
 from engines.health.preflight import Observations, gather
 from engines.protocol import Batch, BatchResult, GpuSample, ImageSpec, SelfTestReport
@@ -105,16 +107,16 @@ def gpu_gate(observations: Observations) -> None:
         raise GpuUnavailableError("sdserve accept needs an NVIDIA GPU node: " + "; ".join(r for r in reasons if r))
 
 
-def step(run: Run, name: str, body: Callable[[], T]) -> T | acc.StepFailure:
+def step(run: Run, name: str, body: Callable[[], T]) -> T | rep.StepFailure:
     """Run one step: its section, or a StepFailure naming the exception or the spent budget."""
     if time.monotonic() >= run.deadline:
-        return acc.StepFailure(name, f"time budget of {run.options.budget_s:g} s spent before this step")
+        return rep.StepFailure(name, f"time budget of {run.options.budget_s:g} s spent before this step")
     start = time.monotonic()
     try:
         return body()
     except Exception as exc:  # a step's failure is its section's content; the report must still be written
         log.exception("accept step %s failed", name)
-        return acc.StepFailure(name, f"{type(exc).__name__}: {str(exc).strip()[:500]}", time.monotonic() - start)
+        return rep.StepFailure(name, f"{type(exc).__name__}: {str(exc).strip()[:500]}", time.monotonic() - start)
 
 
 def run_acceptance(options: AcceptOptions) -> tuple[str, ...]:
@@ -131,7 +133,7 @@ def run_acceptance(options: AcceptOptions) -> tuple[str, ...]:
             run.engine.close()
     data = report.as_dict()
     try:
-        errors = acc.validate(data)
+        errors = rep.validate(data)
     except ImportError as exc:
         errors, data["notes"] = [], [*data["notes"], f"report not checked against its schema: {exc}"]
     if errors:
@@ -141,9 +143,9 @@ def run_acceptance(options: AcceptOptions) -> tuple[str, ...]:
     return report.failing
 
 
-def _measure(run: Run) -> acc.AcceptReport:
+def _measure(run: Run) -> rep.AcceptReport:
     built = step(run, "model", lambda: _prepare_model(run))
-    if isinstance(built, acc.StepFailure):
+    if isinstance(built, rep.StepFailure):
         run.engine_error = f"the model was not built: {built.error}"
     relocation = step(run, "relocation", lambda: relocation_check(run))
     doctor, boots = _boot(run)
@@ -154,7 +156,7 @@ def _measure(run: Run) -> acc.AcceptReport:
     signature = step(run, "signature", lambda: acc.signature_section(run.samples, run.options.thresholds))
     parity = step(run, "parity", lambda: parity_against_reference(run, protocol))
     latency = step(run, "latency", lambda: latency_section(run))
-    return acc.AcceptReport(datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), _node(run), doctor,
+    return rep.AcceptReport(datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), _node(run), doctor,
                             boots, placement, staging, copies, relocation, protocol, parity, signature, latency,
                             tuple(run.notes))
 
@@ -186,7 +188,7 @@ def _strict(run: Run) -> RuntimeSettings:
     return run.options.runtime.model_copy(update={"allow_cpu": False, "placement_audit": True})
 
 
-def relocation_check(run: Run) -> acc.RelocationSection:
+def relocation_check(run: Run) -> rep.RelocationSection:
     """`engines build` in one folder, move the folder, load it again: the engines must load from the new place and
     nothing may be built on load. "Built" is read from the engine cache folder's files (a build is logged only at
     VERBOSE; the TensorRT provider writes new engine files when it builds: tensorrt_execution_provider.cc)."""
@@ -215,7 +217,7 @@ def relocation_check(run: Run) -> acc.RelocationSection:
     finally:
         engine.close()
     changed = sorted(set(_cache_files(moved_to).items()) - set(before.items()))
-    return acc.RelocationSection(str(built_at), str(moved_to), not reasons, bool(changed),
+    return rep.RelocationSection(str(built_at), str(moved_to), not reasons, bool(changed),
                                  reasons + tuple(f"written on load: {name}" for name, _ in changed[:5]))
 
 
@@ -224,19 +226,19 @@ def _cache_files(model: Path) -> dict[str, float]:
     return {str(p.relative_to(trt)): p.stat().st_mtime for p in trt.rglob("*") if p.is_file()} if trt.is_dir() else {}
 
 
-def _boot(run: Run) -> tuple[acc.DoctorSection | acc.StepFailure, tuple[acc.ShapeBoot, ...] | acc.StepFailure]:
+def _boot(run: Run) -> tuple[rep.DoctorSection | rep.StepFailure, tuple[rep.ShapeBoot, ...] | rep.StepFailure]:
     """A strict production boot (preflight, load, self-test at every served shape); the doctor snapshot after it."""
     boots = step(run, "boots", lambda: boot_engine(run))
-    doctor: acc.DoctorSection | acc.StepFailure
+    doctor: rep.DoctorSection | rep.StepFailure
     if run.engine is None:
-        doctor = acc.StepFailure("doctor", run.engine_error)
+        doctor = rep.StepFailure("doctor", run.engine_error)
     else:
         verdict = run.engine.capabilities().verdict
-        doctor = acc.DoctorSection(verdict.status, verdict.reasons)
+        doctor = rep.DoctorSection(verdict.status, verdict.reasons)
     return doctor, boots
 
 
-def boot_engine(run: Run) -> tuple[acc.ShapeBoot, ...]:
+def boot_engine(run: Run) -> tuple[rep.ShapeBoot, ...]:
     """Preflight, load and self-test at every served shape, as `sdserve serve` boots in production. The engine
     stays up for the steps that follow; a failed boot fails every shape it did not report on."""
     engine = OrtEngine(run.served(), _strict(run), run.options.matrix, run.options.plan, None, run.options.thresholds)
@@ -257,20 +259,20 @@ def boot_engine(run: Run) -> tuple[acc.ShapeBoot, ...]:
         if isinstance(report, SelfTestReport):
             return _shape_boots(report)
         shapes = run.options.plan.shapes or (Shape(run.options.size, run.options.size, 1),)
-        return tuple(acc.ShapeBoot(s.width, s.height, s.batch, False, time.monotonic() - start, (str(exc),))
+        return tuple(rep.ShapeBoot(s.width, s.height, s.batch, False, time.monotonic() - start, (str(exc),))
                      for s in shapes)
 
 
-def _shape_boots(report: SelfTestReport) -> tuple[acc.ShapeBoot, ...]:
+def _shape_boots(report: SelfTestReport) -> tuple[rep.ShapeBoot, ...]:
     """One entry per self-tested shape (key WxHxB), its time the sum of its timed runs."""
     boots = []
     for r in report.shapes:
         width, height, batch = (int(v) for v in r.shape.split("x"))
-        boots.append(acc.ShapeBoot(width, height, batch, not r.failures, sum(r.latencies_s), r.failures))
+        boots.append(rep.ShapeBoot(width, height, batch, not r.failures, sum(r.latencies_s), r.failures))
     return tuple(boots)
 
 
-def placement_report(run: Run) -> tuple[acc.SessionPlacement, ...]:
+def placement_report(run: Run) -> tuple[rep.SessionPlacement, ...]:
     """Per component session: nodes on the GPU providers, and each CPU node classified by data flow (shape path:
     allowed; activation path: refused). Node names come from get_provider_graph_assignment_info() and are matched
     against the level-1 graph ORT partitioned (engines/runtime/dataflow.py says why and which ORT sources)."""
@@ -282,7 +284,7 @@ def placement_report(run: Run) -> tuple[acc.SessionPlacement, ...]:
         cpu = [n.name for g in subgraphs if g.ep_name == "CPUExecutionProvider" for n in g.get_nodes()]
         gpu = sum(len(g.get_nodes()) for g in subgraphs if g.ep_name != "CPUExecutionProvider")
         verdict = classify_cpu_nodes(partitioned_graph(run.served() / name / "model.onnx"), cpu)
-        sections.append(acc.SessionPlacement(
+        sections.append(rep.SessionPlacement(
             name, tuple(session.get_providers()), gpu, tuple(f"{op} x{n}" for op, n in verdict.shape_path.items()),
             tuple(verdict.activation_on_cpu) + tuple(f"unmatched {u}" for u in verdict.unmatched)))
     return tuple(sections)
@@ -297,7 +299,7 @@ class _PointerAttributes(ctypes.Structure):
                 ("hostPointer", ctypes.c_void_p)]
 
 
-def staging_buffers(run: Run) -> tuple[acc.StagingBuffer, ...]:
+def staging_buffers(run: Run) -> tuple[rep.StagingBuffer, ...]:
     """The host staging buffers the pipeline uses at the protocol's shape (the image coming down, the UNet input
     going up), each checked with cudaPointerGetAttributes on libcudart."""
     engine = run.booted()
@@ -317,11 +319,11 @@ def staging_buffers(run: Run) -> tuple[acc.StagingBuffer, ...]:
         status = cudart.cudaPointerGetAttributes(ctypes.byref(attributes), array.ctypes.data)
         if status != 0:
             raise GpuUnavailableError(f"cudaPointerGetAttributes({tag}) failed with CUDA error {status}")
-        found.append(acc.StagingBuffer(tag, int(array.nbytes), int(attributes.type)))
+        found.append(rep.StagingBuffer(tag, int(array.nbytes), int(attributes.type)))
     return tuple(found)
 
 
-def profiled_copies(run: Run) -> acc.CopyCount:
+def profiled_copies(run: Run) -> cop.CopyCount:
     """One request with the UNet on a profiled twin of its session (same providers, provider options and source;
     SessionOptions.enable_profiling, written by InferenceSession.end_profiling: onnxruntime/python/
     onnxruntime_inference_collection.py), counting MemcpyFromHost/MemcpyToHost kernels per denoising step."""
@@ -345,7 +347,7 @@ def profiled_copies(run: Run) -> acc.CopyCount:
         pipeline.unet.session = original
     path = Path(profiled.end_profiling())
     run.notes.append(f"UNet profile of one request: {path.name}")
-    return acc.count_copies(acc.load_profile(path), unet_runs=run.options.steps)
+    return cop.count_copies(cop.load_profile(path), unet_runs=run.options.steps)
 
 
 def _job(run: Run, seed: int, steps: int | None = None) -> Batch:
@@ -414,13 +416,13 @@ def _replica_compute_s(run: Run, seed: int) -> float:
     return acc.server_timing_seconds(response.headers.get("server-timing", ""))
 
 
-def latency_section(run: Run) -> acc.LatencySection:
+def latency_section(run: Run) -> rep.LatencySection:
     """Ours from the protocol's jobs (median denoise time / steps, median total per image); the torch fp16
     pipeline on the same weights in this process (engines/build/sd15.py), unless skipped or the model was given."""
     if not run.jobs:
         raise NotReadyError("no protocol job succeeded: nothing to time")
     steps = run.options.steps
-    ours = acc.LatencyRun("sdserve", statistics.median(r.timings.denoise for r in run.jobs) / steps * 1000.0,
+    ours = rep.LatencyRun("sdserve", statistics.median(r.timings.denoise for r in run.jobs) / steps * 1000.0,
                           statistics.median(r.timings.total for r in run.jobs))
     reference = None
     if run.options.skip_torch_reference:
@@ -432,5 +434,5 @@ def latency_section(run: Run) -> acc.LatencySection:
 
         per_step_ms, per_image = torch_reference(run.diffusers, run.served() / "scheduler" / "scheduler_config.json",
                                                  steps, run.options.size, run.options.runtime.device_id)
-        reference = acc.LatencyRun("diffusers torch fp16", per_step_ms, per_image)
-    return acc.LatencySection(ours, reference, run.options.size, run.options.size, steps, 1)
+        reference = rep.LatencyRun("diffusers torch fp16", per_step_ms, per_image)
+    return rep.LatencySection(ours, reference, run.options.size, run.options.size, steps, 1)

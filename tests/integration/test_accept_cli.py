@@ -17,16 +17,12 @@ from starlette.responses import Response
 from engines.config import Canary, CanarySuite, Matrix, RuntimeSettings, SelfTestPlan, SignatureThresholds
 from engines.errors import GpuUnavailableError, NotReadyError
 from engines.health import accept_run
+from engines.health.accept_report import SECTIONS, LatencyRun, LatencySection, StepFailure, validate
 from engines.health.acceptance import (
-    SECTIONS,
-    LatencyRun,
-    LatencySection,
-    StepFailure,
     baseline_jobs_per_hour,
     one_variable_changed,
     parse_key_values,
     server_timing_seconds,
-    validate,
 )
 from engines.health.preflight import Observations
 from engines.health.telemetry import DeviceInfo, NvmlReport

@@ -10,29 +10,29 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engines.health.acceptance import (
-    EXIT_NO_GPU,
+from engines.health.accept_copies import CopyCount, count_copies, load_profile
+from engines.health.accept_report import (
     AcceptReport,
-    CopyCount,
     DoctorSection,
-    JobStats,
     LatencyRun,
     LatencySection,
-    ProtocolSection,
     RelocationSection,
     SessionPlacement,
     ShapeBoot,
-    SignatureSection,
     StagingBuffer,
-    count_copies,
+    validate,
+)
+from engines.health.acceptance import (
+    EXIT_NO_GPU,
+    JobStats,
+    ProtocolSection,
+    SignatureSection,
     gpu_absent_reason,
-    load_profile,
     one_variable_changed,
     parity_check,
     parity_percent,
     protocol_verdict,
     signature_section,
-    validate,
 )
 from engines.health.telemetry import DeviceInfo, NvmlReport
 from engines.protocol import GpuSample
