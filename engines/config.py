@@ -121,6 +121,12 @@ class RuntimeSettings(BaseModel):
                              "remove it, or set allow_cpu = true (dev profile only)")
         if self.providers[-1] != "CPUExecutionProvider" and "CPUExecutionProvider" in self.providers:
             raise ValueError("runtime.providers: CPUExecutionProvider must come last")
+        if self.cuda.prefer_nhwc and self.placement_audit and not self.allow_cpu:
+            raise ValueError("runtime.cuda.prefer_nhwc = true with the placement audit on is refused: the CUDA "
+                             "provider's NHWC layout transformation rewrites the graph inside the partitioner "
+                             "(onnxruntime/core/framework/graph_partitioner.cc), so the recorded node names no "
+                             "longer match the graph the audit classifies and every session would be refused; set "
+                             "prefer_nhwc = false")
         if self.manifest_sha256 and self.verify == "off":
             raise ValueError("runtime.manifest_sha256 is pinned but runtime.verify is off: set verify = \"full\" "
                              "(or \"size\"), or remove the pin")
@@ -157,8 +163,11 @@ def load_toml(path: Path, model: type[M], what: str) -> M:
 SCHEDULER_NAMES: tuple[str, ...] = (
     "euler", "euler_a", "ddim", "dpmpp_2m", "dpmpp_2m_sde", "dpmpp_2m_sde_heun",
     *(f"{sampler}_{schedule}" for sampler in ("euler", "euler_a", "dpmpp_2m", "dpmpp_2m_sde", "dpmpp_2m_sde_heun")
+      for schedule in ("karras", "exponential", "uniform", "sgm_uniform")),
+    "plms", "lms", "unipc", "heun",
+    *(f"{sampler}_{schedule}" for sampler in ("lms", "unipc", "heun")
       for schedule in ("karras", "exponential", "uniform", "sgm_uniform")))
-"""Scheduler names as the API accepts them: a sampler, then optionally a sigma schedule (DDIM takes none).
+"""Scheduler names as the API accepts them: a sampler, then optionally a sigma schedule (DDIM and PLMS take none).
 engines/diffusion/schedulers.py implements each, in this order (tests/unit/test_samplers_a1111.py checks)."""
 
 

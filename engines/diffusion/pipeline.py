@@ -23,6 +23,7 @@ import onnxruntime as ort
 
 from engines.diffusion import family as families
 from engines.diffusion.family import Family, read_json
+from engines.diffusion.multistep import MAX_HISTORY
 from engines.diffusion.schedulers import SCHEDULERS, NoiseSchedule, SchedulePlan, make_plan
 from engines.diffusion.step_graph import (
     STATE_DTYPE,
@@ -133,6 +134,10 @@ class StableDiffusionOnnx:
         self.step = OrtModel(runtime, build_step_graph(self.latent_dtype, out_dtype), "scheduler_step" + label)
         self.step_cond = OrtModel(runtime, build_step_graph(self.latent_dtype, out_dtype, cfg=False),
                                   "scheduler_step_cond" + label)
+        # PLMS, LMS, UniPC read earlier history entries: the same step with MAX_HISTORY of them.
+        self.step_multi, self.step_multi_cond = (
+            OrtModel(runtime, build_step_graph(self.latent_dtype, out_dtype, cfg=cfg, history=MAX_HISTORY),
+                     f"scheduler_step_multi{'' if cfg else '_cond'}" + label) for cfg in (True, False))
         self._load_geometry(folder, label)
         self._load_second_encoder(folder, paths, label)
 
@@ -239,35 +244,48 @@ class StableDiffusionOnnx:
                  rngs: list[np.random.Generator], batch: Batch,
                  on_step: StepHook | None = None) -> tuple[ort.OrtValue, int]:
         """Run every step (or until ``on_step`` says stop); returns the device buffer holding the float32 latents
-        and the number of steps run. The UNet batch is 2n with CFG and n without."""
+        and the number of steps run. The UNet batch is 2n with CFG and n without. A step may hold two UNet
+        evaluations (Heun, PLMS's first); each evaluation pushes one entry into a ring of ``history + 1`` device
+        buffers, and the step graph reads the last ``history`` of them."""
         shape, n = latents.shape, len(latents)
         copies = 2 if (guidance > 1.0).any() else 1
-        step_graph = self.step if copies == 2 else self.step_cond
+        depth = 1 if plan.history == 1 else MAX_HISTORY
+        if depth == 1:
+            step_graph = self.step if copies == 2 else self.step_cond
+        else:
+            step_graph = self.step_multi if copies == 2 else self.step_multi_cond
+        evals = plan.evaluations()
         x = latents.astype(np.float64) * plan.init_noise_sigma
         f32, dt = STATE_DTYPE, self.latent_dtype
         lat = [self.runtime.upload("latents0", x.astype(f32)), self.runtime.buffer("latents1", shape, f32)]
-        den = [self.runtime.upload("denoised0", np.zeros(shape, f32)), self.runtime.buffer("denoised1", shape, f32)]
-        model_in = self.runtime.upload("unet_in", np.concatenate([x * plan.steps[0].input_scale] * copies).astype(dt))
+        # Entries not yet pushed are read with coefficient 0: zeros, never stale values (0 * NaN is NaN).
+        # Evaluation i writes slot (i + 1) % (depth + 1) and reads the slots before it, so slot 1 is written first.
+        ring = [self.runtime.buffer("denoised1", shape, f32) if k == 1 else
+                self.runtime.upload(f"denoised{k}", np.zeros(shape, f32)) for k in range(depth + 1)]
+        model_in = self.runtime.upload("unet_in", np.concatenate([x * evals[0][0].input_scale] * copies).astype(dt))
         model_out = self.runtime.buffer("unet_out", (copies * n, *shape[1:]), self.unet.output_dtype())
         zeros = self.runtime.upload("zeros", np.zeros(shape, f32))
         feeds = self._unet_feeds(cond, batch, copies * n)
         t_dtype = self.unet.input_dtype(self.io.timestep)
-        for i, step in enumerate(plan.steps):
+        done = 0
+        for i, (step, completes) in enumerate(evals):
             timestep = np.full(self.io.timestep_shape, step.timestep, dtype=t_dtype)
             self.unet.run({self.io.sample: model_in, self.io.timestep: timestep, **feeds}, {self.io.out: model_out})
             noise: Feed = zeros
             if step.next.noise:
                 noise = self.runtime.upload("noise", np.stack([r.standard_normal(shape[1:], dtype=np.float32)
                                                                for r in rngs]))
-            scale = plan.steps[i + 1].input_scale if i + 1 < len(plan.steps) else 1.0
-            cur = i % 2
-            step_graph.run({"sample": lat[cur], "model_out": model_out, "prev": den[cur], "noise": noise,
-                            "coeffs": step_coefficients(step.next, step.denoised, guidance),
+            scale = evals[i + 1][0].input_scale if i + 1 < len(evals) else 1.0
+            history = {("prev" if k == 1 else f"prev{k}"): ring[(i + 1 - k) % (depth + 1)]
+                       for k in range(1, depth + 1)}
+            step_graph.run({"sample": lat[i % 2], "model_out": model_out, "noise": noise, **history,
+                            "coeffs": step_coefficients(step.next, step.denoised, guidance, depth),
                             "in_scale": np.array([scale], dtype=f32)},
-                           {"next": lat[1 - cur], "denoised": den[1 - cur], "model_in": model_in})
-            if on_step is not None and not on_step(i + 1, len(plan.steps)) and i + 1 < len(plan.steps):
-                return lat[(i + 1) % 2], i + 1
-        return lat[len(plan.steps) % 2], len(plan.steps)
+                           {"next": lat[(i + 1) % 2], "denoised": ring[(i + 1) % (depth + 1)], "model_in": model_in})
+            done += completes
+            if completes and on_step is not None and not on_step(done, len(plan.steps)) and i + 1 < len(evals):
+                break
+        return lat[(i + 1) % 2], done
 
     def _tokens(self, tokenizer: ClipTokenizer, batch: Batch,
                 prompts: list[str]) -> tuple[np.ndarray, tuple[bool, ...]]:

@@ -11,23 +11,24 @@ Classifier-free guidance is linear too: ``model_output = (1 - w)*uncond + w*text
 
 A plan is computed per request and holds no mutable state, so concurrent requests never share scheduler state.
 
-Names: a sampler (``euler``, ``euler_a``, ``ddim``, ``dpmpp_2m``, ``dpmpp_2m_sde``, ``dpmpp_2m_sde_heun``), then
-optionally a sigma schedule as diffusers' scheduler-overview table maps A1111's schedule types (docs/source/en/api/
-schedulers/overview.md): ``_karras`` (``use_karras_sigmas=True``), ``_exponential`` (``use_exponential_sigmas=True``,
-``timestep_spacing="linspace"``), ``_uniform`` (``timestep_spacing="linspace"``), ``_sgm_uniform``
-(``timestep_spacing="trailing"``). Without a suffix the model's own ``scheduler_config.json`` decides. DDIM takes no
-suffix. diffusers' EulerAncestralDiscreteScheduler has no Karras/exponential option: ``euler_a_karras`` and
-``euler_a_exponential`` run its ancestral step on the sigmas EulerDiscreteScheduler computes for that option.
+Names: a sampler (``euler``, ``euler_a``, ``ddim``, ``dpmpp_2m``, ``dpmpp_2m_sde``, ``dpmpp_2m_sde_heun``, ``plms``,
+``lms``, ``unipc``, ``heun``), then optionally a sigma schedule as diffusers' scheduler-overview table maps A1111's
+schedule types (docs/source/en/api/schedulers/overview.md): ``_karras`` (``use_karras_sigmas=True``),
+``_exponential`` (``use_exponential_sigmas=True``, ``timestep_spacing="linspace"``), ``_uniform``
+(``timestep_spacing="linspace"``), ``_sgm_uniform`` (``timestep_spacing="trailing"``). Without a suffix the model's
+own ``scheduler_config.json`` decides. DDIM and PLMS take no suffix. diffusers' EulerAncestralDiscreteScheduler has no
+Karras/exponential option: ``euler_a_karras`` and ``euler_a_exponential`` run its ancestral step on the sigmas
+EulerDiscreteScheduler computes for that option.
 
-Not served, because a step is not linear in (sample, this model output, ONE previous x0 estimate, fresh noise):
-- lms: LMSDiscreteScheduler (order 4) combines the last 4 derivatives, three of them from earlier steps.
-- plms / pndm: PNDMScheduler combines the last 4 eps predictions (and runs Runge-Kutta warm-up steps).
-- unipc: UniPCMultistepScheduler's corrector re-updates from the previous step's input sample (more state).
-- heun: HeunDiscreteScheduler calls the model twice per step (Euler predictor, then trapezoid corrector).
-- dpm2 / dpm2_a: KDPM2(Ancestral)DiscreteScheduler call the model twice per step (at a midpoint sigma).
-- dpmpp_sde: DPMSolverSDEScheduler (single-step DPM++ SDE) calls the model twice per step, Brownian-tree noise.
-- dpmpp_2s_a: DPM++ 2S ancestral (single-step, second order) calls the model twice per step.
-- dpmpp_3m_sde: third order, needs the x0 estimates of the two previous steps.
+Served by engines/diffusion/multistep.py, reading up to 3 earlier history entries (``Lin.earlier``) or running a
+second UNet evaluation within a step (``Step.then``):
+- plms / lms / unipc / heun: PNDMScheduler (skip_prk_steps), LMSDiscreteScheduler, UniPCMultistepScheduler, Heun.
+
+Not served (yet), and why:
+- dpm2 / dpm2_a: KDPM2(Ancestral)DiscreteScheduler evaluate at a midpoint sigma (servable like heun; not done yet).
+- dpmpp_sde: DPMSolverSDEScheduler draws its noise from a torchsde Brownian tree, which parity would need.
+- dpmpp_2s_a: DPM++ 2S ancestral (single-step, second order) calls the model twice per step (not done yet).
+- dpmpp_3m_sde: third order, needs the x0 estimates of the two previous steps (servable; not done yet).
 - dpm_fast / dpm_adaptive / restart: variable or repeated model calls per step (adaptive step size, restarts).
 - ddim_cfgpp: DDIM CFG++ re-noises with the unconditional prediction alone, a basis coefficient outside ``Lin``.
 - lcm: linear, but meaningful only for LCM-distilled weights, which the served model families do not include.
@@ -44,54 +45,12 @@ from typing import Any
 
 import numpy as np
 
+from engines.diffusion import multistep
+from engines.diffusion.plan import NOISE, PREV, SAMPLE
+from engines.diffusion.plan import Lin as Lin  # re-exported: callers and tests import the plan types from here
+from engines.diffusion.plan import SchedulePlan as SchedulePlan
+from engines.diffusion.plan import Step as Step
 from engines.errors import InvalidRequestError
-
-
-@dataclass(frozen=True)
-class Lin:
-    """Coefficients over the step basis (sample, model_output, prev_denoised, noise)."""
-
-    sample: float = 0.0
-    model: float = 0.0
-    prev: float = 0.0
-    noise: float = 0.0
-
-    def __add__(self, other: Lin) -> Lin:
-        return Lin(self.sample + other.sample, self.model + other.model, self.prev + other.prev,
-                   self.noise + other.noise)
-
-    def __mul__(self, k: float) -> Lin:
-        return Lin(self.sample * k, self.model * k, self.prev * k, self.noise * k)
-
-    __rmul__ = __mul__
-
-    def __sub__(self, other: Lin) -> Lin:
-        return self + other * -1.0
-
-
-SAMPLE = Lin(sample=1.0)
-PREV = Lin(prev=1.0)
-NOISE = Lin(noise=1.0)
-
-
-@dataclass(frozen=True)
-class Step:
-    """One denoising step: what the UNet is fed and how its output is combined."""
-
-    timestep: float
-    """Value fed to the UNet's timestep input."""
-    input_scale: float
-    """The UNet input is ``sample * input_scale`` (Euler's ``scale_model_input``)."""
-    next: Lin
-    denoised: Lin
-
-
-@dataclass(frozen=True)
-class SchedulePlan:
-    """Everything one request needs: the initial noise scale and every step's coefficients."""
-
-    init_noise_sigma: float
-    steps: tuple[Step, ...]
 
 
 @dataclass(frozen=True)
@@ -341,11 +300,30 @@ def _scheduled(sampler: Callable[..., SchedulePlan], kind: str | None, spacing: 
     return sampler(schedule, n, kind)
 
 
+def lms(schedule: NoiseSchedule, n: int, kind: str | None = None) -> SchedulePlan:
+    return multistep.lms(schedule, *_euler_sigmas(schedule, n, kind))
+
+
+def heun(schedule: NoiseSchedule, n: int, kind: str | None = None) -> SchedulePlan:
+    return multistep.heun(schedule, *_euler_sigmas(schedule, n, kind))
+
+
+def unipc(schedule: NoiseSchedule, n: int, kind: str | None = None) -> SchedulePlan:
+    return multistep.unipc(schedule, *_dpm_sigmas(schedule, n, kind))
+
+
+MULTISTEP: dict[str, Callable[..., SchedulePlan]] = {"lms": lms, "unipc": unipc, "heun": heun}
+"""The multistep and two-call samplers (engines/diffusion/multistep.py) on this module's sigma schedules; they take
+a schedule suffix (PLMS, like DDIM, does not)."""
+
 SCHEDULERS: dict[str, Callable[[NoiseSchedule, int], SchedulePlan]] = {
     "euler": euler, "euler_a": euler_ancestral, "ddim": ddim, "dpmpp_2m": dpmpp_2m,
     "dpmpp_2m_sde": SAMPLERS["dpmpp_2m_sde"], "dpmpp_2m_sde_heun": SAMPLERS["dpmpp_2m_sde_heun"],
     **{f"{name}_{suffix}": partial(_scheduled, sampler, kind, spacing)
        for name, sampler in SAMPLERS.items() for suffix, (kind, spacing) in SIGMA_SCHEDULES.items()},
+    "plms": multistep.plms, **MULTISTEP,
+    **{f"{name}_{suffix}": partial(_scheduled, sampler, kind, spacing)
+       for name, sampler in MULTISTEP.items() for suffix, (kind, spacing) in SIGMA_SCHEDULES.items()},
 }
 """Scheduler names as the API accepts them (engines.config.SCHEDULER_NAMES lists the same, in this order)."""
 

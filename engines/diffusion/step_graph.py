@@ -2,7 +2,9 @@
 
 Step inputs: ``sample`` [B,C,H,W], ``model_out`` [2B,C,H,W] (uncond first, then text; the UNet's output dtype),
 ``prev`` [B,C,H,W] (previous denoised estimate), ``noise`` [B,C,H,W], ``coeffs`` [B,2,5] (per image: rows
-next/denoised over the basis sample, uncond, text, prev, noise) and ``in_scale`` [1]. Outputs: ``next`` and
+next/denoised over the basis sample, uncond, text, prev, noise) and ``in_scale`` [1]. Multistep samplers use the
+graph with ``history`` K > 1: inputs ``prev2`` .. ``prevK`` (the entries pushed 2..K evaluations back, a ring of
+device buffers the pipeline rotates) and K - 1 more coefficient columns. Outputs: ``next`` and
 ``denoised`` [B,C,H,W], and ``model_in`` [2B,C,H,W] = next * in_scale twice, in the UNet's input dtype: the UNet
 input of the following step.
 
@@ -59,27 +61,37 @@ def _from_compute(outputs: dict[str, int], calc: int) -> tuple[list[NodeProto], 
     return nodes, names
 
 
+def basis(history: int = 1) -> tuple[str, ...]:
+    """The step graph's basis, in coefficient-column order: the single-history layout, then earlier entries."""
+    return (*BASIS, *(f"prev{k}" for k in range(2, history + 1)))
+
+
 def build_step_graph(unet_in: type[np.generic], unet_out: type[np.generic],
-                     compute: type[np.generic] = STATE_DTYPE, cfg: bool = True) -> bytes:
+                     compute: type[np.generic] = STATE_DTYPE, cfg: bool = True, history: int = 1) -> bytes:
     """Serialized ONNX model of the step. State inputs/outputs are float32; ``model_out`` is ``unet_out`` and
     ``model_in`` is ``unet_in`` (the UNet's output and sample input dtypes). ``compute`` is the arithmetic precision:
     always float32 in the pipeline; float16 reproduces the old all-fp16 step, kept for the drift test. ``cfg``
-    False: the UNet ran on the conditional rows only (model_out and model_in have B rows, not 2B)."""
+    False: the UNet ran on the conditional rows only (model_out and model_in have B rows, not 2B). ``history`` > 1
+    adds inputs ``prev2`` .. ``prev{history}`` (earlier history entries, multistep samplers) and coefficient columns
+    for them after ``noise``."""
     unet, out, state, calc = _elem(unet_in), _elem(unet_out), _elem(STATE_DTYPE), _elem(compute)
     latent = ["B", "C", "H", "W"]
     rows = "B2" if cfg else "B"
+    names = basis(history)
+    earlier = names[len(BASIS):]
     inputs = [helper.make_tensor_value_info("sample", state, latent),
               helper.make_tensor_value_info("model_out", out, [rows, "C", "H", "W"]),
               helper.make_tensor_value_info("prev", state, latent),
               helper.make_tensor_value_info("noise", state, latent),
-              helper.make_tensor_value_info("coeffs", state, ["B", 2, 5]),
-              helper.make_tensor_value_info("in_scale", state, [1])]
+              helper.make_tensor_value_info("coeffs", state, ["B", 2, len(names)]),
+              helper.make_tensor_value_info("in_scale", state, [1]),
+              *[helper.make_tensor_value_info(name, state, latent) for name in earlier]]
     outputs = [helper.make_tensor_value_info("next", state, latent),
                helper.make_tensor_value_info("denoised", state, latent),
                helper.make_tensor_value_info("model_in", unet, [rows, "C", "H", "W"])]
     flat = numpy_helper.from_array(np.array([0, 1, -1], dtype=np.int64), "flat_shape")
     cast_in, x = _to_compute({"sample": state, "model_out": out, "prev": state, "noise": state,
-                              "coeffs": state, "in_scale": state}, calc)
+                              "coeffs": state, "in_scale": state, **dict.fromkeys(earlier, state)}, calc)
     cast_out, y = _from_compute({"next": state, "denoised": state, "model_in": unet}, calc)
     nodes = [
         *cast_in,
@@ -87,8 +99,8 @@ def build_step_graph(unet_in: type[np.generic], unet_out: type[np.generic],
         *([helper.make_node("Split", [x["model_out"]], ["uncond", "text"], axis=0)] if cfg else
           [helper.make_node("Identity", [x["model_out"]], ["uncond"]),
            helper.make_node("Identity", [x["model_out"]], ["text"])]),
-        *[helper.make_node("Reshape", [x.get(name, name), "flat_shape"], [f"{name}_flat"]) for name in BASIS],
-        helper.make_node("Concat", [f"{name}_flat" for name in BASIS], ["stack"], axis=1),  # [B,5,N]
+        *[helper.make_node("Reshape", [x.get(name, name), "flat_shape"], [f"{name}_flat"]) for name in names],
+        helper.make_node("Concat", [f"{name}_flat" for name in names], ["stack"], axis=1),  # [B,4+history,N]
         helper.make_node("MatMul", [x["coeffs"], "stack"], ["combined"]),  # [B,2,N]
         helper.make_node("Split", ["combined"], ["next_flat", "denoised_flat"], axis=1),
         helper.make_node("Reshape", ["next_flat", "shape"], [y["next"]]),
@@ -138,13 +150,18 @@ def build_text_join_graph(h1: type[np.generic], h2: type[np.generic], pooled: ty
     return _model(nodes, "sdserve_text_join", inputs, outputs, [shape3])
 
 
-def step_coefficients(next_: Lin, denoised: Lin, guidance: np.ndarray) -> np.ndarray:
-    """[B,2,5] float32 coefficients: the model output ``(1 - w)*uncond + w*text`` expanded per image's guidance w."""
-    rows = np.empty((len(guidance), 2, 5), dtype=np.float64)
+def step_coefficients(next_: Lin, denoised: Lin, guidance: np.ndarray, history: int = 1) -> np.ndarray:
+    """[B,2,4+history] float32 coefficients: the model output ``(1 - w)*uncond + w*text`` expanded per image's
+    guidance w. Raises ValueError when a coefficient needs a history entry deeper than ``history``."""
+    rows = np.zeros((len(guidance), 2, 4 + history), dtype=np.float64)
     for k, lin in enumerate((next_, denoised)):
+        if any(lin.earlier[history - 1:]):
+            raise ValueError(f"a step reads history entry {len(lin.earlier) + 1}; the graph carries {history}")
         rows[:, k, 0] = lin.sample
         rows[:, k, 1] = lin.model * (1.0 - guidance)
         rows[:, k, 2] = lin.model * guidance
         rows[:, k, 3] = lin.prev
         rows[:, k, 4] = lin.noise
+        for j, c in enumerate(lin.earlier[:history - 1]):
+            rows[:, k, 5 + j] = c
     return rows.astype(STATE_DTYPE)

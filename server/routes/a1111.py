@@ -27,18 +27,26 @@ SAMPLERS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "DPM++ 2M": ("dpmpp_2m", ("k_dpmpp_2m",), "karras"),
     "DPM++ 2M SDE": ("dpmpp_2m_sde", ("k_dpmpp_2m_sde",), "exponential"),
     "DPM++ 2M SDE Heun": ("dpmpp_2m_sde_heun", ("k_dpmpp_2m_sde_heun",), "exponential"),
+    "LMS": ("lms", ("k_lms",), ""),
+    "Heun": ("heun", ("k_heun",), ""),
+    "UniPC": ("unipc", ("unipc",), ""),
+    "PLMS": ("plms", ("plms",), ""),
 }
 """A1111 sampler -> (our sampler, A1111's aliases, the schedule A1111's "Automatic" means for it: its
 modules/sd_samplers_kdiffusion.py ``options["scheduler"]``; "" = the model's own scheduler_config, as for Euler)."""
+FIXED_SCHEDULE = ("ddim", "plms")
+"""Our samplers that take no schedule suffix (their diffusers schedulers have no sigma-schedule options)."""
 SCHEDULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "Automatic": ("", ("automatic",)), "Uniform": ("uniform", ("uniform",)), "Karras": ("karras", ("karras",)),
     "Exponential": ("exponential", ("exponential",)), "SGM Uniform": ("sgm_uniform", ("sgm_uniform", "SGMUniform")),
 }
 """A1111 schedule type (modules/sd_schedulers.py label) -> (our scheduler-name suffix, A1111's name and aliases)."""
 UNSERVED: dict[str, str] = {
-    **dict.fromkeys(("DPM++ SDE", "DPM++ 2S a", "Heun", "DPM2", "DPM2 a", "DPM adaptive", "Restart"),
-                    "it calls the model more than once per step"),
-    **dict.fromkeys(("LMS", "PLMS", "UniPC", "DPM++ 3M SDE"), "it needs more than one previous step's prediction"),
+    **dict.fromkeys(("DPM2", "DPM2 a", "DPM++ 2S a"), "its second model call per step, at a midpoint sigma, is "
+                    "not implemented"),
+    **dict.fromkeys(("DPM adaptive", "Restart"), "it calls the model a varying number of times per step"),
+    "DPM++ SDE": "its noise comes from a torchsde Brownian tree",
+    "DPM++ 3M SDE": "it needs the two previous steps' predictions",
     "DPM fast": "it calls the model a varying number of times per step",
     "DDIM CFG++": "it re-noises with the unconditional prediction alone",
     "LCM": "it needs LCM-distilled weights",
@@ -69,7 +77,7 @@ class Txt2ImgRequest(BaseModel):
                                      "schedule (\"DPM++ 2M Karras\") works too")
     sampler_index: str | None = Field(None, description="legacy alias of sampler_name")
     scheduler: str | None = Field(None, description="A1111 schedule type: Automatic (the sampler's A1111 default), "
-                                  "Uniform, Karras, Exponential or SGM Uniform; DDIM takes Automatic only")
+                                  "Uniform, Karras, Exponential or SGM Uniform; DDIM and PLMS take Automatic only")
     # Features sdserve does not implement: accepted only when off, refused (422) rather than silently ignored.
     enable_hr: bool = False
     restore_faces: bool = False
@@ -121,8 +129,8 @@ def resolve_sampler(name: str, schedule: str | None = None) -> str:
     ours, _, automatic = SAMPLERS[label]
     wanted = suffix or schedule or "Automatic"
     known = _SCHEDULE_BY_NAME.get(wanted.lower())
-    if known is None or (ours == "ddim" and known != "Automatic"):
-        offered = ["Automatic"] if ours == "ddim" else list(SCHEDULES)
+    if known is None or (ours in FIXED_SCHEDULE and known != "Automatic"):
+        offered = ["Automatic"] if ours in FIXED_SCHEDULE else list(SCHEDULES)
         raise InvalidRequestError(f"scheduler {wanted!r} is not supported with {label}; available: {offered}",
                                   param="scheduler")
     chosen = SCHEDULES[known][0] or automatic

@@ -15,7 +15,11 @@ from engines.protocol import Batch, ImageSpec
 from engines.runtime.sessions import Runtime
 
 SCHEDULERS = {"euler": "EulerDiscreteScheduler", "euler_a": "EulerAncestralDiscreteScheduler",
-              "ddim": "DDIMScheduler", "dpmpp_2m": "DPMSolverMultistepScheduler"}
+              "ddim": "DDIMScheduler", "dpmpp_2m": "DPMSolverMultistepScheduler",
+              # multistep (engines/diffusion/multistep.py): history ring, and Heun's/PLMS's second UNet call
+              "plms": "PNDMScheduler", "lms": "LMSDiscreteScheduler", "unipc": "UniPCMultistepScheduler",
+              "heun": "HeunDiscreteScheduler"}
+"""Each diffusers scheduler gets the tiny model's scheduler_config.json (PNDM, skip_prk_steps) via from_config."""
 PROMPTS = ["a photo of an astronaut riding a horse", "a red cube on a table, studio lighting"]
 SEEDS = [11, 12]
 SIZE, STEPS, GUIDANCE = 64, 20, 7.5

@@ -166,7 +166,7 @@ def test_every_listed_sampler_and_schedule_maps_to_a_plan(client: tuple[TestClie
     schedule = NoiseSchedule.from_config(BASE)
     for entry in listed:
         for name in (entry["name"], *entry["aliases"]):
-            for label in (["Automatic"] if entry["name"] == "DDIM" else list(SCHEDULES)):
+            for label in (["Automatic"] if entry["name"] in ("DDIM", "PLMS") else list(SCHEDULES)):
                 ours = resolve_sampler(name, label)
                 assert len(make_plan(ours, schedule, 5).steps) == 5, (name, label, ours)
 
@@ -184,6 +184,10 @@ def test_every_listed_sampler_and_schedule_maps_to_a_plan(client: tuple[TestClie
     ("k_euler_a", "Exponential", "euler_a_exponential", "Euler a"),
     ("Euler Karras", None, "euler_karras", "Euler"),
     ("DDIM", "Automatic", "ddim", "DDIM"),
+    ("LMS", "Karras", "lms_karras", "LMS"),
+    ("k_heun", None, "heun", "Heun"),
+    ("UniPC", "SGM Uniform", "unipc_sgm_uniform", "UniPC"),
+    ("PLMS", "Automatic", "plms", "PLMS"),
 ])
 def test_a1111_names_reach_the_engine_as_our_scheduler(client: tuple[TestClient, FakeEngine], sampler: str,
                                                       scheduler: str | None, ours: str, label: str) -> None:
@@ -198,10 +202,11 @@ def test_a1111_names_reach_the_engine_as_our_scheduler(client: tuple[TestClient,
 
 
 @pytest.mark.parametrize(("body", "param", "fragments"), [
-    ({"sampler_name": "LMS"}, "sampler_name", ["'LMS'", "does not implement", "'DPM++ 2M SDE'"]),
-    ({"sampler_name": "LMS Karras"}, "sampler_name", ["unknown sampler 'LMS Karras'", "'Euler a'"]),
-    ({"sampler_name": "UniPC"}, "sampler_name", ["'UniPC'", "'DDIM'"]),
-    ({"sampler_name": "Heun"}, "sampler_name", ["more than once per step", "'Euler'"]),
+    ({"sampler_name": "DPM2"}, "sampler_name", ["'DPM2'", "does not implement", "'DPM++ 2M SDE'", "'Heun'"]),
+    ({"sampler_name": "DPM2 a Karras"}, "sampler_name", ["unknown sampler 'DPM2 a Karras'", "'Euler a'"]),
+    ({"sampler_name": "DPM++ 3M SDE"}, "sampler_name", ["'DPM++ 3M SDE'", "'DDIM'", "'UniPC'"]),
+    ({"sampler_name": "Restart"}, "sampler_name", ["varying number of times per step", "'Euler'"]),
+    ({"sampler_name": "PLMS", "scheduler": "Karras"}, "scheduler", ["with PLMS", "['Automatic']"]),
     ({"sampler_name": "DPM++ SDE Karras"}, "sampler_name", ["'DPM++ SDE Karras'", "'DPM++ 2M'"]),
     ({"sampler_name": "Euler", "scheduler": "Beta"}, "scheduler", ["'Beta'", "'SGM Uniform'"]),
     ({"sampler_name": "DPM++ 2M Align Your Steps"}, "scheduler", ["'Align Your Steps'", "'Karras'"]),
@@ -230,7 +235,7 @@ def test_every_unserved_a1111_sampler_is_refused_not_mapped() -> None:
         assert info.value.param == "sampler_name"
 
 
-@pytest.mark.parametrize("name", ["lms", "pndm", "unipc", "heun", "dpmpp_sde", "ddim_karras"])
+@pytest.mark.parametrize("name", ["dpm2", "pndm", "dpmpp_3m_sde", "plms_karras", "dpmpp_sde", "ddim_karras"])
 def test_openai_route_refuses_unserved_schedulers_with_400_listing_the_served(
         client: tuple[TestClient, FakeEngine], name: str) -> None:
     http, engine = client

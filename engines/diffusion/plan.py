@@ -1,0 +1,121 @@
+"""A sampler's plan: per-step coefficients over the step graph's basis, computed on the host, no tensors.
+
+engines/diffusion/schedulers.py and multistep.py build plans; the pipeline runs them with the step graph
+(engines/diffusion/step_graph.py), one UNet evaluation at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Lin:
+    """Coefficients over the step basis (sample, model_output, prev_denoised, noise, earlier history entries).
+
+    ``prev`` is the entry the previous evaluation pushed (its ``Step.denoised``); ``earlier[k]`` the one pushed
+    ``k + 2`` evaluations back (multistep samplers only; engines/diffusion/multistep.py)."""
+
+    sample: float = 0.0
+    model: float = 0.0
+    prev: float = 0.0
+    noise: float = 0.0
+    earlier: tuple[float, ...] = ()
+
+    @property
+    def history(self) -> tuple[float, ...]:
+        """Coefficients of the history entries, most recent first (``prev`` first)."""
+        return (self.prev, *self.earlier)
+
+    def __add__(self, other: Lin) -> Lin:
+        depth = max(len(self.earlier), len(other.earlier))
+        mine, theirs = (x.earlier + (0.0,) * (depth - len(x.earlier)) for x in (self, other))
+        return Lin(self.sample + other.sample, self.model + other.model, self.prev + other.prev,
+                   self.noise + other.noise, tuple(a + b for a, b in zip(mine, theirs, strict=True)))
+
+    def __mul__(self, k: float) -> Lin:
+        return Lin(self.sample * k, self.model * k, self.prev * k, self.noise * k, tuple(e * k for e in self.earlier))
+
+    __rmul__ = __mul__
+
+    def __sub__(self, other: Lin) -> Lin:
+        return self + other * -1.0
+
+
+def hist(k: int) -> Lin:
+    """The history entry pushed ``k`` evaluations back (``hist(1) == PREV``)."""
+    return PREV if k == 1 else Lin(earlier=(0.0,) * (k - 2) + (1.0,))
+
+
+SAMPLE = Lin(sample=1.0)
+MODEL = Lin(model=1.0)
+PREV = Lin(prev=1.0)
+NOISE = Lin(noise=1.0)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One denoising step: what the UNet is fed and how its output is combined."""
+
+    timestep: float
+    """Value fed to the UNet's timestep input."""
+    input_scale: float
+    """The UNet input is ``sample * input_scale`` (Euler's ``scale_model_input``)."""
+    next: Lin
+    denoised: Lin
+    """The history entry this evaluation pushes: the x0 estimate, except where a multistep sampler keeps another
+    quantity (PLMS the model output, LMS the derivative)."""
+    then: Step | None = None
+    """A second UNet evaluation within the same step (Heun's corrector, PLMS's first step), at ``next``: its
+    coefficients are over the basis after this evaluation (``next`` is its sample, ``denoised`` its ``prev``)."""
+
+    def evaluations(self) -> tuple[Step, ...]:
+        return (self, *(self.then.evaluations() if self.then is not None else ()))
+
+
+@dataclass(frozen=True)
+class SchedulePlan:
+    """Everything one request needs: the initial noise scale and every step's coefficients."""
+
+    init_noise_sigma: float
+    steps: tuple[Step, ...]
+
+    def evaluations(self) -> tuple[tuple[Step, bool], ...]:
+        """Every UNet evaluation in order, each with whether it completes a step (for progress and interrupts)."""
+        out: list[tuple[Step, bool]] = []
+        for step in self.steps:
+            evals = step.evaluations()
+            out += [(e, k == len(evals) - 1) for k, e in enumerate(evals)]
+        return tuple(out)
+
+    @property
+    def history(self) -> int:
+        """History entries the plan reads (1 for the single-history samplers): the step graph's depth."""
+        depth = 1
+        for step, _ in self.evaluations():
+            for lin in (step.next, step.denoised):
+                used = [k + 1 for k, c in enumerate(lin.history) if c]
+                depth = max(depth, *used) if used else depth
+        return depth
+
+
+class Schedule(Protocol):
+    """What a sampler reads of the training noise schedule (engines/diffusion/schedulers.py NoiseSchedule)."""
+
+    @property
+    def alphas_cumprod(self) -> np.ndarray: ...
+    @property
+    def prediction_type(self) -> str: ...
+    @property
+    def steps_offset(self) -> int: ...
+    @property
+    def set_alpha_to_one(self) -> bool: ...
+    @property
+    def num_train_timesteps(self) -> int: ...
+    def spacing(self, default: str) -> str: ...
+    def denoised(self, sigma: float, sample_scale: float) -> Lin:
+        """x0 estimate at noise level ``sigma`` where the VP sample is ``sample_scale * sample``."""
+        ...
