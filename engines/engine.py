@@ -136,6 +136,12 @@ class OrtEngine:
         if self.settings.allow_cpu:
             log.warning("CPU execution allowed by the profile: this server is NOT accelerated")
 
+    def _nvml_index(self) -> int:
+        """The NVML index of the served CUDA ordinal (matched by PCI bus id: CUDA_VISIBLE_DEVICES renumbers)."""
+        obs = self._observations
+        found = obs.nvml_index(self.settings.device_id) if obs is not None else None
+        return found if found is not None else self.settings.device_id
+
     def _device_total(self) -> int | None:
         """The served device's total memory from preflight's NVML reading (matched by PCI bus id)."""
         if self._observations is None or self.settings.device != "cuda":
@@ -159,7 +165,7 @@ class OrtEngine:
             log.warning("no prebuilt TensorRT engines in %s: TensorRT may build them on this node (slow boot)", trt)
             return {ANY: {}}
         live = artifacts.node_identity(self._observations.to_model().model_dump() if self._observations else {},
-                                       self.settings.device_id)
+                                       self._nvml_index())
         found = artifacts.verify_engines(self.model_dir, live, self.settings.verify)
         self._artifacts = self._artifacts.model_copy(update={"engines": EngineArtifacts.model_validate(found)})
         per_size = artifacts.context_models(self.model_dir)

@@ -52,17 +52,26 @@ def read_nvml() -> NvmlReport:
         cuda = pynvml.nvmlSystemGetCudaDriverVersion_v2()
         report = NvmlReport(True, "", _text(pynvml.nvmlSystemGetDriverVersion()), f"{cuda // 1000}.{cuda % 1000 // 10}")
         for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(h)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-            report.devices.append(DeviceInfo(i, _text(pynvml.nvmlDeviceGetName(h)), f"{major}.{minor}",
-                                             int(mem.total), int(mem.used),
-                                             _text(pynvml.nvmlDeviceGetPciInfo(h).busId)))
+            report.devices.append(_device(pynvml, i))
         return report
     except pynvml.NVMLError as exc:
         return NvmlReport(False, f"NVML query failed: {exc}")
     finally:
         pynvml.nvmlShutdown()
+
+
+def _device(pynvml: Any, index: int) -> DeviceInfo:
+    """One device's facts. A device that fails its queries (e.g. GPU_IS_LOST after an Xid on another card) is
+    recorded as such, with no PCI bus id, so it never matches the served CUDA ordinal and cannot take a healthy
+    served GPU's process down with it."""
+    try:
+        h = pynvml.nvmlDeviceGetHandleByIndex(index)
+        major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(h)
+        mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+        return DeviceInfo(index, _text(pynvml.nvmlDeviceGetName(h)), f"{major}.{minor}", int(mem.total),
+                          int(mem.used), _text(pynvml.nvmlDeviceGetPciInfo(h).busId))
+    except pynvml.NVMLError as exc:
+        return DeviceInfo(index, f"unavailable: {exc}", "", 0, 0, "")
 
 
 def _text(value: bytes | str) -> str:

@@ -29,8 +29,10 @@ Snapshot = dict[str, tuple[int, int]]
 
 
 def watched_dirs(engine_cache: Path) -> tuple[Path, ...]:
-    """The engine cache and the timing cache folder sessions are given (engines/runtime/sessions.py)."""
-    return engine_cache, engine_cache.parent / "timing"
+    """The whole TensorRT folder (the configured engine cache's parent, ``<model>/trt`` by default: per-size
+    engines, context models, the timing cache): a file the provider writes anywhere there (a built or refitted
+    engine) is seen, whatever folder the engine manifest names."""
+    return (engine_cache.parent,)
 
 
 def snapshot(dirs: tuple[Path, ...]) -> Snapshot:

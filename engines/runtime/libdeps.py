@@ -30,9 +30,11 @@ SHIPPED_BY: tuple[tuple[str, str], ...] = (
     ("libnvidia-ml.so", "the NVIDIA driver on the host (in containers: the NVIDIA container toolkit, --gpus)"),
 )
 
-# Loaded with dlopen at session creation, so absent from DT_NEEDED but required all the same.
+# Loaded with dlopen at session creation, so absent from DT_NEEDED but required all the same. cuFFT is not here: the
+# 1.31.1 CUDA provider neither links it nor needs it at creation; it loads it lazily for Rfft/Irfft only ("cuFFT is
+# unavailable for CUDA Execution Provider" in the provider library's strings), which Stable Diffusion never runs.
 DLOPENED: dict[str, tuple[str, ...]] = {
-    "CUDAExecutionProvider": ("libcudnn.so.9", "libcufft.so.12"),
+    "CUDAExecutionProvider": ("libcudnn.so.9",),
     "TensorrtExecutionProvider": (),
 }
 PROVIDER_LIBRARIES = {"CUDAExecutionProvider": "libonnxruntime_providers_cuda.so",

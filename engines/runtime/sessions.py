@@ -82,6 +82,18 @@ def provider_options(settings: RuntimeSettings, model_dir: Path | None = None,
     return out
 
 
+ENGINE_CACHE_KEYS = ("trt_engine_cache_enable", "trt_engine_cache_path", "trt_timing_cache_enable",
+                     "trt_timing_cache_path")
+
+
+def loading_prebuilt(options: dict[str, str]) -> dict[str, str]:
+    """TensorRT options for an EP-context model: no engine or timing cache. The engine is found from the EPContext
+    node's ep_cache_context, relative to the context model's folder (GetEpContextFromGraph in
+    onnxruntime/core/providers/tensorrt/onnx_ctx_model_helper.cc); a cache path would only make the provider create
+    folders ("Failed to create directory", tensorrt_execution_provider.cc), which fails on a read-only model mount."""
+    return {k: v for k, v in options.items() if k not in ENGINE_CACHE_KEYS}
+
+
 def session_providers(settings: RuntimeSettings, in_process: bool, model_dir: Path | None = None,
                       total_memory: int | None = None) -> list[tuple[str, dict[str, str]]]:
     """The providers of one component: the policy's, except that graphs built in process get CUDA only.
@@ -153,6 +165,8 @@ class Runtime:
         every provider asked for must be in use, nothing on the activation path may run on the CPU (placement by
         data flow), and a TensorRT component must load prebuilt engines (EP-context nodes, an unchanged cache)."""
         providers = session_providers(self.settings, isinstance(model, bytes), self.model_dir, self.total_memory)
+        if TRT in [p for p, _ in providers] and not isinstance(model, bytes) and enginecheck.ep_context_nodes(model):
+            providers = [(p, loading_prebuilt(o) if p == TRT else o) for p, o in providers]
         names = [p for p, _ in providers]
         report = SessionReport(name, names)
         self.reports[name] = report
