@@ -34,6 +34,8 @@ from server.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 SETTLE_S = 60.0
+DRAIN_ANSWER_S = 2.0
+"""After the drain deadline: how long the requests of a stopped batch get to send their 503 before uvicorn closes."""
 """At shutdown, how long to wait for an executing batch to return before closing the engine: closing ONNX Runtime
 sessions under a running batch can abort the process, so past this the engine is left to the process exit."""
 EXPOSED_HEADERS = ("x-request-id", "x-sdserve-model", "x-sdserve-provider", "x-sdserve-seeds",
@@ -147,14 +149,23 @@ async def drain(app: FastAPI) -> None:
     watchdog = getattr(app.state, "watchdog_task", None)
     if watchdog is not None:
         watchdog.cancel()
-    failed = await app.state.service.batcher.drain(settings.queue.drain_timeout_s)
+    service = app.state.service
+    failed = await service.batcher.drain(settings.queue.drain_timeout_s)
     log.warning("drained: %d queued request(s) were not started before the %.0fs drain deadline", failed,
                 settings.queue.drain_timeout_s)
+    if service.batcher.running or service.waiting:
+        # The deadline passed with a batch still executing: stop it at its next step boundary and answer its
+        # requests 503 now, as a second signal would, so the process exits within the drain bound.
+        log.warning("drain deadline passed with a batch executing: stopping it at the next step boundary; its "
+                    "requests get 503")
+        stop_now(app, "drain deadline passed: the executing batch stops at its next step boundary; its requests "
+                      "got 503")
+        await service.quiesce(DRAIN_ANSWER_S)
 
 
-def stop_now(app: FastAPI) -> None:
+def stop_now(app: FastAPI, reason: str = "stopping now: a second signal; requests in flight got 503") -> None:
     """A second SIGTERM/SIGINT: every request still waiting answers 503 at once and the executing batch stops at
     its next step boundary; the lifespan then waits for it before closing the engine (no abort)."""
-    app.state.server_state.set("draining", ["stopping now: a second signal; requests in flight got 503"])
+    app.state.server_state.set("draining", [reason])
     app.state.metrics.ready.set(0)
     app.state.service.stop()

@@ -267,6 +267,7 @@ class Launcher:
         # access log is ours (server/middleware.py GuardMiddleware), one line per request.
         config = _Config(app, bounds, host=s.host, port=s.port, log_level="warning", access_log=False,
                          log_config=None, lifespan="on", server_header=False, backlog=backlog,
+                         timeout_keep_alive=max(1, round(s.header_timeout_s)),  # idle keep-alive: same bound
                          ws="none")  # no websocket routes
         repeat = RepeatFilter()
         for name in RATE_LIMITED_LOGGERS:

@@ -8,8 +8,10 @@ Secrets are compared as sha256 digests in constant time; a secret is never logge
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import contextlib
 import hashlib
 import hmac
 import json
@@ -23,7 +25,7 @@ from typing import Any
 
 from starlette.datastructures import MutableHeaders
 
-from engines.errors import InvalidRequestError, SdserveError
+from engines.errors import InvalidRequestError, NotReadyError, SdserveError
 from server.errors import (
     REQUEST_ID,
     AuthenticationError,
@@ -107,6 +109,13 @@ class GuardMiddleware:
 
         try:
             await self.app(scope, receive, tagged)
+        except asyncio.CancelledError:  # shutdown cancelled the request (e.g. a body still trickling in)
+            if not status[0]:  # answer it as shutdown, not with the server's plain-text 500, then let it go
+                with contextlib.suppress(Exception):
+                    await error_response(NotReadyError("the server shut down before this request completed: retry "
+                                                       "it on another replica"), str(scope.get("path", "")),
+                                         request_id)(scope, receive, tagged)
+            raise
         except Exception:  # the last line of defence: nothing internal reaches the client
             log.exception("request %s %s %s failed", request_id, scope.get("method"), scope.get("path"))
             if not status[0]:  # else the response is cut short and uvicorn closes the connection

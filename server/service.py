@@ -227,6 +227,18 @@ class ImageService:
         for owner in list(self._owners):
             self.batcher.interrupt(owner, queued_too=False)
 
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a result right now (queued or in the executing batch)."""
+        return sum(self._owners.values())
+
+    async def quiesce(self, timeout_s: float) -> bool:
+        """Wait until every waiting request has answered (after stop()); False when ``timeout_s`` passed."""
+        deadline = time.monotonic() + timeout_s
+        while self.waiting and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return not self.waiting
+
     async def settle(self, timeout_s: float) -> bool:
         """Wait until no batch is executing (the engine is then safe to close); False when ``timeout_s`` passed."""
         deadline = time.monotonic() + timeout_s

@@ -60,9 +60,11 @@ _A1111_SCHEDULES = ("Polyexponential", "KL Optimal", "Align Your Steps", "Simple
 
 
 class Txt2ImgRequest(BaseModel):
-    """The A1111 txt2img fields sdserve honours; other A1111 fields are accepted and ignored."""
+    """The A1111 txt2img fields sdserve honours. Other fields A1111 clients send (denoising_strength, hr_scale, ...)
+    are accepted so those clients work, and named in the response (``info.warnings`` and the
+    ``x-sdserve-ignored-fields`` header), never silently ignored; features that would change the image are refused."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)
 
     prompt: Prompt = Field(..., description="What to draw.")
     negative_prompt: Text = ""
@@ -182,7 +184,11 @@ async def txt2img(req: Txt2ImgRequest, request: Request, response: Response) -> 
     owner = api_key_id(request.scope)
     outs = await asyncio.gather(*(service.run(b, timeout, request.is_disconnected, owner) for b in batches))
     outs[-1].trace_headers(response)
-    warnings = outs[0].warnings
+    ignored = sorted(req.model_extra or {})
+    warnings = outs[0].warnings + ([f"ignored A1111 fields: {', '.join(ignored)}"] if ignored else [])
+    if ignored:  # a header carries printable ASCII only; the info JSON has every name
+        response.headers["x-sdserve-ignored-fields"] = ",".join(
+            n if n.isascii() and n.isprintable() else "?" for n in ignored)[:1000]
     first = batches[0]
     seeds = [g.seed for out in outs for g in out.result.images]
     info = {"prompt": req.prompt, "negative_prompt": req.negative_prompt, "seed": seeds[0], "all_seeds": seeds,
@@ -195,7 +201,7 @@ async def txt2img(req: Txt2ImgRequest, request: Request, response: Response) -> 
     if info["interrupted"]:
         response.headers["x-sdserve-interrupted"] = f"{info['steps_done']}/{first.steps}"
     return Txt2ImgResponse(images=[b64(p) for out in outs for p in out.pngs],
-                           parameters=req.model_dump(), info=json.dumps(info))
+                           parameters=req.model_dump(exclude=set(ignored)), info=json.dumps(info))
 
 
 @router.get("/samplers")

@@ -186,12 +186,50 @@ def test_trickling_client_cannot_stretch_shutdown_past_the_drain_bound(tiny_mode
         server.proc.send_signal(signal.SIGTERM)
         code = server.proc.wait(timeout=drain + 30)
         elapsed = time.monotonic() - start
+        stop.set()
+        sock.settimeout(5)
+        answer = sock.recv(4096)
     finally:
         stop.set()
         sock.close()
         server.stop()
     assert code == 0, server.log
     assert elapsed < drain + 5, f"exit took {elapsed:.1f}s\n{server.log}"
+    # its request is answered as a shutdown (503, JSON, request id), not with the server's plain-text 500
+    assert answer.startswith(b"HTTP/1.1 503") and b"application/json" in answer and b"x-request-id" in answer, answer
+
+
+def test_a_batch_running_past_the_drain_deadline_is_stopped_and_answered_503(tiny_model: Path,
+                                                                              tmp_path: Path) -> None:
+    """SIGTERM while a long batch executes: at the drain deadline the batch stops at its next step boundary, its
+    request gets a JSON 503 with a request id (never the server's plain-text 500), and the process exits within the
+    drain bound, not after the batch would have finished."""
+    drain = 1.0
+    config = dev_config(tmp_path, replace={"drain_timeout_s = 10": f"drain_timeout_s = {drain}"})
+    server = ServerProcess("--config", str(config), "--model", str(tiny_model))
+    url = server.wait_ready()
+    answers: list[httpx.Response] = []
+    body = {"prompt": "a long one", "steps": 50, "size": "256x256"}  # seconds of steps on 2 CPU cores
+    worker = threading.Thread(target=lambda: answers.append(
+        httpx.post(f"{url}/v1/images/generations", json=body, timeout=120)))
+    worker.start()
+    try:
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{url}/sdapi/v1/progress").json()["state"]["sampling_step"] < 1:
+            assert time.monotonic() < deadline, "the batch never started"
+            time.sleep(0.02)
+        start = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        code = server.proc.wait(timeout=60)
+        elapsed = time.monotonic() - start
+    finally:
+        worker.join(60)
+        server.stop()
+    assert code == 0, server.log
+    assert elapsed < drain + 5, f"exit took {elapsed:.1f}s\n{server.log}"
+    answer = answers[0]
+    assert answer.status_code == 503 and answer.headers["content-type"] == "application/json", answer.text
+    assert answer.headers["x-request-id"] and "error" in answer.json()
 
 
 def test_model_file_changed_under_a_running_server_degrades_ready_and_recovers(tiny_model: Path,

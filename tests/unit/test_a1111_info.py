@@ -260,3 +260,17 @@ def test_override_settings_check_names_the_served_model() -> None:
         store.check({"sd_model_checkpoint": "other"}, info, "override_settings.")
     assert caught.value.param == "override_settings.sd_model_checkpoint"
     assert TITLE in str(caught.value)
+
+
+def test_unknown_a1111_fields_are_named_not_silently_ignored(client: TestClient) -> None:
+    """A1111 clients send fields sdserve has no use for (SillyTavern: denoising_strength, hr_scale, ...): they are
+    accepted so the client works, and named in the header and in info.warnings."""
+    response = client.post("/sdapi/v1/txt2img", json={"prompt": "a", "steps": 2, "hr_scale": 2, "denoising_strength":
+                                                      0.7, "ünïcode": 1})
+    assert response.status_code == 200, response.text
+    assert response.headers["x-sdserve-ignored-fields"] == "denoising_strength,hr_scale,?"
+    warnings = json.loads(response.json()["info"])["warnings"]
+    assert "ignored A1111 fields: denoising_strength, hr_scale, ünïcode" in warnings
+    assert "hr_scale" not in response.json()["parameters"]
+    plain = client.post("/sdapi/v1/txt2img", json={"prompt": "a", "steps": 2})
+    assert "x-sdserve-ignored-fields" not in plain.headers
