@@ -24,6 +24,7 @@ from engines.artifacts import (
 )
 from engines.config import RuntimeSettings
 from engines.errors import ArtifactError
+from engines.protocol import EngineArtifacts
 
 BUILT = {"onnxruntime": "1.31.1", "cuda": "13.0", "cudnn_major": "9", "tensorrt": "10.13", "compute_capability": "9.0",
          "gpu": "NVIDIA H200", "driver": "580.95.05"}
@@ -80,7 +81,10 @@ def test_other_tensorrt_or_gpu_is_named(obs: dict[str, object], expected: str) -
 
 def test_verify_engines_refuses_mismatch_then_tampering(tmp_path: Path) -> None:
     trt = engine_folder(tmp_path / "model")
-    assert verify_engines(tmp_path / "model", LIVE, "full")["path"] == str(trt)
+    found = verify_engines(tmp_path / "model", LIVE, "full")
+    assert found["path"] == str(trt)
+    # what the engine puts in the capability snapshot must fit the protocol's type (extra keys are refused there)
+    assert EngineArtifacts.model_validate(found).profiles[0]["name"] == "512x512"
     with pytest.raises(ArtifactError, match="tensorrt: artifact built with 10.13, this node has 11.0"):
         verify_engines(tmp_path / "model", node_identity(observations(trt="11.0.1"), 0), "full")
     engine = trt / "512x512" / "engines" / "unet.engine"
