@@ -46,21 +46,6 @@ def _streams(shape: tuple[int, ...]) -> tuple[np.ndarray, list[np.random.Generat
     return np.stack([r.standard_normal(shape, dtype=np.float32) for r in rngs]), rngs
 
 
-@pytest.fixture
-def shared_step_noise(monkeypatch: pytest.MonkeyPatch) -> list[list[np.random.Generator]]:
-    """Euler ancestral draws fresh noise each step: give diffusers the draws our per-image streams make."""
-    import diffusers.schedulers.scheduling_euler_ancestral_discrete as module
-
-    holder: list[list[np.random.Generator]] = []
-
-    def randn(shape, generator=None, device=None, dtype=None, layout=None):  # type: ignore[no-untyped-def]
-        draws = np.stack([r.standard_normal(tuple(shape[1:]), dtype=np.float32) for r in holder[0]])
-        return torch.from_numpy(draws).to(dtype=dtype)
-
-    monkeypatch.setattr(module, "randn_tensor", randn)
-    return holder
-
-
 @pytest.mark.parametrize("scheduler", sorted(SCHEDULERS))
 def test_images_match_diffusers(scheduler: str, ours: StableDiffusionOnnx, tiny_build: tuple[Path, Path],
                                 shared_step_noise: list[list[np.random.Generator]]) -> None:

@@ -11,15 +11,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from fastapi.testclient import TestClient
 
 from engines.config import SCHEDULER_NAMES
-from engines.diffusion.schedulers import SCHEDULERS, SIGMA_SCHEDULES, NoiseSchedule, SchedulePlan, make_plan
+from engines.diffusion.schedulers import SCHEDULERS, SIGMA_SCHEDULES, NoiseSchedule, make_plan
 from server.app import create_app
 from server.routes.a1111 import SCHEDULES, UNSERVED, resolve_sampler
 from server.settings import load_settings
 from tests.unit.fakes import FakeEngine
+from tests.unit.scheduler_oracle import trajectory_errors
 
 BASE = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "num_train_timesteps": 1000,
         "steps_offset": 1, "set_alpha_to_one": False, "clip_sample": False}
@@ -70,35 +70,6 @@ def _diffusers(sampler: str, schedule: str, config: dict[str, object], steps: in
     return theirs
 
 
-def _step_errors(theirs: Any, plan: SchedulePlan) -> list[float]:
-    """Run our plan and diffusers' scheduler side by side on the same random model outputs and the same per-step
-    noise (twin torch generators: diffusers draws it with randn_tensor -> torch.randn); every entry is a relative
-    error: timesteps, init sigma, then per step the input scale and max |ours - theirs| over max(1, |ours|)."""
-    their_t = theirs.timesteps.numpy().astype(np.float64)
-    ours_t = np.array([s.timestep for s in plan.steps])
-    errors = [float(np.abs(ours_t - their_t).max() / max(1.0, float(np.abs(their_t).max())))] if len(
-        ours_t) == len(their_t) else [float("inf")]
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((1, 4, 8, 8)) * plan.init_noise_sigma
-    prev = np.zeros_like(x)
-    x_t = torch.from_numpy(x.astype(np.float32))
-    their_noise, our_noise = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
-    errors.append(abs(plan.init_noise_sigma - float(theirs.init_noise_sigma)) / float(theirs.init_noise_sigma))
-    for i, step in enumerate(plan.steps):
-        out = rng.standard_normal(x.shape)
-        scaled = theirs.scale_model_input(x_t, theirs.timesteps[i])
-        errors.append(abs(float((scaled.numpy() / x_t.numpy()).mean()) - step.input_scale) / step.input_scale)
-        x_t = theirs.step(torch.from_numpy(out.astype(np.float32)), theirs.timesteps[i], x_t,
-                          generator=their_noise).prev_sample
-        noise = (torch.randn(x.shape, generator=our_noise, dtype=torch.float32).numpy().astype(np.float64)
-                 if step.next.noise else np.zeros_like(x))
-        nxt, den = step.next, step.denoised
-        x, prev = (nxt.sample * x + nxt.model * out + nxt.prev * prev + nxt.noise * noise,
-                   den.sample * x + den.model * out)
-        errors.append(float(np.abs(x - x_t.numpy()).max()) / max(1.0, float(np.abs(x).max())))
-    return errors
-
-
 @pytest.mark.parametrize(("sampler", "schedule"), NEW)
 @pytest.mark.parametrize("spacing", ["leading", "linspace", "trailing"])
 @pytest.mark.parametrize("prediction", ["epsilon", "v_prediction"])
@@ -108,7 +79,7 @@ def test_trajectory_matches_diffusers_at_every_step(sampler: str, schedule: str,
     """``spacing`` is the model's scheduler_config; a schedule suffix may override it, as its diffusers config does."""
     config = {**BASE, "timestep_spacing": spacing, "prediction_type": prediction}
     plan = make_plan(_name(sampler, schedule), NoiseSchedule.from_config(config), steps)
-    errors = _step_errors(_diffusers(sampler, schedule, config, steps), plan)
+    errors = trajectory_errors(_diffusers(sampler, schedule, config, steps), plan)
     worst = max(range(len(errors)), key=errors.__getitem__)
     assert errors[worst] < STEP_TOLERANCE, f"entry {worst} of {len(errors)} off by {errors[worst]:.2e}"
 
@@ -122,7 +93,7 @@ def test_a_sigma_off_by_0_2_percent_fails_the_comparison(sampler: str, schedule:
     sigmas = schedule_.sigmas() * 1.002
     off = dataclasses.replace(schedule_, alphas_cumprod=(1.0 / (1.0 + sigmas**2)).astype(np.float32))
     plan = SCHEDULERS[_name(sampler, schedule)](off, 20)
-    assert max(_step_errors(_diffusers(sampler, schedule, config, 20), plan)) > 10 * STEP_TOLERANCE
+    assert max(trajectory_errors(_diffusers(sampler, schedule, config, 20), plan)) > 10 * STEP_TOLERANCE
 
 
 def test_the_sde_samplers_add_noise_every_step_but_the_last() -> None:

@@ -9,11 +9,11 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 import pytest
-import torch
 
 from engines.diffusion.multistep import MAX_HISTORY
 from engines.diffusion.schedulers import SCHEDULERS, Lin, NoiseSchedule, SchedulePlan, Step, make_plan
 from engines.diffusion.step_graph import build_step_graph, step_coefficients
+from tests.unit.scheduler_oracle import apply, trajectory_errors
 
 BASE = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "num_train_timesteps": 1000,
         "steps_offset": 1, "set_alpha_to_one": False, "clip_sample": False}
@@ -49,39 +49,6 @@ def _diffusers(sampler: str, schedule: str, config: dict[str, object], steps: in
     return theirs
 
 
-def _apply(lin: Lin, x: np.ndarray, out: np.ndarray, history: list[np.ndarray]) -> np.ndarray:
-    total = lin.sample * x + lin.model * out + lin.noise * 0.0
-    for coeff, entry in zip(lin.history, history, strict=False):
-        total = total + coeff * entry
-    return np.asarray(total)
-
-
-def _errors(theirs: Any, plan: SchedulePlan) -> list[float]:
-    """Run our plan and diffusers' scheduler side by side on the same random model outputs: every entry a relative
-    error (timesteps, init sigma, then per UNet evaluation the input scale and max |ours - theirs| over
-    max(1, |ours|)). Our side keeps the history entries the plan pushes, most recent first."""
-    evals = plan.evaluations()
-    their_t = theirs.timesteps.numpy().astype(np.float64)
-    ours_t = np.array([s.timestep for s, _ in evals])
-    if len(ours_t) != len(their_t):
-        return [float("inf")]
-    errors = [float(np.abs(ours_t - their_t).max() / max(1.0, float(np.abs(their_t).max())))]
-    errors.append(abs(plan.init_noise_sigma - float(theirs.init_noise_sigma)) / float(theirs.init_noise_sigma))
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((1, 4, 8, 8)) * plan.init_noise_sigma
-    history: list[np.ndarray] = []
-    x_t = torch.from_numpy(x.astype(np.float32))
-    for i, (step, _) in enumerate(evals):
-        out = rng.standard_normal(x.shape)
-        scaled = theirs.scale_model_input(x_t, theirs.timesteps[i])
-        errors.append(abs(float((scaled.numpy() / x_t.numpy()).mean()) - step.input_scale) / step.input_scale)
-        x_t = theirs.step(torch.from_numpy(out.astype(np.float32)), theirs.timesteps[i], x_t).prev_sample
-        x, pushed = _apply(step.next, x, out, history), _apply(step.denoised, x, out, history)
-        history.insert(0, pushed)
-        errors.append(float(np.abs(x - x_t.numpy()).max()) / max(1.0, float(np.abs(x).max())))
-    return errors
-
-
 @pytest.mark.parametrize(("sampler", "schedule"), CASES)
 @pytest.mark.parametrize("spacing", ["leading", "linspace", "trailing"])
 @pytest.mark.parametrize("prediction", ["epsilon", "v_prediction"])
@@ -90,7 +57,7 @@ def test_trajectory_matches_diffusers_at_every_evaluation(sampler: str, schedule
                                                           prediction: str, steps: int) -> None:
     config = {**BASE, "timestep_spacing": spacing, "prediction_type": prediction}
     plan = make_plan(_name(sampler, schedule), NoiseSchedule.from_config(config), steps)
-    errors = _errors(_diffusers(sampler, schedule, config, steps), plan)
+    errors = trajectory_errors(_diffusers(sampler, schedule, config, steps), plan)
     worst = max(range(len(errors)), key=errors.__getitem__)
     assert errors[worst] < STEP_TOLERANCE, f"entry {worst} of {len(errors)} off by {errors[worst]:.2e}"
 
@@ -102,7 +69,7 @@ def test_a_sigma_off_by_0_2_percent_fails_the_comparison(sampler: str, schedule:
     sigmas = base.sigmas() * 1.002
     off = dataclasses.replace(base, alphas_cumprod=(1.0 / (1.0 + sigmas**2)).astype(np.float32))
     plan = SCHEDULERS[_name(sampler, schedule)](off, 20)
-    assert max(_errors(_diffusers(sampler, schedule, config, 20), plan)) > 10 * STEP_TOLERANCE
+    assert max(trajectory_errors(_diffusers(sampler, schedule, config, 20), plan)) > 10 * STEP_TOLERANCE
 
 
 def _history_off(step: Step) -> Step:
@@ -118,9 +85,9 @@ def test_history_coefficients_off_by_0_2_percent_fail_the_comparison(sampler: st
     """The multistep part has teeth too: the history terms alone, 0.2% off, fail for every sampler."""
     config = {**BASE, "timestep_spacing": "leading"}
     plan = make_plan(sampler, NoiseSchedule.from_config(config), 20)
-    assert max(_errors(_diffusers(sampler, "", config, 20), plan)) < STEP_TOLERANCE
+    assert max(trajectory_errors(_diffusers(sampler, "", config, 20), plan)) < STEP_TOLERANCE
     off = SchedulePlan(plan.init_noise_sigma, tuple(_history_off(s) for s in plan.steps))
-    assert max(_errors(_diffusers(sampler, "", config, 20), off)) > 10 * STEP_TOLERANCE
+    assert max(trajectory_errors(_diffusers(sampler, "", config, 20), off)) > 10 * STEP_TOLERANCE
 
 
 @pytest.mark.parametrize(("sampler", "evaluations", "history"),
@@ -164,5 +131,5 @@ def test_history_step_graph_matches_a_float64_reference(cfg: bool) -> None:
     model = (1 - guidance[:, None, None, None]) * parts[0] + guidance[:, None, None, None] * parts[1]
     history = [feeds[k].astype(np.float64) for k in ("prev", "prev2", "prev3")]
     for got, want in ((nxt, lin), (pushed, den)):
-        ref = _apply(want, feeds["sample"].astype(np.float64), model, history)
+        ref = apply(want, feeds["sample"].astype(np.float64), model, history, np.zeros_like(model))
         assert float(np.abs(got - ref).max()) < 1e-5 * float(np.abs(ref).max())

@@ -6,9 +6,9 @@ import dataclasses
 
 import numpy as np
 import pytest
-import torch
 
 from engines.diffusion.schedulers import NoiseSchedule, make_plan
+from tests.unit.scheduler_oracle import trajectory_errors
 
 BASE = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "num_train_timesteps": 1000,
         "steps_offset": 1, "set_alpha_to_one": False, "clip_sample": False}
@@ -30,25 +30,7 @@ def _step_errors(name: str, config: dict[str, object], steps: int,
     theirs.set_timesteps(steps)
     plan = make_plan(name, schedule or NoiseSchedule.from_config(config), steps)
     assert [s.timestep for s in plan.steps] == pytest.approx(theirs.timesteps.numpy().astype(float).tolist())
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((1, 4, 8, 8)) * plan.init_noise_sigma
-    prev = np.zeros_like(x)
-    x_t = torch.from_numpy(x.astype(np.float32))
-    their_noise, our_noise = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
-    errors = [abs(plan.init_noise_sigma - float(theirs.init_noise_sigma)) / float(theirs.init_noise_sigma)]
-    for i, step in enumerate(plan.steps):
-        out = rng.standard_normal(x.shape)
-        scaled = theirs.scale_model_input(x_t, theirs.timesteps[i])
-        errors.append(abs(float((scaled.numpy() / x_t.numpy()).mean()) - step.input_scale) / step.input_scale)
-        x_t = theirs.step(torch.from_numpy(out.astype(np.float32)), theirs.timesteps[i], x_t,
-                          generator=their_noise).prev_sample
-        noise = (torch.randn(x.shape, generator=our_noise, dtype=torch.float32).numpy().astype(np.float64)
-                 if step.next.noise else np.zeros_like(x))
-        nxt, den = step.next, step.denoised
-        x, prev = (nxt.sample * x + nxt.model * out + nxt.prev * prev + nxt.noise * noise,
-                   den.sample * x + den.model * out)
-        errors.append(float(np.abs(x - x_t.numpy()).max()) / max(1.0, float(np.abs(x).max())))
-    return errors
+    return trajectory_errors(theirs, plan)
 
 
 @pytest.mark.parametrize("name", sorted(CLASSES))
