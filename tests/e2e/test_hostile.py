@@ -209,7 +209,8 @@ def test_a_batch_running_past_the_drain_deadline_is_stopped_and_answered_503(tin
     server = ServerProcess("--config", str(config), "--model", str(tiny_model))
     url = server.wait_ready()
     answers: list[httpx.Response] = []
-    body = {"prompt": "a long one", "steps": 50, "size": "256x256"}  # seconds of steps on 2 CPU cores
+    # ~1 s per step on 2 CPU cores, ~50 s in all: far longer than the drain bound, however fast the machine
+    body = {"prompt": "a long one", "steps": 50, "size": "512x512"}
     worker = threading.Thread(target=lambda: answers.append(
         httpx.post(f"{url}/v1/images/generations", json=body, timeout=120)))
     worker.start()
