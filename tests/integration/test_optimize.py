@@ -18,7 +18,7 @@ import pytest
 
 from engines.artifacts import verify_model
 from engines.build.attention_fusion import fuse_attention
-from engines.build.fusion_report import check_attention, expected_attention
+from engines.build.fusion_report import attention_summary, check_attention, expected_attention
 from engines.build.optimize import feeds_for
 from engines.build.tiny import build_tiny
 from engines.errors import ArtifactError
@@ -100,6 +100,9 @@ def test_cuda_target_fuses_every_attention_and_matches_on_cpu(tiny_model: Path, 
     assert report["kernels"]["MultiHeadAttention"]["cpu"].endswith("cpu/bert/multihead_attention.cc")
     assert "packed QKV / packed KV" in report["left_out"]
     verify_model(out, "full")
+    summary = attention_summary(out)  # what `sdserve accept` reads
+    assert summary["unet"] == {"target": "cuda", "expected": 12, "fused_in_graph": 12}
+    assert all(c["expected"] == c["fused_in_graph"] for c in summary.values())
     # The CUDA-only ops really have no CPU kernel (KERNELS says None): ORT refuses the graph on the CPU.
     with pytest.raises(Exception, match="GroupNorm|NhwcConv|BiasSplitGelu|SkipGroupNorm"):
         ort.InferenceSession(str(out / "unet" / "model.onnx"), providers=["CPUExecutionProvider"])
