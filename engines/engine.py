@@ -15,7 +15,16 @@ import numpy as np
 from PIL import Image
 
 from engines import artifacts
-from engines.config import Canary, CanarySuite, Matrix, RuntimeSettings, SelfTestPlan, Shape, SignatureThresholds
+from engines.config import (
+    Canary,
+    CanarySuite,
+    Matrix,
+    PluginEp,
+    RuntimeSettings,
+    SelfTestPlan,
+    Shape,
+    SignatureThresholds,
+)
 from engines.diffusion.pipeline import StableDiffusionOnnx
 from engines.diffusion.schedulers import SCHEDULERS
 from engines.errors import (
@@ -100,7 +109,8 @@ class OrtEngine:
             self._tee.start()
         if self.settings.device == "cuda":  # what preflight resolves is what sessions will load: preload first
             preload(tensorrt="TensorrtExecutionProvider" in self.settings.providers)
-        self._observations = gather()
+        plugin = self.settings.plugin
+        self._observations = gather(plugin) if plugin is not None else gather()
         self._checks = evaluate(self._observations, self.matrix, self.settings)
         gpu, versions = failures(self._checks)
         for check in self._checks:
@@ -109,7 +119,8 @@ class OrtEngine:
         if versions:
             raise VersionMismatchError("version matrix mismatch: " + _describe(versions))
         if gpu:
-            raise GpuUnavailableError("GPU path unavailable: " + _describe(gpu))
+            what = f"accelerator {plugin.name}" if plugin is not None else "GPU"
+            raise GpuUnavailableError(f"{what} path unavailable: " + _describe(gpu))
         return tuple(c.to_model() for c in self._checks)
 
     def load(self) -> None:
@@ -154,6 +165,8 @@ class OrtEngine:
         per size: engines/artifacts.py context_models); {ANY: {}} for the plain model at every size."""
         artifacts.verify_model(self.model_dir, self.settings.verify, self.settings.manifest_sha256)
         self._artifacts = Artifacts(model_manifest=f"verified ({self.settings.verify})")
+        if self.settings.plugin is not None:
+            return self._verify_plugin_artifacts(self.settings.plugin)
         trt = self.model_dir / artifacts.TRT_DIR
         if "TensorrtExecutionProvider" not in self.settings.providers:
             return {ANY: {}}
@@ -172,6 +185,28 @@ class OrtEngine:
         if not per_size:
             raise ArtifactError(f"the engine manifest in {trt} lists no served sizes: rebuild with `sdserve engines "
                                 "build`")
+        return per_size
+
+    def _verify_plugin_artifacts(self, plugin: PluginEp) -> dict[str, dict[str, Path]]:
+        """A plugin EP's EP-context artifacts (<model>/ep/<name>, `sdserve engines build`) against this node's ORT
+        and plugin versions; per served size, the context models to load. Without a manifest: refused when the
+        plugin requires artifacts, else the plain model (the EP compiles it at load)."""
+        sub = artifacts.ep_dir(plugin.name)
+        if not (self.model_dir / sub / artifacts.MANIFEST).is_file():
+            if plugin.require_artifacts:
+                raise ArtifactError(f"no EP-context artifacts for {plugin.name} in {self.model_dir / sub}: build "
+                                    "them with `sdserve engines build --profile <this profile>` (the profile sets "
+                                    "runtime.plugin.require_artifacts)")
+            log.warning("no EP-context artifacts in %s: %s compiles the model at load", sub, plugin.name)
+            return {ANY: {}}
+        observed = self._observations.to_model().model_dump() if self._observations else {}
+        live = artifacts.plugin_identity(observed, plugin.device_type)
+        found = artifacts.verify_engines(self.model_dir, live, self.settings.verify, sub, artifacts.PLUGIN_NODE_KEYS)
+        self._artifacts = self._artifacts.model_copy(update={"engines": EngineArtifacts.model_validate(found)})
+        per_size = artifacts.context_models(self.model_dir, sub)
+        if not per_size:
+            raise ArtifactError(f"the artifact manifest in {sub} lists no served sizes: rebuild with `sdserve "
+                                "engines build`")
         return per_size
 
     @property
@@ -303,7 +338,7 @@ class OrtEngine:
         return self._tee.drain() if self._tee is not None else []
 
     def _accelerated(self) -> bool:
-        if self.settings.device != "cuda" or not self._pipelines or self._runtime is None:
+        if not self.settings.accelerators or not self._pipelines or self._runtime is None:
             return False
         reports = self._runtime.reports.values()
         return (all(c.status != "fail" for c in self._checks) and bool(self._checks)
@@ -326,10 +361,12 @@ class OrtEngine:
             generated_at=datetime.datetime.now(datetime.UTC).isoformat(), accelerated=accelerated,
             verdict=Verdict(status=status, reasons=tuple(reasons)), device=s.device, device_id=s.device_id,
             model=str(self.model_dir),
-            policy=Policy(providers=s.providers, allow_cpu=s.allow_cpu, enable_fallback=s.allow_cpu,
+            policy=Policy(providers=s.providers, plugin=s.plugin.model_dump() if s.plugin else None,
+                          allow_cpu=s.allow_cpu, enable_fallback=s.allow_cpu,
                           disable_cpu_ep_fallback=s.disable_cpu_ep_fallback, placement_audit=s.placement_audit,
                           cpu_allowlist=s.cpu_allowlist),
-            provider_options=dict(provider_options(s, self.model_dir, self._device_total())),
+            provider_options=({s.plugin.name: dict(s.plugin.options)} if s.plugin else
+                              dict(provider_options(s, self.model_dir, self._device_total()))),
             checks=tuple(c.to_model() for c in self._checks),
             observations=self._observations.to_model() if self._observations else None,
             sessions={name: r.to_model() for name, r in reports.items()},
