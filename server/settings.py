@@ -226,6 +226,10 @@ class DebugSettings(BaseModel):
     """Mount /debug/faults (latency and telemetry injection). Dev profile only."""
 
 
+PROFILES = ("dev", "production", "openvino")
+"""Profiles shipped in configs/ (openvino: the plugin-EP accelerator CI proves the fail-closed path against)."""
+
+
 class Settings(BaseModel):
     """One profile."""
 

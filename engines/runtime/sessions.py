@@ -163,10 +163,12 @@ class Runtime:
             for line in preload(tensorrt=TRT in settings.providers):
                 log.info("preload: %s", line)
 
-    def _options(self, audit_only: bool = False) -> ort.SessionOptions:
+    def _options(self, audit_only: bool = False, extra: dict[str, str] | None = None) -> ort.SessionOptions:
         """Session options under the policy; ``audit_only``: without disable_cpu_ep_fallback, to name the nodes a
-        refused session would have put on the CPU."""
+        refused session would have put on the CPU; ``extra``: more session config entries (an EP-context dump)."""
         so = ort.SessionOptions()
+        for key, value in (extra or {}).items():
+            so.add_session_config_entry(key, value)
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.log_severity_level = self.settings.ort_log_severity
         if self.settings.intra_op_threads:
@@ -179,7 +181,7 @@ class Runtime:
             plugins.add_to(so, self.settings.plugin)
         return so
 
-    def session(self, model: Path | bytes, name: str) -> ort.InferenceSession:
+    def session(self, model: Path | bytes, name: str, extra: dict[str, str] | None = None) -> ort.InferenceSession:
         """A session on the component's providers, verified. Without allow_cpu: ORT's silent CPU retry is disabled,
         every provider asked for must be in use, nothing on the activation path may run on the CPU (placement by
         data flow), and a TensorRT component must load prebuilt engines (EP-context nodes, an unchanged cache)."""
@@ -197,7 +199,7 @@ class Runtime:
             if not self.settings.allow_cpu:
                 enginecheck.gate(report.name, report.events, forbid_builds(self.settings))
         before = enginecheck.snapshot(self._engine_dirs)
-        sess = self._create(model, report, providers)
+        sess = self._create(model, report, providers, extra)
         if self._engine_dirs:
             self._after_load = enginecheck.snapshot(self._engine_dirs)
             report.events += enginecheck.cache_events(before, self._after_load, f"{name}: session creation")
@@ -208,13 +210,13 @@ class Runtime:
         log.info("session %s on %s", name, report.providers_used)
         return sess
 
-    def _create(self, model: Path | bytes, report: SessionReport,
-                providers: list[tuple[str, dict[str, str]]]) -> ort.InferenceSession:
+    def _create(self, model: Path | bytes, report: SessionReport, providers: list[tuple[str, dict[str, str]]],
+                extra: dict[str, str] | None = None) -> ort.InferenceSession:
         names = [p for p, _ in providers]
         error: Exception | None = None
         with capture_ort_output(report.name) as captured:
             try:
-                sess = self._construct(model, providers)
+                sess = self._construct(model, providers, extra=extra)
             except Exception as exc:  # ORT raises RuntimeError/Fail/NoSuchFile, all plain Exceptions
                 error = exc
         report.log_lines, report.events = captured.lines, [*report.events, *captured.events]
@@ -232,12 +234,13 @@ class Runtime:
         return sess
 
     def _construct(self, model: Path | bytes, providers: list[tuple[str, dict[str, str]]],
-                   audit_only: bool = False) -> ort.InferenceSession:
+                   audit_only: bool = False, extra: dict[str, str] | None = None) -> ort.InferenceSession:
         kwargs: dict[str, Any] = {} if self.settings.allow_cpu else {"enable_fallback": 0}
         source = model if isinstance(model, bytes) else str(model)
+        options = self._options(audit_only, None if audit_only else extra)
         if self.settings.plugin is not None:  # the EP is in the options (add_provider_for_devices), not providers=
-            return ort.InferenceSession(source, sess_options=self._options(audit_only), **kwargs)
-        return ort.InferenceSession(source, sess_options=self._options(audit_only), providers=[p for p, _ in providers],
+            return ort.InferenceSession(source, sess_options=options, **kwargs)
+        return ort.InferenceSession(source, sess_options=options, providers=[p for p, _ in providers],
                                     provider_options=[o for _, o in providers], **kwargs)
 
     def _cpu_nodes(self, model: Path | bytes, providers: list[tuple[str, dict[str, str]]]) -> str:
