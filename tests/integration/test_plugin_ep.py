@@ -1,11 +1,13 @@
 """Every fail-closed promise, against a real accelerator EP: OpenVINO's plugin execution provider on the CPU (the
 openvino profile), from real `sdserve` processes, with their exit codes. The artifacts are built once per session by
-`sdserve engines build --profile openvino` (tests/conftest.py ``openvino_model``); each refusal works on its own copy."""
+`sdserve engines build --profile openvino` (tests/conftest.py ``openvino_model``); each refusal works on a copy."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,14 +18,17 @@ from tests.plugin_ep import ARTIFACTS, EP, profile, resign, sdserve, with_cpu_no
 pytestmark = pytest.mark.plugin_ep
 
 
-def assert_exit(done: object, code: ExitCode, *fragments: str) -> None:
-    out = done.stdout + done.stderr  # type: ignore[attr-defined]
-    assert done.returncode == int(code), f"exit {done.returncode}, want {int(code)}:\n{out[-3000:]}"  # type: ignore[attr-defined]
+Done = subprocess.CompletedProcess[str]
+
+
+def assert_exit(done: Done, code: ExitCode, *fragments: str) -> None:
+    out = done.stdout + done.stderr
+    assert done.returncode == int(code), f"exit {done.returncode}, want {int(code)}:\n{out[-3000:]}"
     for fragment in fragments:
         assert fragment in out, f"{fragment!r} not in:\n{out[-3000:]}"
 
 
-def doctor(model: Path, config: Path | None = None) -> object:
+def doctor(model: Path, config: Path | None = None) -> Done:
     where = ("--config", str(config)) if config else ("--profile", "openvino")
     return sdserve("doctor", *where, "--model", str(model))
 
@@ -117,8 +122,8 @@ def _no_artifacts(root: Path) -> str:
 
 @pytest.mark.parametrize("change", [_tamper, _delist, _unlisted, _ep_version, _stale_blob, _no_artifacts],
                          ids=["tampered", "de-listed", "unlisted", "ep-version", "stale-blob", "missing"])
-def test_artifact_problems_exit_23(copy: Path, change: object) -> None:
-    fragment = change(copy / ARTIFACTS)  # type: ignore[operator]
+def test_artifact_problems_exit_23(copy: Path, change: Callable[[Path], str]) -> None:
+    fragment = change(copy / ARTIFACTS)
     done = doctor(copy)
     assert_exit(done, ExitCode.ARTIFACT_INVALID, fragment)
     assert "path unavailable" not in done.stdout + done.stderr
