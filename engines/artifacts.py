@@ -159,10 +159,11 @@ def plugin_identity(observations: dict[str, Any], device_type: str) -> dict[str,
             "ep_library_version": plugin.get("library_version"), "device_type": device_type}
 
 
-def node_identity(observations: dict[str, Any], device_id: int) -> dict[str, str | None]:
-    """What an engine is bound to, read from preflight observations."""
+def node_identity(observations: dict[str, Any], nvml_index: int) -> dict[str, str | None]:
+    """What an engine is bound to, read from preflight observations; ``nvml_index``: the served device's NVML index
+    (matched by PCI bus id, OrtEngine.nvml_index), looked up by index, never by list position or CUDA ordinal."""
     devices = observations.get("nvml", {}).get("devices", [])
-    device = devices[device_id] if device_id < len(devices) else {}
+    device: dict[str, Any] = next((d for d in devices if d.get("index") == nvml_index), {})
     cudnn = observations.get("cudnn", {}).get("version")
     trt = observations.get("tensorrt", {}).get("version")
     return {"onnxruntime": observations.get("onnxruntime"), "cuda": observations.get("onnxruntime_cuda_build"),

@@ -147,11 +147,16 @@ class OrtEngine:
         if self.settings.allow_cpu:
             log.warning("CPU execution allowed by the profile: this server is NOT accelerated")
 
-    def _nvml_index(self) -> int:
-        """The NVML index of the served CUDA ordinal (matched by PCI bus id: CUDA_VISIBLE_DEVICES renumbers)."""
+    def nvml_index(self) -> int:
+        """The NVML index of the served CUDA ordinal, matched by PCI bus id (CUDA_VISIBLE_DEVICES renumbers CUDA
+        ordinals, never NVML's). GpuUnavailableError when nothing matches: the ordinal is never used instead, it
+        would bind artifacts and telemetry to another card."""
         obs = self._observations
         found = obs.nvml_index(self.settings.device_id) if obs is not None else None
-        return found if found is not None else self.settings.device_id
+        if found is None:
+            raise GpuUnavailableError(f"CUDA ordinal {self.settings.device_id} matches no NVML device by PCI bus id "
+                                      "(check CUDA_VISIBLE_DEVICES and --device-id); refusing to guess by number")
+        return found
 
     def _device_total(self) -> int | None:
         """The served device's total memory from preflight's NVML reading (matched by PCI bus id)."""
@@ -178,7 +183,7 @@ class OrtEngine:
             log.warning("no prebuilt TensorRT engines in %s: TensorRT may build them on this node (slow boot)", trt)
             return {ANY: {}}
         live = artifacts.node_identity(self._observations.to_model().model_dump() if self._observations else {},
-                                       self._nvml_index())
+                                       self.nvml_index())
         found = artifacts.verify_engines(self.model_dir, live, self.settings.verify)
         self._artifacts = self._artifacts.model_copy(update={"engines": EngineArtifacts.model_validate(found)})
         per_size = artifacts.context_models(self.model_dir)

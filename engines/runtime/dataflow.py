@@ -11,9 +11,10 @@ Div, Mul, Sqrt, Cast, Slice, Add, ...: an op-name allowlist cannot tell these fr
 Rule here: a tensor is a *shape value* when it is an output of Shape/Size, a small initializer or Constant
 (<= SMALL_CONSTANT_ELEMENTS elements, ORT's threshold), a graph input with a static shape of at most as many
 elements (ORT accepts graph inputs there too), or an output of a node without subgraphs whose every input is a shape
-value. Graph inputs with symbolic or large dims (latents, embeddings) and large initializers (weights) are not. A CPU node whose inputs are all shape values is
-on the shape path (allowed, counted); any other CPU node is refused whatever its op type, as is any node that holds a
-subgraph (If/Loop/Scan) or sits inside one, and any name not found in the graph (fail closed).
+value. Graph inputs with symbolic or large dims (latents, embeddings) and large initializers (weights) are not.
+A CPU node whose inputs are all shape values is on the shape path (allowed, counted); any other CPU node is refused
+whatever its op type, as is any node that holds a subgraph (If/Loop/Scan) or sits inside one, and any name not found
+in the graph (fail closed).
 
 Which graph: `get_provider_graph_assignment_info()` names the nodes of the graph the partitioner saw, i.e. after the
 level-1 (basic) optimizations and before the extended/layout ones (onnxruntime/core/session/ep_graph_partition_info.h:

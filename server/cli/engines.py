@@ -131,7 +131,8 @@ def _build_on_gpu(args: argparse.Namespace, boot: Any, plan: dict[str, Any]) -> 
     engine = replace(boot, settings=settings.model_copy(update={"runtime": gpu})).engine()
     engine.preflight()
     observations = engine.capabilities().observations
-    manifest = build(args.model, plan, observations.model_dump() if observations else {}, settings.runtime.device_id)
+    # The manifest binds the engines to the served card by its NVML index, matched by PCI bus id (never the ordinal).
+    manifest = build(args.model, plan, observations.model_dump() if observations else {}, engine.nvml_index())
     log.info("engines and manifest written: %s", manifest)
     return 0
 
