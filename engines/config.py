@@ -44,8 +44,9 @@ class CudaOptions(BaseModel):
     arena_extend_strategy: Literal["kNextPowerOfTwo", "kSameAsRequested"] = "kSameAsRequested"
     """How the arena grows; kSameAsRequested avoids hoarding power-of-two blocks under varied shapes."""
     gpu_mem_limit_fraction: float = Field(0.9, gt=0.0, le=1.0)
-    """Arena cap as a fraction of the served device's total memory (read by preflight through NVML); the
-    capability snapshot reports the byte limit (provider_options gpu_mem_limit, arena gpu_mem_limit_bytes)."""
+    """CUDA-provider arena cap as a fraction of the served device's total memory (read by preflight through NVML);
+    the capability snapshot reports the byte limit and what it does not cover (arena gpu_mem_limit_scope): it is
+    not a device-memory budget for the process (TensorRT engines and IO-binding buffers are outside it)."""
     cudnn_conv_algo_search: Literal["EXHAUSTIVE", "HEURISTIC", "DEFAULT"] = "HEURISTIC"
     """Conv algorithm search; EXHAUSTIVE benchmarks every shape on first use (slow first requests)."""
     do_copy_in_default_stream: bool = True

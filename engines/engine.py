@@ -68,6 +68,12 @@ from engines.runtime.ortlog import StderrTee
 from engines.runtime.sessions import Runtime, SessionReport, gpu_mem_limit, provider_options
 
 log = logging.getLogger(__name__)
+GPU_MEM_LIMIT_SCOPE = (
+    "caps only the CUDA provider's arena in sessions whose first provider is CUDA (a session's device allocator is "
+    "its first registered provider's: TensorRT's own under a TensorRT policy); TensorRT engine memory sits outside "
+    "every ORT arena and IO-binding buffers come from the Python binding's CUDA allocator, which has no cap. No "
+    "device-memory budget for the process is enforced.")
+"""What gpu_mem_limit does and does not cover, stated in the capability snapshot instead of a budget claim."""
 ANY = "*"
 """The key of the one pipeline that serves every size (no per-size TensorRT engines)."""
 
@@ -381,7 +387,8 @@ class OrtEngine:
             io=IoInfo(binding="iobinding", device=s.device,
                       host_staging=self._runtime.host.kind if self._runtime else "none",
                       buffers_reused_per_shape=True),
-            arena={**s.cuda.model_dump(), "gpu_mem_limit_bytes": gpu_mem_limit(s, self._device_total()) or 0},
+            arena={**s.cuda.model_dump(), "gpu_mem_limit_bytes": gpu_mem_limit(s, self._device_total()) or 0,
+                   "device_memory_budget_enforced": False, "gpu_mem_limit_scope": GPU_MEM_LIMIT_SCOPE},
             artifacts=self._artifacts, attention=_attention(reports),
             self_test=self._report, family=self._info.family_summary() if self._info else {})
 

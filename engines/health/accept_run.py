@@ -327,7 +327,11 @@ def staging_buffers(run: Run) -> tuple[rep.StagingBuffer, ...]:
               "unet_in": ((2, pipeline.latent_channels, latent, latent), pipeline.latent_dtype)}
     found = []
     for tag, (shape, dtype) in wanted.items():
-        array, _ = pipeline.runtime.staging(tag, shape, dtype)
+        array = pipeline.runtime.staged(tag, shape, dtype)  # the buffer the request used; never a new one
+        if array is None:
+            run.notes.append(f"staging buffer {tag} {shape} was never used by the request: not pinned memory")
+            found.append(rep.StagingBuffer(tag, 0, 0))  # 0 = cudaMemoryTypeUnregistered: the check fails
+            continue
         attributes = _PointerAttributes()
         status = cudart.cudaPointerGetAttributes(ctypes.byref(attributes), array.ctypes.data)
         if status != 0:

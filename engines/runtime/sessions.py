@@ -300,6 +300,12 @@ class Runtime:
         self._staging.move_to_end(key)
         return self._staging[key]
 
+    def staged(self, tag: str, shape: tuple[int, ...], dtype: type[np.generic]) -> np.ndarray | None:
+        """The host staging array the pipeline used for (tag, shape, dtype), or None when it never staged one:
+        a check of what was bound must not create what it checks (``staging`` would allocate a fresh buffer)."""
+        found = self._staging.get((tag, shape, np.dtype(dtype).name))
+        return found[0] if found is not None else None
+
     def upload(self, tag: str, array: np.ndarray) -> ort.OrtValue:
         """Copy a host array into the reusable device buffer ``tag``; on a GPU through a pinned staging buffer."""
         value = self.buffer(tag, tuple(array.shape), array.dtype.type)
