@@ -33,10 +33,13 @@ def _volume_with_model(name: str, model_dir: Path, tmp: Path) -> None:
 
 
 def _manifest(port: int, claim: str) -> dict[str, Any]:
-    """The committed overlay on a free host port (host network) and a claim of its own; nothing else changes."""
+    """The committed overlay on the host network (hostNetwork; this machine has no container bridge, so no port
+    mapping either) on a free port, with a claim of its own; nothing else changes."""
     dep: dict[str, Any] = yaml.safe_load(OVERLAY.read_text())
     pod = dep["spec"]["template"]["spec"]
+    pod["hostNetwork"] = True
     c = pod["containers"][0]
+    del c["ports"]
     c["args"][c["args"].index("--port") + 1] = str(port)
     c["env"].append({"name": "SDSERVE_PORT", "value": str(port)})  # the healthcheck probes this port
     pod["volumes"][0]["persistentVolumeClaim"]["claimName"] = claim
@@ -59,7 +62,7 @@ def played(model_dir: Path, tmp_path: Path) -> Iterator[tuple[str, str]]:
     def kube(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([ENGINE, "kube", *args], capture_output=True, text=True, timeout=300, env=env)
 
-    done = kube("play", "--network", "host", str(path))
+    done = kube("play", str(path))
     try:
         assert done.returncode == 0, done.stdout + done.stderr
         yield f"http://127.0.0.1:{port}", done.stdout
@@ -68,18 +71,16 @@ def played(model_dir: Path, tmp_path: Path) -> Iterator[tuple[str, str]]:
         engine("volume", "rm", "-f", claim, check=False)
 
 
-def _container(pod_name: str) -> dict[str, Any]:
-    listing = json.loads(engine("ps", "-a", "--format", "json", "--filter", f"pod={pod_name}").stdout)
-    ours = [c for c in listing if not c.get("IsInfra")]
-    assert len(ours) == 1, listing
-    data: dict[str, Any] = json.loads(engine("inspect", ours[0]["Id"]).stdout)[0]
+def _container(play_output: str) -> dict[str, Any]:
+    """The served container of the played pod (kube play prints `Pod:` and `Container:` ids)."""
+    ids = play_output.split("Container:", 1)[1].split()
+    assert len(ids) == 1, play_output
+    data: dict[str, Any] = json.loads(engine("inspect", ids[0]).stdout)[0]
     return data
 
 
 def test_kube_play_of_the_dev_overlay_serves_with_its_security_context(played: tuple[str, str]) -> None:
-    url, _ = played
-    deployment = yaml.safe_load(OVERLAY.read_text())
-    pod_name = f"{deployment['metadata']['name']}-pod"
+    url, play_output = played
 
     def ready() -> bool:
         answer = get(f"{url}/ready")
@@ -88,7 +89,7 @@ def test_kube_play_of_the_dev_overlay_serves_with_its_security_context(played: t
     answer = httpx.post(f"{url}/v1/images/generations", json={"prompt": "a kube cube", "size": "64x64", "steps": 2},
                         timeout=120)
     assert answer.status_code == 200 and answer.json()["data"][0]["b64_json"], answer.text
-    box = _container(pod_name)
+    box = _container(play_output)
     host = box["HostConfig"]
     assert box["Config"]["User"].split(":")[0] == "10001"
     assert host["ReadonlyRootfs"] is True
