@@ -93,7 +93,7 @@ def dev_overlay(deploy: dict[str, Any], settings: Settings) -> dict[str, Any]:
     the -notrt image, no GPU scheduling. Probes are the image's healthcheck run in the container (same /ready and
     /health semantics): podman turns an httpGet probe into `curl` inside the container, and the image has no curl.
     Storage and the securityContext stay exactly as in production."""
-    dev = json.loads(json.dumps(deploy))
+    dev: dict[str, Any] = json.loads(json.dumps(deploy))
     dev["metadata"]["name"] = f"{APP}-dev"
     spec = dev["spec"]
     spec["replicas"] = 1
