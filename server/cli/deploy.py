@@ -257,12 +257,14 @@ def register_record(commands: Any) -> None:
     p.add_argument("--image", required=True)
     p.add_argument("--model", type=Path, default=Path("models/tiny"), help="model folder the doctor boot mounts")
     p.add_argument("--run-flags", default="", help="extra flags for `ENGINE run` (e.g. podman's --runtime)")
+    p.add_argument("--profile", choices=["dev", "production"], default="dev",
+                   help="profile of the doctor boot (production on a GPU node, with the engine's GPU flags)")
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(run=run_record)
 
 
 def run_record(args: argparse.Namespace) -> int:
-    record = imagerecord.build(args.engine, args.image, args.model, args.run_flags.split())
+    record = imagerecord.build(args.engine, args.image, args.model, args.run_flags.split(), args.profile)
     log.info("wrote %s (image %s, %d packages, doctor exit %s)", imagerecord.write(args.out, record),
              record["digest"] or record["id"], len(record["freeze"]), record["doctor"]["exit_code"]["code"])
     return 0

@@ -47,15 +47,15 @@ def inspect(engine: str, image: str) -> dict[str, Any]:
             "labels": labels}
 
 
-def build(engine: str, image: str, model: Path, run_flags: list[str]) -> dict[str, Any]:
-    """The record: inspect data, freeze, file-list digest, and `sdserve doctor --json` (dev profile, the model
+def build(engine: str, image: str, model: Path, run_flags: list[str], profile: str = "dev") -> dict[str, Any]:
+    """The record: inspect data, freeze, file-list digest, and `sdserve doctor --json` (``profile``, the model
     mounted read-only) from a boot inside the image under a read-only root with a tmpfs /tmp."""
     run = [engine, "run", "--rm", *run_flags, "--read-only", "--tmpfs", "/tmp", "--entrypoint", "python", image]
     freeze = _run([*run, "-c", FREEZE]).split()
     digest, files, total = _run([*run, "-c", FILE_LIST]).split()
     doctor_cmd = [engine, "run", "--rm", *run_flags, "--read-only", "--tmpfs", "/tmp",
                   "-v", f"{model.resolve()}:/models/model:ro", "--entrypoint", "sdserve", image,
-                  "doctor", "--json", "--profile", "dev", "--model", "/models/model"]
+                  "doctor", "--json", "--profile", profile, "--model", "/models/model"]
     doctor = subprocess.run(doctor_cmd, capture_output=True, text=True, timeout=600)
     try:
         snapshot = json.loads(doctor.stdout)

@@ -35,6 +35,14 @@ def test_hadolint_is_clean() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def test_base_image_script_is_shellcheck_clean_and_the_image_helpers_ruff_clean() -> None:
+    bin_dir = Path(sys.executable).parent
+    done = subprocess.run([str(bin_dir / "shellcheck"), str(LOCKS / "base-image.sh")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    done = subprocess.run([str(bin_dir / "ruff"), "check", str(LOCKS)], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_versions_come_from_the_matrix() -> None:
     matrix = tomllib.loads((ROOT / "configs" / "matrix.toml").read_text())
     args = dict(re.findall(r"^ARG (\w+)=(\S+)$", DOCKERFILE, re.MULTILINE))
