@@ -191,7 +191,8 @@ def table(result: dict[str, Any]) -> str:
         for m in result["memory"]:
             lines.append(f"| tiny {m['family']} | {m['size']}x{m['size']} | {m['batch']} | {m['steps']} | "
                          f"{m['ours_mib']} | {m['ours_unfused_mib']} | {m['torch_mib']} |")
-    return "\n".join([*lines, "", "Goals:", *_goal_lines(result)])
+    note = [f"Run note: {result['note']}", ""] if result.get("note") else []
+    return "\n".join([*note, *lines, "", "Goals (same-run ratios under the load shown):", *_goal_lines(result)])
 
 
 def parse_cases(text: str) -> list[tuple[int, int, int]]:

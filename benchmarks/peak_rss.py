@@ -10,7 +10,6 @@ text_encoder_2), Euler, CFG 7.5, like the timed rows.
 from __future__ import annotations
 
 import json
-import resource
 import sys
 from pathlib import Path
 
@@ -43,8 +42,11 @@ def theirs(model: Path, size: int, batch: int, steps: int) -> None:
 def main() -> None:
     side, model, size, batch, steps = sys.argv[1], Path(sys.argv[2]), *map(int, sys.argv[3:6])
     (ours if side == "ours" else theirs)(model, size, batch, steps)
-    # Linux reports ru_maxrss in KiB.
-    print(json.dumps({"peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}))
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss over fork and exec, so a child of a big parent would report
+    # the parent's peak; VmHWM belongs to this process's own address space.
+    status = Path("/proc/self/status").read_text().splitlines()
+    kib = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+    print(json.dumps({"peak_rss_mib": round(kib / 1024, 1)}))
 
 
 if __name__ == "__main__":
