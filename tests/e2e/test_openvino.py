@@ -22,9 +22,12 @@ FAST_WATCHDOG = {"interval_s = 5.0": "interval_s = 0.3", "idle_before_canary_s =
 
 @pytest.fixture(scope="module")
 def moved(openvino_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The built model folder moved elsewhere (a copy under another root, the original removed from reach)."""
+    """A private copy of the built folder (the session's build is shared), then moved: renamed to another root."""
+    staged = tmp_path_factory.mktemp("built") / "model"
+    shutil.copytree(openvino_model, staged)
     dest = tmp_path_factory.mktemp("moved") / "served-model"
-    shutil.copytree(openvino_model, dest, copy_function=shutil.copy2)  # copy2 keeps mtimes, as a move does
+    staged.rename(dest)
+    assert not staged.exists()
     return dest
 
 
