@@ -7,6 +7,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -390,7 +391,8 @@ class OrtEngine:
             arena={**s.cuda.model_dump(), "gpu_mem_limit_bytes": gpu_mem_limit(s, self._device_total()) or 0,
                    "device_memory_budget_enforced": False, "gpu_mem_limit_scope": GPU_MEM_LIMIT_SCOPE},
             artifacts=self._artifacts, attention=_attention(reports),
-            self_test=self._report, family=self._info.family_summary() if self._info else {})
+            self_test=self._report, family=self._info.family_summary() if self._info else {},
+            image=image_labels())
 
     def close(self) -> None:
         if self._runtime is not None:
@@ -399,6 +401,12 @@ class OrtEngine:
             self._tee.stop()
         self._pipelines = {}
         self._runtime = None
+
+
+def image_labels() -> dict[str, str]:
+    """``SDSERVE_IMAGE_VARIANT=notrt`` -> ``{"variant": "notrt"}``: what the image says about itself (Dockerfile)."""
+    prefix = "SDSERVE_IMAGE_"
+    return {k.removeprefix(prefix).lower(): v for k, v in sorted(os.environ.items()) if k.startswith(prefix)}
 
 
 def _attention(reports: dict[str, SessionReport]) -> Attention:

@@ -400,6 +400,9 @@ class Capabilities(_Frozen):
     self_test: SelfTestReport | None
     family: dict[str, str | int | float | bool] = {}
     """The served model's family (ModelInfo.family_summary); empty before the model loads."""
+    image: dict[str, str] = {}
+    """The container image this server runs in, from the ``SDSERVE_IMAGE_*`` environment the image sets (``variant``:
+    ``trt``, or ``notrt`` for an image built without the TensorRT libraries); empty outside an image."""
 
 
 class Engine(Protocol):

@@ -39,8 +39,8 @@ DRAIN_ANSWER_S = 2.0
 """At shutdown, how long to wait for an executing batch to return before closing the engine: closing ONNX Runtime
 sessions under a running batch can abort the process, so past this the engine is left to the process exit."""
 EXPOSED_HEADERS = ("x-request-id", "x-sdserve-model", "x-sdserve-provider", "x-sdserve-seeds",
-                   "x-sdserve-batch-size", "x-sdserve-warnings", "x-sdserve-interrupted", "server-timing",
-                   "retry-after", "x-should-retry")
+                   "x-sdserve-ignored-fields", "x-sdserve-batch-size", "x-sdserve-warnings", "x-sdserve-interrupted",
+                   "server-timing", "retry-after", "x-should-retry")
 
 OnFatal = Callable[[ExitCode, str], None]
 

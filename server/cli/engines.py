@@ -46,6 +46,26 @@ def register(sub: Any) -> None:
         p.set_defaults(run=run)
 
 
+DIFFUSERS_PARTS = ("model_index.json", "text_encoder/config.json", "unet/config.json", "vae/config.json")
+"""What a diffusers Stable Diffusion folder has (save_pretrained's layout) and `engines export` reads."""
+
+
+def check_diffusers_folder(src: Path) -> None:
+    """Exit 11 (MODEL_INVALID), naming what is wrong, for an export source that is not a diffusers folder: missing,
+    an sdserve ONNX model already (models/tiny), or lacking the parts export reads."""
+    from engines.errors import ModelLoadError
+
+    if not src.is_dir():
+        raise ModelLoadError(f"--from {src}: not a folder (give a local diffusers Stable Diffusion folder)")
+    if (src / "manifest.json").exists() or (src / "unet" / "model.onnx").exists():
+        raise ModelLoadError(f"--from {src}: this is an sdserve ONNX model folder already (serve it with "
+                             f"`sdserve serve --model {src}`); export reads a diffusers folder (text_encoder/, "
+                             "unet/, vae/ with their config.json and weights)")
+    missing = [part for part in DIFFUSERS_PARTS if not (src / part).is_file()]
+    if missing:
+        raise ModelLoadError(f"--from {src}: not a diffusers Stable Diffusion folder, missing {missing}")
+
+
 def run(args: argparse.Namespace) -> int:
     import json
 
@@ -56,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.engines_cmd == "export":
         from engines.build.export import export_folder
 
+        check_diffusers_folder(args.src)
         out = export_folder(args.src, args.out)
     elif args.engines_cmd == "optimize":
         from engines.build.optimize import optimize_folder
