@@ -13,18 +13,19 @@ PORT ?= 8000
 , := ,
 RUN_STAMP := $(VENV)/.installed-run
 
-# `make run` needs only what serves and builds the tiny model (serving deps + the build extra: torch, diffusers).
+# `make run` needs only what serves and builds the tiny model (serving deps + the build extra: torch, diffusers),
+# and the openai client the README's Python examples use (the client extra).
 $(RUN_STAMP): pyproject.toml constraints.txt
 	@test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	@echo "installing sdserve with its serving and model-build dependencies into $(VENV) (torch CPU, ~1 minute)"
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[build]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[build,client]'
 	touch $(RUN_STAMP)
 
 # `make test` adds the test and lint tools.
 $(STAMP): $(RUN_STAMP)
 	@echo "installing the test and lint tools"
-	$(PY) -m pip install -q -c constraints.txt -e '.[build,test,dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[build,client,test,dev]'
 	touch $(STAMP)
 
 # The real CLIP BPE merges ship inside open-clip-torch's wheel; we read the file, never import the package.

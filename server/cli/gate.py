@@ -23,7 +23,7 @@ class Row:
     baseline: str
     candidate: str
     verdict: str
-    """ok, changed (reported, not failing) or REGRESSION."""
+    """ok, changed or not comparable (reported, not failing), or REGRESSION."""
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,11 @@ def _snapshot(base: dict[str, Any], cand: dict[str, Any]) -> list[Row]:
     b, c = base.get("capabilities", {}), cand.get("capabilities", {})
     rows = []
     for component in sorted(set(b.get("providers", {})) | set(c.get("providers", {}))):
-        pb = (b.get("providers", {}).get(component) or ["none"])[0]
+        if component not in b.get("providers", {}):  # a session the old baseline did not have: nothing to hold
+            pc = (c["providers"][component] or ["none"])[0]
+            rows.append(Row(f"provider {component}", "absent", pc, "not comparable"))
+            continue
+        pb = (b["providers"][component] or ["none"])[0]
         pc = (c.get("providers", {}).get(component) or ["none"])[0]
         rows.append(Row(f"provider {component}", pb, pc, "ok" if pb == pc else "REGRESSION"))
     if b.get("accelerated") and not c.get("accelerated"):
@@ -110,6 +114,9 @@ def render(rows: list[Row]) -> str:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(cells, widths, strict=True)))
     failed = sum(r.verdict == "REGRESSION" for r in rows)
     lines.append(f"\n{failed} regression(s)" if failed else "\nno regression: the candidate may take traffic")
+    new = sum(r.verdict == "not comparable" for r in rows)
+    if new:
+        lines.append(f"{new} check(s) not comparable: the baseline predates them (record a new baseline)")
     return "\n".join(lines)
 
 
