@@ -76,7 +76,8 @@ async def boot(app: FastAPI) -> None:
             metrics.ort_events.labels(event.kind).inc()
     state.set("ready", [] if not settings.runtime.allow_cpu else ["accelerated: false (dev profile, CPU allowed)"])
     metrics.ready.set(1)
-    log.info("ready: serving %s on %s", engine.info.name, settings.runtime.providers[0])
+    runtime = settings.runtime  # a plugin-EP policy lists no built-in providers
+    log.info("ready: serving %s on %s", engine.info.name, (runtime.accelerators or runtime.providers)[0])
     if settings.watchdog.enabled:
         app.state.watchdog_task = asyncio.create_task(app.state.watchdog.run())
 

@@ -250,12 +250,16 @@ class DebugSettings(BaseModel):
     """Mount /debug/faults (latency and telemetry injection). Dev profile only."""
 
 
+PROFILES = ("dev", "production", "openvino")
+"""Profiles shipped in configs/ (openvino: the plugin-EP accelerator CI proves the fail-closed path against)."""
+
+
 class Settings(BaseModel):
     """One profile."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    profile: Literal["dev", "production"] = "production"
+    profile: Literal["dev", "production", "openvino"] = "production"
     on_boot_failure: Literal["exit", "stay_unready"] = "exit"
     """exit: a failed boot check ends the process with its exit code; stay_unready: keep serving /ready 503."""
     matrix_file: str = "matrix.toml"
@@ -318,7 +322,7 @@ def _env_overrides(data: dict[str, object]) -> dict[str, object]:
 def load_settings(profile: str = "production", config: Path | None = None) -> Settings:
     """Load ``config`` or ``configs/<profile>.toml``; raises ConfigError naming the file and the field."""
     path = config or CONFIG_DIR / f"{profile}.toml"
-    data = read_toml(path, "profile file", " (profiles: dev, production)")
+    data = read_toml(path, "profile file", " (profiles: dev, production, openvino)")
     if config is None and data.get("profile", profile) != profile:
         raise ConfigError(f"{path} declares profile {data.get('profile')!r}, expected {profile!r}")
     try:

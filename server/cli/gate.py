@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from engines.errors import ConfigError
+from server.cli import imagerecord
 from server.exitcodes import ExitCode
 
 
@@ -120,7 +121,7 @@ def render(rows: list[Row]) -> str:
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("gate", help="compare two bench results; exit non-zero on regression")
+    p = sub.add_parser("gate", help="compare two bench results (or two image records); exit non-zero on regression")
     p.add_argument("--baseline", type=Path, required=True)
     p.add_argument("--candidate", type=Path, required=True)
     p.add_argument("--p95-tolerance", type=float, default=0.10, help="allowed p95 increase (fraction)")
@@ -131,6 +132,12 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     tol = Tolerances(args.p95_tolerance, args.throughput_tolerance, fingerprint=args.fingerprint_tolerance)
-    rows = compare(load(args.baseline), load(args.candidate), tol)
+    records = (imagerecord.read(args.baseline), imagerecord.read(args.candidate))
+    if any(records):  # two images' content records (`sdserve deploy record`), not bench results
+        if not all(records):
+            raise ConfigError("gate compares two bench results or two image records, not one of each")
+        rows = [Row(*row) for row in imagerecord.compare(*records)]  # type: ignore[arg-type]
+    else:
+        rows = compare(load(args.baseline), load(args.candidate), tol)
     print(render(rows))
     return int(ExitCode.GATE_REGRESSION) if any(r.verdict == "REGRESSION" for r in rows) else 0
