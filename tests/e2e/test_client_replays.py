@@ -78,10 +78,10 @@ def test_librechat_dalle3_tool(mode: str, openai_server: str) -> None:
     """danny-avila/LibreChat api/app/clients/tools/structured/DALLE3.js (commit 37d31ec): openai.images.generate
     with model dall-e-3 and the tool's defaults (quality standard, style vivid, size 1024x1024, n 1), no
     response_format; then theImageUrl = resp.data[0].url, which processFileURL downloads."""
-    client = openai.OpenAI(base_url=f"{openai_server}/v1", api_key="librechat", max_retries=0, timeout=1200)
     body = sized(mode, {"model": "dall-e-3", "quality": "standard", "style": "vivid", "size": "1024x1024",
                         "prompt": "a lighthouse at dusk", "n": 1})
-    raw = client.images.with_raw_response.generate(**body)
+    with openai.OpenAI(base_url=f"{openai_server}/v1", api_key="librechat", max_retries=0, timeout=1200) as client:
+        raw = client.images.with_raw_response.generate(**body)
     assert raw.headers["x-sdserve-ignored-fields"] == "style" and raw.headers["x-sdserve-model"] != "dall-e-3"
     url = raw.parse().data[0].url
     assert url is not None and url.startswith(f"{openai_server}/v1/images/files/")  # absolute, as OpenAI's
@@ -96,10 +96,10 @@ def test_librechat_gpt_image_tool(mode: str, dev_server: str) -> None:
     tool's defaults: model gpt-image-1 (IMAGE_GEN_OAI_MODEL unset), n 1, background auto, output_format png (the
     default imageOutputType), output_compression left out for png, quality auto, size auto; reads
     resp.data[0].b64_json."""
-    client = openai.OpenAI(base_url=f"{dev_server}/v1", api_key="librechat", max_retries=0)
     body = sized(mode, {"model": "gpt-image-1", "prompt": "a lighthouse at dusk", "n": 1, "background": "auto",
                         "output_format": "png", "quality": "auto", "size": "auto"})
-    result = client.images.generate(**body)
+    with openai.OpenAI(base_url=f"{dev_server}/v1", api_key="librechat", max_retries=0) as client:
+        result = client.images.generate(**body)
     b64 = result.data[0].b64_json
     assert b64 is not None and _image(base64.b64decode(b64)).size == (64, 64)  # auto: the native size
     assert result.output_format == "png"
@@ -128,13 +128,13 @@ def test_lobechat_default_image_model(mode: str, dev_server: str) -> None:
     generateByImageMode for its default image model gpt-image-1 (packages/model-bank/src/aiModels/openai.ts,
     commit 01c4dcc: params prompt, size 'auto', imageUrls []): size auto and an empty image list are deleted, so
     the body is {model, n: 1, prompt}; it reads data[0].b64_json (as data:image/png) or data[0].url."""
-    client = openai.OpenAI(base_url=f"{dev_server}/v1", api_key="lobe", max_retries=0)
     body = sized(mode, {"model": "gpt-image-1", "n": 1, "prompt": "a paper boat"})
-    item = client.images.generate(**body).data[0]
-    assert item.b64_json is not None and _image(base64.b64decode(item.b64_json)).format == "PNG"
     dalle = {"model": "dall-e-3", "n": 1, "response_format": "b64_json", "prompt": "a paper boat",
              "quality": "standard"}  # its DALL·E 3 defaults, at the served size (1024x1024 needs SDXL)
-    assert client.images.generate(**dalle, size="64x64").data[0].b64_json is not None
+    with openai.OpenAI(base_url=f"{dev_server}/v1", api_key="lobe", max_retries=0) as client:
+        item = client.images.generate(**body).data[0]
+        assert client.images.generate(**dalle, size="64x64").data[0].b64_json is not None
+    assert item.b64_json is not None and _image(base64.b64decode(item.b64_json)).format == "PNG"
 
 
 def test_sillytavern_fresh_install_defaults(mode: str, dev_server: str) -> None:
