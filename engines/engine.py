@@ -17,7 +17,7 @@ from PIL import Image
 from engines import artifacts
 from engines.config import Canary, CanarySuite, Matrix, RuntimeSettings, SelfTestPlan, Shape, SignatureThresholds
 from engines.diffusion.pipeline import StableDiffusionOnnx
-from engines.diffusion.schedulers import SCHEDULERS
+from engines.diffusion.schedulers import EDIT_SCHEDULERS, SCHEDULERS
 from engines.errors import (
     ArtifactError,
     GpuUnavailableError,
@@ -43,6 +43,7 @@ from engines.protocol import (
     GeneratedImage,
     GpuSample,
     IoInfo,
+    Mode,
     ModelInfo,
     OrtEvent,
     PlacementSummary,
@@ -126,7 +127,7 @@ class OrtEngine:
             self._info = ModelInfo(self.model_dir.name, p.size_multiple, p.default_size, tuple(SCHEDULERS),
                                    p.tokenizer.max_length, _unet_digest(self.model_dir), f.name,
                                    f.prediction_type, f.text_encoders, f.vae_scaling_factor, f.cfg_default,
-                                   f.default_steps, f.default_guidance)
+                                   f.default_steps, f.default_guidance, *_edit_info(p))
             log.info("model %s: %s", self.model_dir.name, f.describe())
             if self.plan is not None:  # the family's canary set (configs/canaries.toml [family.<name>])
                 self.plan = dataclasses.replace(self.plan, suite=self.plan.suite.for_family(f.name))
@@ -269,7 +270,7 @@ class OrtEngine:
                        for img, spec, trunc, neg in zip(out.images, batch.images, out.truncated,
                                                         out.negative_truncated, strict=True))
         return BatchResult(images, self.provider, out.timings, len(images), out.steps_done,
-                           out.steps_done < batch.steps)
+                           out.steps_done < (out.steps_total or batch.steps))
 
     @property
     def provider(self) -> str:
@@ -350,6 +351,12 @@ class OrtEngine:
             self._tee.stop()
         self._pipelines = {}
         self._runtime = None
+
+
+def _edit_info(p: StableDiffusionOnnx) -> tuple[tuple[Mode, ...], str, bool, tuple[str, ...]]:
+    """ModelInfo's edit fields: the modes served, why edits are not, the 9-channel UNet, the edit samplers."""
+    modes: tuple[Mode, ...] = ("txt2img", "img2img", "inpaint") if p.editor is not None else ("txt2img",)
+    return modes, p.edits_unavailable, p.family.inpainting, EDIT_SCHEDULERS if p.editor is not None else ()
 
 
 def _attention(reports: dict[str, SessionReport]) -> Attention:
