@@ -38,6 +38,7 @@ from engines.protocol import (
     CanaryCheck,
     Capabilities,
     CheckResult,
+    EditImage,
     EngineArtifacts,
     Faults,
     GeneratedImage,
@@ -218,11 +219,33 @@ class OrtEngine:
                 self._report = exc.report
             self._errors.append(str(exc))
             raise
+        self._warm_edits(plan)
         self.check_engine_builds("self-test warm-up at every served shape")
         first = plan.shapes[0]
         self._boot_fingerprint = fingerprint(np.asarray(self.generate(plan.suite.batch(
             Shape(first.width, first.height, 1))).images[0].image))
         return self._report
+
+    def _warm_edits(self, plan: SelfTestPlan) -> None:
+        """The VAE encoder and the edit graphs run once at every served shape (an inpainting canary, batch 1, the
+        canary's guidance), so no edit session meets its first input on a request; the output must be sane."""
+        if self.pipeline.editor is None:
+            return
+        for shape in plan.shapes:
+            base = plan.suite.batch(Shape(shape.width, shape.height, 1))
+            y, x = np.mgrid[0:shape.height, 0:shape.width]
+            image = np.stack([x * 255 // max(1, shape.width - 1), y * 255 // max(1, shape.height - 1),
+                              np.full_like(x, 128)], axis=-1).astype(np.uint8)
+            mask = np.zeros((shape.height, shape.width), np.uint8)
+            mask[:, shape.width // 2:] = 255
+            scheduler = base.scheduler if base.scheduler in EDIT_SCHEDULERS else "euler"
+            batch = dataclasses.replace(base, images=tuple(dataclasses.replace(s, edit=EditImage(image, mask))
+                                                           for s in base.images), strength=0.5, scheduler=scheduler)
+            problem = selftest.sanity(np.asarray(self.generate(batch).images[0].image))
+            if problem is not None:
+                error = SelfTestError(f"edit warm-up (inpainting canary) at {shape.key}: {problem}")
+                self._errors.append(str(error))
+                raise error
 
     def check_engine_builds(self, stage: str) -> None:
         """After the first run at each served shape: TensorRT's engine cache must be unchanged since load (an

@@ -146,7 +146,8 @@ def test_inpaint_4_channel_matches_diffusers(scheduler: str, sd1: StableDiffusio
     draws.patch(monkeypatch, module)
     pipe = _theirs("StableDiffusionInpaintPipeline", diffusers_dir, onnx_dir, scheduler)
     with torch.no_grad():
-        theirs = pipe(PROMPTS, image=[Image.fromarray(init_image())] * 2, mask_image=[Image.fromarray(square_mask())] * 2,
+        theirs = pipe(PROMPTS, image=[Image.fromarray(init_image())] * 2,
+                      mask_image=[Image.fromarray(square_mask())] * 2,
                       strength=0.75, num_inference_steps=STEPS, guidance_scale=GUIDANCE, height=SIZE, width=SIZE,
                       output_type="np").images
     print(f"inpaint-4 {scheduler}: max |diff| "
@@ -173,7 +174,8 @@ def test_inpaint_9_channel_matches_diffusers(scheduler: str, strength: float, in
     draws.patch(monkeypatch, module)
     pipe = _theirs("StableDiffusionInpaintPipeline", diffusers_dir, onnx_dir, scheduler)
     with torch.no_grad():
-        theirs = pipe(PROMPTS, image=[Image.fromarray(init_image())] * 2, mask_image=[Image.fromarray(square_mask())] * 2,
+        theirs = pipe(PROMPTS, image=[Image.fromarray(init_image())] * 2,
+                      mask_image=[Image.fromarray(square_mask())] * 2,
                       strength=strength, num_inference_steps=STEPS, guidance_scale=GUIDANCE, height=SIZE,
                       width=SIZE, output_type="np").images
     print(f"inpaint-9 {scheduler} strength {strength}: max |diff| "

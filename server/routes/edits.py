@@ -1,0 +1,154 @@
+"""OpenAI Images API edits: POST /v1/images/edits and POST /v1/images/variations (multipart/form-data, as the
+official SDK sends them).
+
+- edits: ``image`` (or ``image[]``, one image), optional ``mask`` whose transparent pixels mark the area to edit
+  (without a mask, the image's own transparent pixels; with neither, img2img of the whole image at
+  ``limits.edit_strength``), ``prompt``, ``n``, ``size``, ``response_format``, ``output_format`` (png), ``model``,
+  ``user``, ``quality``; extensions ``strength``, ``negative_prompt``, ``seed``, ``steps``, ``guidance_scale``,
+  ``scheduler``. The image is resized to ``size`` by crop-and-resize (A1111's resize mode 1); a mask must have the
+  image's dimensions, as OpenAI requires. Refused by name: ``stream``, ``background=transparent``, ``output_format``
+  other than png, more than one image.
+- variations: img2img of ``image`` with an empty prompt at ``limits.variation_strength`` (fields ``image``, ``n``,
+  ``size``, ``response_format``, ``model``, ``user``; extension ``seed``, ``strength``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import FormData, UploadFile
+
+from engines.errors import InvalidRequestError
+from server.edits import EditInput, edit_batch
+from server.images_in import alpha_mask, decode, mask_image
+from server.middleware import api_key_id
+from server.routes.openai_images import image_link
+from server.schemas import ImageData, ImageGenerationRequest, ImagesResponse, error_responses
+from server.service import b64
+
+router = APIRouter(tags=["openai"])
+EDIT_PATHS = ("/v1/images/edits", "/v1/images/variations", "/sdapi/v1/img2img")
+"""Routes whose bodies carry images: limits.max_upload_bytes applies to them (server/app.py)."""
+NUMBERS: dict[str, type[int] | type[float]] = {"n": int, "seed": int, "steps": int, "guidance_scale": float,
+                                                "strength": float}
+TEXT = ("prompt", "negative_prompt", "size", "response_format", "model", "user", "quality", "scheduler")
+ACCEPTED = ("output_format", "background", "input_fidelity", "output_compression", "moderation", "stream",
+            "partial_images")
+"""OpenAI fields checked by _refuse_unsupported (honoured, harmless or refused by name)."""
+
+
+async def _form(request: Request) -> FormData:
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise InvalidRequestError("send the image as multipart/form-data (as the openai SDK does)", param="image")
+    return await request.form(max_files=8, max_fields=64)
+
+
+def _fields(form: FormData, allowed: tuple[str, ...]) -> dict[str, Any]:
+    """The form's text fields, numbers converted; unknown fields refused by name."""
+    out: dict[str, Any] = {}
+    for name, value in form.multi_items():
+        if name in ("image", "image[]", "mask"):
+            continue
+        if name not in allowed:
+            raise InvalidRequestError(f"unknown field {name[:64]!r}", param=name[:64])
+        if not isinstance(value, str):
+            raise InvalidRequestError(f"{name} must be a text field, not a file", param=name)
+        if name in NUMBERS:
+            try:
+                out[name] = NUMBERS[name](value)
+            except ValueError:
+                raise InvalidRequestError(f"{name} {value[:32]!r} is not a number", param=name) from None
+        else:
+            out[name] = value
+    return out
+
+
+def _refuse_unsupported(fields: dict[str, Any]) -> None:
+    if fields.pop("stream", "false").lower() not in ("false", "0"):
+        raise InvalidRequestError("stream is not supported: sdserve answers when the images are done", param="stream")
+    if fields.pop("output_format", "png") != "png":
+        raise InvalidRequestError("output_format: edits return png only", param="output_format")
+    if fields.pop("background", "auto") not in ("auto", "opaque"):
+        raise InvalidRequestError("background=transparent is not supported: the images are opaque",
+                                  param="background")
+    for name in ("input_fidelity", "output_compression", "moderation", "partial_images"):
+        fields.pop(name, None)  # fidelity: the strength decides; compression: png; partial images: none sent
+
+
+async def _files(form: FormData, name: str, *aliases: str) -> list[bytes]:
+    found = [v for key in (name, *aliases) for v in form.getlist(key)]
+    if any(not isinstance(v, UploadFile) for v in found):
+        raise InvalidRequestError(f"{name} must be a file upload", param=name)
+    return [await v.read() for v in found if isinstance(v, UploadFile)]
+
+
+def _request(fields: dict[str, Any]) -> ImageGenerationRequest:
+    try:
+        return ImageGenerationRequest.model_validate(fields)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(p) for p in error["loc"]) or "body"
+        raise InvalidRequestError(f"{where}: {error['msg']}", param=where) from None
+
+
+async def _respond(request: Request, response: Response, req: ImageGenerationRequest, edit: EditInput,
+                   strength: float) -> ImagesResponse:
+    service = request.app.state.service
+    batch = edit_batch(service.to_batch(req), edit, service.engine.info, strength)
+    out = await service.run(batch, request.headers.get("x-sdserve-timeout-s"), request.is_disconnected,
+                            api_key_id(request.scope))
+    out.trace_headers(response)
+    response.headers["x-sdserve-mode"] = batch.mode
+    response.headers["x-sdserve-strength"] = f"{batch.strength:g}"
+    request.app.state.metrics.images_by_mode.labels(request.url.path, batch.mode).inc(len(out.pngs))
+    if req.response_format == "url":
+        store = request.app.state.image_store
+        data = [ImageData(url=image_link(request, store.put(p))) for p in out.pngs]
+    else:
+        data = [ImageData(b64_json=b64(p)) for p in out.pngs]
+    return ImagesResponse(created=int(time.time()), data=data)
+
+
+@router.post("/v1/images/edits", response_model=ImagesResponse, response_model_exclude_none=True,
+             responses=error_responses(400, 401, 413, 429, 500, 503, 504))
+async def edit_images(request: Request, response: Response) -> ImagesResponse:
+    """Edit ``image`` as ``prompt`` says: inpainting where the mask (or the image) is transparent, else img2img."""
+    service = request.app.state.service
+    service.require_ready()
+    form = await _form(request)
+    fields = _fields(form, (*TEXT, *NUMBERS, *ACCEPTED))
+    _refuse_unsupported(fields)
+    strength = fields.pop("strength", None)
+    images, masks = await _files(form, "image", "image[]"), await _files(form, "mask")
+    if len(images) != 1 or len(masks) > 1:
+        raise InvalidRequestError(f"send one image (got {len(images)}) and at most one mask", param="image")
+    limit = service.settings.limits.max_image_pixels
+    image = await run_in_threadpool(decode, images[0], "image", limit)
+    mask = await run_in_threadpool(decode, masks[0], "mask", limit) if masks else None
+    if mask is not None and mask.size != image.size:
+        raise InvalidRequestError(f"mask is {mask.width}x{mask.height} but image is {image.width}x{image.height}: "
+                                  "they must have the same dimensions", param="mask")
+    edit = EditInput((image,), mask_image(mask) if mask is not None else alpha_mask(image), strength)
+    return await _respond(request, response, _request(fields), edit, service.settings.limits.edit_strength)
+
+
+@router.post("/v1/images/variations", response_model=ImagesResponse, response_model_exclude_none=True,
+             responses=error_responses(400, 401, 413, 429, 500, 503, 504))
+async def image_variations(request: Request, response: Response) -> ImagesResponse:
+    """Variations of ``image``: img2img with an empty prompt at ``limits.variation_strength`` (x-sdserve-strength
+    says which)."""
+    service = request.app.state.service
+    service.require_ready()
+    form = await _form(request)
+    fields = _fields(form, ("n", "size", "response_format", "model", "user", "seed", "strength"))
+    images = await _files(form, "image", "image[]")
+    if len(images) != 1:
+        raise InvalidRequestError(f"send one image (got {len(images)})", param="image")
+    image = await run_in_threadpool(decode, images[0], "image", service.settings.limits.max_image_pixels)
+    strength = fields.pop("strength", service.settings.limits.variation_strength)
+    req = _request({**fields, "prompt": "variation"}).model_copy(update={"prompt": ""})
+    return await _respond(request, response, req, EditInput((image,), None, strength), strength)
