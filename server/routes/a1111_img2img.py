@@ -146,10 +146,10 @@ async def img2img(req: Img2ImgRequest, request: Request, response: Response) -> 
     """img2img, or inpainting with ``mask``: batch_size images per iteration, n_iter iterations, seed + i."""
     service = request.app.state.service
     service.require_ready()
-    req.refuse_unsupported()
-    req.refuse_unsupported_edits()
     info = request.app.state.engine.info
     require_edits(info)
+    req.refuse_unsupported()
+    req.refuse_unsupported_edits()
     OptionsStore().check(req.override_settings, info, "override_settings.")
     settings = request.app.state.settings
     for name, value in (("batch_size", req.batch_size), ("n_iter", req.n_iter)):

@@ -23,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData, UploadFile
 
 from engines.errors import InvalidRequestError
-from server.edits import EditInput, edit_batch
+from server.edits import EditInput, edit_batch, require_edits
 from server.images_in import alpha_mask, decode, mask_image
 from server.middleware import api_key_id
 from server.routes.openai_images import image_link
@@ -41,10 +41,15 @@ ACCEPTED = ("output_format", "background", "input_fidelity", "output_compression
 """OpenAI fields checked by _refuse_unsupported (honoured, harmless or refused by name)."""
 
 
-async def _form(request: Request) -> FormData:
+async def _read(request: Request, allowed: tuple[str, ...]) -> tuple[dict[str, Any], list[bytes], list[bytes]]:
+    """(text fields, images, masks) of the multipart body; the uploads' temporary files are closed here."""
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise InvalidRequestError("send the image as multipart/form-data (as the openai SDK does)", param="image")
-    return await request.form(max_files=8, max_fields=64)
+    form = await request.form(max_files=8, max_fields=64)
+    try:
+        return _fields(form, allowed), await _files(form, "image", "image[]"), await _files(form, "mask")
+    finally:
+        await form.close()
 
 
 def _fields(form: FormData, allowed: tuple[str, ...]) -> dict[str, Any]:
@@ -119,11 +124,10 @@ async def edit_images(request: Request, response: Response) -> ImagesResponse:
     """Edit ``image`` as ``prompt`` says: inpainting where the mask (or the image) is transparent, else img2img."""
     service = request.app.state.service
     service.require_ready()
-    form = await _form(request)
-    fields = _fields(form, (*TEXT, *NUMBERS, *ACCEPTED))
+    require_edits(service.engine.info)
+    fields, images, masks = await _read(request, (*TEXT, *NUMBERS, *ACCEPTED))
     _refuse_unsupported(fields)
     strength = fields.pop("strength", None)
-    images, masks = await _files(form, "image", "image[]"), await _files(form, "mask")
     if len(images) != 1 or len(masks) > 1:
         raise InvalidRequestError(f"send one image (got {len(images)}) and at most one mask", param="image")
     limit = service.settings.limits.max_image_pixels
@@ -143,10 +147,10 @@ async def image_variations(request: Request, response: Response) -> ImagesRespon
     says which)."""
     service = request.app.state.service
     service.require_ready()
-    form = await _form(request)
-    fields = _fields(form, ("n", "size", "response_format", "model", "user", "seed", "strength"))
-    images = await _files(form, "image", "image[]")
-    if len(images) != 1:
+    require_edits(service.engine.info)
+    fields, images, masks = await _read(request, ("n", "size", "response_format", "model", "user", "seed",
+                                                  "strength"))
+    if len(images) != 1 or masks:
         raise InvalidRequestError(f"send one image (got {len(images)})", param="image")
     image = await run_in_threadpool(decode, images[0], "image", service.settings.limits.max_image_pixels)
     strength = fields.pop("strength", service.settings.limits.variation_strength)

@@ -9,6 +9,7 @@ strength -> first step, add_noise per sampler, the per-step inpainting blend and
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from PIL import Image
 from engines.build.tiny import build_tiny
 from engines.config import RuntimeSettings
 from engines.diffusion.pipeline import StableDiffusionOnnx, image_rng
+from engines.health import selftest
 from engines.protocol import Batch, EditImage, ImageSpec
 from engines.runtime.sessions import Runtime
 
@@ -198,3 +200,18 @@ def test_sdxl_img2img_matches_diffusers(tmp_path: Path, monkeypatch: pytest.Monk
     batch = Batch(tuple(ImageSpec(p, seed=s, guidance_scale=5.0, edit=EditImage(init_image()))
                         for p, s in zip(PROMPTS, SEEDS, strict=True)), SIZE, SIZE, STEPS, "euler", strength=0.5)
     print(f"sdxl img2img euler: max |diff| {_compare(_ours(onnx_dir)(batch).images, theirs, 'sdxl')}/255")
+
+
+
+def test_9_channel_model_serves_txt2img_as_a1111(inpaint_build: tuple[Path, Path]) -> None:
+    """txt2img on an inpainting UNet is inpainting of the whole image at strength 1.0 (nothing under the mask):
+    the same image, exactly. (Against diffusers' inpainting with an all-white mask it differs by up to 5/255, mean
+    0.6/255, unlike the partial masks above: not explained yet, so not claimed.)"""
+    ours = _ours(inpaint_build[0])
+    specs = [ImageSpec(p, seed=s, guidance_scale=GUIDANCE) for p, s in zip(PROMPTS, SEEDS, strict=True)]
+    plain = ours(Batch(tuple(specs), SIZE, SIZE, STEPS, "euler")).images
+    whole = EditImage(init_image(), np.full((SIZE, SIZE), 255, np.uint8))
+    masked = ours(Batch(tuple(dataclasses.replace(s, edit=whole) for s in specs), SIZE, SIZE, STEPS, "euler",
+                        overlay=False)).images
+    assert np.array_equal(plain, masked)
+    assert selftest.sanity(plain[0]) is None
