@@ -3,11 +3,12 @@ official SDK sends them).
 
 - edits: ``image`` (or ``image[]``, one image), optional ``mask`` whose transparent pixels mark the area to edit
   (without a mask, the image's own transparent pixels; with neither, img2img of the whole image at
-  ``limits.edit_strength``), ``prompt``, ``n``, ``size``, ``response_format``, ``output_format`` (png), ``model``,
-  ``user``, ``quality``; extensions ``strength``, ``negative_prompt``, ``seed``, ``steps``, ``guidance_scale``,
+  ``limits.edit_strength``), ``prompt``, ``n``, ``size``, ``response_format``, ``output_format`` (png, jpeg,
+  webp) and ``output_compression``, ``background`` (auto, opaque), ``moderation``, ``model``, ``user``,
+  ``quality``; extensions ``strength``, ``negative_prompt``, ``seed``, ``steps``, ``guidance_scale``,
   ``scheduler``. The image is resized to ``size`` by crop-and-resize (A1111's resize mode 1); a mask must have the
-  image's dimensions, as OpenAI requires. Refused by name: ``stream``, ``background=transparent``, ``output_format``
-  other than png, more than one image.
+  image's dimensions, as OpenAI requires. Refused by name: ``stream``, ``background=transparent``, more than one
+  image; ``input_fidelity`` and ``partial_images`` are named as ignored (x-sdserve-ignored-fields).
 - variations: img2img of ``image`` with an empty prompt at ``limits.variation_strength`` (fields ``image``, ``n``,
   ``size``, ``response_format``, ``model``, ``user``; extension ``seed``, ``strength``).
 """
@@ -24,9 +25,11 @@ from starlette.datastructures import FormData, UploadFile
 
 from engines.errors import InvalidRequestError
 from server.edits import EditInput, edit_batch, require_edits
+from server.encoding import ImageFormat
 from server.images_in import alpha_mask, decode, mask_image
+from server.links import image_link, link_base
 from server.middleware import api_key_id
-from server.routes.openai_images import image_link
+from server.request_rules import FieldNotes, openai_notes, response_format
 from server.schemas import ImageData, ImageGenerationRequest, ImagesResponse, error_responses
 from server.service import b64
 
@@ -34,11 +37,11 @@ router = APIRouter(tags=["openai"])
 EDIT_PATHS = ("/v1/images/edits", "/v1/images/variations", "/sdapi/v1/img2img")
 """Routes whose bodies carry images: limits.max_upload_bytes applies to them (server/app.py)."""
 NUMBERS: dict[str, type[int] | type[float]] = {"n": int, "seed": int, "steps": int, "guidance_scale": float,
-                                                "strength": float}
-TEXT = ("prompt", "negative_prompt", "size", "response_format", "model", "user", "quality", "scheduler")
-ACCEPTED = ("output_format", "background", "input_fidelity", "output_compression", "moderation", "stream",
-            "partial_images")
-"""OpenAI fields checked by _refuse_unsupported (honoured, harmless or refused by name)."""
+                                                "strength": float, "output_compression": int}
+TEXT = ("prompt", "negative_prompt", "size", "response_format", "model", "user", "quality", "scheduler",
+        "output_format", "background", "moderation")
+ACCEPTED = ("input_fidelity", "stream", "partial_images")
+"""OpenAI edit fields without a generation counterpart (checked by _edit_notes: ignored by name or refused)."""
 
 
 async def _read(request: Request, allowed: tuple[str, ...]) -> tuple[dict[str, Any], list[bytes], list[bytes]]:
@@ -72,16 +75,17 @@ def _fields(form: FormData, allowed: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
-def _refuse_unsupported(fields: dict[str, Any]) -> None:
+def _edit_notes(fields: dict[str, Any]) -> FieldNotes:
+    notes = FieldNotes()
     if fields.pop("stream", "false").lower() not in ("false", "0"):
         raise InvalidRequestError("stream is not supported: sdserve answers when the images are done", param="stream")
-    if fields.pop("output_format", "png") != "png":
-        raise InvalidRequestError("output_format: edits return png only", param="output_format")
-    if fields.pop("background", "auto") not in ("auto", "opaque"):
-        raise InvalidRequestError("background=transparent is not supported: the images are opaque",
-                                  param="background")
-    for name in ("input_fidelity", "output_compression", "moderation", "partial_images"):
-        fields.pop(name, None)  # fidelity: the strength decides; compression: png; partial images: none sent
+    if "input_fidelity" in fields:
+        notes.ignore("input_fidelity", f"{str(fields.pop('input_fidelity'))[:16]!r}: the strength decides how "
+                     "much of the image is kept")
+    if "partial_images" in fields:
+        notes.ignore("partial_images", "no partial images are sent (no streaming)")
+        fields.pop("partial_images")
+    return notes
 
 
 async def _files(form: FormData, name: str, *aliases: str) -> list[bytes]:
@@ -101,21 +105,33 @@ def _request(fields: dict[str, Any]) -> ImageGenerationRequest:
 
 
 async def _respond(request: Request, response: Response, req: ImageGenerationRequest, edit: EditInput,
-                   strength: float) -> ImagesResponse:
+                   strength: float, notes: FieldNotes) -> ImagesResponse:
     service = request.app.state.service
+    more = openai_notes(req)
+    notes.ignored += more.ignored
+    notes.warnings += more.warnings
     batch = edit_batch(service.to_batch(req), edit, service.engine.info, strength)
+    as_url = response_format(req) == "url"
+    if as_url:
+        link_base(request, request.app.state.settings.server)  # refuse a Host we cannot link to before computing
+    fmt = ImageFormat(req.output_format or "png", 100 if req.output_compression is None else req.output_compression)
     out = await service.run(batch, request.headers.get("x-sdserve-timeout-s"), request.is_disconnected,
-                            api_key_id(request.scope))
+                            api_key_id(request.scope), fmt.encode)
     out.trace_headers(response)
+    warnings = out.warnings + notes.warnings
+    response.headers.update(notes.headers())
+    if warnings:
+        response.headers["x-sdserve-warnings"] = "; ".join(warnings)
     response.headers["x-sdserve-mode"] = batch.mode
     response.headers["x-sdserve-strength"] = f"{batch.strength:g}"
     request.app.state.metrics.images_by_mode.labels(request.url.path, batch.mode).inc(len(out.pngs))
-    if req.response_format == "url":
+    if as_url:
         store = request.app.state.image_store
-        data = [ImageData(url=image_link(request, store.put(p))) for p in out.pngs]
+        data = [ImageData(url=image_link(request, store.put(p, fmt.name))) for p in out.pngs]
     else:
         data = [ImageData(b64_json=b64(p)) for p in out.pngs]
-    return ImagesResponse(created=int(time.time()), data=data)
+    return ImagesResponse(created=int(time.time()), data=data, output_format=fmt.name,
+                          size=f"{batch.width}x{batch.height}", background="opaque", warnings=warnings or None)
 
 
 @router.post("/v1/images/edits", response_model=ImagesResponse, response_model_exclude_none=True,
@@ -126,7 +142,7 @@ async def edit_images(request: Request, response: Response) -> ImagesResponse:
     service.require_ready()
     require_edits(service.engine.info)
     fields, images, masks = await _read(request, (*TEXT, *NUMBERS, *ACCEPTED))
-    _refuse_unsupported(fields)
+    notes = _edit_notes(fields)
     strength = fields.pop("strength", None)
     if len(images) != 1 or len(masks) > 1:
         raise InvalidRequestError(f"send one image (got {len(images)}) and at most one mask", param="image")
@@ -137,7 +153,7 @@ async def edit_images(request: Request, response: Response) -> ImagesResponse:
         raise InvalidRequestError(f"mask is {mask.width}x{mask.height} but image is {image.width}x{image.height}: "
                                   "they must have the same dimensions", param="mask")
     edit = EditInput((image,), mask_image(mask) if mask is not None else alpha_mask(image), strength)
-    return await _respond(request, response, _request(fields), edit, service.settings.limits.edit_strength)
+    return await _respond(request, response, _request(fields), edit, service.settings.limits.edit_strength, notes)
 
 
 @router.post("/v1/images/variations", response_model=ImagesResponse, response_model_exclude_none=True,
@@ -155,4 +171,4 @@ async def image_variations(request: Request, response: Response) -> ImagesRespon
     image = await run_in_threadpool(decode, images[0], "image", service.settings.limits.max_image_pixels)
     strength = fields.pop("strength", service.settings.limits.variation_strength)
     req = _request({**fields, "prompt": "variation"}).model_copy(update={"prompt": ""})
-    return await _respond(request, response, req, EditInput((image,), None, strength), strength)
+    return await _respond(request, response, req, EditInput((image,), None, strength), strength, FieldNotes())

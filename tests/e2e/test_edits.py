@@ -87,13 +87,15 @@ def test_open_webui_edit_replay(http: httpx.Client) -> None:
 
 
 def test_librechat_style_edit(http: httpx.Client) -> None:
-    """gpt-image edit tools send image + mask with quality, background and output_format auto/png."""
+    """gpt-image edit tools send image + mask with quality, background, output_format and input_fidelity."""
     r = http.post("/v1/images/edits", files=[("image", ("a.png", png(picture()), "image/png")),
                                              ("mask", ("m.png", png(transparent_left(picture())), "image/png"))],
                   data={"prompt": "a cat", "size": "64x64", "quality": "auto", "background": "auto",
-                        "output_format": "png", "n": "1"})
+                        "output_format": "webp", "input_fidelity": "high", "n": "1"})
     assert r.status_code == 200, r.text
-    assert r.headers["x-sdserve-mode"] == "inpaint"
+    assert r.headers["x-sdserve-mode"] == "inpaint" and r.json()["output_format"] == "webp"
+    assert "input_fidelity" in r.headers["x-sdserve-ignored-fields"]
+    assert Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))).format == "WEBP"
 
 
 @pytest.mark.parametrize(("files", "data", "status", "named"), [
