@@ -173,6 +173,7 @@ class Runtime:
         so.log_severity_level = self.settings.ort_log_severity
         if self.settings.intra_op_threads:
             so.intra_op_num_threads = self.settings.intra_op_threads
+        so.add_session_config_entry("session.intra_op.allow_spinning", str(int(self.settings.intra_op_spinning)))
         if self.settings.placement_audit or audit_only:
             so.add_session_config_entry(placement.CONFIG_KEY, "1")
         if self.settings.disable_cpu_ep_fallback and not self.settings.allow_cpu and not audit_only:

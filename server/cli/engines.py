@@ -27,7 +27,8 @@ def register(sub: Any) -> None:
     opt = engines.add_parser("optimize", help="ORT transformer-optimizer fusions (+ fp16) into a new folder")
     opt.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     opt.add_argument("--out", type=Path, required=True)
-    opt.add_argument("--target", choices=["cpu", "cuda"], default="cpu", help="cuda enables CUDA-only fused ops")
+    opt.add_argument("--target", choices=["cpu", "cuda", "tensorrt"], default="cpu",
+                     help="cuda: fused attention + CUDA-only fused ops; tensorrt: standard ONNX only")
     opt.add_argument("--fp16", action="store_true", help="convert to fp16 (fp32 keep-list for overflow-prone ops)")
     opt.add_argument("--vae-fp16", action="store_true", help="also convert the VAE (kept fp32 by default)")
     build = engines.add_parser("build", help="EP-context artifacts for the profile's served shapes: TensorRT engines "

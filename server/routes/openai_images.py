@@ -16,6 +16,8 @@ from server.schemas import ImageData, ImageGenerationRequest, ImagesResponse, er
 from server.service import b64
 
 router = APIRouter(tags=["openai"])
+__all__ = ["image_link", "link_base", "router"]
+"""image_link and link_base live in server/links.py; named here too for routes that imported them from here."""
 
 
 @router.post("/v1/images/generations", response_model=ImagesResponse, response_model_exclude_none=True,

@@ -22,9 +22,12 @@ FAST_WATCHDOG = {"interval_s = 5.0": "interval_s = 0.3", "idle_before_canary_s =
 
 @pytest.fixture(scope="module")
 def moved(openvino_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The built model folder moved elsewhere (a copy under another root, the original removed from reach)."""
+    """A private copy of the built folder (the session's build is shared), then moved: renamed to another root."""
+    staged = tmp_path_factory.mktemp("built") / "model"
+    shutil.copytree(openvino_model, staged)
     dest = tmp_path_factory.mktemp("moved") / "served-model"
-    shutil.copytree(openvino_model, dest, copy_function=shutil.copy2)  # copy2 keeps mtimes, as a move does
+    staged.rename(dest)
+    assert not staged.exists()
     return dest
 
 
@@ -90,9 +93,13 @@ def test_no_rebuild_after_moving_and_serving(server: ServerProcess, moved: Path,
 
 
 def test_blob_tampered_while_serving_turns_ready_503(server: ServerProcess, moved: Path) -> None:
-    """Last in the module: it breaks the served copy."""
+    """Last in the module: it breaks the served copy. The blob is replaced (a new file renamed over it, as a deploy
+    does), not rewritten in place: OpenVINO maps the blob into memory, and an in-place rewrite changes the weights of
+    the live compiled model under it (seen here: Reshape errors, then SIGSEGV, exit 139); mount artifacts read-only."""
     blob = moved / ARTIFACTS / "64x64" / f"unet_ctx_{EP}.bin"
-    blob.write_bytes(blob.read_bytes()[::-1])
+    replacement = blob.with_suffix(".new")
+    replacement.write_bytes(blob.read_bytes()[::-1])
+    replacement.replace(blob)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and httpx.get(f"{server.url}/ready").status_code == 200:
         time.sleep(0.1)

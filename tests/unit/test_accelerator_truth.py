@@ -229,3 +229,11 @@ def test_the_pinned_check_never_creates_the_buffer_it_checks() -> None:
 def test_gpu_mem_limit_claims_no_budget() -> None:
     assert "No device-memory budget for the process is enforced" in GPU_MEM_LIMIT_SCOPE
     assert "TensorRT engine memory" in GPU_MEM_LIMIT_SCOPE and "IO-binding buffers" in GPU_MEM_LIMIT_SCOPE
+
+
+def test_the_copy_count_says_what_it_cannot_see() -> None:
+    from engines.health.accept_copies import count_copies
+
+    events = [{"cat": "Node", "name": "conv_kernel_time", "args": {"op_name": "Conv"}}]
+    summary = count_copies(events, unet_runs=2).summary()
+    assert "feed copy" in summary and "per-step uploads" in summary and "trivially true" in summary
