@@ -27,7 +27,7 @@ from engines.config import (
     SignatureThresholds,
 )
 from engines.diffusion.pipeline import StableDiffusionOnnx
-from engines.diffusion.schedulers import SCHEDULERS
+from engines.diffusion.schedulers import EDIT_SCHEDULERS, SCHEDULERS
 from engines.errors import (
     ArtifactError,
     GpuUnavailableError,
@@ -48,11 +48,13 @@ from engines.protocol import (
     CanaryCheck,
     Capabilities,
     CheckResult,
+    EditImage,
     EngineArtifacts,
     Faults,
     GeneratedImage,
     GpuSample,
     IoInfo,
+    Mode,
     ModelInfo,
     OrtEvent,
     PlacementSummary,
@@ -144,7 +146,7 @@ class OrtEngine:
             self._info = ModelInfo(self.model_dir.name, p.size_multiple, p.default_size, tuple(SCHEDULERS),
                                    p.tokenizer.max_length, _unet_digest(self.model_dir), f.name,
                                    f.prediction_type, f.text_encoders, f.vae_scaling_factor, f.cfg_default,
-                                   f.default_steps, f.default_guidance)
+                                   f.default_steps, f.default_guidance, *_edit_info(p))
             log.info("model %s: %s", self.model_dir.name, f.describe())
             if self.plan is not None:  # the family's canary set (configs/canaries.toml [family.<name>])
                 self.plan = dataclasses.replace(self.plan, suite=self.plan.suite.for_family(f.name))
@@ -264,11 +266,33 @@ class OrtEngine:
                 self._report = exc.report
             self._errors.append(str(exc))
             raise
+        self._warm_edits(plan)
         self.check_engine_builds("self-test warm-up at every served shape")
         first = plan.shapes[0]
         self._boot_fingerprint = fingerprint(np.asarray(self.generate(plan.suite.batch(
             Shape(first.width, first.height, 1))).images[0].image))
         return self._report
+
+    def _warm_edits(self, plan: SelfTestPlan) -> None:
+        """The VAE encoder and the edit graphs run once at every served shape (an inpainting canary, batch 1, the
+        canary's guidance), so no edit session meets its first input on a request; the output must be sane."""
+        if self.pipeline.editor is None:
+            return
+        for shape in plan.shapes:
+            base = plan.suite.batch(Shape(shape.width, shape.height, 1))
+            y, x = np.mgrid[0:shape.height, 0:shape.width]
+            image = np.stack([x * 255 // max(1, shape.width - 1), y * 255 // max(1, shape.height - 1),
+                              np.full_like(x, 128)], axis=-1).astype(np.uint8)
+            mask = np.zeros((shape.height, shape.width), np.uint8)
+            mask[:, shape.width // 2:] = 255
+            scheduler = base.scheduler if base.scheduler in EDIT_SCHEDULERS else "euler"
+            batch = dataclasses.replace(base, images=tuple(dataclasses.replace(s, edit=EditImage(image, mask))
+                                                           for s in base.images), strength=0.5, scheduler=scheduler)
+            problem = selftest.sanity(np.asarray(self.generate(batch).images[0].image))
+            if problem is not None:
+                error = SelfTestError(f"edit warm-up (inpainting canary) at {shape.key}: {problem}")
+                self._errors.append(str(error))
+                raise error
 
     def check_engine_builds(self, stage: str) -> None:
         """After the first run at each served shape: TensorRT's engine cache must be unchanged since load (an
@@ -316,7 +340,7 @@ class OrtEngine:
                        for img, spec, trunc, neg in zip(out.images, batch.images, out.truncated,
                                                         out.negative_truncated, strict=True))
         return BatchResult(images, self.provider, out.timings, len(images), out.steps_done,
-                           out.steps_done < batch.steps)
+                           out.steps_done < (out.steps_total or batch.steps))
 
     @property
     def provider(self) -> str:
@@ -401,6 +425,12 @@ class OrtEngine:
             self._tee.stop()
         self._pipelines = {}
         self._runtime = None
+
+
+def _edit_info(p: StableDiffusionOnnx) -> tuple[tuple[Mode, ...], str, bool, tuple[str, ...]]:
+    """ModelInfo's edit fields: the modes served, why edits are not, the 9-channel UNet, the edit samplers."""
+    modes: tuple[Mode, ...] = ("txt2img", "img2img", "inpaint") if p.editor is not None else ("txt2img",)
+    return modes, p.edits_unavailable, p.family.inpainting, EDIT_SCHEDULERS if p.editor is not None else ()
 
 
 def image_labels() -> dict[str, str]:

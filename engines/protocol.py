@@ -33,6 +33,18 @@ def fingerprint(image: np.ndarray) -> np.ndarray:
 # Requests and results
 
 
+@dataclass(frozen=True, eq=False)
+class EditImage:
+    """One image's edit input, already at the batch's width and height (server/images_in.py decodes, orients and
+    resizes uploads). Compared by identity: it holds arrays."""
+
+    image: np.ndarray
+    """uint8 [H, W, 3] RGB."""
+    mask: np.ndarray | None = None
+    """uint8 [H, W]: where to repaint, as diffusers' mask (binarized at 0.5: >= 128 repaints; the output blends
+    the repainted pixels in by mask/255 where ``Batch.overlay``); None: img2img."""
+
+
 @dataclass(frozen=True)
 class ImageSpec:
     """One image to generate; per-image settings may differ inside a batch."""
@@ -41,6 +53,11 @@ class ImageSpec:
     negative_prompt: str = ""
     seed: int = 0
     guidance_scale: float = 7.5
+    edit: EditImage | None = None
+    """img2img (no mask) or inpainting input; None: txt2img. Every image of a batch has the same mode."""
+
+
+Mode = Literal["txt2img", "img2img", "inpaint"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +75,18 @@ class Batch:
     """SDXL micro-conditioning: the (height, width) the image claims to come from; None = the target size."""
     crops_coords_top_left: tuple[int, int] = (0, 0)
     """SDXL micro-conditioning: the (top, left) crop it claims; (0, 0) as diffusers."""
+    strength: float = 1.0
+    """Edits: diffusers' ``strength`` in (0, 1]: ``int(steps * strength)`` steps run, from the noise level where
+    the full schedule would be after the others (``get_timesteps``). txt2img ignores it."""
+    overlay: bool = True
+    """Inpainting: paste the init image back outside the mask (as A1111 does; diffusers does not): pixels the
+    mask leaves (mask 0) come back exactly as sent."""
+
+    @property
+    def mode(self) -> Mode:
+        """txt2img, img2img or inpaint, from the first image (check_inputs refuses mixed batches)."""
+        edit = self.images[0].edit if self.images else None
+        return "txt2img" if edit is None else "img2img" if edit.mask is None else "inpaint"
 
 
 @dataclass(frozen=True)
@@ -76,6 +105,8 @@ class Timings:
     denoise: float = 0.0
     vae_decode: float = 0.0
     total: float = 0.0
+    vae_encode: float = 0.0
+    """Edits: encoding the init (and masked) images on the device."""
 
 
 StepHook = Callable[[int, int], bool]
@@ -121,13 +152,23 @@ class ModelInfo:
     """Whether the family's default guidance runs classifier-free guidance (Turbo: no, guidance 0)."""
     default_steps: int = 20
     default_guidance: float = 7.5
+    modes: tuple[Mode, ...] = ("txt2img",)
+    """What the model serves: txt2img, img2img, inpaint (edits need the VAE encoder)."""
+    edits_unavailable: str = ""
+    """Why edits are not served ("" when they are): e.g. the folder has no vae_encoder."""
+    inpainting_unet: bool = False
+    """A 9-channel inpainting UNet (edits: inpainting only)."""
+    edit_schedulers: tuple[str, ...] = ()
+    """The schedulers that serve edits."""
 
     def family_summary(self) -> dict[str, str | int | float | bool]:
         """The family fields as /v1/models, /sdapi/v1/sd-models and /capabilities report them."""
         return {"family": self.family, "native_size": self.default_size, "prediction_type": self.prediction_type,
                 "text_encoders": self.text_encoders, "vae_scaling_factor": self.vae_scaling_factor,
                 "cfg_default": self.cfg_default, "default_steps": self.default_steps,
-                "default_guidance": self.default_guidance}
+                "default_guidance": self.default_guidance, "modes": ",".join(self.modes),
+                "inpainting_unet": self.inpainting_unet,
+                **({"edits_unavailable": self.edits_unavailable} if self.edits_unavailable else {})}
 
 
 @dataclass(frozen=True)

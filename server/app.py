@@ -25,7 +25,7 @@ from server.middleware import (
     MetricsMiddleware,
     StrictJsonMiddleware,
 )
-from server.routes import a1111, a1111_info, debug, health, observability, openai_images
+from server.routes import a1111, a1111_img2img, a1111_info, debug, edits, health, observability, openai_images
 from server.schemas import document_openapi
 from server.service import ImageService
 from server.settings import Settings
@@ -114,7 +114,8 @@ def create_app(engine: Engine, settings: Settings, on_fatal: OnFatal | None = No
     app.state.image_store = ImageStore(max_bytes=settings.server.url_store_max_bytes)
     errors.install(app)
     _add_middleware(app, settings, metrics)
-    for router in (health.router, observability.router, openai_images.router, a1111.router, a1111_info.router):
+    for router in (health.router, observability.router, openai_images.router, a1111.router, a1111_info.router,
+                   edits.router, a1111_img2img.router):
         app.include_router(router)
     if settings.debug.fault_injection and faults is not None:
         app.include_router(debug.router)
@@ -129,7 +130,8 @@ def _add_middleware(app: FastAPI, settings: Settings, metrics: Metrics) -> None:
     app.add_middleware(StrictJsonMiddleware, keep_prompt=server.log_prompts)
     app.add_middleware(AuthMiddleware, digests=auth.api_key_sha256, exempt=auth.exempt_paths,
                        per_key=auth.per_key_concurrency)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.queue.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.queue.max_body_bytes, upload_paths=edits.EDIT_PATHS,
+                       upload_max_bytes=max(settings.limits.max_upload_bytes, settings.queue.max_body_bytes))
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # sees every status, 401/413/500 included
     if server.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(server.cors_origins), allow_credentials=False,

@@ -29,6 +29,8 @@ class Metrics:
         self.compute_seconds = Histogram("sdserve_compute_seconds", "Engine time per batch",
                                          buckets=LATENCY_BUCKETS, registry=r)
         self.images = Counter("sdserve_images_generated_total", "Images generated", registry=r)
+        self.images_by_mode = Counter("sdserve_images_by_mode_total", "Images returned by route and mode "
+                                      "(txt2img, img2img, inpaint)", ["route", "mode"], registry=r)
         self.batch_size = Histogram("sdserve_batch_size_images", "Images per executed batch",
                                     buckets=(1, 2, 4, 8, 16), registry=r)
         self.unet_step_seconds = Histogram("sdserve_unet_step_seconds", "Denoising time per step (UNet + step)",

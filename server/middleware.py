@@ -156,16 +156,20 @@ class BodyLimitMiddleware:
     """413 for bodies over ``max_bytes``: by Content-Length at once, or while a chunked body streams in. The body is
     read whole here (it is small by this bound) and replayed to the app, so the app never sees a partial body."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: ASGIApp, max_bytes: int, upload_paths: tuple[str, ...] = (),
+                 upload_max_bytes: int = 0) -> None:
+        """``upload_paths`` (the edit routes, which take images) allow ``upload_max_bytes`` instead."""
+        self.app, self.default_max = app, max_bytes
+        self.upload_paths, self.upload_max = upload_paths, upload_max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
             await self.app(scope, receive, send)
             return
+        limit = self.upload_max if scope.get("path") in self.upload_paths else self.default_max
         length = dict(scope.get("headers", [])).get(b"content-length")
-        if length is not None and (not length.isdigit() or len(length) > 12 or int(length) > self.max_bytes):
-            await _answer(BodyTooLargeError(f"request body over {self.max_bytes} bytes"), scope, receive, send)
+        if length is not None and (not length.isdigit() or len(length) > 12 or int(length) > limit):
+            await _answer(BodyTooLargeError(f"request body over {limit} bytes"), scope, receive, send)
             return
         chunks: list[bytes] = []
         seen, more = 0, True
@@ -176,8 +180,8 @@ class BodyLimitMiddleware:
             chunks.append(message.get("body", b""))
             seen += len(chunks[-1])
             more = bool(message.get("more_body", False))
-            if seen > self.max_bytes:
-                await _answer(BodyTooLargeError(f"request body over {self.max_bytes} bytes"), scope, receive, send)
+            if seen > limit:
+                await _answer(BodyTooLargeError(f"request body over {limit} bytes"), scope, receive, send)
                 return
         await self.app(scope, _replay(b"".join(chunks), receive), send)
 

@@ -118,6 +118,17 @@ class Limits(BaseModel):
     """Characters per prompt (the tokenizer keeps 77 tokens; this bounds the work of tokenizing)."""
     prompt_overflow: Literal["truncate", "reject"] = "truncate"
     """A prompt longer than the text encoder's 77 tokens: truncate it (and say so in the response) or 400."""
+    max_upload_bytes: int = Field(16 << 20, ge=1 << 20, le=256 << 20)
+    """Request bodies on the edit routes (/v1/images/edits, /v1/images/variations, /sdapi/v1/img2img: uploads or
+    base64 images); larger ones get 413 before they are read whole. Other routes keep queue.max_body_bytes."""
+    max_image_pixels: int = Field(16_777_216, ge=65_536, le=268_435_456)
+    """Pixels an uploaded image (or mask) may declare (width x height, read from its header before decoding):
+    more is a 400, so a decompression bomb is never decoded."""
+    edit_strength: float = Field(0.75, gt=0.0, le=1.0)
+    """img2img strength when a request gives none (diffusers' img2img default is 0.8, A1111's 0.75); inpainting
+    with a mask defaults to 1.0, as diffusers' inpainting pipeline."""
+    variation_strength: float = Field(0.7, gt=0.0, le=1.0)
+    """/v1/images/variations: img2img of the image with an empty prompt at this strength."""
 
 
 class Defaults(BaseModel):

@@ -3,13 +3,17 @@ manifest.
 
 Build-time only: imports torch and diffusers. Output layout::
 
-    text_encoder/model.onnx  unet/model.onnx  vae_decoder/model.onnx  (+ config.json each)
+    text_encoder/model.onnx  unet/model.onnx  vae_decoder/model.onnx  vae_encoder/model.onnx  (+ config.json each)
     tokenizer/  scheduler/scheduler_config.json  model_index.json  manifest.json
     SDXL also: text_encoder_2/model.onnx (+ config.json)  tokenizer_2/
 
 SDXL text encoders are exported with the outputs optimum gives them, named alike (``last_hidden_state``,
 ``text_embeds`` of the second), but of ``hidden_states.<i>`` only the penultimate one the pipeline reads
 (``hidden_states.<num_hidden_layers - 1>``): optimum exports every layer's, which loads too.
+
+The VAE encoder (edits: img2img, inpainting) outputs ``latent_parameters``, the moments (mean and log-variance
+concatenated on channels, before diffusers' clamp) as optimum names them: the serving pipeline samples the latent
+distribution itself with each request's seed, as diffusers' ``DiagonalGaussianDistribution.sample`` does.
 """
 
 from __future__ import annotations
@@ -81,6 +85,17 @@ class _VaeDecoder(torch.nn.Module):
         return self.model.decode(latent_sample, return_dict=False)[0]
 
 
+class _VaeEncoder(torch.nn.Module):
+    """Image in [-1, 1] -> the latent distribution's moments (``AutoencoderKL.encode(x).latent_dist.parameters``)."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, sample: torch.Tensor) -> torch.Tensor:
+        return self.model.encode(sample, return_dict=False)[0].parameters
+
+
 def _export(module: torch.nn.Module, args: tuple[torch.Tensor, ...], path: Path, inputs: list[str],
             outputs: list[str], dynamic: dict[str, dict[int, str]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -142,7 +157,12 @@ def export_components(text_encoder: Any, unet: Any, vae: Any, scheduler_config: 
     _export(_VaeDecoder(vae), (torch.randn(1, latent_channels, sample, sample),),
             out / "vae_decoder" / "model.onnx", ["latent_sample"], ["sample"],
             {"latent_sample": {0: "batch", 2: "height", 3: "width"}, "sample": {0: "batch", 2: "height", 3: "width"}})
-    parts = [("text_encoder", text_encoder), ("unet", unet), ("vae_decoder", vae)]
+    pixels = sample * 2 ** (len(vae.config.block_out_channels) - 1)
+    _export(_VaeEncoder(vae), (torch.randn(1, int(vae.config.in_channels), pixels, pixels),),
+            out / "vae_encoder" / "model.onnx", ["sample"], ["latent_parameters"],
+            {"sample": {0: "batch", 2: "height", 3: "width"},
+             "latent_parameters": {0: "batch", 2: "height", 3: "width"}})
+    parts = [("text_encoder", text_encoder), ("unet", unet), ("vae_decoder", vae), ("vae_encoder", vae)]
     for name, model in parts + ([("text_encoder_2", text_encoder_2)] if xl else []):
         config = model.config.to_dict() if hasattr(model.config, "to_dict") else dict(model.config)
         _write_json(out / name / "config.json", config)
@@ -158,8 +178,12 @@ def export_components(text_encoder: Any, unet: Any, vae: Any, scheduler_config: 
         "_class_name": "OnnxStableDiffusionPipeline",
         "scheduler": ["diffusers", scheduler_config.get("_class_name", "PNDMScheduler")],
         "text_encoder": ["diffusers", "OnnxRuntimeModel"], "unet": ["diffusers", "OnnxRuntimeModel"],
-        "vae_decoder": ["diffusers", "OnnxRuntimeModel"], "tokenizer": ["transformers", "CLIPTokenizer"],
+        "vae_decoder": ["diffusers", "OnnxRuntimeModel"], "vae_encoder": ["diffusers", "OnnxRuntimeModel"],
+        "tokenizer": ["transformers", "CLIPTokenizer"],
     }
+    if int(unet.config.in_channels) == 9:  # masked-image latents + mask concatenated to the latents
+        index["_class_name"] = "OnnxStableDiffusionInpaintPipeline"
+    
     if xl:
         index |= {"_class_name": "OnnxStableDiffusionXLPipeline", "text_encoder_2": ["diffusers", "OnnxRuntimeModel"],
                   "tokenizer_2": ["transformers", "CLIPTokenizer"],

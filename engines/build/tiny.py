@@ -5,7 +5,9 @@ sd1: CLIP text encoder (real 49,408-token vocabulary), cross-attention UNet, 4-l
 factor 8 like real SD). sd2: the same scaled down from SD 2.x: OpenCLIP-style encoder (gelu, ``!`` padding, the
 legacy eos id 2), linear-projection transformers, v-prediction, 768/512 native size ratio. sdxl: two text encoders
 (the second with a pooled projection), ``text_time`` added conditioning, VAE scaling 0.13025 with force_upcast.
-turbo: SD-Turbo (the SD 2.1 architecture distilled for 1-4 steps): trailing timestep spacing, epsilon. Their
+turbo: SD-Turbo (the SD 2.1 architecture distilled for 1-4 steps): trailing timestep spacing, epsilon. inpaint:
+sd1 with a 9-channel inpainting UNet (latents + mask + masked-image latents, as stable-diffusion-inpainting). Every
+family exports the VAE encoder too (edits). Their
 weights are random: images are noise-like patterns, not pictures. They exist so the whole server, tests and
 benchmarks run anywhere in seconds.
 """
@@ -23,7 +25,7 @@ from engines.build.clip_vocab import find_bpe_source, write_tokenizer
 from engines.build.export import export_components
 
 SEED = 0
-FAMILIES = ("sd1", "sd2", "sdxl", "turbo")
+FAMILIES = ("sd1", "sd2", "sdxl", "turbo", "inpaint")
 
 TEXT_ENCODER = dict(hidden_size=32, intermediate_size=37, num_attention_heads=4, num_hidden_layers=5,
                     vocab_size=49408, max_position_embeddings=77, hidden_act="quick_gelu",
@@ -81,8 +83,12 @@ def make_family_components(family: str, seed: int = SEED) -> dict[str, Any]:
 
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
-    if family == "sd1":
-        return make_components(seed)
+    if family in ("sd1", "inpaint"):
+        components = make_components(seed)
+        if family == "inpaint":
+            torch.manual_seed(seed)
+            components["unet"] = UNet2DConditionModel(**{**UNET, "in_channels": 9}).eval()
+        return components
     xl = family == "sdxl"
     sample = 8 if family == "turbo" else SD2_SAMPLE
     unet_cfg = UNET_SDXL if xl else {**UNET_SD2, "sample_size": sample}
@@ -113,7 +119,7 @@ def _pad_with_bang(tokenizer_dir: Path) -> None:
 def save_diffusers(components: dict[str, Any], tokenizer_dir: Path, out: Path,
                    tokenizer_2_dir: Path | None = None) -> Path:
     """The same weights as a diffusers folder, for parity tests, benchmarks and `engines export`."""
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+    from diffusers import StableDiffusionInpaintPipeline, StableDiffusionPipeline, StableDiffusionXLPipeline
     from transformers import CLIPTokenizer
 
     tokenizer = CLIPTokenizer.from_pretrained(tokenizer_dir)
@@ -121,7 +127,8 @@ def save_diffusers(components: dict[str, Any], tokenizer_dir: Path, out: Path,
         pipe: Any = StableDiffusionXLPipeline(**components, tokenizer=tokenizer,
                                               tokenizer_2=CLIPTokenizer.from_pretrained(tokenizer_2_dir))
     else:
-        pipe = StableDiffusionPipeline(**components, tokenizer=tokenizer, safety_checker=None,
+        kind = StableDiffusionInpaintPipeline if components["unet"].config.in_channels == 9 else StableDiffusionPipeline
+        pipe = kind(**components, tokenizer=tokenizer, safety_checker=None,
                                        feature_extractor=None, requires_safety_checker=False)
     pipe.save_pretrained(out)
     return out

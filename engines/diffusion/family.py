@@ -13,7 +13,10 @@ session's inputs. What sdserve serves:
 - ``turbo``: a few-step distilled model of either base (SD-Turbo, SDXL-Turbo), told by its scheduler's
   ``timestep_spacing = "trailing"``: no CFG by default (guidance 0), 1-4 steps.
 
-Anything else (an inpainting UNet's 9 input channels, LCM's guidance embedding, an upscaler's class labels, an SDXL
+Each family comes in its inpainting variant too: a UNet with ``in_channels`` 9 (the latents, the mask and the
+masked image's latents concatenated, as stable-diffusion-inpainting and SDXL inpainting 0.1), ``Family.inpainting``.
+
+Anything else (a depth UNet's 5 input channels, LCM's guidance embedding, an upscaler's class labels, an SDXL
 refiner's single encoder, a UNet with inputs no family has) is refused with ModelLoadError (exit 11) naming what was
 found.
 """
@@ -28,8 +31,15 @@ from typing import Any
 
 from engines.errors import ModelLoadError
 
-SD_CLASSES = frozenset({"OnnxStableDiffusionPipeline", "ORTStableDiffusionPipeline", "StableDiffusionPipeline"})
-XL_CLASSES = frozenset({"OnnxStableDiffusionXLPipeline", "ORTStableDiffusionXLPipeline", "StableDiffusionXLPipeline"})
+SD_CLASSES = frozenset({"OnnxStableDiffusionPipeline", "ORTStableDiffusionPipeline", "StableDiffusionPipeline",
+                        "OnnxStableDiffusionInpaintPipeline", "ORTStableDiffusionInpaintPipeline",
+                        "StableDiffusionInpaintPipeline", "OnnxStableDiffusionImg2ImgPipeline",
+                        "ORTStableDiffusionImg2ImgPipeline", "StableDiffusionImg2ImgPipeline"})
+XL_CLASSES = frozenset({"OnnxStableDiffusionXLPipeline", "ORTStableDiffusionXLPipeline", "StableDiffusionXLPipeline",
+                        "StableDiffusionXLInpaintPipeline", "ORTStableDiffusionXLInpaintPipeline",
+                        "StableDiffusionXLImg2ImgPipeline", "ORTStableDiffusionXLImg2ImgPipeline"})
+INPAINT_CHANNELS = 9
+"""An inpainting UNet's input channels: 4 latents + 1 mask + 4 masked-image latents."""
 FAMILY_NAMES = ("sd1", "sd2", "sdxl", "turbo")
 SERVED = "sdserve serves sd1, sd2, sdxl and turbo (SD/SDXL-Turbo) text-to-image folders"
 XL_INPUTS = ("text_embeds", "time_ids")
@@ -71,6 +81,9 @@ class Family:
     """SDXL: an empty negative prompt conditions on zeros (embeddings and pooled), not on the encoded ""."""
     default_steps: int
     default_guidance: float
+    inpainting: bool = False
+    """A 9-channel inpainting UNet: it serves inpainting, and txt2img as A1111 does with such models (the whole
+    image masked, the masked image mid-gray); img2img without a mask is refused."""
 
     @property
     def xl(self) -> bool:
@@ -86,7 +99,8 @@ class Family:
         return (f"family {self.name} (base {self.base}): native {self.native_size}x{self.native_size}, "
                 f"{self.prediction_type}, spacing {self.timestep_spacing or 'sampler default'}, "
                 f"{self.text_encoders} text encoder(s), VAE scaling {self.vae_scaling_factor:g}, "
-                f"CFG by default: {'yes' if self.cfg_default else 'no'} "
+                f"CFG by default: {'yes' if self.cfg_default else 'no'}, "
+                f"{'9-channel inpainting' if self.inpainting else '4-channel'} UNet "
                 f"(defaults: {self.default_steps} steps, guidance {self.default_guidance:g})")
 
 
@@ -100,8 +114,8 @@ def _scheduler_value(config: Mapping[str, Any], key: str, default: str) -> str:
 
 def _refuse_unet_config(folder: Path, unet: Mapping[str, Any]) -> None:
     found = []
-    if int(unet.get("in_channels", 4)) != 4:
-        found.append(f"in_channels {unet.get('in_channels')} (an inpainting or depth UNet)")
+    if int(unet.get("in_channels", 4)) not in (4, INPAINT_CHANNELS):
+        found.append(f"in_channels {unet.get('in_channels')} (a depth or upscaler UNet; 4 and 9 are served)")
     if unet.get("time_cond_proj_dim") is not None:
         found.append(f"time_cond_proj_dim {unet.get('time_cond_proj_dim')} (a guidance-embedded LCM UNet)")
     if unet.get("class_embed_type") is not None or unet.get("num_class_embeds") is not None:
@@ -153,7 +167,8 @@ def detect(folder: Path) -> Family:
                   vae_force_upcast=base == "sdxl" and bool(vae.get("force_upcast", True)),
                   force_zeros_for_empty_prompt=base == "sdxl" and bool(index.get("force_zeros_for_empty_prompt",
                                                                                   True)),
-                  default_steps=steps, default_guidance=guidance)
+                  default_steps=steps, default_guidance=guidance,
+                  inpainting=int(unet.get("in_channels", 4)) == INPAINT_CHANNELS)
 
 
 @dataclass(frozen=True)

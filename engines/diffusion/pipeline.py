@@ -8,6 +8,10 @@ float32 even for fp16 UNets (see step_graph.py); only the UNet's input is cast t
 The model family (engines/diffusion/family.py) decides what differs between SD 1.x, SD 2.x, SDXL and Turbo: one or
 two text encoders, SDXL's extra UNet inputs, the CFG default; the loop is shared. When every image of a batch has
 guidance <= 1 (Turbo's 0 included) the UNet runs on the conditional rows only: n rows, not 2n.
+
+Edits (img2img, inpainting; engines/diffusion/edits.py) need the folder's vae_encoder: they encode the image on the
+device and enter the same loop at the step their strength picks. Without a vae_encoder the folder serves txt2img
+only (``edits_unavailable`` says why).
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ import numpy as np
 import onnxruntime as ort
 
 from engines.diffusion import family as families
+from engines.diffusion.edits import Editor, Prepared, paste_back, strength_start
 from engines.diffusion.family import Family, read_json
 from engines.diffusion.multistep import MAX_HISTORY
-from engines.diffusion.schedulers import SCHEDULERS, NoiseSchedule, SchedulePlan, make_plan
+from engines.diffusion.schedulers import EDIT_SCHEDULERS, SCHEDULERS, NoiseSchedule, SchedulePlan, make_plan
 from engines.diffusion.step_graph import (
     STATE_DTYPE,
     build_scale_graph,
@@ -95,6 +100,8 @@ class PipelineOutput:
     timings: Timings
     steps_done: int
     """Denoising steps that ran (fewer when ``on_step`` stopped the batch)."""
+    steps_total: int = 0
+    """Steps the batch was to run: ``steps``, or an edit's ``int(steps * strength)``."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +147,14 @@ class StableDiffusionOnnx:
         self.unet = OrtModel(runtime, paths["unet"], "unet" + label)
         self.io = families.unet_io(self.family, {n: a.shape for n, a in self.unet.inputs.items()}, self.unet.outputs)
         self.vae_decoder = OrtModel(runtime, paths["vae_decoder"], "vae_decoder" + label)
+        encoder = (sources or {}).get("vae_encoder", folder / "vae_encoder" / "model.onnx")
+        self.vae_encoder = OrtModel(runtime, encoder, "vae_encoder" + label) if encoder.is_file() else None
+        self.edits_unavailable = "" if self.vae_encoder else (
+            f"{folder.name} has no vae_encoder/model.onnx: it serves txt2img only (re-export it with "
+            "`sdserve engines export` to serve edits)")
+        if self.vae_encoder is None and self.family.inpainting:
+            raise ModelLoadError(f"{folder}: a 9-channel inpainting UNet needs vae_encoder/model.onnx (the masked "
+                                 "image's latents are one of its inputs)")
         self.schedule = NoiseSchedule.from_config(read_json(folder / "scheduler" / "scheduler_config.json"))
         self.latent_dtype = self.unet.input_dtype(self.io.sample)
         out_dtype = self.unet.output_dtype()
@@ -152,12 +167,28 @@ class StableDiffusionOnnx:
                      f"scheduler_step_multi{'' if cfg else '_cond'}" + label) for cfg in (True, False))
         self._load_geometry(folder, label)
         self._load_second_encoder(folder, paths, label)
+        self.editor: Editor | None = None
+        if self.vae_encoder is not None:
+            self._check_encoder(folder, self.vae_encoder)
+            self.editor = Editor(runtime, self.vae_encoder, lambda m, name: OrtModel(runtime, m, name + label),
+                                 self.scaling_factor, self.latent_dtype, self.vae_scale_factor,
+                                 self.family.inpainting)
+
+    def _check_encoder(self, folder: Path, encoder: OrtModel) -> None:
+        channels = encoder.session.get_outputs()[0].shape[1]
+        if isinstance(channels, int) and channels != 2 * self.latent_channels:
+            raise ModelLoadError(f"{folder}: vae_encoder outputs {channels} channels; the latent distribution's "
+                                 f"moments are 2 x {self.latent_channels} (mean and log-variance)")
+        if self.family.vae_force_upcast and encoder.input_dtype(next(iter(encoder.inputs))) == np.float16:
+            raise ModelLoadError(f"{folder}: the {self.family.name} VAE encoder is fp16 but its config says "
+                                 "force_upcast: export it in fp32 (diffusers upcasts it to encode)")
 
     def _load_geometry(self, folder: Path, label: str) -> None:
         channels = self.unet.inputs[self.io.sample].shape[1]
         unet_cfg = read_json(folder / "unet" / "config.json")
         vae_cfg = read_json(folder / "vae_decoder" / "config.json")
-        self.latent_channels = channels if isinstance(channels, int) else int(unet_cfg.get("in_channels", 4))
+        self.latent_channels = int(vae_cfg.get("latent_channels", 4)) if self.family.inpainting else (
+            channels if isinstance(channels, int) else int(unet_cfg.get("in_channels", 4)))
         self.vae_scale_factor = 2 ** (len(vae_cfg.get("block_out_channels", [0] * 4)) - 1)
         self.size_multiple = self.vae_scale_factor * 2 ** (len(unet_cfg.get("block_out_channels", [0] * 4)) - 1)
         self.scaling_factor = self.family.vae_scaling_factor
@@ -210,8 +241,23 @@ class StableDiffusionOnnx:
         if batch.scheduler not in SCHEDULERS:
             raise InvalidRequestError(f"unknown scheduler {batch.scheduler!r}; expected one of "
                                       f"{sorted(SCHEDULERS)}", param="scheduler")
-        if any(not spec.prompt.strip() for spec in batch.images):
+        if any(not spec.prompt.strip() for spec in batch.images) and batch.mode == "txt2img":
             raise InvalidRequestError("prompt must not be empty", param="prompt")
+        self._check_edit(batch)
+
+    def _check_edit(self, batch: Batch) -> None:
+        if len({(s.edit is None, s.edit is not None and s.edit.mask is None) for s in batch.images}) > 1:
+            raise InvalidRequestError("a batch mixes txt2img, img2img and inpainting images", param="image")
+        if batch.mode == "txt2img" and not self.family.inpainting:
+            return
+        if self.editor is None:
+            raise InvalidRequestError(f"edits are not served by this model: {self.edits_unavailable}",
+                                      param="image")
+        if batch.scheduler not in EDIT_SCHEDULERS:
+            raise InvalidRequestError(f"scheduler {batch.scheduler!r} does not serve edits (img2img, inpainting) "
+                                      f"here; use one of {list(EDIT_SCHEDULERS)}", param="scheduler")
+        if batch.mode != "txt2img":
+            strength_start(batch.steps, batch.strength)
 
     def __call__(self, batch: Batch, latents: np.ndarray | None = None,
                  on_step: StepHook | None = None) -> PipelineOutput:
@@ -229,19 +275,29 @@ class StableDiffusionOnnx:
         cfg = bool((guidance > 1.0).any())
         cond = self._encode(batch, cfg)
         t1 = time.perf_counter()
-        # 2. Per-request schedule and per-image noise streams.
-        plan = make_plan(batch.scheduler, self.schedule, batch.steps)
+        # 2. Per-request schedule (an edit's strength skips the first steps) and per-image noise streams.
+        edit = batch.mode != "txt2img" or self.family.inpainting
+        start, _ = strength_start(batch.steps, batch.strength) if batch.mode != "txt2img" else (0, batch.steps)
+        plan = make_plan(batch.scheduler, self.schedule, batch.steps, start, edit=edit)
         rngs = [image_rng(spec.seed) for spec in batch.images]
         seeded = np.stack([rng.standard_normal(shape[1:], dtype=np.float32) for rng in rngs])
         latents = seeded if latents is None else latents  # the stream advances either way
-        # 3. Denoise: UNet on [uncond; text] (or [text]), then the step graph writes the next latents and UNet input.
-        final, steps_done = self._denoise(plan, latents, cond, guidance, rngs, batch, on_step)
+        # 3. Edits: encode the images on the device and noise them to the first step.
+        prepared = None
+        if edit and self.editor is not None:
+            prepared = self.editor.prepare(batch, plan, latents, rngs, 2 if cfg else 1, start == 0)
         t2 = time.perf_counter()
-        # 4. Decode on the device; the image comes down once.
-        images = self._decode(final, batch)
+        # 4. Denoise: UNet on [uncond; text] (or [text]), then the step graph writes the next latents and UNet input.
+        final, steps_done = self._denoise(plan, latents, cond, guidance, rngs, batch, on_step, prepared)
         t3 = time.perf_counter()
-        timings = Timings(text_encoder=t1 - t0, denoise=t2 - t1, vae_decode=t3 - t2, total=t3 - t0)
-        return PipelineOutput(images, cond.truncated, cond.negative_truncated, timings, steps_done)
+        # 5. Decode on the device; the image comes down once (inpainting: the init image pasted back outside).
+        images = self._decode(final, batch)
+        if prepared is not None:
+            images = paste_back(images, prepared.inputs)
+        t4 = time.perf_counter()
+        timings = Timings(text_encoder=t1 - t0, denoise=t3 - t2, vae_decode=t4 - t3, total=t4 - t0,
+                          vae_encode=t2 - t1)
+        return PipelineOutput(images, cond.truncated, cond.negative_truncated, timings, steps_done, len(plan.steps))
 
     def _unet_feeds(self, cond: Conditioning, batch: Batch, rows: int) -> dict[str, Feed]:
         """The conditioning inputs of every step: hidden states, and SDXL's pooled embeddings and time ids."""
@@ -253,8 +309,8 @@ class StableDiffusionOnnx:
         return feeds
 
     def _denoise(self, plan: SchedulePlan, latents: np.ndarray, cond: Conditioning, guidance: np.ndarray,
-                 rngs: list[np.random.Generator], batch: Batch,
-                 on_step: StepHook | None = None) -> tuple[ort.OrtValue, int]:
+                 rngs: list[np.random.Generator], batch: Batch, on_step: StepHook | None = None,
+                 edit: Prepared | None = None) -> tuple[ort.OrtValue, int]:
         """Run every step (or until ``on_step`` says stop); returns the device buffer holding the float32 latents
         and the number of steps run. The UNet batch is 2n with CFG and n without. A step may hold two UNet
         evaluations (Heun, PLMS's first); each evaluation pushes one entry into a ring of ``history + 1`` device
@@ -269,12 +325,16 @@ class StableDiffusionOnnx:
         evals = plan.evaluations()
         x = latents.astype(np.float64) * plan.init_noise_sigma
         f32, dt = STATE_DTYPE, self.latent_dtype
-        lat = [self.runtime.upload("latents0", x.astype(f32)), self.runtime.buffer("latents1", shape, f32)]
+        lat = [edit.start if edit else self.runtime.upload("latents0", x.astype(f32)),
+               self.runtime.buffer("latents1", shape, f32)]
         # Entries not yet pushed are read with coefficient 0: zeros, never stale values (0 * NaN is NaN).
         # Evaluation i writes slot (i + 1) % (depth + 1) and reads the slots before it, so slot 1 is written first.
         ring = [self.runtime.buffer("denoised1", shape, f32) if k == 1 else
                 self.runtime.upload(f"denoised{k}", np.zeros(shape, f32)) for k in range(depth + 1)]
-        model_in = self.runtime.upload("unet_in", np.concatenate([x * evals[0][0].input_scale] * copies).astype(dt))
+        model_in = edit.model_in if edit else self.runtime.upload(
+            "unet_in", np.concatenate([x * evals[0][0].input_scale] * copies).astype(dt))
+        mixer = edit.mixer if edit else None
+        step_in = self.runtime.buffer("unet_in4", (copies * n, *shape[1:]), dt) if mixer else model_in
         model_out = self.runtime.buffer("unet_out", (copies * n, *shape[1:]), self.unet.output_dtype())
         zeros = self.runtime.upload("zeros", np.zeros(shape, f32))
         feeds = self._unet_feeds(cond, batch, copies * n)
@@ -290,14 +350,18 @@ class StableDiffusionOnnx:
             scale = evals[i + 1][0].input_scale if i + 1 < len(evals) else 1.0
             history = {("prev" if k == 1 else f"prev{k}"): ring[(i + 1 - k) % (depth + 1)]
                        for k in range(1, depth + 1)}
-            step_graph.run({"sample": lat[i % 2], "model_out": model_out, "noise": noise, **history,
+            step_graph.run({"sample": lat[0], "model_out": model_out, "noise": noise, **history,
                             "coeffs": step_coefficients(step.next, step.denoised, guidance, depth),
                             "in_scale": np.array([scale], dtype=f32)},
-                           {"next": lat[(i + 1) % 2], "denoised": ring[(i + 1) % (depth + 1)], "model_in": model_in})
+                           {"next": lat[1], "denoised": ring[(i + 1) % (depth + 1)], "model_in": step_in})
+            if mixer is not None:  # inpainting: the blend writes the step's latents back into lat[0]
+                mixer.after(i, lat[1], lat[0], model_in, scale)
+            else:
+                lat.reverse()
             done += completes
             if completes and on_step is not None and not on_step(done, len(plan.steps)) and i + 1 < len(evals):
                 break
-        return lat[(i + 1) % 2], done
+        return lat[0], done
 
     def _tokens(self, tokenizer: ClipTokenizer, batch: Batch,
                 prompts: list[str]) -> tuple[np.ndarray, tuple[bool, ...]]:

@@ -172,7 +172,7 @@ def euler(schedule: NoiseSchedule, n: int, kind: str | None = None) -> ScheduleP
         derivative = (SAMPLE - x0) * (1.0 / sigma)
         steps.append(Step(float(t), 1.0 / math.sqrt(sigma * sigma + 1.0),
                           SAMPLE + derivative * (sigma_next - sigma), x0))
-    return SchedulePlan(init, tuple(steps))
+    return SchedulePlan(init, tuple(steps), tuple(float(s) for s in sigmas), ve=True)
 
 
 def euler_ancestral(schedule: NoiseSchedule, n: int, kind: str | None = None) -> SchedulePlan:
@@ -187,7 +187,7 @@ def euler_ancestral(schedule: NoiseSchedule, n: int, kind: str | None = None) ->
         derivative = (SAMPLE - x0) * (1.0 / sigma)
         nxt = SAMPLE + derivative * (sigma_down - sigma) + NOISE * sigma_up
         steps.append(Step(float(t), 1.0 / math.sqrt(sigma * sigma + 1.0), nxt, x0))
-    return SchedulePlan(init, tuple(steps))
+    return SchedulePlan(init, tuple(steps), tuple(float(s) for s in sigmas), ve=True)
 
 
 def ddim(schedule: NoiseSchedule, n: int) -> SchedulePlan:
@@ -203,18 +203,19 @@ def ddim(schedule: NoiseSchedule, n: int) -> SchedulePlan:
         timesteps = np.round(np.arange(total, 0, -total / n)).astype(np.int64) - 1
     acp = schedule.alphas_cumprod
     final = 1.0 if schedule.set_alpha_to_one else float(acp[0])
-    steps = []
+    steps, levels = [], []
     for t in timesteps:
         alpha = float(acp[t])
         prev_t = int(t) - ratio
         alpha_prev = float(acp[prev_t]) if prev_t >= 0 else final
         sigma = math.sqrt((1 - alpha) / alpha)
+        levels.append(sigma)
         x0 = schedule.denoised(sigma, 1.0)
         # eps from x and x0 in VP form: eps = (x - sqrt(a) x0) / sqrt(1 - a)
         eps = (SAMPLE - x0 * math.sqrt(alpha)) * (1.0 / math.sqrt(1 - alpha))
         nxt = x0 * math.sqrt(alpha_prev) + eps * math.sqrt(1 - alpha_prev)
         steps.append(Step(float(t), 1.0, nxt, x0))
-    return SchedulePlan(1.0, tuple(steps))
+    return SchedulePlan(1.0, tuple(steps), (*levels, 0.0))
 
 
 def _dpm_sigmas(schedule: NoiseSchedule, n: int, kind: str | None) -> tuple[np.ndarray, np.ndarray]:
@@ -246,10 +247,12 @@ def _alpha_sigma(sigma: float) -> tuple[float, float]:
     return a, sigma * a
 
 
-def dpmpp_2m(schedule: NoiseSchedule, n: int, kind: str | None = None, variant: str = "ode") -> SchedulePlan:
+def dpmpp_2m(schedule: NoiseSchedule, n: int, kind: str | None = None, variant: str = "ode",
+             start: int = 0) -> SchedulePlan:
     """DPM-Solver++ (2M), as diffusers' DPMSolverMultistepScheduler with its defaults (midpoint solver, lower-order
     final step, final sigma zero). ``variant`` "sde" is ``algorithm_type="sde-dpmsolver++"`` (fresh noise each step)
-    and "sde_heun" adds ``solver_type="heun"``."""
+    and "sde_heun" adds ``solver_type="heun"``. ``start``: an edit begins there (``set_begin_index``): its first
+    step is first order, as diffusers' empty model-output history makes it."""
     timesteps, sigmas = _dpm_sigmas(schedule, n, kind)
     steps = []
     for i, t in enumerate(timesteps):
@@ -257,7 +260,7 @@ def dpmpp_2m(schedule: NoiseSchedule, n: int, kind: str | None = None, variant: 
         a_s0, s_s0 = _alpha_sigma(float(sigmas[i]))
         x0 = schedule.denoised(float(sigmas[i]), 1.0)
         exp_neg_h = (a_s0 * s_t) / (s_s0 * a_t)  # exp(lambda_s0 - lambda_t), finite when sigma_t == 0
-        second_order = 0 < i < len(timesteps) - 1  # else no history yet, or the final step (final sigma zero)
+        second_order = start < i < len(timesteps) - 1  # else no history yet, or the final step (final sigma zero)
         d1 = Lin()
         if second_order:
             a_s1, s_s1 = _alpha_sigma(float(sigmas[i - 1]))
@@ -272,7 +275,7 @@ def dpmpp_2m(schedule: NoiseSchedule, n: int, kind: str | None = None, variant: 
             nxt = (SAMPLE * (s_t / s_s0 * exp_neg_h) + x0 * (a_t * damp) + d1 * c1
                    + NOISE * (s_t * math.sqrt(damp)))
         steps.append(Step(float(t), 1.0, nxt, x0))
-    return SchedulePlan(1.0, tuple(steps))
+    return SchedulePlan(1.0, tuple(steps), tuple(float(s) for s in sigmas))
 
 
 SAMPLERS: dict[str, Callable[..., SchedulePlan]] = {
@@ -294,10 +297,10 @@ SIGMA_SCHEDULES: dict[str, tuple[str | None, str | None]] = {
 
 
 def _scheduled(sampler: Callable[..., SchedulePlan], kind: str | None, spacing: str | None,
-               schedule: NoiseSchedule, n: int) -> SchedulePlan:
+               schedule: NoiseSchedule, n: int, **options: int) -> SchedulePlan:
     if spacing is not None:
         schedule = dataclasses.replace(schedule, timestep_spacing=spacing)
-    return sampler(schedule, n, kind)
+    return sampler(schedule, n, kind, **options)
 
 
 def lms(schedule: NoiseSchedule, n: int, kind: str | None = None) -> SchedulePlan:
@@ -328,11 +331,30 @@ SCHEDULERS: dict[str, Callable[[NoiseSchedule, int], SchedulePlan]] = {
 """Scheduler names as the API accepts them (engines.config.SCHEDULER_NAMES lists the same, in this order)."""
 
 
-def make_plan(name: str, schedule: NoiseSchedule, num_steps: int) -> SchedulePlan:
-    """The plan for ``num_steps`` steps of the named scheduler; raises on an unknown name."""
+EDIT_BASES = ("euler", "euler_a", "ddim", "dpmpp_2m", "dpmpp_2m_sde", "dpmpp_2m_sde_heun")
+"""Samplers that serve edits (img2img, inpainting), with any schedule suffix: their plans carry noise levels and
+restart their history where an edit begins. The multistep ones (plms, lms, unipc, heun) warm their history up from
+the first step of the whole schedule, which an edit skips: refused for edits until their plans take a start."""
+EDIT_SCHEDULERS = tuple(name for name in SCHEDULERS if name in EDIT_BASES or any(
+    name == f"{base}_{suffix}" for base in EDIT_BASES for suffix in SIGMA_SCHEDULES))
+RESTART = ("dpmpp_2m",)
+"""Samplers whose plan needs the start step (second-order history); the others are sliced as they are."""
+
+
+def make_plan(name: str, schedule: NoiseSchedule, num_steps: int, start: int = 0,
+              edit: bool = False) -> SchedulePlan:
+    """The plan for ``num_steps`` steps of the named scheduler, from step ``start`` on (an ``edit``'s strength
+    skips the first steps: diffusers' ``get_timesteps``); raises on an unknown name or an edit on a sampler that
+    does not serve edits."""
     try:
         factory = SCHEDULERS[name]
     except KeyError:
         raise InvalidRequestError(f"unknown scheduler {name!r}; expected one of {list(SCHEDULERS)}",
                                   param="scheduler") from None
-    return factory(schedule, num_steps)
+    if not edit:
+        return factory(schedule, num_steps)
+    if name not in EDIT_SCHEDULERS:
+        raise InvalidRequestError(f"scheduler {name!r} does not serve edits (img2img, inpainting) here; use one of "
+                                  f"{list(EDIT_SCHEDULERS)}", param="scheduler")
+    restart = {"start": start} if start and name.startswith(RESTART) else {}
+    return factory(schedule, num_steps, **restart).sliced(start)

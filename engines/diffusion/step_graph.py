@@ -35,11 +35,11 @@ STATE_DTYPE = np.float32
 """The dtype of latents, scheduler state, noise and coefficients on the device."""
 
 
-def _elem(dtype: type[np.generic]) -> int:
+def elem_type(dtype: type[np.generic]) -> int:
     return TensorProto.FLOAT16 if np.dtype(dtype) == np.float16 else TensorProto.FLOAT
 
 
-def _model(nodes: list[NodeProto], name: str, inputs: list[ValueInfoProto], outputs: list[ValueInfoProto],
+def serialize(nodes: list[NodeProto], name: str, inputs: list[ValueInfoProto], outputs: list[ValueInfoProto],
            initializers: list[TensorProto]) -> bytes:
     graph = helper.make_graph(nodes, name, inputs, outputs, initializer=initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="sdserve")
@@ -74,7 +74,7 @@ def build_step_graph(unet_in: type[np.generic], unet_out: type[np.generic],
     False: the UNet ran on the conditional rows only (model_out and model_in have B rows, not 2B). ``history`` > 1
     adds inputs ``prev2`` .. ``prev{history}`` (earlier history entries, multistep samplers) and coefficient columns
     for them after ``noise``."""
-    unet, out, state, calc = _elem(unet_in), _elem(unet_out), _elem(STATE_DTYPE), _elem(compute)
+    unet, out, state, calc = elem_type(unet_in), elem_type(unet_out), elem_type(STATE_DTYPE), elem_type(compute)
     latent = ["B", "C", "H", "W"]
     rows = "B2" if cfg else "B"
     names = basis(history)
@@ -109,7 +109,7 @@ def build_step_graph(unet_in: type[np.generic], unet_out: type[np.generic],
         helper.make_node("Concat", ["scaled", "scaled"] if cfg else ["scaled"], [y["model_in"]], axis=0),
         *cast_out,
     ]
-    return _model(nodes, "sdserve_scheduler_step", inputs, outputs, [flat])
+    return serialize(nodes, "sdserve_scheduler_step", inputs, outputs, [flat])
 
 
 def build_scale_graph(scale: float, out_dtype: type[np.generic]) -> bytes:
@@ -118,10 +118,10 @@ def build_scale_graph(scale: float, out_dtype: type[np.generic]) -> bytes:
     latent = ["B", "C", "H", "W"]
     factor = numpy_helper.from_array(np.array([scale], dtype=STATE_DTYPE), "scale")
     nodes = [helper.make_node("Mul", ["latents", "scale"], ["product"]),
-             helper.make_node("Cast", ["product"], ["scaled"], to=_elem(out_dtype))]
-    return _model(nodes, "sdserve_latent_scale",
-                  [helper.make_tensor_value_info("latents", _elem(STATE_DTYPE), latent)],
-                  [helper.make_tensor_value_info("scaled", _elem(out_dtype), latent)], [factor])
+             helper.make_node("Cast", ["product"], ["scaled"], to=elem_type(out_dtype))]
+    return serialize(nodes, "sdserve_latent_scale",
+                  [helper.make_tensor_value_info("latents", elem_type(STATE_DTYPE), latent)],
+                  [helper.make_tensor_value_info("scaled", elem_type(out_dtype), latent)], [factor])
 
 
 def build_text_join_graph(h1: type[np.generic], h2: type[np.generic], pooled: type[np.generic],
@@ -130,10 +130,10 @@ def build_text_join_graph(h1: type[np.generic], h2: type[np.generic], pooled: ty
     ``text_embeds = pooled * keep``, where ``keep`` [B,1] float32 is 0 for rows conditioned on zeros (an empty
     negative prompt under force_zeros_for_empty_prompt) and 1 otherwise; inputs in the encoders' output dtypes,
     outputs in the UNet's input dtypes (float32 in between)."""
-    state = _elem(STATE_DTYPE)
-    elems = {"h1": _elem(h1), "h2": _elem(h2), "pooled": _elem(pooled), "keep": state}
+    state = elem_type(STATE_DTYPE)
+    elems = {"h1": elem_type(h1), "h2": elem_type(h2), "pooled": elem_type(pooled), "keep": state}
     cast_in, x = _to_compute(elems, state)
-    cast_out, y = _from_compute({"hidden": _elem(hidden_out), "text_embeds": _elem(pooled_out)}, state)
+    cast_out, y = _from_compute({"hidden": elem_type(hidden_out), "text_embeds": elem_type(pooled_out)}, state)
     shape3 = numpy_helper.from_array(np.array([-1, 1, 1], dtype=np.int64), "keep_shape")
     nodes = [*cast_in,
              helper.make_node("Concat", [x["h1"], x["h2"]], ["joined"], axis=2),
@@ -145,9 +145,9 @@ def build_text_join_graph(h1: type[np.generic], h2: type[np.generic], pooled: ty
               helper.make_tensor_value_info("h2", elems["h2"], ["B", "T", "D2"]),
               helper.make_tensor_value_info("pooled", elems["pooled"], ["B", "P"]),
               helper.make_tensor_value_info("keep", state, ["B", 1])]
-    outputs = [helper.make_tensor_value_info("hidden", _elem(hidden_out), ["B", "T", "D"]),
-               helper.make_tensor_value_info("text_embeds", _elem(pooled_out), ["B", "P"])]
-    return _model(nodes, "sdserve_text_join", inputs, outputs, [shape3])
+    outputs = [helper.make_tensor_value_info("hidden", elem_type(hidden_out), ["B", "T", "D"]),
+               helper.make_tensor_value_info("text_embeds", elem_type(pooled_out), ["B", "P"])]
+    return serialize(nodes, "sdserve_text_join", inputs, outputs, [shape3])
 
 
 def step_coefficients(next_: Lin, denoised: Lin, guidance: np.ndarray, history: int = 1) -> np.ndarray:

@@ -19,7 +19,7 @@ def register(sub: Any) -> None:
     tiny.add_argument("--out", type=Path, default=DEFAULT_MODEL)
     tiny.add_argument("--bpe", type=Path, default=None, help="open-clip-torch wheel or its bpe .txt.gz")
     tiny.add_argument("--diffusers-out", type=Path, default=None, help="also save the torch weights here")
-    tiny.add_argument("--family", choices=("sd1", "sd2", "sdxl", "turbo"), default="sd1",
+    tiny.add_argument("--family", choices=("sd1", "sd2", "sdxl", "turbo", "inpaint"), default="sd1",
                       help="which family's structure to build in miniature (default sd1, the embedded model)")
     export = engines.add_parser("export", help="export a local diffusers SD 1.x/2.x folder to ONNX")
     export.add_argument("--from", dest="src", type=Path, required=True)

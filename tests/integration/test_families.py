@@ -209,7 +209,7 @@ def test_sdxl_unet_in_an_sd_folder_is_refused(builds: dict[str, tuple[Path, Path
 
 @pytest.mark.parametrize(("edit", "named"), [
     (("model_index.json", "_class_name", "StableDiffusion3Pipeline"), "StableDiffusion3Pipeline"),
-    (("unet/config.json", "in_channels", 9), "in_channels 9"),
+    (("unet/config.json", "in_channels", 5), "in_channels 5"),
     (("unet/config.json", "time_cond_proj_dim", 256), "time_cond_proj_dim 256"),
     (("unet/config.json", "class_embed_type", "timestep"), "class_embed_type 'timestep'"),
 ])

@@ -1,0 +1,60 @@
+"""Edit requests -> engine batches: the decoded images resized to the batch's size, the mask, the strength.
+
+The routes (server/routes/edits.py for OpenAI, server/routes/a1111_img2img.py for A1111) decode uploads with
+server/images_in.py and build the txt2img batch for the other fields (service.build_batch: size, steps, seeds,
+scheduler, limits); this adds what makes it an edit and validates it against what the model serves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+from PIL import Image
+
+from engines.errors import InvalidRequestError
+from engines.protocol import Batch, EditImage, ModelInfo
+from server.images_in import ResizeMode, resize
+
+
+@dataclass(frozen=True)
+class EditInput:
+    """Decoded edit inputs: one image per output image (cycled), an optional L mask (255 repaints)."""
+
+    images: tuple[Image.Image, ...]
+    mask: Image.Image | None = None
+    strength: float | None = None
+    """None: the profile's default (img2img) or 1.0 (with a mask, as diffusers' inpainting)."""
+    resize_mode: ResizeMode = 1
+    overlay: bool = True
+
+
+def require_edits(info: ModelInfo) -> None:
+    """400 naming why when the served model cannot edit (a folder exported without the VAE encoder)."""
+    if "img2img" not in info.modes:
+        raise InvalidRequestError(f"this server's model serves txt2img only: "
+                                  f"{info.edits_unavailable or 'it has no VAE encoder'}", param="image")
+
+
+def edit_batch(batch: Batch, edit: EditInput, info: ModelInfo, default_strength: float) -> Batch:
+    """``batch`` (validated as txt2img) with the edit inputs resized to its size; refuses what the model cannot
+    edit, naming the field."""
+    require_edits(info)
+    if batch.scheduler not in info.edit_schedulers:
+        raise InvalidRequestError(f"scheduler {batch.scheduler!r} does not serve edits (img2img, inpainting); use "
+                                  f"one of {list(info.edit_schedulers)}", param="scheduler")
+    strength = edit.strength if edit.strength is not None else 1.0 if edit.mask is not None else default_strength
+    if not 0.0 < strength <= 1.0:
+        raise InvalidRequestError(f"strength {strength} must be in (0, 1]", param="strength")
+    if int(batch.steps * strength) < 1:
+        raise InvalidRequestError(f"strength {strength} x {batch.steps} steps runs no denoising step: raise "
+                                  "strength or steps", param="strength")
+    size = (batch.width, batch.height)
+    pixels = [np.asarray(resize(im.convert("RGB"), *size, edit.resize_mode)) for im in edit.images]
+    mask = None if edit.mask is None else np.asarray(resize(edit.mask.convert("L"), *size, edit.resize_mode))
+    if mask is not None and not mask.any():
+        raise InvalidRequestError("mask marks nothing to repaint (no white, or no transparent, pixels)",
+                                  param="mask")
+    specs = tuple(replace(spec, edit=EditImage(np.ascontiguousarray(pixels[i % len(pixels)]), mask))
+                  for i, spec in enumerate(batch.images))
+    return replace(batch, images=specs, strength=strength, overlay=edit.overlay)

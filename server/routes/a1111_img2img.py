@@ -1,0 +1,200 @@
+"""AUTOMATIC1111-compatible POST /sdapi/v1/img2img, as webuiapi and chaiNNer send it.
+
+``init_images`` (base64, with or without a data-URL prefix; image i of the batch uses init_images[i % len]),
+``denoising_strength``, ``mask`` (white repaints; an RGBA mask with transparency: its opaque pixels repaint, as
+A1111's create_binary_mask), ``resize_mode`` 0 just resize / 1 crop and resize / 2 resize and fill (3, latent
+upscale, is refused), ``mask_blur`` (a Gaussian blur of the mask), ``inpainting_mask_invert``, ``inpainting_fill``
+0 fill / 1 original (2 latent noise and 3 latent nothing are refused), ``inpaint_full_res`` + padding ("only
+masked": the mask's region, padded and grown to the output's aspect, is inpainted at the output size and pasted
+back into the whole image, which keeps its size), ``include_init_images``. ``image_cfg_scale`` is an
+instruct-pix2pix setting: its A1111 default (1.5, unused by A1111 for other models) is accepted, any other value
+refused. Progress and interrupt work as for txt2img (same queue and batcher). Errors are 422 like the other A1111
+routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import secrets
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from PIL import Image, ImageOps
+from pydantic import Field
+from starlette.concurrency import run_in_threadpool
+
+from engines.errors import InvalidRequestError
+from server.a1111_options import OptionsStore
+from server.edits import EditInput, edit_batch, require_edits
+from server.images_in import blur_mask, fill_masked, from_base64, resize
+from server.middleware import api_key_id
+from server.routes.a1111 import Txt2ImgRequest, Txt2ImgResponse, resolve_sampler, sampler_label
+from server.schemas import ImageGenerationRequest, Text, error_responses
+from server.service import b64, encode_png
+
+router = APIRouter(prefix="/sdapi/v1", tags=["automatic1111"])
+IMAGE_CFG_DEFAULT = 1.5
+"""A1111's image_cfg_scale default (instruct-pix2pix only): webuiapi always sends it."""
+
+
+class Img2ImgRequest(Txt2ImgRequest):
+    """The A1111 img2img fields sdserve honours (and txt2img's); the prompt may be empty."""
+
+    prompt: Text = ""
+    init_images: list[str] = Field(..., min_length=1, max_length=16)
+    denoising_strength: float = Field(0.75, ge=0.0, le=1.0)
+    mask: str | None = None
+    resize_mode: int = Field(0, ge=0, le=3)
+    mask_blur: int = Field(4, ge=0, le=64)
+    inpainting_fill: int = Field(0, ge=0, le=3)
+    inpaint_full_res: bool = True
+    inpaint_full_res_padding: int = Field(0, ge=0, le=1024)
+    inpainting_mask_invert: int = Field(0, ge=0, le=1)
+    initial_noise_multiplier: float | None = None
+    image_cfg_scale: float | None = None
+    include_init_images: bool = False
+
+    def refuse_unsupported_edits(self) -> None:
+        if self.resize_mode == 3:
+            raise InvalidRequestError("resize_mode 3 (just resize, latent upscale) is not supported: use 0, 1 or 2",
+                                      param="resize_mode")
+        if self.mask is not None and self.inpainting_fill in (2, 3):
+            raise InvalidRequestError(f"inpainting_fill {self.inpainting_fill} (latent "
+                                      f"{'noise' if self.inpainting_fill == 2 else 'nothing'}) is not supported: use "
+                                      "0 (fill) or 1 (original)", param="inpainting_fill")
+        if self.image_cfg_scale not in (None, IMAGE_CFG_DEFAULT):
+            raise InvalidRequestError("image_cfg_scale applies to instruct-pix2pix models, which sdserve does not "
+                                      "serve", param="image_cfg_scale")
+        if self.initial_noise_multiplier not in (None, 1.0):
+            raise InvalidRequestError("initial_noise_multiplier other than 1 is not supported",
+                                      param="initial_noise_multiplier")
+
+
+def _a1111_mask(image: Image.Image, invert: int, blur: int) -> Image.Image:
+    """A1111's create_binary_mask (an RGBA mask with transparency: alpha > 128 repaints; else luminance), then
+    the inversion and the blur."""
+    if image.mode == "RGBA" and image.getchannel("A").getextrema() != (255, 255):
+        mask = image.getchannel("A").point(lambda v: 255 if v > 128 else 0)
+    else:
+        mask = image.convert("L")
+    return blur_mask(ImageOps.invert(mask) if invert else mask, blur)
+
+
+def _flatten(image: Image.Image) -> Image.Image:
+    """A1111 flattens transparency onto its img2img background colour (white by default)."""
+    if image.mode != "RGBA":
+        return image.convert("RGB")
+    return Image.alpha_composite(Image.new("RGBA", image.size, (255, 255, 255, 255)), image).convert("RGB")
+
+
+def crop_region(mask: Image.Image, padding: int, width: int, height: int) -> tuple[int, int, int, int]:
+    """"Only masked": the mask's bounding box, padded, grown to the output's aspect ratio within the image."""
+    box = mask.getbbox()
+    if box is None:
+        raise InvalidRequestError("mask marks nothing to repaint", param="mask")
+    x1, y1 = max(box[0] - padding, 0), max(box[1] - padding, 0)
+    x2, y2 = min(box[2] + padding, mask.width), min(box[3] + padding, mask.height)
+    ratio = width / height
+    if (x2 - x1) / (y2 - y1) < ratio:
+        x1, x2 = _grow(x1, x2, round((y2 - y1) * ratio), mask.width)
+    else:
+        y1, y2 = _grow(y1, y2, round((x2 - x1) / ratio), mask.height)
+    return x1, y1, x2, y2
+
+
+def _grow(lo: int, hi: int, size: int, limit: int) -> tuple[int, int]:
+    size = min(size, limit)
+    lo = max(0, min(lo - (size - (hi - lo)) // 2, limit - size))
+    return lo, lo + size
+
+
+def _decode(req: Img2ImgRequest, limit: int) -> tuple[list[Image.Image], Image.Image | None]:
+    images = [_flatten(from_base64(t, f"init_images.{i}", limit)) for i, t in enumerate(req.init_images)]
+    if req.mask is None:
+        return images, None
+    mask = _a1111_mask(from_base64(req.mask, "mask", limit), req.inpainting_mask_invert, req.mask_blur)
+    if mask.size != images[0].size:  # A1111 resizes the mask like the image
+        mask = mask.resize(images[0].size, Image.Resampling.LANCZOS)
+    if req.inpainting_fill == 0:
+        images = [fill_masked(im, resize(mask, *im.size, 0)) for im in images]
+    return images, mask
+
+
+def _openai_request(req: Img2ImgRequest, seed: int) -> ImageGenerationRequest:
+    size = f"{req.width}x{req.height}" if req.width is not None and req.height is not None else None
+    name = req.sampler_name or req.sampler_index
+    return ImageGenerationRequest.model_construct(
+        prompt=req.prompt, negative_prompt=req.negative_prompt, n=req.batch_size, size=size, seed=seed % 2**32,
+        steps=req.steps, guidance_scale=req.cfg_scale, response_format="b64_json", model=None, user=None,
+        scheduler=resolve_sampler(name, req.scheduler) if name else None, quality=None, style=None)
+
+
+def _paste_full_res(png: bytes, whole: Image.Image, mask: Image.Image, box: tuple[int, int, int, int]) -> bytes:
+    """"Only masked": the inpainted crop, resized back, pasted into the whole image through the mask."""
+    crop = Image.open(io.BytesIO(png)).convert("RGB").resize((box[2] - box[0], box[3] - box[1]),
+                                                            Image.Resampling.LANCZOS)
+    out = whole.copy()
+    out.paste(crop, box[:2], mask.crop(box))
+    return encode_png(out)
+
+
+@router.post("/img2img", response_model=Txt2ImgResponse,
+             responses=error_responses(400, 401, 413, 422, 429, 500, 503, 504, validation=True))
+async def img2img(req: Img2ImgRequest, request: Request, response: Response) -> Txt2ImgResponse:
+    """img2img, or inpainting with ``mask``: batch_size images per iteration, n_iter iterations, seed + i."""
+    service = request.app.state.service
+    service.require_ready()
+    info = request.app.state.engine.info
+    require_edits(info)
+    req.refuse_unsupported()
+    req.refuse_unsupported_edits()
+    OptionsStore().check(req.override_settings, info, "override_settings.")
+    settings = request.app.state.settings
+    for name, value in (("batch_size", req.batch_size), ("n_iter", req.n_iter)):
+        if value > settings.limits.max_n:
+            raise InvalidRequestError(f"{name} must be at most {settings.limits.max_n}, got {value}", param=name)
+    images, mask = await run_in_threadpool(_decode, req, settings.limits.max_image_pixels)
+    if (req.width is None) != (req.height is None):
+        raise InvalidRequestError("give both width and height, or neither", param="width")
+    seed = req.seed if req.seed >= 0 else secrets.randbelow(2**32 - 1024)
+    batches = [service.to_batch(_openai_request(req, seed + i * req.batch_size)) for i in range(req.n_iter)]
+    first = batches[0]
+    box = crop_region(mask, req.inpaint_full_res_padding, first.width, first.height) \
+        if mask is not None and req.inpaint_full_res else None
+    crops = [im.crop(box) for im in images] if box else images
+    edit = EditInput(tuple(crops), mask.crop(box) if box and mask else mask, req.denoising_strength,
+                     2 if box else req.resize_mode, overlay=True)  # type: ignore[arg-type]
+    batches = [edit_batch(b, edit, info, req.denoising_strength) for b in batches]
+    outs = await asyncio.gather(*(service.run(b, request.headers.get("x-sdserve-timeout-s"),
+                                              request.is_disconnected, api_key_id(request.scope)) for b in batches))
+    outs[-1].trace_headers(response)
+    response.headers["x-sdserve-mode"] = batches[0].mode
+    pngs = [p for out in outs for p in out.pngs]
+    if box is not None and mask is not None:
+        pngs = [await run_in_threadpool(_paste_full_res, p, images[k % len(images)], mask, box)
+                for k, p in enumerate(pngs)]
+    request.app.state.metrics.images_by_mode.labels(request.url.path, batches[0].mode).inc(len(pngs))
+    return Txt2ImgResponse(images=[b64(p) for p in pngs], parameters=_parameters(req),
+                           info=json.dumps(_info(req, batches, outs, info.name)))
+
+
+def _parameters(req: Img2ImgRequest) -> dict[str, Any]:
+    """The request echoed as A1111 does: without the images unless include_init_images."""
+    ignored = set(req.model_extra or {})
+    drop = ignored | (set() if req.include_init_images else {"init_images", "mask"})
+    return req.model_dump(exclude=drop)
+
+
+def _info(req: Img2ImgRequest, batches: list[Any], outs: list[Any], model: str) -> dict[str, Any]:
+    first = batches[0]
+    seeds = [g.seed for out in outs for g in out.result.images]
+    ignored = sorted(req.model_extra or {})
+    warnings = outs[0].warnings + ([f"ignored A1111 fields: {', '.join(ignored)}"] if ignored else [])
+    return {"prompt": req.prompt, "negative_prompt": req.negative_prompt, "seed": seeds[0], "all_seeds": seeds,
+            "all_prompts": [req.prompt] * len(seeds), "width": first.width, "height": first.height,
+            "sampler_name": sampler_label(first.scheduler), "cfg_scale": first.images[0].guidance_scale,
+            "steps": first.steps, "denoising_strength": first.strength, "batch_size": req.batch_size,
+            "n_iter": req.n_iter, "sd_model_name": model, "mode": first.mode, "warnings": warnings,
+            "interrupted": any(out.result.interrupted for out in outs)}

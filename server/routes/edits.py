@@ -1,0 +1,174 @@
+"""OpenAI Images API edits: POST /v1/images/edits and POST /v1/images/variations (multipart/form-data, as the
+official SDK sends them).
+
+- edits: ``image`` (or ``image[]``, one image), optional ``mask`` whose transparent pixels mark the area to edit
+  (without a mask, the image's own transparent pixels; with neither, img2img of the whole image at
+  ``limits.edit_strength``), ``prompt``, ``n``, ``size``, ``response_format``, ``output_format`` (png, jpeg,
+  webp) and ``output_compression``, ``background`` (auto, opaque), ``moderation``, ``model``, ``user``,
+  ``quality``; extensions ``strength``, ``negative_prompt``, ``seed``, ``steps``, ``guidance_scale``,
+  ``scheduler``. The image is resized to ``size`` by crop-and-resize (A1111's resize mode 1); a mask must have the
+  image's dimensions, as OpenAI requires. Refused by name: ``stream``, ``background=transparent``, more than one
+  image; ``input_fidelity`` and ``partial_images`` are named as ignored (x-sdserve-ignored-fields).
+- variations: img2img of ``image`` with an empty prompt at ``limits.variation_strength`` (fields ``image``, ``n``,
+  ``size``, ``response_format``, ``model``, ``user``; extension ``seed``, ``strength``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import FormData, UploadFile
+
+from engines.errors import InvalidRequestError
+from server.edits import EditInput, edit_batch, require_edits
+from server.encoding import ImageFormat
+from server.images_in import alpha_mask, decode, mask_image
+from server.links import image_link, link_base
+from server.middleware import api_key_id
+from server.request_rules import FieldNotes, openai_notes, response_format
+from server.schemas import ImageData, ImageGenerationRequest, ImagesResponse, error_responses
+from server.service import b64
+
+router = APIRouter(tags=["openai"])
+EDIT_PATHS = ("/v1/images/edits", "/v1/images/variations", "/sdapi/v1/img2img")
+"""Routes whose bodies carry images: limits.max_upload_bytes applies to them (server/app.py)."""
+NUMBERS: dict[str, type[int] | type[float]] = {"n": int, "seed": int, "steps": int, "guidance_scale": float,
+                                                "strength": float, "output_compression": int}
+TEXT = ("prompt", "negative_prompt", "size", "response_format", "model", "user", "quality", "scheduler",
+        "output_format", "background", "moderation")
+ACCEPTED = ("input_fidelity", "stream", "partial_images")
+"""OpenAI edit fields without a generation counterpart (checked by _edit_notes: ignored by name or refused)."""
+
+
+async def _read(request: Request, allowed: tuple[str, ...]) -> tuple[dict[str, Any], list[bytes], list[bytes]]:
+    """(text fields, images, masks) of the multipart body; the uploads' temporary files are closed here."""
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise InvalidRequestError("send the image as multipart/form-data (as the openai SDK does)", param="image")
+    form = await request.form(max_files=8, max_fields=64)
+    try:
+        return _fields(form, allowed), await _files(form, "image", "image[]"), await _files(form, "mask")
+    finally:
+        await form.close()
+
+
+def _fields(form: FormData, allowed: tuple[str, ...]) -> dict[str, Any]:
+    """The form's text fields, numbers converted; unknown fields refused by name."""
+    out: dict[str, Any] = {}
+    for name, value in form.multi_items():
+        if name in ("image", "image[]", "mask"):
+            continue
+        if name not in allowed:
+            raise InvalidRequestError(f"unknown field {name[:64]!r}", param=name[:64])
+        if not isinstance(value, str):
+            raise InvalidRequestError(f"{name} must be a text field, not a file", param=name)
+        if name in NUMBERS:
+            try:
+                out[name] = NUMBERS[name](value)
+            except ValueError:
+                raise InvalidRequestError(f"{name} {value[:32]!r} is not a number", param=name) from None
+        else:
+            out[name] = value
+    return out
+
+
+def _edit_notes(fields: dict[str, Any]) -> FieldNotes:
+    notes = FieldNotes()
+    if fields.pop("stream", "false").lower() not in ("false", "0"):
+        raise InvalidRequestError("stream is not supported: sdserve answers when the images are done", param="stream")
+    if "input_fidelity" in fields:
+        notes.ignore("input_fidelity", f"{str(fields.pop('input_fidelity'))[:16]!r}: the strength decides how "
+                     "much of the image is kept")
+    if "partial_images" in fields:
+        notes.ignore("partial_images", "no partial images are sent (no streaming)")
+        fields.pop("partial_images")
+    return notes
+
+
+async def _files(form: FormData, name: str, *aliases: str) -> list[bytes]:
+    found = [v for key in (name, *aliases) for v in form.getlist(key)]
+    if any(not isinstance(v, UploadFile) for v in found):
+        raise InvalidRequestError(f"{name} must be a file upload", param=name)
+    return [await v.read() for v in found if isinstance(v, UploadFile)]
+
+
+def _request(fields: dict[str, Any]) -> ImageGenerationRequest:
+    try:
+        return ImageGenerationRequest.model_validate(fields)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(p) for p in error["loc"]) or "body"
+        raise InvalidRequestError(f"{where}: {error['msg']}", param=where) from None
+
+
+async def _respond(request: Request, response: Response, req: ImageGenerationRequest, edit: EditInput,
+                   strength: float, notes: FieldNotes) -> ImagesResponse:
+    service = request.app.state.service
+    more = openai_notes(req)
+    notes.ignored += more.ignored
+    notes.warnings += more.warnings
+    batch = edit_batch(service.to_batch(req), edit, service.engine.info, strength)
+    as_url = response_format(req) == "url"
+    if as_url:
+        link_base(request, request.app.state.settings.server)  # refuse a Host we cannot link to before computing
+    fmt = ImageFormat(req.output_format or "png", 100 if req.output_compression is None else req.output_compression)
+    out = await service.run(batch, request.headers.get("x-sdserve-timeout-s"), request.is_disconnected,
+                            api_key_id(request.scope), fmt.encode)
+    out.trace_headers(response)
+    warnings = out.warnings + notes.warnings
+    response.headers.update(notes.headers())
+    if warnings:
+        response.headers["x-sdserve-warnings"] = "; ".join(warnings)
+    response.headers["x-sdserve-mode"] = batch.mode
+    response.headers["x-sdserve-strength"] = f"{batch.strength:g}"
+    request.app.state.metrics.images_by_mode.labels(request.url.path, batch.mode).inc(len(out.pngs))
+    if as_url:
+        store = request.app.state.image_store
+        data = [ImageData(url=image_link(request, store.put(p, fmt.name))) for p in out.pngs]
+    else:
+        data = [ImageData(b64_json=b64(p)) for p in out.pngs]
+    return ImagesResponse(created=int(time.time()), data=data, output_format=fmt.name,
+                          size=f"{batch.width}x{batch.height}", background="opaque", warnings=warnings or None)
+
+
+@router.post("/v1/images/edits", response_model=ImagesResponse, response_model_exclude_none=True,
+             responses=error_responses(400, 401, 413, 429, 500, 503, 504))
+async def edit_images(request: Request, response: Response) -> ImagesResponse:
+    """Edit ``image`` as ``prompt`` says: inpainting where the mask (or the image) is transparent, else img2img."""
+    service = request.app.state.service
+    service.require_ready()
+    require_edits(service.engine.info)
+    fields, images, masks = await _read(request, (*TEXT, *NUMBERS, *ACCEPTED))
+    notes = _edit_notes(fields)
+    strength = fields.pop("strength", None)
+    if len(images) != 1 or len(masks) > 1:
+        raise InvalidRequestError(f"send one image (got {len(images)}) and at most one mask", param="image")
+    limit = service.settings.limits.max_image_pixels
+    image = await run_in_threadpool(decode, images[0], "image", limit)
+    mask = await run_in_threadpool(decode, masks[0], "mask", limit) if masks else None
+    if mask is not None and mask.size != image.size:
+        raise InvalidRequestError(f"mask is {mask.width}x{mask.height} but image is {image.width}x{image.height}: "
+                                  "they must have the same dimensions", param="mask")
+    edit = EditInput((image,), mask_image(mask) if mask is not None else alpha_mask(image), strength)
+    return await _respond(request, response, _request(fields), edit, service.settings.limits.edit_strength, notes)
+
+
+@router.post("/v1/images/variations", response_model=ImagesResponse, response_model_exclude_none=True,
+             responses=error_responses(400, 401, 413, 429, 500, 503, 504))
+async def image_variations(request: Request, response: Response) -> ImagesResponse:
+    """Variations of ``image``: img2img with an empty prompt at ``limits.variation_strength`` (x-sdserve-strength
+    says which)."""
+    service = request.app.state.service
+    service.require_ready()
+    require_edits(service.engine.info)
+    fields, images, masks = await _read(request, ("n", "size", "response_format", "model", "user", "seed",
+                                                  "strength"))
+    if len(images) != 1 or masks:
+        raise InvalidRequestError(f"send one image (got {len(images)})", param="image")
+    image = await run_in_threadpool(decode, images[0], "image", service.settings.limits.max_image_pixels)
+    strength = fields.pop("strength", service.settings.limits.variation_strength)
+    req = _request({**fields, "prompt": "variation"}).model_copy(update={"prompt": ""})
+    return await _respond(request, response, req, EditInput((image,), None, strength), strength, FieldNotes())
