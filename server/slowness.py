@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.contention import Contention, ContentionThresholds, explanations
 from engines.protocol import CanaryCheck
+from server.contention import Contention, ContentionThresholds, explanations
 from server.settings import WatchdogSettings
 
 

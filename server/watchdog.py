@@ -14,8 +14,8 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 from engines.errors import NotReadyError, SdserveError
-from server.contention import ContentionProbe, Counters
 from engines.protocol import Engine, GpuSample, TelemetrySource
+from server.contention import ContentionProbe, Counters
 from server.metrics import Metrics
 from server.service import ImageService
 from server.settings import Settings

@@ -12,9 +12,9 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engines.errors import InferenceError
-from server.contention import Contention, ContentionProbe, Counters
 from engines.protocol import GpuSample
 from engines.runtime.ortlog import classify
+from server.contention import Contention, ContentionProbe, Counters
 from server.metrics import DEGRADED_REASONS, Metrics
 from server.service import ImageService
 from server.settings import load_settings
