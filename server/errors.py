@@ -183,14 +183,14 @@ async def _on_sdserve(request: Request, exc: Exception) -> JSONResponse:
     return error_response(exc, request.url.path, request_id_of(request.scope))
 
 
+METHODS = ("GET", "HEAD", "POST", "PUT", "DELETE", "PATCH")
+
+
 def allowed_methods(request: Request) -> str:
     """Every method some route serves at this path (Starlette's 405 names only the first route that matched)."""
-    methods: set[str] = set()
-    for route in request.app.router.routes:
-        match, _ = route.matches({**request.scope, "method": "GET"})
-        if match != Match.NONE:
-            methods |= set(getattr(route, "methods", None) or ())
-    return ", ".join(sorted(methods))
+    routes = request.app.router.routes
+    return ", ".join(m for m in METHODS
+                     if any(r.matches({**request.scope, "method": m})[0] == Match.FULL for r in routes))
 
 
 async def _on_http(request: Request, exc: Exception) -> JSONResponse:

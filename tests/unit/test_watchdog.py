@@ -31,7 +31,8 @@ GPU_IDLE = [GpuSample(0, 0, 60, 300)]
 def make() -> tuple[Watchdog, FakeEngine, ServerState]:
     settings = load_settings("dev")
     settings = settings.model_copy(update={"watchdog": settings.watchdog.model_copy(
-        update={"idle_before_canary_s": 0.0, "telemetry_window_s": 0.1, "recover_after": 2})})
+        update={"idle_before_canary_s": 0.0, "telemetry_window_s": 0.1, "recover_after": 2,
+                "canary_max_skips": 1})})
     engine = FakeEngine()
     engine.load()
     state = ServerState()
