@@ -35,6 +35,8 @@ class Watchdog:
         self.injected: TelemetrySource | None = None
         """A telemetry trace injected through /debug/faults (dev only); replaces NVML while set."""
         self.active: dict[str, str] = {}
+        self.since: dict[str, int] = {}
+        """The check (its number) that first found each active problem."""
         self.clean = 0
         self.skipped = 0
         self.boot_provider = ""
@@ -75,7 +77,9 @@ class Watchdog:
     def _provider(self, problems: dict[str, str]) -> bool:
         if not self.boot_provider:
             return False
+        # what ran since the previous check only: a stale provider must not keep a recovered replica degraded
         seen = {p for p in (self.last_canary_provider, self.service.batcher.last_provider) if p}
+        self.last_canary_provider = self.service.batcher.last_provider = ""
         changed = sorted(p for p in seen if p != self.boot_provider)
         if changed:
             problems["provider_changed"] = (f"provider changed since boot: {', '.join(changed)} runs the UNet, the "
@@ -136,7 +140,7 @@ class Watchdog:
     @property
     def load(self) -> dict[str, Any]:
         """Slowness and contention as /ready's ``load`` and /performance report them."""
-        return self.slowness.report()
+        return {**self.slowness.report(), "checks": self.checks}
 
     @property
     def telemetry(self) -> TelemetrySource | None:
@@ -183,12 +187,15 @@ class Watchdog:
     def _apply(self, problems: dict[str, str], conclusive: bool) -> None:
         if problems:
             self.clean = 0
+            for code in problems.keys() - self.active.keys():
+                self.since[code] = self.checks
             self.active.update(problems)
         elif conclusive and self.active:
             self.clean += 1
             if self.clean >= self.settings.watchdog.recover_after:
                 log.warning("watchdog: recovered after %d clean checks", self.clean)
                 self.active.clear()
+                self.since.clear()
         if self.active and self.state.state != "degraded":
             log.error("watchdog: degraded: %s", "; ".join(self.active.values()))
             self.state.set("degraded", list(self.active.values()))
@@ -205,8 +212,8 @@ class Watchdog:
     def snapshot(self) -> dict[str, Any]:
         cfg = self.settings.watchdog
         return {"enabled": cfg.enabled, "interval_s": cfg.interval_s, "checks": self.checks,
-                "active": dict(self.active), "strikes": self.slowness.slow_streak,
-                "hard_strikes": self.slowness.hard_streak, "clean_streak": self.clean, "load": self.load,
+                "active": dict(self.active), "active_since_check": dict(self.since),
+                "strikes": self.slowness.slow_streak, "hard_strikes": self.slowness.hard_streak, "clean_streak": self.clean, "load": self.load,
                 "telemetry": "injected trace" if self.injected else ("nvml" if self._telemetry else "none"),
                 "last": self.last}
 
