@@ -213,7 +213,8 @@ class Watchdog:
         cfg = self.settings.watchdog
         return {"enabled": cfg.enabled, "interval_s": cfg.interval_s, "checks": self.checks,
                 "active": dict(self.active), "active_since_check": dict(self.since),
-                "strikes": self.slowness.slow_streak, "hard_strikes": self.slowness.hard_streak, "clean_streak": self.clean, "load": self.load,
+                "strikes": self.slowness.slow_streak, "hard_strikes": self.slowness.hard_streak,
+                "clean_streak": self.clean, "load": self.load,
                 "telemetry": "injected trace" if self.injected else ("nvml" if self._telemetry else "none"),
                 "last": self.last}
 
