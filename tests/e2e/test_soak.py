@@ -9,6 +9,7 @@ its numbers as JSON)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -132,9 +133,11 @@ def _ok(response: httpx.Response) -> None:
     assert response.status_code == 200, response.text
 
 
-@pytest.fixture
+@contextlib.contextmanager
 def burners() -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Busy loops in their own sessions, twice as many as CPUs: the node is fully contended."""
+    """Busy loops in their own sessions, twice as many as CPUs: the node is fully contended. Started once the
+    server is ready: the boot self-test keeps its latency window, and a boot under this load fails it (as it
+    should in production)."""
     procs = [subprocess.Popen([sys.executable, "-c", BURN]) for _ in range(2 * (os.cpu_count() or 1))]
     try:
         yield procs
@@ -150,26 +153,32 @@ def run_soak(tiny_model: Path, tmp_path: Path, quiet_s: float, together: bool) -
     server = ServerProcess("--config", str(dev_config(tmp_path, replace=SOAK_WATCHDOG)), "--model", str(model))
     try:
         soak = Soak(server.wait_ready(timeout=180), model)
-        threads = [threading.Thread(target=t, daemon=True) for t in (soak.watch, soak.traffic, soak.traffic)]
-        for t in threads:
-            t.start()
-        faults = _faults(soak)
-        # one fault at a time, or (short run) the four that do not mask each other at once, then the NaN canary
-        # (a refused canary has no output whose drift could be seen in the same check)
-        episodes = [[f] for f in faults] if not together else \
-            [[f for f in faults if f.code != "canary_invalid"], [f for f in faults if f.code == "canary_invalid"]]
-        pause = quiet_s / (len(episodes) + 1)
-        for episode in episodes:
-            soak.stop.wait(pause)  # contended, with traffic, no fault: must stay ready
-            soak.inject(episode)
-        soak.stop.wait(pause)
-        soak.stop.set()
-        for t in threads:
-            t.join(150)
-        soak.load = httpx.get(f"{soak.url}/ready", timeout=30).json()["load"]
+        with burners():
+            _soak(soak, quiet_s, together)
     finally:
         assert server.stop() == 0, server.log
     return soak
+
+
+def _soak(soak: Soak, quiet_s: float, together: bool) -> None:
+    """Probes and two clients throughout; quiet stretches between fault episodes."""
+    threads = [threading.Thread(target=t, daemon=True) for t in (soak.watch, soak.traffic, soak.traffic)]
+    for t in threads:
+        t.start()
+    faults = _faults(soak)
+    # one fault at a time, or (short run) the four that do not mask each other at once, then the NaN canary
+    # (a refused canary has no output whose drift could be seen in the same check)
+    episodes = [[f] for f in faults] if not together else \
+        [[f for f in faults if f.code != "canary_invalid"], [f for f in faults if f.code == "canary_invalid"]]
+    pause = quiet_s / (len(episodes) + 1)
+    for episode in episodes:
+        soak.stop.wait(pause)  # contended, with traffic, no fault: must stay ready
+        soak.inject(episode)
+    soak.stop.wait(pause)
+    soak.stop.set()
+    for t in threads:
+        t.join(150)
+    soak.load = httpx.get(f"{soak.url}/ready", timeout=30).json()["load"]
 
 
 def _verdict(soak: Soak, quiet_s: float) -> dict[str, Any]:
@@ -186,14 +195,12 @@ def _verdict(soak: Soak, quiet_s: float) -> dict[str, Any]:
     return numbers
 
 
-@pytest.mark.usefixtures("burners")
 def test_short_soak_contended_stays_ready_and_every_fault_flips_within_two_checks(tiny_model: Path,
                                                                                   tmp_path: Path) -> None:
     _verdict(run_soak(tiny_model, tmp_path, quiet_s=15.0, together=True), 15.0)
 
 
 @pytest.mark.soak
-@pytest.mark.usefixtures("burners")
 def test_ten_minute_soak(tiny_model: Path, tmp_path: Path) -> None:
     quiet_s = 60.0 * float(os.environ.get("SDSERVE_SOAK_MINUTES", "10"))
     _verdict(run_soak(tiny_model, tmp_path, quiet_s=quiet_s, together=False), quiet_s)
