@@ -10,20 +10,22 @@ MODEL := models/tiny
 .PHONY: run test lint bench clean tools deploy mutate
 
 PORT ?= 8000
+, := ,
 RUN_STAMP := $(VENV)/.installed-run
 
-# `make run` needs only what serves and builds the tiny model (serving deps + the build extra: torch, diffusers).
+# `make run` needs only what serves and builds the tiny model (serving deps + the build extra: torch, diffusers),
+# and the openai client the README's Python examples use (the client extra).
 $(RUN_STAMP): pyproject.toml constraints.txt
 	@test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	@echo "installing sdserve with its serving and model-build dependencies into $(VENV) (torch CPU, ~1 minute)"
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[build]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[build,client]'
 	touch $(RUN_STAMP)
 
 # `make test` adds the test and lint tools.
 $(STAMP): $(RUN_STAMP)
 	@echo "installing the test and lint tools"
-	$(PY) -m pip install -q -c constraints.txt -e '.[build,test,dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[build,client,test,dev]'
 	touch $(STAMP)
 
 # The real CLIP BPE merges ship inside open-clip-torch's wheel; we read the file, never import the package.
@@ -67,3 +69,58 @@ deploy: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .cache models .pytest_cache .mypy_cache .ruff_cache
+
+# ---- The container image (README "The image"). docker where a daemon answers, else podman (buildah inside). ----
+ENGINE ?= $(shell if docker info >/dev/null 2>&1; then echo docker; elif command -v podman >/dev/null; then echo podman; fi)
+# podman on hosts like the CI machines: runc (crun fails in cgroups hybrid mode), rlimits the host allows, the
+# host network for pip, and the docker image format (OCI drops HEALTHCHECK).
+PODMAN_FLAGS ?= --runtime $(shell command -v runc) --ulimit nproc=1000:1000 --ulimit nofile=1024:1024
+BUILD_FLAGS ?= $(if $(filter podman,$(ENGINE)),$(PODMAN_FLAGS) --network host --format docker,)
+IMAGE_DIR := .cache/image
+BASE_REF := $(IMAGE_DIR)/base.ref
+# The base, pinned by digest: what `make base-image` recorded, or BASE_IMAGE=name@sha256:... from a registry.
+BASE_IMAGE ?= $(shell cat $(BASE_REF) 2>/dev/null)
+# NVIDIA's Python package index (the URL NVIDIA documents for its TensorRT wheels). Empty: the -notrt variant.
+TENSORRT_INDEX ?=
+IMAGE ?= sdserve:0.1.0$(if $(TENSORRT_INDEX),,-notrt)
+# The TLS bundle pip inside the build trusts: this machine's (SSL_CERT_FILE, else Python's default); passed as a
+# build secret, never written into the image.
+CA_BUNDLE ?= $(or $(SSL_CERT_FILE),$(shell $(PYTHON) -c 'import ssl; print(ssl.get_default_verify_paths().cafile or "")'))
+
+.PHONY: base-image image test-container lock record
+
+base-image:
+	@test -n "$(ENGINE)" || { echo "make base-image needs docker or podman" >&2; exit 1; }
+	time deploy/image/base-image.sh $(ENGINE) "$(BUILD_FLAGS)" $(BASE_REF)
+
+# The lock of the image's closure, from configs/matrix.toml and pyproject (PyPI only; hashes). Commit the result.
+lock: $(STAMP)
+	$(VENV)/bin/sdserve deploy lock $(if $(CA_BUNDLE),--cert $(CA_BUNDLE)) \
+	  $(if $(TENSORRT_INDEX),--tensorrt-index $(TENSORRT_INDEX))
+
+# Build logs go to $(IMAGE_DIR)/ (outside the repo's tracked files); the content record beside them.
+image:
+	@test -n "$(ENGINE)" || { echo "make image needs docker (with a daemon) or podman" >&2; exit 1; }
+	@case "$(BASE_IMAGE)" in *@sha256:*) ;; *) echo "BASE_IMAGE must be pinned by digest (name@sha256:...):" \
+	  "run make base-image, or pass BASE_IMAGE=python:3.11-slim-bookworm@sha256:..." >&2; exit 1;; esac
+	@mkdir -p $(IMAGE_DIR)
+	@echo "building $(IMAGE) FROM $(BASE_IMAGE) with $(ENGINE) (log: $(IMAGE_DIR)/build.log)"
+	time $(ENGINE) build $(BUILD_FLAGS) --build-arg BASE_IMAGE=$(BASE_IMAGE) \
+	  --build-arg VARIANT=$(if $(TENSORRT_INDEX),trt,notrt) --build-arg TENSORRT_INDEX=$(TENSORRT_INDEX) \
+	  $(if $(CA_BUNDLE),--secret id=ca$(,)src=$(CA_BUNDLE)) -t $(IMAGE) . >$(IMAGE_DIR)/build.log 2>&1 \
+	  || { tail -n 40 $(IMAGE_DIR)/build.log >&2; exit 1; }
+	$(MAKE) --no-print-directory record
+
+# The content record of the built image (digest, freeze, file list, doctor snapshot of a boot inside it);
+# compare two with `sdserve gate --baseline A.json --candidate B.json`.
+record: $(STAMP) $(MODEL)/manifest.json
+	$(VENV)/bin/sdserve deploy record --engine $(ENGINE) --image $(IMAGE) --model $(MODEL) \
+	  --run-flags "$(RUN_FLAGS)" --out $(IMAGE_DIR)/record-$$($(ENGINE) image inspect --format '{{.Id}}' $(IMAGE) | cut -c1-12).json
+
+RUN_FLAGS ?= $(if $(filter podman,$(ENGINE)),$(PODMAN_FLAGS),)
+
+# The built image's tests (marker `container`, deselected by plain `make test`): lock, size budget, closure,
+# read-only boot, healthcheck, SIGTERM drain, kube play. Needs `make image` first.
+test-container: $(STAMP)
+	SDSERVE_CONTAINER_ENGINE=$(ENGINE) SDSERVE_TEST_IMAGE=$(IMAGE) SDSERVE_CONTAINER_RUN_FLAGS="$(RUN_FLAGS)" \
+	  $(PY) -m pytest -m container tests/container

@@ -12,12 +12,17 @@ Exempt from the model manifest, on purpose (``MODEL_EXEMPT``):
   fingerprints, never code or weights: editing it can only make the self-test fail (loudly), never let a changed
   weight through, since the weights are hashed here.
 - ``trt/``: written after the manifest by ``sdserve engines build`` on a GPU node, with its own manifest (below).
+- ``ep/``: the same for plugin execution providers, one folder per EP (``ep/OpenVINOExecutionProvider/``).
 
 TensorRT engines live in ``<model>/trt/``: one subfolder per served size (``trt/512x512/``) holding the EP-context
 model of each component and its ``engines/`` cache, and one ``trt/manifest.json`` with the profiles, build flags, the
 ORT / CUDA / cuDNN / TensorRT versions, GPU and driver they were built with, the sha256 of each source model, and
 every file's sha256 and size. In production the server never builds an engine on the node: a manifest that does not
 match the live node, or the model it was built from, is refused, naming each difference.
+
+A plugin EP's EP-context artifacts (``sdserve engines build --profile openvino``) have the same layout under
+``ep/<EP name>/``: per size the context models (one EPContext node each) and the blobs they name, one manifest
+bound to the ONNX Runtime version, the plugin's package, its version (pip and loaded library) and device type.
 """
 
 from __future__ import annotations
@@ -31,8 +36,9 @@ from typing import Any, Literal
 from engines.errors import ArtifactError
 
 TRT_DIR = "trt"
+EP_DIR = "ep"
 MANIFEST = "manifest.json"
-MODEL_EXEMPT = (MANIFEST, "selftest.json", TRT_DIR)
+MODEL_EXEMPT = (MANIFEST, "selftest.json", TRT_DIR, EP_DIR)
 """Top-level names of a model folder that its manifest does not cover (see the module docstring for why)."""
 COMPONENTS = ("text_encoder", "unet", "vae_decoder")
 VerifyMode = Literal["full", "size", "off"]
@@ -135,12 +141,29 @@ def verify_model(folder: Path, mode: VerifyMode, pinned: str | None = None) -> N
 
 
 NODE_KEYS = ("onnxruntime", "cuda", "cudnn_major", "tensorrt", "compute_capability")
+PLUGIN_NODE_KEYS = ("onnxruntime", "ep", "ep_package", "ep_version", "ep_library_version", "device_type")
+"""What a plugin EP's artifacts are bound to: a blob compiled by one EP version is not another's."""
 
 
-def node_identity(observations: dict[str, Any], device_id: int) -> dict[str, str | None]:
-    """What an engine is bound to, read from preflight observations."""
+def ep_dir(name: str) -> str:
+    """The artifact folder of plugin EP ``name``, relative to the model folder."""
+    return f"{EP_DIR}/{name}"
+
+
+def plugin_identity(observations: dict[str, Any], device_type: str) -> dict[str, str | None]:
+    """What plugin-EP artifacts are bound to, from preflight observations (the plugin's package, the version its
+    pip metadata and its loaded library report, the device type)."""
+    plugin = observations.get("plugin") or {}
+    return {"onnxruntime": observations.get("onnxruntime"), "ep": plugin.get("name"),
+            "ep_package": plugin.get("package"), "ep_version": plugin.get("package_version"),
+            "ep_library_version": plugin.get("library_version"), "device_type": device_type}
+
+
+def node_identity(observations: dict[str, Any], nvml_index: int) -> dict[str, str | None]:
+    """What an engine is bound to, read from preflight observations; ``nvml_index``: the served device's NVML index
+    (matched by PCI bus id, OrtEngine.nvml_index), looked up by index, never by list position or CUDA ordinal."""
     devices = observations.get("nvml", {}).get("devices", [])
-    device = devices[device_id] if device_id < len(devices) else {}
+    device: dict[str, Any] = next((d for d in devices if d.get("index") == nvml_index), {})
     cudnn = observations.get("cudnn", {}).get("version")
     trt = observations.get("tensorrt", {}).get("version")
     return {"onnxruntime": observations.get("onnxruntime"), "cuda": observations.get("onnxruntime_cuda_build"),
@@ -150,10 +173,10 @@ def node_identity(observations: dict[str, Any], device_id: int) -> dict[str, str
             "driver": observations.get("nvml", {}).get("driver_version")}
 
 
-def compare_node(built: dict[str, Any], live: dict[str, Any]) -> list[str]:
+def compare_node(built: dict[str, Any], live: dict[str, Any], keys: tuple[str, ...] = NODE_KEYS) -> list[str]:
     """Each binding key whose artifact value differs from the node's, naming both."""
     return [f"{key}: artifact built with {built.get(key)!s}, this node has {live.get(key) or 'none'}"
-            for key in NODE_KEYS if str(built.get(key)) != str(live.get(key))]
+            for key in keys if str(built.get(key)) != str(live.get(key))]
 
 
 def compare_model(engines: dict[str, Any], folder: Path) -> list[str]:
@@ -199,14 +222,15 @@ def context_problems(ctx_model: Path, rel: str, listed: dict[str, Any]) -> list[
     return problems
 
 
-def context_models(folder: Path) -> dict[str, dict[str, Path]]:
+def context_models(folder: Path, sub: str = TRT_DIR) -> dict[str, dict[str, Path]]:
     """Per served size (``"512x512"``), each component's EP-context model, from ``<model>/trt/manifest.json``.
 
     One engine per size: ORT 1.31's TensorRT provider parses several optimization profiles (ParseProfileShapes,
     onnxruntime/core/providers/tensorrt/tensorrt_execution_provider_utils.h) but keeps its execution context on profile
     0 (open PR microsoft/onnxruntime#31624), so a second size in one engine would fail at run time. The engine loads,
-    per size, the context models named here. Empty when there is no engine manifest."""
-    trt = folder / TRT_DIR
+    per size, the context models named here. Empty when there is no engine manifest. ``sub``: the artifact folder
+    (``trt``, or ``ep/<EP name>`` for a plugin EP)."""
+    trt = folder / sub
     if not (trt / MANIFEST).is_file():
         return {}
     sizes: dict[str, Any] = read_manifest(trt / MANIFEST).get("sizes", {})
@@ -216,39 +240,69 @@ def context_models(folder: Path) -> dict[str, dict[str, Path]]:
         bad = [str(rel) for rel in paths.values() if not _relative_inside(str(rel))]
         if bad:
             raise ArtifactError(f"engine manifest {trt / MANIFEST}: context model paths {bad} must be relative "
-                                f"inside {TRT_DIR}/")
+                                f"inside {sub}/")
         out[size] = {component: trt / str(rel) for component, rel in sorted(paths.items())}
     return out
 
 
-def verify_engines(folder: Path, live: dict[str, Any], mode: VerifyMode) -> dict[str, Any]:
-    """``<model>/trt``: manifest bound to this node's versions and GPU and to this model's files, every file
-    intact and listed, every context model pointing at an engine inside its folder."""
-    trt = folder / TRT_DIR
+def verify_engines(folder: Path, live: dict[str, Any], mode: VerifyMode, sub: str = TRT_DIR,
+                   keys: tuple[str, ...] = NODE_KEYS) -> dict[str, Any]:
+    """``<model>/trt`` (or ``<model>/<sub>``): manifest bound to this node's versions and GPU (``keys`` of
+    ``live``) and to this model's files, every file intact and listed, every context model pointing at an engine
+    inside its folder."""
+    trt = folder / sub
     manifest = read_manifest(trt / MANIFEST)
-    problems = compare_node(manifest.get("node", {}), live)
+    problems = compare_node(manifest.get("node", {}), live, keys)
     if problems:
-        raise ArtifactError("TensorRT engines do not match this node (rebuild them with `sdserve engines build` on "
-                            "the deployed versions): " + "; ".join(problems))
+        raise ArtifactError(f"the prebuilt artifacts in {sub}/ do not match this node (rebuild them with `sdserve "
+                            "engines build` on the deployed versions): " + "; ".join(problems))
     problems = compare_model(manifest, folder) + verify_files(trt, manifest, mode)
     if mode != "off" and not problems:
-        for paths in context_models(folder).values():
+        for paths in context_models(folder, sub).values():
             for ctx in paths.values():
                 rel = ctx.relative_to(trt).as_posix()
                 problems += context_problems(ctx, rel, manifest["files"]) if ctx.is_file() else [f"{rel}: missing"]
     if problems:
-        raise ArtifactError(f"TensorRT artifacts in {trt} do not match their manifest: " + "; ".join(problems))
+        raise ArtifactError(f"prebuilt artifacts in {trt} do not match their manifest: " + "; ".join(problems))
     return {"path": str(trt), "profiles": manifest.get("profiles", []),
-            "cache_read_only": not os.access(trt, os.W_OK)}
+            "cache_read_only": not os.access(trt, os.W_OK), "build_placement": manifest.get("placement", {})}
 
 
 def write_engine_manifest(trt: Path, node: dict[str, Any], sizes: dict[str, dict[str, Any]],
-                          flags: dict[str, Any], model: dict[str, str]) -> Path:
+                          flags: dict[str, Any], model: dict[str, str],
+                          placement: dict[str, dict[str, int]] | None = None) -> Path:
     """``trt/manifest.json``. ``sizes``: per size key, ``{"profile": {...}, "context_models": {component: rel}}``
-    with paths relative to ``trt/`` (nothing absolute: the model folder may be moved or mounted elsewhere)."""
+    with paths relative to ``trt/`` (nothing absolute: the model folder may be moved or mounted elsewhere).
+    ``placement``: per component, the source graph's nodes by provider as the build compiled it."""
     path = trt / MANIFEST
     data = {"format": 2, "model": model, "node": node, "sizes": sizes,
             "profiles": [entry["profile"] for _, entry in sorted(sizes.items())], "build_flags": flags,
-            "files": file_table(trt)}
+            "files": file_table(trt), **({"placement": placement} if placement else {})}
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return path
+
+
+def context_model_problems(ctx: Path, source: Path) -> list[str]:
+    """What a written EP-context model must be, checked by reopening it: exactly one node, an EPContext node, with
+    the source model's graph inputs and outputs (names and element types, in order). A context model holding
+    several partitions, or one that dropped an input, would load and serve something else than was built."""
+    import onnx
+
+    built = onnx.load(str(ctx), load_external_data=False).graph
+    origin = onnx.load(str(source), load_external_data=False).graph
+
+    def signature(values: Any, skip: set[str]) -> list[tuple[str, int]]:
+        return [(v.name, v.type.tensor_type.elem_type) for v in values if v.name not in skip]
+
+    initializers = {i.name for i in origin.initializer}
+    problems = []
+    ops = [f"{n.domain or 'ai.onnx'}.{n.op_type}" for n in built.node]
+    if ops != ["com.microsoft.EPContext"]:
+        problems.append(f"{ctx.name}: {len(ops)} node(s) {ops[:5]}, expected one com.microsoft.EPContext node")
+    if signature(built.input, set()) != signature(origin.input, initializers):
+        problems.append(f"{ctx.name}: inputs {signature(built.input, set())} differ from the source's "
+                        f"{signature(origin.input, initializers)}")
+    if signature(built.output, set()) != signature(origin.output, set()):
+        problems.append(f"{ctx.name}: outputs {signature(built.output, set())} differ from the source's "
+                        f"{signature(origin.output, set())}")
+    return problems

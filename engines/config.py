@@ -6,17 +6,34 @@ the canary suite, the SLO windows and the self-test plan built from them, and th
 
 from __future__ import annotations
 
+import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engines.errors import ConfigError
 from engines.protocol import Batch, ImageSpec
 
 ProviderName = Literal["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+BUILT_IN_PROVIDERS: tuple[str, ...] = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
+PLUGIN_PROVIDERS: dict[str, str] = {
+    "OpenVINOExecutionProvider": "onnxruntime-ep-openvino",
+    "NvTensorRTRTXExecutionProvider": "onnxruntime-ep-nv-tensorrt-rtx",
+}
+"""Execution providers that ship as plugin libraries (ORT's EP ABI), with the pip package that ships each."""
+
+
+def plugin_in_providers(name: str) -> str:
+    """Why a plugin EP may not be named in runtime.providers (the old way of choosing a provider)."""
+    package = PLUGIN_PROVIDERS.get(name, "its pip package")
+    return (f"runtime.providers lists {name}, a plugin execution provider: named there, ONNX Runtime only warns "
+            f"'Specified provider ... is not in available provider names' and runs every node on "
+            "CPUExecutionProvider (the silent fallback this server exists to stop). Declare it as "
+            f"[runtime.plugin] with name = \"{name}\" and package = \"{package}\"; the server registers its "
+            "library and builds sessions with SessionOptions.add_provider_for_devices")
 
 
 class CudaOptions(BaseModel):
@@ -27,8 +44,9 @@ class CudaOptions(BaseModel):
     arena_extend_strategy: Literal["kNextPowerOfTwo", "kSameAsRequested"] = "kSameAsRequested"
     """How the arena grows; kSameAsRequested avoids hoarding power-of-two blocks under varied shapes."""
     gpu_mem_limit_fraction: float = Field(0.9, gt=0.0, le=1.0)
-    """Arena cap as a fraction of the served device's total memory (read by preflight through NVML); the
-    capability snapshot reports the byte limit (provider_options gpu_mem_limit, arena gpu_mem_limit_bytes)."""
+    """CUDA-provider arena cap as a fraction of the served device's total memory (read by preflight through NVML);
+    the capability snapshot reports the byte limit and what it does not cover (arena gpu_mem_limit_scope): it is
+    not a device-memory budget for the process (TensorRT engines and IO-binding buffers are outside it)."""
     cudnn_conv_algo_search: Literal["EXHAUSTIVE", "HEURISTIC", "DEFAULT"] = "HEURISTIC"
     """Conv algorithm search; EXHAUSTIVE benchmarks every shape on first use (slow first requests)."""
     do_copy_in_default_stream: bool = True
@@ -76,13 +94,49 @@ class TensorrtOptions(BaseModel):
     """With TensorRT in the policy, refuse to start without verified prebuilt engines in <model>/trt."""
 
 
+class PluginEp(BaseModel):
+    """A plugin execution provider, registered from the pip package that ships its library (ORT's EP ABI:
+    ``onnxruntime.register_execution_provider_library`` + ``SessionOptions.add_provider_for_devices``). Sessions run
+    on the devices ``ort.get_ep_devices()`` lists for ``name`` and ``device_type``; never by name in providers=."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(..., pattern=r"^[A-Za-z][A-Za-z0-9]*ExecutionProvider$")
+    """EP name as ort.get_ep_devices() reports it (e.g. OpenVINOExecutionProvider)."""
+    package: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    """pip distribution that ships the library (e.g. onnxruntime-ep-openvino); preflight reports its version."""
+    module: str = Field("", pattern=r"^([A-Za-z_][A-Za-z0-9_.]*)?$")
+    """Import name whose get_library_path() returns the library; default: the package name with '_' for '-'."""
+    library: str = ""
+    """Library path instead of the module's get_library_path() (absolute); empty: ask the module."""
+    device_type: Literal["CPU", "GPU", "NPU"] = "CPU"
+    """Hardware device type of the EP devices to use (OrtHardwareDevice.type)."""
+    options: dict[str, str] = {}
+    """EP options passed to add_provider_for_devices (reported in the capability snapshot)."""
+    require_artifacts: bool = True
+    """Refuse to start without verified EP-context artifacts (``sdserve engines build``) in <model>/ep/<name>."""
+
+    @property
+    def import_name(self) -> str:
+        return self.module or self.package.replace("-", "_")
+
+    @property
+    def registration(self) -> str:
+        """The name the library is registered under (register_execution_provider_library)."""
+        return f"sdserve_{self.name}"
+
+
 class RuntimeSettings(BaseModel):
     """How sessions are built and which providers may run them."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     providers: tuple[ProviderName, ...] = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
-    """Execution providers in priority order. CPUExecutionProvider may appear only when allow_cpu is true."""
+    """Built-in execution providers in priority order. CPUExecutionProvider may appear only when allow_cpu is true.
+    Empty when ``plugin`` is set: a session takes either providers= or add_provider_for_devices, and ORT keeps
+    only providers= when given both (onnxruntime/capi/onnxruntime_inference_collection.py)."""
+    plugin: PluginEp | None = None
+    """A plugin execution provider as the accelerator (e.g. OpenVINO on the CPU in CI, TensorRT-RTX on RTX cards)."""
     allow_cpu: bool = False
     """Whether running on the CPU is acceptable (dev only). Never implied by anything else."""
     device_id: int = Field(0, ge=0, le=63)
@@ -110,16 +164,29 @@ class RuntimeSettings(BaseModel):
     cuda: CudaOptions = CudaOptions()
     tensorrt: TensorrtOptions = TensorrtOptions()
 
+    @field_validator("providers", mode="before")
+    @classmethod
+    def _known_providers(cls, value: object) -> object:
+        for name in value if isinstance(value, list | tuple) else ():
+            if name in PLUGIN_PROVIDERS:
+                raise ValueError(plugin_in_providers(str(name)))
+            if isinstance(name, str) and name not in BUILT_IN_PROVIDERS:
+                raise ValueError(f"runtime.providers: unknown provider {name!r}; built in: "
+                                 f"{', '.join(BUILT_IN_PROVIDERS)}; a plugin EP goes in [runtime.plugin]")
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> RuntimeSettings:
-        if not self.providers:
+        if self.plugin is not None:
+            self._check_plugin(self.plugin)
+        elif not self.providers:
             raise ValueError("runtime.providers is empty: list at least one execution provider")
         if len(set(self.providers)) != len(self.providers):
             raise ValueError(f"runtime.providers lists a provider twice: {list(self.providers)}")
         if "CPUExecutionProvider" in self.providers and not self.allow_cpu:
             raise ValueError("runtime.providers lists CPUExecutionProvider but runtime.allow_cpu is false: "
                              "remove it, or set allow_cpu = true (dev profile only)")
-        if self.providers[-1] != "CPUExecutionProvider" and "CPUExecutionProvider" in self.providers:
+        if "CPUExecutionProvider" in self.providers and self.providers[-1] != "CPUExecutionProvider":
             raise ValueError("runtime.providers: CPUExecutionProvider must come last")
         if self.cuda.prefer_nhwc and self.placement_audit and not self.allow_cpu:
             raise ValueError("runtime.cuda.prefer_nhwc = true with the placement audit on is refused: the CUDA "
@@ -132,10 +199,33 @@ class RuntimeSettings(BaseModel):
                              "(or \"size\"), or remove the pin")
         return self
 
+    def _check_plugin(self, plugin: PluginEp) -> None:
+        if self.providers:
+            raise ValueError(f"runtime.plugin ({plugin.name}) with runtime.providers {list(self.providers)}: a "
+                             "session takes either, and ONNX Runtime silently keeps only providers= when given "
+                             "both; set providers = []")
+        if plugin.name in BUILT_IN_PROVIDERS:
+            raise ValueError(f"runtime.plugin.name {plugin.name} is built into onnxruntime: list it in providers")
+
     @property
     def device(self) -> str:
-        """Where IO binding places tensors: 'cuda' when a GPU provider is first, else 'cpu'."""
+        """Where IO binding places tensors: 'cuda' when a GPU provider is first (or a GPU plugin EP), else 'cpu'
+        (the CPU provider, or a plugin EP on the CPU device, which reads host memory)."""
+        if self.plugin is not None:
+            return "cuda" if self.plugin.device_type == "GPU" else "cpu"
         return "cpu" if self.providers[0] == "CPUExecutionProvider" else "cuda"
+
+    @property
+    def accelerators(self) -> tuple[str, ...]:
+        """The providers every session must run on: the plugin EP, or the listed ones but the CPU."""
+        if self.plugin is not None:
+            return (self.plugin.name,)
+        return tuple(p for p in self.providers if p != "CPUExecutionProvider")
+
+    @property
+    def uses_cuda(self) -> bool:
+        """Whether the policy needs the CUDA stack (built-in CUDA/TensorRT providers): NVML, cuDNN, the driver."""
+        return any(p in ("TensorrtExecutionProvider", "CUDAExecutionProvider") for p in self.providers)
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -212,8 +302,17 @@ class DeviceMatrix(_Frozen):
     """Devices this process expects to see."""
 
 
+class PluginMatrix(_Frozen):
+    package: str
+    """pip distribution that ships the plugin EP library."""
+    version: str
+    """Version prefix of that package (pip metadata), which the loaded library must also report."""
+
+
 class Matrix(_Frozen):
     onnxruntime: OrtMatrix = OrtMatrix()
+    plugins: dict[str, PluginMatrix] = {}
+    """Per plugin EP name (e.g. OpenVINOExecutionProvider): the package and version it is pinned to."""
     cudnn: CudnnMatrix = CudnnMatrix()
     tensorrt: TensorrtMatrix = TensorrtMatrix()
     driver: DriverMatrix = DriverMatrix()
@@ -225,12 +324,15 @@ def load_matrix(path: Path) -> Matrix:
 
 
 def version_tuple(text: str) -> tuple[int, ...]:
+    """Leading digits of each dotted piece: '1.8.1+95d534b.ci.79' -> (1, 8, 1); stops at the first piece without."""
     parts = []
     for piece in text.strip().split("."):
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        if not digits:
+        digits = re.match(r"\d+", piece)
+        if digits is None:
             break
-        parts.append(int(digits))
+        parts.append(int(digits.group()))
+        if digits.group() != piece:  # a local or pre-release label ('1+95d534b', '0rc1') ends the version
+            break
     return tuple(parts)
 
 

@@ -7,6 +7,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -15,7 +16,16 @@ import numpy as np
 from PIL import Image
 
 from engines import artifacts
-from engines.config import Canary, CanarySuite, Matrix, RuntimeSettings, SelfTestPlan, Shape, SignatureThresholds
+from engines.config import (
+    Canary,
+    CanarySuite,
+    Matrix,
+    PluginEp,
+    RuntimeSettings,
+    SelfTestPlan,
+    Shape,
+    SignatureThresholds,
+)
 from engines.diffusion.pipeline import StableDiffusionOnnx
 from engines.diffusion.schedulers import SCHEDULERS
 from engines.errors import (
@@ -59,6 +69,12 @@ from engines.runtime.ortlog import StderrTee
 from engines.runtime.sessions import Runtime, SessionReport, gpu_mem_limit, provider_options
 
 log = logging.getLogger(__name__)
+GPU_MEM_LIMIT_SCOPE = (
+    "caps only the CUDA provider's arena in sessions whose first provider is CUDA (a session's device allocator is "
+    "its first registered provider's: TensorRT's own under a TensorRT policy); TensorRT engine memory sits outside "
+    "every ORT arena and IO-binding buffers come from the Python binding's CUDA allocator, which has no cap. No "
+    "device-memory budget for the process is enforced.")
+"""What gpu_mem_limit does and does not cover, stated in the capability snapshot instead of a budget claim."""
 ANY = "*"
 """The key of the one pipeline that serves every size (no per-size TensorRT engines)."""
 
@@ -100,7 +116,8 @@ class OrtEngine:
             self._tee.start()
         if self.settings.device == "cuda":  # what preflight resolves is what sessions will load: preload first
             preload(tensorrt="TensorrtExecutionProvider" in self.settings.providers)
-        self._observations = gather()
+        plugin = self.settings.plugin
+        self._observations = gather(plugin) if plugin is not None else gather()
         self._checks = evaluate(self._observations, self.matrix, self.settings)
         gpu, versions = failures(self._checks)
         for check in self._checks:
@@ -109,7 +126,8 @@ class OrtEngine:
         if versions:
             raise VersionMismatchError("version matrix mismatch: " + _describe(versions))
         if gpu:
-            raise GpuUnavailableError("GPU path unavailable: " + _describe(gpu))
+            what = f"accelerator {plugin.name}" if plugin is not None else "GPU"
+            raise GpuUnavailableError(f"{what} path unavailable: " + _describe(gpu))
         return tuple(c.to_model() for c in self._checks)
 
     def load(self) -> None:
@@ -136,11 +154,16 @@ class OrtEngine:
         if self.settings.allow_cpu:
             log.warning("CPU execution allowed by the profile: this server is NOT accelerated")
 
-    def _nvml_index(self) -> int:
-        """The NVML index of the served CUDA ordinal (matched by PCI bus id: CUDA_VISIBLE_DEVICES renumbers)."""
+    def nvml_index(self) -> int:
+        """The NVML index of the served CUDA ordinal, matched by PCI bus id (CUDA_VISIBLE_DEVICES renumbers CUDA
+        ordinals, never NVML's). GpuUnavailableError when nothing matches: the ordinal is never used instead, it
+        would bind artifacts and telemetry to another card."""
         obs = self._observations
         found = obs.nvml_index(self.settings.device_id) if obs is not None else None
-        return found if found is not None else self.settings.device_id
+        if found is None:
+            raise GpuUnavailableError(f"CUDA ordinal {self.settings.device_id} matches no NVML device by PCI bus id "
+                                      "(check CUDA_VISIBLE_DEVICES and --device-id); refusing to guess by number")
+        return found
 
     def _device_total(self) -> int | None:
         """The served device's total memory from preflight's NVML reading (matched by PCI bus id)."""
@@ -154,6 +177,8 @@ class OrtEngine:
         per size: engines/artifacts.py context_models); {ANY: {}} for the plain model at every size."""
         artifacts.verify_model(self.model_dir, self.settings.verify, self.settings.manifest_sha256)
         self._artifacts = Artifacts(model_manifest=f"verified ({self.settings.verify})")
+        if self.settings.plugin is not None:
+            return self._verify_plugin_artifacts(self.settings.plugin)
         trt = self.model_dir / artifacts.TRT_DIR
         if "TensorrtExecutionProvider" not in self.settings.providers:
             return {ANY: {}}
@@ -165,13 +190,35 @@ class OrtEngine:
             log.warning("no prebuilt TensorRT engines in %s: TensorRT may build them on this node (slow boot)", trt)
             return {ANY: {}}
         live = artifacts.node_identity(self._observations.to_model().model_dump() if self._observations else {},
-                                       self._nvml_index())
+                                       self.nvml_index())
         found = artifacts.verify_engines(self.model_dir, live, self.settings.verify)
         self._artifacts = self._artifacts.model_copy(update={"engines": EngineArtifacts.model_validate(found)})
         per_size = artifacts.context_models(self.model_dir)
         if not per_size:
             raise ArtifactError(f"the engine manifest in {trt} lists no served sizes: rebuild with `sdserve engines "
                                 "build`")
+        return per_size
+
+    def _verify_plugin_artifacts(self, plugin: PluginEp) -> dict[str, dict[str, Path]]:
+        """A plugin EP's EP-context artifacts (<model>/ep/<name>, `sdserve engines build`) against this node's ORT
+        and plugin versions; per served size, the context models to load. Without a manifest: refused when the
+        plugin requires artifacts, else the plain model (the EP compiles it at load)."""
+        sub = artifacts.ep_dir(plugin.name)
+        if not (self.model_dir / sub / artifacts.MANIFEST).is_file():
+            if plugin.require_artifacts:
+                raise ArtifactError(f"no EP-context artifacts for {plugin.name} in {self.model_dir / sub}: build "
+                                    "them with `sdserve engines build --profile <this profile>` (the profile sets "
+                                    "runtime.plugin.require_artifacts)")
+            log.warning("no EP-context artifacts in %s: %s compiles the model at load", sub, plugin.name)
+            return {ANY: {}}
+        observed = self._observations.to_model().model_dump() if self._observations else {}
+        live = artifacts.plugin_identity(observed, plugin.device_type)
+        found = artifacts.verify_engines(self.model_dir, live, self.settings.verify, sub, artifacts.PLUGIN_NODE_KEYS)
+        self._artifacts = self._artifacts.model_copy(update={"engines": EngineArtifacts.model_validate(found)})
+        per_size = artifacts.context_models(self.model_dir, sub)
+        if not per_size:
+            raise ArtifactError(f"the artifact manifest in {sub} lists no served sizes: rebuild with `sdserve "
+                                "engines build`")
         return per_size
 
     @property
@@ -311,7 +358,7 @@ class OrtEngine:
         return self._tee.drain() if self._tee is not None else []
 
     def _accelerated(self) -> bool:
-        if self.settings.device != "cuda" or not self._pipelines or self._runtime is None:
+        if not self.settings.accelerators or not self._pipelines or self._runtime is None:
             return False
         reports = self._runtime.reports.values()
         return (all(c.status != "fail" for c in self._checks) and bool(self._checks)
@@ -334,10 +381,12 @@ class OrtEngine:
             generated_at=datetime.datetime.now(datetime.UTC).isoformat(), accelerated=accelerated,
             verdict=Verdict(status=status, reasons=tuple(reasons)), device=s.device, device_id=s.device_id,
             model=str(self.model_dir),
-            policy=Policy(providers=s.providers, allow_cpu=s.allow_cpu, enable_fallback=s.allow_cpu,
+            policy=Policy(providers=s.providers, plugin=s.plugin.model_dump() if s.plugin else None,
+                          allow_cpu=s.allow_cpu, enable_fallback=s.allow_cpu,
                           disable_cpu_ep_fallback=s.disable_cpu_ep_fallback, placement_audit=s.placement_audit,
                           cpu_allowlist=s.cpu_allowlist),
-            provider_options=dict(provider_options(s, self.model_dir, self._device_total())),
+            provider_options=({s.plugin.name: dict(s.plugin.options)} if s.plugin else
+                              dict(provider_options(s, self.model_dir, self._device_total()))),
             checks=tuple(c.to_model() for c in self._checks),
             observations=self._observations.to_model() if self._observations else None,
             sessions={name: r.to_model() for name, r in reports.items()},
@@ -347,9 +396,11 @@ class OrtEngine:
             io=IoInfo(binding="iobinding", device=s.device,
                       host_staging=self._runtime.host.kind if self._runtime else "none",
                       buffers_reused_per_shape=True),
-            arena={**s.cuda.model_dump(), "gpu_mem_limit_bytes": gpu_mem_limit(s, self._device_total()) or 0},
+            arena={**s.cuda.model_dump(), "gpu_mem_limit_bytes": gpu_mem_limit(s, self._device_total()) or 0,
+                   "device_memory_budget_enforced": False, "gpu_mem_limit_scope": GPU_MEM_LIMIT_SCOPE},
             artifacts=self._artifacts, attention=_attention(reports),
-            self_test=self._report, family=self._info.family_summary() if self._info else {})
+            self_test=self._report, family=self._info.family_summary() if self._info else {},
+            image=image_labels())
 
     def close(self) -> None:
         if self._runtime is not None:
@@ -358,6 +409,12 @@ class OrtEngine:
             self._tee.stop()
         self._pipelines = {}
         self._runtime = None
+
+
+def image_labels() -> dict[str, str]:
+    """``SDSERVE_IMAGE_VARIANT=notrt`` -> ``{"variant": "notrt"}``: what the image says about itself (Dockerfile)."""
+    prefix = "SDSERVE_IMAGE_"
+    return {k.removeprefix(prefix).lower(): v for k, v in sorted(os.environ.items()) if k.startswith(prefix)}
 
 
 def _attention(reports: dict[str, SessionReport]) -> Attention:

@@ -198,7 +198,8 @@ class _Frozen(BaseModel):
 
 
 EventKind = Literal["provider_library_missing", "provider_creation_failed", "driver_too_old", "cpu_fallback",
-                    "nodes_not_on_preferred_provider", "memcpy_nodes_added", "engine_rebuild", "arena_growth"]
+                    "nodes_not_on_preferred_provider", "memcpy_nodes_added", "engine_rebuild", "arena_growth",
+                    "artifact_mismatch"]
 
 
 Severity = Literal["error", "warning", "info"]
@@ -248,6 +249,8 @@ class Verdict(_Frozen):
 
 class Policy(_Frozen):
     providers: tuple[str, ...]
+    plugin: dict[str, str | bool | dict[str, str]] | None = None
+    """The plugin EP the sessions run on (runtime.plugin), when the policy names one."""
     allow_cpu: bool
     enable_fallback: bool
     disable_cpu_ep_fallback: bool
@@ -292,6 +295,20 @@ class FoundVersion(_Frozen):
     source: str = ""
 
 
+class PluginInfo(_Frozen):
+    """A plugin execution provider as preflight found it (engines/runtime/plugins.py)."""
+
+    name: str
+    package: str
+    package_version: str | None
+    """pip metadata of the package."""
+    library: str
+    library_version: str | None
+    """What the loaded library reports (its EP devices' metadata)."""
+    devices: tuple[dict[str, str], ...]
+    error: str = ""
+
+
 class Observations(_Frozen):
     """What preflight found on this node."""
 
@@ -302,6 +319,9 @@ class Observations(_Frozen):
     nvml: NvmlInfo
     cudnn: FoundVersion
     tensorrt: FoundVersion
+    plugin: PluginInfo | None = None
+    tensorrt_install: str = ""
+    """"installed", "placeholder" (a pip TensorRT metapackage without the real libraries) or "not installed"."""
 
 
 class Placement(_Frozen):
@@ -350,6 +370,9 @@ class EngineArtifacts(_Frozen):
     path: str
     profiles: tuple[dict[str, str | int | list[int] | dict[str, str]], ...]
     cache_read_only: bool
+    build_placement: dict[str, dict[str, int]] = {}
+    """Per component, the source graph's nodes by provider when the build compiled it (the EP-context model
+    that serves it is one EPContext node)."""
 
 
 class Artifacts(_Frozen):
@@ -387,6 +410,9 @@ class Capabilities(_Frozen):
     self_test: SelfTestReport | None
     family: dict[str, str | int | float | bool] = {}
     """The served model's family (ModelInfo.family_summary); empty before the model loads."""
+    image: dict[str, str] = {}
+    """The container image this server runs in, from the ``SDSERVE_IMAGE_*`` environment the image sets (``variant``:
+    ``trt``, or ``notrt`` for an image built without the TensorRT libraries); empty outside an image."""
 
 
 class Engine(Protocol):

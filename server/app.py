@@ -40,8 +40,8 @@ DRAIN_ANSWER_S = 2.0
 """At shutdown, how long to wait for an executing batch to return before closing the engine: closing ONNX Runtime
 sessions under a running batch can abort the process, so past this the engine is left to the process exit."""
 EXPOSED_HEADERS = ("x-request-id", "x-sdserve-model", "x-sdserve-provider", "x-sdserve-seeds",
-                   "x-sdserve-batch-size", "x-sdserve-warnings", "x-sdserve-interrupted", "server-timing",
-                   "retry-after", "x-should-retry")
+                   "x-sdserve-ignored-fields", "x-sdserve-batch-size", "x-sdserve-warnings", "x-sdserve-interrupted",
+                   "server-timing", "retry-after", "x-should-retry")
 
 OnFatal = Callable[[ExitCode, str], None]
 
@@ -81,7 +81,8 @@ async def boot(app: FastAPI) -> None:
             metrics.ort_events.labels(event.kind).inc()
     state.set("ready", [] if not settings.runtime.allow_cpu else ["accelerated: false (dev profile, CPU allowed)"])
     metrics.ready.set(1)
-    log.info("ready: serving %s on %s", engine.info.name, settings.runtime.providers[0])
+    runtime = settings.runtime  # a plugin-EP policy lists no built-in providers
+    log.info("ready: serving %s on %s", engine.info.name, (runtime.accelerators or runtime.providers)[0])
     if settings.watchdog.enabled:
         app.state.watchdog_task = asyncio.create_task(app.state.watchdog.run())
 

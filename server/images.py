@@ -12,7 +12,8 @@ from fastapi import HTTPException
 
 class ImageStore:
     """At most ``max_items`` images and ``max_bytes`` PNG bytes (the newest image is always kept), each for
-    ``ttl_s`` seconds, oldest dropped first; ids are unguessable (128-bit)."""
+    ``ttl_s`` seconds, oldest dropped first; ids are unguessable (128-bit). Each image is stored under its file
+    name, ``<id>.<extension>`` (png unless the response asked for another output_format)."""
 
     def __init__(self, max_items: int = 256, ttl_s: float = 600.0, max_bytes: int = 64 << 20) -> None:
         self.max_items, self.ttl_s, self.max_bytes = max_items, ttl_s, max_bytes
@@ -20,8 +21,9 @@ class ImageStore:
         self._lock = threading.Lock()
         self.bytes = 0
 
-    def put(self, png: bytes) -> str:
-        image_id = secrets.token_urlsafe(16)
+    def put(self, png: bytes, extension: str = "png") -> str:
+        """Store one image; returns its file name."""
+        image_id = f"{secrets.token_urlsafe(16)}.{extension}"
         with self._lock:
             self._evict()
             self._items[image_id] = (time.monotonic() + self.ttl_s, png)
@@ -31,6 +33,7 @@ class ImageStore:
         return image_id
 
     def get(self, image_id: str) -> bytes:
+        """The image stored under this file name; 404 when unknown or expired."""
         with self._lock:
             self._evict()
             item = self._items.get(image_id)

@@ -47,16 +47,27 @@ class ImageGenerationRequest(BaseModel):
     size: str | None = Field(None, max_length=11, description="WIDTHxHEIGHT, multiples of the model's size factor, "
                              "or auto. Default (and auto): the model's native size, or the profile's first served "
                              "size.")
-    response_format: Literal["b64_json", "url"] = Field("b64_json", description="b64_json, or url: a link to "
-                                                       "a short-lived copy (GET /v1/images/files/{id}.png).")
+    response_format: Literal["b64_json", "url"] | None = Field(
+        None, description="b64_json, or url: an absolute link to a short-lived copy (GET /v1/images/files/{id}"
+        ".{ext}; [server] public_base_url, else the request's Host when allowed). Default: url for dall-e-2 and "
+        "dall-e-3, b64_json otherwise (OpenAI's defaults).")
     model: str | None = Field(None, max_length=256, description="The served model id (GET /v1/models) or one of "
                               "the profile's aliases ([api] model_aliases); any other is a 400. The response's "
                               "x-sdserve-model header names the model that ran.")
     user: str | None = Field(None, max_length=256, description="End-user id (logged, never a metric label).")
     quality: str | None = Field(None, max_length=32, description="auto, or a value the profile maps to steps "
-                                "([api] quality_steps); any other is a 400. Not together with steps.")
-    style: str | None = Field(None, max_length=32, description="Not supported (sdserve has no styles): any value "
-                              "is a 400.")
+                                "([api] quality_steps: standard/hd, low/medium/high); any other is a 400. Not "
+                                "together with steps.")
+    style: Literal["vivid", "natural"] | None = Field(None, description="DALL·E 3's style: accepted and named in "
+                                                       "x-sdserve-ignored-fields (sdserve has no styles).")
+    output_format: Literal["png", "jpeg", "webp"] | None = Field(None, description="Encoding of the images; "
+                                                                  "default png.")
+    output_compression: int | None = Field(None, ge=0, le=100, description="JPEG/WebP quality 0-100 (default "
+                                           "100); with png it is accepted and named as ignored (PNG is lossless).")
+    background: Literal["auto", "opaque", "transparent"] | None = Field(
+        None, description="auto and opaque are honoured (the images are opaque); transparent is a 400.")
+    moderation: Literal["auto", "low"] | None = Field(None, description="Accepted and named as ignored: sdserve "
+                                                      "runs no content moderation.")
     negative_prompt: Text = Field("", description="Extension: what to steer away from.")
     seed: int | None = Field(None, ge=0, le=2**32 - 1, description="Extension: seed of the first image; "
                                                                     "image i uses seed+i. Random when absent.")
@@ -190,3 +201,8 @@ class ImageData(BaseModel):
 class ImagesResponse(BaseModel):
     created: int
     data: list[ImageData]
+    output_format: str | None = None
+    size: str | None = None
+    background: str | None = None
+    warnings: list[str] | None = None
+    """sdserve extension: what was truncated or accepted without being honoured (also x-sdserve-warnings)."""

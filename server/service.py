@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import secrets
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
@@ -18,14 +17,13 @@ import numpy as np
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
-from engines.config import parse_size
 from engines.errors import InvalidRequestError, NotReadyError
-from engines.protocol import Batch, BatchResult, Engine, ImageSpec, ModelInfo
-from server.a1111_options import checkpoint_names
+from engines.protocol import Batch, BatchResult, Engine
 from server.admission import Cost, CostModel, admit
 from server.batcher import Batcher
 from server.errors import ClientGoneError, QueueFullError
 from server.metrics import Metrics
+from server.request_rules import build_batch
 from server.schemas import ImageGenerationRequest
 from server.settings import Settings
 from server.state import ServerState
@@ -48,6 +46,7 @@ class Sample:
 @dataclass(frozen=True)
 class Generated:
     pngs: list[bytes]
+    """The encoded images: PNG unless the request asked for another output_format."""
     result: BatchResult
     queue_seconds: float
     encode_seconds: float
@@ -70,98 +69,9 @@ class Generated:
 
 
 Disconnected = Callable[[], Awaitable[bool]]
+Encoder = Callable[[Any], bytes]
+"""PIL image -> file bytes (encode_png, or server.encoding.ImageFormat.encode for output_format)."""
 CLIENT_POLL_S = 0.1
-
-
-def served_model(requested: str | None, settings: Settings, info: ModelInfo) -> str:
-    """The served model id for an OpenAI ``model``: absent, the served id (the model's folder name) or another of
-    its A1111 names (title, hash), or a profile alias (``[api] model_aliases``). Anything else is a 400 naming the
-    served id and the aliases: a request for another model is never silently answered by this one."""
-    if requested is None or requested in checkpoint_names(info) or requested in settings.api.model_aliases:
-        return info.name
-    aliases = list(settings.api.model_aliases)
-    raise InvalidRequestError(f"model {requested[:64]!r} is not served here; served: {[info.name]}"
-                              + (f", aliases: {aliases}" if aliases else "") + " (GET /v1/models)", param="model")
-
-
-def alias_models(settings: Settings, info: ModelInfo) -> list[dict[str, Any]]:
-    """GET /v1/models entries for the profile's ``[api] model_aliases``: each runs the served model (``parent``)."""
-    return [{"id": alias, "object": "model", "created": 0, "owned_by": "sdserve", "parent": info.name}
-            for alias in settings.api.model_aliases]
-
-
-def quality_steps(req: ImageGenerationRequest, settings: Settings) -> int | None:
-    """The steps OpenAI's ``quality`` asks for (``[api] quality_steps``; "auto" or absent: None, the default);
-    ``style`` has no mapping (sdserve has no styles). Anything not mapped is a 400 naming the field."""
-    if req.style is not None:
-        raise InvalidRequestError(f"style {req.style[:32]!r} is not supported: sdserve has no styles (steer the "
-                                  "image with prompt and negative_prompt)", param="style")
-    if req.quality is None or req.quality == "auto":
-        return None
-    mapped = settings.api.quality_steps
-    if req.quality not in mapped:
-        raise InvalidRequestError(f"quality {req.quality[:32]!r} is not supported here; supported: "
-                                  f"{['auto', *mapped]}", param="quality")
-    if req.steps is not None:
-        raise InvalidRequestError("quality and steps both set: give one of them", param="quality")
-    steps = mapped[req.quality]
-    if steps > settings.limits.max_steps:  # a profile that lowered max_steps below its quality table
-        raise InvalidRequestError(f"quality {req.quality!r} means {steps} steps, over this server's limit of "
-                                  f"{settings.limits.max_steps}", param="quality")
-    return steps
-
-
-def build_batch(req: ImageGenerationRequest, settings: Settings, info: ModelInfo) -> Batch:
-    """Validate a request against the profile's limits and the model; fill defaults; expand per-image seeds."""
-    limits, defaults = settings.limits, settings.defaults_for(info.family)
-    if not 1 <= req.n <= limits.max_n:
-        raise InvalidRequestError(f"n must be between 1 and {limits.max_n}, got {req.n}", param="n")
-    served_model(req.model, settings, info)
-    served = settings.serving.sizes
-    width, height = parse_size(served[0]) if served else (info.default_size, info.default_size)
-    if req.size is not None and req.size != "auto":  # "auto": the default, the model's native size
-        width, height = parse_size(req.size)
-    if served and f"{width}x{height}" not in served:
-        raise InvalidRequestError(f"size {width}x{height} is not served; served sizes: {', '.join(served)}",
-                                  param="size")
-    for name, value, cap in (("width", width, limits.max_width), ("height", height, limits.max_height)):
-        if value % info.size_multiple or value > cap:
-            raise InvalidRequestError(
-                f"size {req.size}: {name} {value} must be a multiple of {info.size_multiple} "
-                f"and at most {cap}", param="size")
-    mapped = quality_steps(req, settings)
-    steps = req.steps if req.steps is not None else mapped if mapped is not None else defaults.steps
-    if steps > limits.max_steps:
-        raise InvalidRequestError(f"steps must be at most {limits.max_steps}, got {steps}", param="steps")
-    scheduler = req.scheduler or defaults.scheduler
-    if scheduler not in info.schedulers:
-        raise InvalidRequestError(f"unknown scheduler {scheduler!r}; expected one of {list(info.schedulers)}",
-                                  param="scheduler")
-    for name, text in (("prompt", req.prompt), ("negative_prompt", req.negative_prompt)):
-        if len(text) > limits.max_prompt_chars:
-            raise InvalidRequestError(f"{name} is longer than {limits.max_prompt_chars} characters",
-                                      param=name)
-    seed = req.seed if req.seed is not None else secrets.randbelow(2**32)
-    guidance = req.guidance_scale if req.guidance_scale is not None else defaults.guidance_scale
-    images = tuple(ImageSpec(req.prompt, req.negative_prompt, (seed + i) % 2**32, guidance)
-                   for i in range(req.n))
-    original, crops = _micro_conditioning(req, info)
-    return Batch(images, width, height, steps, scheduler, settings.limits.prompt_overflow == "truncate", original,
-                 crops)
-
-
-def _micro_conditioning(req: ImageGenerationRequest, info: ModelInfo) -> tuple[tuple[int, int] | None,
-                                                                              tuple[int, int]]:
-    """SDXL's original_size (as the (height, width) diffusers takes) and crop; refused for other families."""
-    for name in ("original_size", "crops_coords_top_left"):
-        if getattr(req, name) is not None and info.family != "sdxl":
-            raise InvalidRequestError(f"{name} applies to SDXL models only; this model is {info.family}", param=name)
-    original = None
-    if req.original_size is not None:
-        width, height = parse_size(req.original_size)
-        original = (height, width)
-    crops = req.crops_coords_top_left or [0, 0]
-    return original, (crops[0], crops[1])
 
 
 class ImageService:
@@ -198,14 +108,14 @@ class ImageService:
         return build_batch(req, self.settings, self.engine.info)
 
     async def run(self, batch: Batch, timeout_header: str | None, disconnected: Disconnected,
-                  owner: str | None = None) -> Generated:
+                  owner: str | None = None, encode: Encoder = encode_png) -> Generated:
         """Queue ``batch`` under the request's deadline for ``owner`` (the caller's API key id: whose requests
         /sdapi/v1/interrupt stops); drop it if the client disconnects, answer 503 if the server stops first.
         Refused at admission (4xx / 429) when its estimated cost cannot finish before the deadline."""
-        return (await self.run_all([batch], timeout_header, disconnected, owner))[0]
+        return (await self.run_all([batch], timeout_header, disconnected, owner, encode))[0]
 
     async def run_all(self, batches: list[Batch], timeout_header: str | None, disconnected: Disconnected,
-                      owner: str | None = None) -> list[Generated]:
+                      owner: str | None = None, encode: Encoder = encode_png) -> list[Generated]:
         """Several batches of one request under one deadline (A1111's n_iter), admitted on their total cost and
         queued one after another, so other callers' requests interleave between them."""
         deadline = self.deadline(timeout_header)
@@ -216,10 +126,11 @@ class ImageService:
         except (InvalidRequestError, QueueFullError):
             self.metrics.refused.labels("over_deadline").inc()
             raise
-        return [await self._run(b, deadline, disconnected, owner) for b in batches]
+        return [await self._run(b, deadline, disconnected, owner, encode) for b in batches]
 
-    async def _run(self, batch: Batch, deadline: float, disconnected: Disconnected, owner: str | None) -> Generated:
-        task = asyncio.ensure_future(self.generate(batch, deadline, owner))
+    async def _run(self, batch: Batch, deadline: float, disconnected: Disconnected, owner: str | None,
+                   encode: Encoder) -> Generated:
+        task = asyncio.ensure_future(self.generate(batch, deadline, owner, encode))
         self._owners[owner] += 1
         try:
             while True:
@@ -295,14 +206,15 @@ class ImageService:
             timeout = min(timeout, asked)
         return time.monotonic() + timeout
 
-    async def generate(self, batch: Batch, deadline: float | None = None, owner: str | None = None) -> Generated:
+    async def generate(self, batch: Batch, deadline: float | None = None, owner: str | None = None,
+                       encode: Encoder = encode_png) -> Generated:
         start = time.perf_counter()
         try:
             result = await self.batcher.submit(batch, deadline, owner)
         finally:
             self._last_done = time.monotonic()
         t = time.perf_counter()
-        pngs = await run_in_threadpool(lambda: [encode_png(g.image) for g in result.images])
+        pngs = await run_in_threadpool(lambda: [encode(g.image) for g in result.images])
         compute = result.timings.total
         self.recent.append(Sample(time.time(), f"{batch.width}x{batch.height}x{result.executed}", compute,
                                   len(result.images)))

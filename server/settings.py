@@ -7,6 +7,7 @@ Environment overrides exist only for deployment settings (host, port, model fold
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -37,8 +38,12 @@ class ServerSettings(BaseModel):
     """Seconds a request body may take to arrive in full after its head; then 408 (JSON) and the connection
     closes. A connection still sending its body can be evicted by the connection cap like an idle one."""
     public_base_url: str = ""
-    """Base of the links response_format=url returns (e.g. https://img.example.com); empty: relative links. Never
-    built from the request's Host header."""
+    """Base of the absolute links response_format=url returns (e.g. https://img.example.com). Empty: the request's
+    Host header is used, but only when its host name is in ``allowed_hosts`` (else the url request is a 400)."""
+    allowed_hosts: tuple[str, ...] = ()
+    """Host names (no port) a request's Host header may carry for response_format=url links when
+    ``public_base_url`` is empty. Empty: the bound address (``host``) and the localhost names (localhost,
+    127.0.0.1, [::1]). Any other Host is refused rather than reflected into a link."""
     url_store_max_bytes: int = Field(64 << 20, ge=1 << 20, le=16 << 30)
     """PNG bytes kept for response_format=url (oldest dropped first), besides the 256-image count bound."""
     cors_origins: tuple[str, ...] = ()
@@ -53,6 +58,10 @@ class ServerSettings(BaseModel):
         if url and (not url.startswith(("http://", "https://")) or any(c in url for c in "?#\\ ")
                     or not url.isascii()):
             raise ValueError(f"server.public_base_url {url!r} must be an http(s) URL without query or fragment")
+        for name in self.allowed_hosts:
+            if not _HOST_NAME.fullmatch(name):
+                raise ValueError(f"server.allowed_hosts: {name!r} must be a host name or address without a port, "
+                                 "e.g. images.internal, 10.0.0.5 or [fd00::5]")
         for origin in self.cors_origins:
             scheme, _, host = origin.partition("://")
             if origin != "*" and (scheme not in ("http", "https") or not host or not origin.isascii()
@@ -61,6 +70,17 @@ class ServerSettings(BaseModel):
                                  "https://chat.example.com (scheme, host, optional port; no path)")
         return self
 
+    def link_hosts(self) -> frozenset[str]:
+        """The Host names a response_format=url link may be built from (``allowed_hosts`` or its default)."""
+        if self.allowed_hosts:
+            return frozenset(h.lower() for h in self.allowed_hosts)
+        bound = f"[{self.host}]" if ":" in self.host else self.host
+        return frozenset({bound.lower(), *LOCAL_HOSTS})
+
+
+_HOST_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252})|\[[0-9A-Fa-f:.]{2,45}\]")
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+"""The names a client on this machine reaches the server by (the default of server.allowed_hosts)."""
 
 class ApiSettings(BaseModel):
     """How client-facing names map onto what this server serves."""
@@ -136,6 +156,10 @@ class Serving(BaseModel):
     the model's native size)."""
     batch_sizes: tuple[int, ...] = (1,)
     """Batch sizes warmed and checked at boot."""
+    openai_sizes: bool = False
+    """Also serve OpenAI's sizes (1024x1024, 1536x1024, 1024x1536, 1792x1024, 1024x1792: what OpenAI clients send
+    by default) when the served model's family is trained at 1024x1024 (SDXL), beyond ``sizes`` and the
+    width/height limits. Never resized: a model of another family refuses them (the message says why)."""
 
     @model_validator(mode="after")
     def _check(self) -> Serving:
@@ -253,12 +277,16 @@ class DebugSettings(BaseModel):
     """Mount /debug/faults (latency and telemetry injection). Dev profile only."""
 
 
+PROFILES = ("dev", "production", "openvino")
+"""Profiles shipped in configs/ (openvino: the plugin-EP accelerator CI proves the fail-closed path against)."""
+
+
 class Settings(BaseModel):
     """One profile."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    profile: Literal["dev", "production"] = "production"
+    profile: Literal["dev", "production", "openvino"] = "production"
     on_boot_failure: Literal["exit", "stay_unready"] = "exit"
     """exit: a failed boot check ends the process with its exit code; stay_unready: keep serving /ready 503."""
     matrix_file: str = "matrix.toml"
@@ -321,7 +349,7 @@ def _env_overrides(data: dict[str, object]) -> dict[str, object]:
 def load_settings(profile: str = "production", config: Path | None = None) -> Settings:
     """Load ``config`` or ``configs/<profile>.toml``; raises ConfigError naming the file and the field."""
     path = config or CONFIG_DIR / f"{profile}.toml"
-    data = read_toml(path, "profile file", " (profiles: dev, production)")
+    data = read_toml(path, "profile file", " (profiles: dev, production, openvino)")
     if config is None and data.get("profile", profile) != profile:
         raise ConfigError(f"{path} declares profile {data.get('profile')!r}, expected {profile!r}")
     try:

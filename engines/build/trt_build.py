@@ -73,11 +73,32 @@ def _build_one(model_dir: Path, size: str, component: str, spec: dict[str, Any])
         log.info("%s: %s", component, event.line[:200])
     if not ctx.is_file():
         raise ArtifactError(f"{component} at {size}: TensorRT wrote no EP-context model {ctx}")
+    reopen(ctx, model_dir / spec["source"], options, f"{component} at {size}")
     log.info("%s at %s done in %.0fs", component, size, time.monotonic() - start)
     return ctx
 
 
-def build(model_dir: Path, plan: dict[str, Any], observations: dict[str, Any], device_id: int) -> Path:
+def reopen(ctx: Path, source: Path, options: dict[str, str], name: str) -> None:
+    """The written context model, reopened: one EPContext node with the source's inputs and outputs (with static
+    shapes TensorRT may dump one partition of several), then a session on it with the prebuilt-loading options
+    whose every node is on TensorRT (session.record_ep_graph_assignment_info)."""
+    from engines.artifacts import context_model_problems
+    from engines.runtime.sessions import loading_prebuilt
+
+    problems = context_model_problems(ctx, source)
+    if problems:
+        raise ArtifactError(f"{name}: the EP-context model is not one TensorRT engine: " + "; ".join(problems))
+    so = ort.SessionOptions()
+    so.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+    keep = {k: v for k, v in loading_prebuilt(options).items() if not k.startswith(("trt_dump", "trt_ep_context"))}
+    sess = ort.InferenceSession(str(ctx), sess_options=so, providers=["TensorrtExecutionProvider"],
+                                provider_options=[keep], enable_fallback=0)
+    on = {sg.ep_name for sg in sess.get_provider_graph_assignment_info()}
+    if on != {"TensorrtExecutionProvider"}:
+        raise ArtifactError(f"{name}: the reopened EP-context model runs on {sorted(on)}, not TensorRT alone")
+
+
+def build(model_dir: Path, plan: dict[str, Any], observations: dict[str, Any], nvml_index: int) -> Path:
     """Per served size, one TensorRT session per component (the provider builds the engine and dumps the context
     model into ``trt/<size>/``), then the manifest. Raises GpuUnavailableError when TensorRT cannot run here."""
     if "TensorrtExecutionProvider" not in ort.get_available_providers():
@@ -90,4 +111,4 @@ def build(model_dir: Path, plan: dict[str, Any], observations: dict[str, Any], d
                        "context_models": {c: ctx.relative_to(trt).as_posix() for c, ctx in built.items()}}
     first = next(iter(plan["sizes"].values()))["components"]
     model = {c: sha256_file(model_dir / spec["source"]) for c, spec in first.items()}
-    return write_engine_manifest(trt, node_identity(observations, device_id), sizes, plan["build_flags"], model)
+    return write_engine_manifest(trt, node_identity(observations, nvml_index), sizes, plan["build_flags"], model)

@@ -192,15 +192,25 @@ def profiles_from(sizes: list[tuple[int, int]], batch_max: int, batch_opt: int) 
     return [ShapeProfile(w, h, 1, batch_opt, batch_max) for w, h in sizes]
 
 
+CONTRIB_DOMAIN = "com.microsoft"
+"""ORT's contrib-op domain. TensorRT's ONNX parser imports the standard ONNX domain (plus TensorRT's own plugins),
+not ORT's fused ops: `sdserve engines optimize` emits SkipLayerNormalization, QuickGelu, BiasGelu, FastGelu,
+(--target cuda) GroupNorm, BiasSplitGelu, NhwcConv, MultiHeadAttention in this domain, and the TensorRT provider
+hands them to CUDA or fails the build (with dynamic batch), so such a graph never becomes one engine."""
+
+
 def trt_unimportable_ops(model_dir: Path) -> dict[str, dict[str, int]]:
-    """Per component, the ops in its graph that TensorRT's ONNX parser does not import, with counts."""
+    """Per component, the ops in its graph that TensorRT's ONNX parser does not import, with counts: the listed
+    quantizer ops and every op in ORT's contrib domain (named ``com.microsoft.<op>``)."""
     found: dict[str, dict[str, int]] = {}
     for component in COMPONENTS:
         graph = onnx.load(str(model_dir / component / "model.onnx"), load_external_data=False).graph
         for node in graph.node:
-            if node.op_type in TRT_UNIMPORTABLE:
+            name = node.op_type if node.op_type in TRT_UNIMPORTABLE else (
+                f"{CONTRIB_DOMAIN}.{node.op_type}" if node.domain == CONTRIB_DOMAIN else "")
+            if name:
                 ops = found.setdefault(component, {})
-                ops[node.op_type] = ops.get(node.op_type, 0) + 1
+                ops[name] = ops.get(name, 0) + 1
     return found
 
 
@@ -212,5 +222,5 @@ def refuse_unimportable(model_dir: Path) -> None:
                            for c, ops in sorted(found.items()))
         raise ArtifactError(f"TensorRT build refused: {model_dir} has ops TensorRT's ONNX parser does not import "
                             f"({listed}); the engine would split between providers. Dynamic INT8 (`sdserve engines "
-                            "quantize`) serves on the CUDA provider only; build TensorRT engines from the "
-                            "unquantized model")
+                            "quantize`) and the fused ops of `sdserve engines optimize` serve on the CUDA provider "
+                            "only; build TensorRT engines from the plain exported model")

@@ -49,6 +49,7 @@ class OrtModel:
         self.session = runtime.session(model, name)
         self.inputs = {i.name: i for i in self.session.get_inputs()}
         self.outputs = [o.name for o in self.session.get_outputs()]
+        self.output_types = {o.name: o.type for o in self.session.get_outputs()}
 
     def input_dtype(self, name: str) -> type[np.generic]:
         return numpy_dtype(self.inputs[name].type)
@@ -64,8 +65,19 @@ class OrtModel:
             else:
                 binding.bind_cpu_input(name, np.require(value, requirements="C"))  # keeps rank 0
         for name, value in outputs.items():
+            check_output_type(self.name, name, value.data_type(), self.output_types.get(name, ""))
             binding.bind_ortvalue_output(name, value)
         self.session.run_with_iobinding(binding)
+
+
+def check_output_type(component: str, name: str, bound: str, declared: str) -> None:
+    """A preallocated output must have the element type the session writes. ORT checks a bound output's shape,
+    not its type, and TensorRT writes through the raw pointer: a float32 result in a float16 buffer (a text encoder
+    whose output dtype differs from the UNet's hidden dtype) would corrupt memory silently."""
+    if declared and bound != declared:
+        raise InferenceError(f"{component}: output {name!r} is bound to a {bound} buffer but the session writes "
+                             f"{declared}: refusing to run (a buffer of another element type is corrupted, not "
+                             "converted)")
 
 
 def image_rng(seed: int) -> np.random.Generator:

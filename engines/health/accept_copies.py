@@ -18,6 +18,10 @@ MEMCPY_TO_HOST = "MemcpyToHost"
 # cross the host/device boundary count.
 CUPTI_HOST_TO_DEVICE = frozenset({"MemcpyHostToDevice", "MemcpyHostToDeviceArray"})
 CUPTI_DEVICE_TO_HOST = frozenset({"MemcpyDeviceToHost", "MemcpyDeviceArrayToHost"})
+NOT_SEEN = ("Memcpy nodes only: inputs bound with bind_cpu_input are copied by the feed copy, and the per-step "
+            "uploads (timestep, scheduler coefficients, scale, noise) by OrtValue.update_inplace, neither of which is "
+            "a node; on a one-node TensorRT graph 0 per step is therefore trivially true")
+"""What a profile without CUPTI records cannot show, stated with the count instead of a claim of zero copies."""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -85,6 +89,8 @@ class CopyCount:
                 f"{MEMCPY_TO_HOST} over {self.unet_runs} UNet runs; allowed {self.max_per_step:g})")
         if self.cupti_present:
             text += f"; CUPTI {self.cupti_per_step:.2f} per step"
+        else:
+            text += f"; counts {NOT_SEEN}"
         if not self.node_events:
             text += "; the profile recorded no kernel runs"
         return text

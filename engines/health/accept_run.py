@@ -28,17 +28,19 @@ from typing import TypeVar
 import httpx
 import onnxruntime as ort
 
+from engines import artifacts
 from engines.config import Matrix, RuntimeSettings, SelfTestPlan, Shape, SignatureThresholds
 from engines.engine import OrtEngine
-from engines.errors import GpuUnavailableError, NotReadyError, SdserveError
+from engines.errors import ArtifactError, GpuUnavailableError, NotReadyError, SdserveError
 from engines.health import accept_copies as cop
 from engines.health import accept_report as rep
 from engines.health import acceptance as acc
 from engines.health.preflight import Observations, gather
 from engines.protocol import Batch, BatchResult, GpuSample, ImageSpec, SelfTestReport
+from engines.runtime import enginecheck
 from engines.runtime.dataflow import classify_cpu_nodes, partitioned_graph
 from engines.runtime.libdeps import resolve
-from engines.runtime.sessions import numpy_dtype, provider_options
+from engines.runtime.sessions import artifact_dirs, loading_prebuilt, numpy_dtype, provider_options
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -161,9 +163,19 @@ def _measure(run: Run) -> rep.AcceptReport:
                             tuple(run.notes))
 
 
+def nvml_index(observations: Observations, device_id: int) -> int:
+    """The served card's NVML index, matched by PCI bus id as serving does; GpuUnavailableError when nothing
+    matches (never the CUDA ordinal as a guess: with CUDA_VISIBLE_DEVICES it names another card)."""
+    found = observations.nvml_index(device_id)
+    if found is None:
+        raise GpuUnavailableError(f"CUDA ordinal {device_id} matches no NVML device by PCI bus id")
+    return found
+
+
 def _node(run: Run) -> dict[str, str]:
     nv, device_id = run.observations.nvml, run.options.runtime.device_id
-    gpu = nv.devices[device_id].name if device_id < len(nv.devices) else "?"
+    device = run.observations.device(device_id)
+    gpu = device.name if device is not None else "no NVML device matches this ordinal's PCI bus id"
     return {"gpu": gpu, "device_id": str(device_id), "driver": nv.driver_version, "cuda_driver": nv.cuda_driver_version,
             "onnxruntime": run.observations.ort_version, "model": str(run.model or run.options.model or "not built")}
 
@@ -203,7 +215,8 @@ def relocation_check(run: Run) -> rep.RelocationSection:
     batch = max((s.batch for s in shapes), default=1)  # the served batches; the server's queue may merge more
     plan = trtplan.plan(built_at, trtplan.profiles_from(sizes, batch, batch), trtplan.BuildFlags(
         fp16=run.options.runtime.tensorrt.fp16), run.options.runtime.device_id)
-    trt_build.build(built_at, plan, run.observations.to_model().model_dump(), run.options.runtime.device_id)
+    trt_build.build(built_at, plan, run.observations.to_model().model_dump(),
+                    nvml_index(run.observations, run.options.runtime.device_id))
     built_at.rename(moved_to)
     run.model = moved_to  # every later step serves the relocated folder
     before = _cache_files(moved_to)
@@ -314,7 +327,11 @@ def staging_buffers(run: Run) -> tuple[rep.StagingBuffer, ...]:
               "unet_in": ((2, pipeline.latent_channels, latent, latent), pipeline.latent_dtype)}
     found = []
     for tag, (shape, dtype) in wanted.items():
-        array, _ = pipeline.runtime.staging(tag, shape, dtype)
+        array = pipeline.runtime.staged(tag, shape, dtype)  # the buffer the request used; never a new one
+        if array is None:
+            run.notes.append(f"staging buffer {tag} {shape} was never used by the request: not pinned memory")
+            found.append(rep.StagingBuffer(tag, 0, 0))  # 0 = cudaMemoryTypeUnregistered: the check fails
+            continue
         attributes = _PointerAttributes()
         status = cudart.cudaPointerGetAttributes(ctypes.byref(attributes), array.ctypes.data)
         if status != 0:
@@ -327,16 +344,16 @@ def profiled_copies(run: Run) -> cop.CopyCount:
     """One request with the UNet on a profiled twin of its session (same providers, provider options and source;
     SessionOptions.enable_profiling, written by InferenceSession.end_profiling: onnxruntime/python/
     onnxruntime_inference_collection.py), counting MemcpyFromHost/MemcpyToHost kernels per denoising step."""
-    pipeline = run.booted().pipeline
     settings = _strict(run)
-    ctx = run.served() / "trt" / "unet_ctx.onnx"
-    source = ctx if ctx.is_file() and "TensorrtExecutionProvider" in settings.providers else \
-        run.served() / "unet" / "model.onnx"
+    size = f"{run.options.size}x{run.options.size}"
+    source, options = served_unet(run.served(), size, settings)
+    pipeline = run.booted()._pipeline_for(_job(run, 0))  # the pipeline of that size, as serving picks it
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.enable_profiling = True
     so.profile_file_prefix = str(run.options.out / "profile_unet")
-    options = provider_options(settings, run.served())
+    watched = artifact_dirs(settings, run.served())
+    before = enginecheck.snapshot(watched)
     profiled = ort.InferenceSession(str(source), sess_options=so, providers=[p for p, _ in options],
                                     provider_options=[o for _, o in options], enable_fallback=0)
     original = pipeline.unet.session
@@ -345,9 +362,27 @@ def profiled_copies(run: Run) -> cop.CopyCount:
         run.booted().generate(_job(run, 0))
     finally:
         pipeline.unet.session = original
+    built = enginecheck.cache_events(before, enginecheck.snapshot(watched), "accept: profiled UNet")
+    if built:
+        raise ArtifactError(f"{built[0].line}: the profile would measure an engine that is never served")
     path = Path(profiled.end_profiling())
     run.notes.append(f"UNet profile of one request: {path.name}")
     return cop.count_copies(cop.load_profile(path), unet_runs=run.options.steps)
+
+
+def served_unet(model: Path, size: str, settings: RuntimeSettings) -> tuple[Path, list[tuple[str, dict[str, str]]]]:
+    """The UNet file and providers a server of ``settings`` runs at ``size``: with TensorRT, that size's EP-context
+    model (``trt/<WxH>/unet_ctx.onnx``, engines/artifacts.py context_models) with the prebuilt-loading options (no
+    engine or timing cache: sessions.loading_prebuilt); ArtifactError when the size has none, since profiling the
+    plain graph under TensorRT would build an engine on the node that is never served."""
+    options = provider_options(settings, model)
+    if "TensorrtExecutionProvider" not in settings.providers:
+        return model / "unet" / "model.onnx", options
+    ctx = artifacts.context_models(model).get(size, {}).get("unet")
+    if ctx is None or not ctx.is_file():
+        raise ArtifactError(f"no prebuilt TensorRT UNet for {size} in {model / artifacts.TRT_DIR}: accept profiles "
+                            "only the served context model (build it with `sdserve engines build`)")
+    return ctx, [(p, loading_prebuilt(o) if p == "TensorrtExecutionProvider" else o) for p, o in options]
 
 
 def _job(run: Run, seed: int, steps: int | None = None) -> Batch:

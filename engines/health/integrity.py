@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from engines.artifacts import MANIFEST, TRT_DIR, expected, sha256_file
+from engines.artifacts import EP_DIR, MANIFEST, TRT_DIR, expected, sha256_file
 from engines.errors import NotReadyError
 
 Stat = tuple[int, int, int]
@@ -56,10 +56,14 @@ def _listed(base: Path, prefix: str) -> list[Watched]:
 
 
 class IntegrityWatcher:
-    """``manifest.json`` (and ``trt/manifest.json`` when present) and every file they list, as at load."""
+    """``manifest.json`` (and ``trt/manifest.json``, ``ep/<EP>/manifest.json`` when present) and every file they
+    list, as at load."""
 
     def __init__(self, folder: Path) -> None:
         self.files = _listed(folder, "") + _listed(folder / TRT_DIR, f"{TRT_DIR}/")
+        eps = sorted(p for p in (folder / EP_DIR).iterdir() if p.is_dir()) if (folder / EP_DIR).is_dir() else []
+        for ep in eps:
+            self.files += _listed(ep, f"{EP_DIR}/{ep.name}/")
 
     def problems(self) -> list[str]:
         """What differs from load time, one line per file; hashes only files whose stat changed."""

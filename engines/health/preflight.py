@@ -6,7 +6,8 @@
 
 from __future__ import annotations
 
-import re
+import ctypes
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -14,13 +15,14 @@ from typing import Any, Literal
 
 import onnxruntime as ort
 
-from engines.config import Matrix, RuntimeSettings
+from engines.config import Matrix, PluginEp, RuntimeSettings
 from engines.health.matrix import at_least, matches
 from engines.health.telemetry import DeviceInfo, NvmlReport, match_cuda_to_nvml, read_nvml
-from engines.protocol import CheckResult, FoundVersion, LibraryClosure
+from engines.protocol import CheckResult, FoundVersion, LibraryClosure, PluginInfo
 from engines.protocol import Observations as ProtocolObservations
-from engines.runtime.libdeps import PROVIDER_LIBRARIES, Closure, provider_closure, resolve
+from engines.runtime.libdeps import PROVIDER_LIBRARIES, Closure, library_closure, provider_closure, resolve
 from engines.runtime.pinned import cuda_pci_bus_ids
+from engines.runtime.plugins import PluginReport, observe
 
 Status = Literal["pass", "fail", "skip"]
 Category = Literal["gpu", "version"]
@@ -53,6 +55,9 @@ class Observations:
     extra: dict[str, Any] = field(default_factory=dict)
     cuda_bus_ids: list[str] | None = None
     """PCI bus id per CUDA ordinal (this process's numbering); None when the CUDA runtime could not be asked."""
+    plugin: PluginReport | None = None
+    tensorrt_install: str = ""
+    """installed / placeholder / not installed (tensorrt_install())."""
 
     def nvml_index(self, device_id: int) -> int | None:
         """NVML index of CUDA ordinal ``device_id``, matched by PCI bus id (CUDA_VISIBLE_DEVICES renumbers CUDA
@@ -77,7 +82,9 @@ class Observations:
             provider_libraries={p: LibraryClosure(library=c.library, missing=dict(c.missing),
                                                   resolved=dict(c.resolved)) for p, c in self.closures.items()},
             nvml=self.nvml.to_model(), cudnn=FoundVersion(version=self.cudnn_version, source=self.cudnn_source),
-            tensorrt=FoundVersion(version=self.tensorrt_version, source=self.tensorrt_source))
+            tensorrt=FoundVersion(version=self.tensorrt_version, source=self.tensorrt_source),
+            plugin=PluginInfo(**{**self.plugin.to_dict(), "devices": tuple(self.plugin.devices)})
+            if self.plugin else None, tensorrt_install=self.tensorrt_install)
 
 
 def _dist_version(names: tuple[str, ...]) -> tuple[str | None, str]:
@@ -89,31 +96,70 @@ def _dist_version(names: tuple[str, ...]) -> tuple[str | None, str]:
     return None, ""
 
 
-def _lib_version(soname: str) -> tuple[str | None, str]:
-    """Version from the resolved file's real name (libnvinfer.so.10.13.0 -> 10.13.0)."""
-    found = resolve(soname)
-    if found is None:
-        return None, ""
-    real = Path(found).resolve().name
-    match = re.search(r"\.so\.(\d+(?:\.\d+)*)$", real)
-    return (match.group(1) if match else soname.rsplit(".so.", 1)[-1]), found
+def decode_version(number: int) -> str:
+    """A library's integer version as dotted text. cuDNN 9 and TensorRT 10 encode major*10000 + minor*100 + patch
+    (CUDNN_VERSION in cudnn_version.h since 9.0, NV_TENSORRT_VERSION in NvInferVersion.h since 10.0); cuDNN 8 and
+    TensorRT 8 used major*1000 + minor*100 + patch."""
+    if number >= 10000:
+        return f"{number // 10000}.{number // 100 % 100}.{number % 100}"
+    return f"{number // 1000}.{number // 100 % 10}.{number % 100}"
 
 
-def gather() -> Observations:
+def loaded_version(soname: str, symbol: str,
+                   load: Callable[[str], Any] = ctypes.CDLL) -> tuple[str | None, str]:
+    """The version the library itself reports (``size_t cudnnGetVersion(void)``, ``int32_t getInferLibVersion(void)``
+    in NvInferRuntime.h), loaded from where sessions will find it; (None, why) when it does not resolve or load."""
+    path = resolve(soname)
+    if path is None:
+        return None, f"{soname} not found"
+    try:
+        function = getattr(load(path), symbol)
+        function.restype = ctypes.c_size_t if symbol == "cudnnGetVersion" else ctypes.c_int32
+        function.argtypes = []
+        return decode_version(int(function())), f"{symbol}() of {path}"
+    except (OSError, AttributeError) as exc:
+        return None, f"{path} does not load: {exc}"
+
+
+TENSORRT_DISTS = ("tensorrt", "tensorrt-cu13", "tensorrt-cu13-libs", "tensorrt-libs")
+
+
+def library_or_pip(soname: str, symbol: str, dists: tuple[str, ...],
+                   load: Callable[[str], Any] = ctypes.CDLL) -> tuple[str | None, str]:
+    """The loaded library's own version when it loads; else pip metadata, saying the library did not load (pip
+    metadata names a wheel, not what a session would load)."""
+    found, why = loaded_version(soname, symbol, load)
+    if found is not None:
+        return found, why
+    pip, source = _dist_version(dists)
+    return (pip, f"{source}; library not loadable: {why}") if pip else (None, why)
+
+
+def tensorrt_install(dist: str | None, library: str | None) -> str:
+    """"installed" when libnvinfer resolves; "placeholder" when a pip TensorRT package is there without it (PyPI's
+    tensorrt-cu13-libs is a stub that fetches the real wheel from NVIDIA's index at install time); else "not
+    installed"."""
+    if library is not None:
+        return "installed"
+    return "placeholder" if dist is not None else "not installed"
+
+
+def gather(plugin: PluginEp | None = None) -> Observations:
     from onnxruntime.capi import build_and_package_info
 
     capi = Path(ort.__file__).parent / "capi"
     closures = {p: provider_closure(p, capi) for p in PROVIDER_LIBRARIES if (capi / PROVIDER_LIBRARIES[p]).exists()}
-    cudnn, cudnn_src = _dist_version(("nvidia-cudnn-cu13", "nvidia-cudnn-cu12"))
-    if cudnn is None:
-        cudnn, cudnn_src = _lib_version("libcudnn.so.9")
-    trt, trt_src = _dist_version(("tensorrt", "tensorrt-cu13", "tensorrt-cu13-libs", "tensorrt-libs"))
-    if trt is None:
-        trt, trt_src = _lib_version("libnvinfer.so.10")
+    cudnn, cudnn_src = library_or_pip("libcudnn.so.9", "cudnnGetVersion", ("nvidia-cudnn-cu13", "nvidia-cudnn-cu12"))
+    trt, trt_src = library_or_pip("libnvinfer.so.10", "getInferLibVersion", TENSORRT_DISTS)
+    install = tensorrt_install(_dist_version(TENSORRT_DISTS)[0], resolve("libnvinfer.so.10"))
     nvml = read_nvml()
+    found = observe(plugin) if plugin is not None else None
+    if plugin is not None and found is not None and found.library:
+        closures[plugin.name] = library_closure(plugin.name, Path(found.library))
     return Observations(ort.__version__, str(getattr(build_and_package_info, "cuda_version", "")),
                         list(ort.get_available_providers()), closures, nvml, cudnn, cudnn_src, trt, trt_src,
-                        cuda_bus_ids=cuda_pci_bus_ids() if nvml.available else None)
+                        cuda_bus_ids=cuda_pci_bus_ids() if nvml.available else None, plugin=found,
+                        tensorrt_install=install)
 
 
 def _versions(obs: Observations, matrix: Matrix, settings: RuntimeSettings) -> list[Check]:
@@ -136,9 +182,13 @@ def _versions(obs: Observations, matrix: Matrix, settings: RuntimeSettings) -> l
     if "TensorrtExecutionProvider" not in settings.providers:
         checks.append(Check("tensorrt_version", "version", "skip", obs.tensorrt_version or "not found",
                             m.tensorrt.version, "TensorRT is not in the provider policy"))
-    elif obs.tensorrt_version is None:
-        checks.append(Check("tensorrt_version", "gpu", "fail", "not found", f"{m.tensorrt.version}.x",
-                            "pip install 'tensorrt-cu13==10.*' (not plain `tensorrt`: that is 11.x)"))
+    elif obs.tensorrt_version is None or obs.tensorrt_install == "placeholder":
+        observed = ("TensorRT wheel is a placeholder: a pip TensorRT package is installed but libnvinfer.so.10 is "
+                    "not (PyPI's tensorrt-cu13-libs only fetches the real wheel from NVIDIA's index at install "
+                    "time)" if obs.tensorrt_install == "placeholder" else "TensorRT not installed")
+        checks.append(Check("tensorrt_version", "gpu", "fail", observed, f"{m.tensorrt.version}.x",
+                            "pip install 'tensorrt-cu13==10.*' with NVIDIA's package index as an extra index (not "
+                            "plain `tensorrt`: that is 11.x)"))
     else:
         ok = matches(obs.tensorrt_version, m.tensorrt.version)
         checks.append(Check("tensorrt_version", "version", "pass" if ok else "fail",
@@ -194,8 +244,45 @@ def _device(obs: Observations, matrix: Matrix, settings: RuntimeSettings) -> lis
     return checks
 
 
+def _plugin(obs: Observations, matrix: Matrix, plugin: PluginEp) -> list[Check]:
+    """The plugin EP: package installed, library loads with its dependencies, a device of the wanted type, and the
+    package and the loaded library at the version configs/matrix.toml pins."""
+    found = obs.plugin or PluginReport(plugin.name, plugin.package, error="not observed")
+    name, package = plugin.name, plugin.package
+    checks = [Check(f"plugin_package:{name}", "gpu", "pass" if found.package_version else "fail",
+                    f"{package} {found.package_version}" if found.package_version else found.error,
+                    f"pip package {package} installed", f"pip install {package}")]
+    closure = obs.closures.get(name)
+    if closure is not None:
+        missing = "; ".join(f"{lib} (needed by {closure.needed_by.get(lib, '?')})" for lib in closure.missing)
+        checks.append(Check(f"provider_libraries:{name}", "gpu", "fail" if closure.missing else "pass",
+                            f"missing: {missing}" if missing else f"{len(closure.resolved)} libraries resolve",
+                            "every dependency of " + Path(closure.library).name + " resolves",
+                            f"reinstall {package}"))
+    if found.package_version:
+        checks.append(Check(f"plugin_library:{name}", "gpu", "fail" if found.error else "pass",
+                            found.error or f"{found.library} registered; {found.devices[0]['device_name']}",
+                            f"{name} registered from {package} with a {plugin.device_type} device",
+                            f"reinstall {package}, or check runtime.plugin.library / device_type"))
+    pinned = matrix.plugins.get(name)
+    if pinned is None:
+        checks.append(Check(f"plugin_version:{name}", "version", "fail", f"{package} {found.package_version}",
+                            "an entry in configs/matrix.toml [plugins]", f"pin {name} in configs/matrix.toml"))
+    elif found.package_version:
+        versions = [v for v in (found.package_version, found.library_version) if v]
+        ok = pinned.package == package and all(matches(v, pinned.version) for v in versions)
+        checks.append(Check(f"plugin_version:{name}", "version", "pass" if ok else "fail",
+                            f"{package} {found.package_version} (pip), library reports {found.library_version}",
+                            f"{pinned.package} {pinned.version}", f"pip install '{pinned.package}=={pinned.version}'"))
+    return checks
+
+
 def evaluate(obs: Observations, matrix: Matrix, settings: RuntimeSettings) -> list[Check]:
-    """All checks. With a CPU-only policy they are reported but skipped (nothing GPU is required)."""
+    """All checks. With a CPU-only policy they are reported but skipped (nothing GPU is required). With a plugin EP:
+    the ONNX Runtime versions and the plugin's checks, plus the NVIDIA device checks for a GPU plugin."""
+    if settings.plugin is not None:
+        checks = [*_versions(obs, matrix, settings)[:2], *_plugin(obs, matrix, settings.plugin)]
+        return checks + (_device(obs, matrix, settings) if settings.device == "cuda" else [])
     checks = [*_versions(obs, matrix, settings), *_providers(obs, settings), *_device(obs, matrix, settings)]
     if settings.device == "cpu":
         return [Check(c.name, c.category, "skip" if c.status == "fail" else c.status, c.observed, c.expected,

@@ -9,10 +9,12 @@ and the CUDA kernel does not itself take that input on the CPU. On the tiny UNet
 Div, Mul, Sqrt, Cast, Slice, Add, ...: an op-name allowlist cannot tell these from compute, their inputs can.
 
 Rule here: a tensor is a *shape value* when it is an output of Shape/Size, a small initializer or Constant
-(<= SMALL_CONSTANT_ELEMENTS elements, ORT's threshold), or an output of a node without subgraphs whose every input is
-a shape value. Graph inputs and large initializers (weights) are not. A CPU node whose inputs are all shape values is
-on the shape path (allowed, counted); any other CPU node is refused whatever its op type, as is any node that holds a
-subgraph (If/Loop/Scan) or sits inside one, and any name not found in the graph (fail closed).
+(<= SMALL_CONSTANT_ELEMENTS elements, ORT's threshold), a graph input with a static shape of at most as many
+elements (ORT accepts graph inputs there too), or an output of a node without subgraphs whose every input is a shape
+value. Graph inputs with symbolic or large dims (latents, embeddings) and large initializers (weights) are not.
+A CPU node whose inputs are all shape values is on the shape path (allowed, counted); any other CPU node is refused
+whatever its op type, as is any node that holds a subgraph (If/Loop/Scan) or sits inside one, and any name not found
+in the graph (fail closed).
 
 Which graph: `get_provider_graph_assignment_info()` names the nodes of the graph the partitioner saw, i.e. after the
 level-1 (basic) optimizations and before the extended/layout ones (onnxruntime/core/session/ep_graph_partition_info.h:
@@ -80,11 +82,25 @@ def _has_subgraph(node: onnx.NodeProto) -> bool:
     return any(attr.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for attr in node.attribute)
 
 
+def _small_static_input(value: onnx.ValueInfoProto, limit: int) -> bool:
+    """A graph input whose declared shape is fully static and at most ``limit`` elements (e.g. the UNet's
+    ``timestep`` [1]). GetCpuPreferredNodes lets a CPU-preferred node read any graph input ("allow placing on CPU
+    if it's a small initializer or graph input", fallback_cpu_capability.cc); a latent or embedding input has
+    symbolic or large dims and stays an activation here, so the audit is no looser than ORT where it matters."""
+    if not value.type.HasField("tensor_type") or not value.type.tensor_type.HasField("shape"):
+        return False
+    dims = value.type.tensor_type.shape.dim
+    return all(d.HasField("dim_value") and d.dim_value > 0 for d in dims) and _elements(
+        d.dim_value for d in dims) <= limit
+
+
 def _seed_shape_values(graph: onnx.GraphProto, limit: int) -> set[str]:
-    """Small initializers. One also listed as a graph input can be fed at run time: it is an input, not a constant."""
+    """Small initializers and small static graph inputs (an initializer also listed as a graph input can be fed
+    at run time: it counts as an input, by its declared shape)."""
+    inputs = {i.name for i in graph.input}
     seeds = {t.name for t in graph.initializer if _elements(t.dims) <= limit}
     seeds |= {t.values.name for t in graph.sparse_initializer if _elements(t.dims) <= limit}
-    return seeds - {i.name for i in graph.input}
+    return (seeds - inputs) | {i.name for i in graph.input if _small_static_input(i, limit)}
 
 
 def _derives_shape(node: onnx.NodeProto, known: set[str], limit: int) -> bool:

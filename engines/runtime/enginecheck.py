@@ -54,8 +54,8 @@ def cache_events(before: Snapshot, after: Snapshot, stage: str) -> list[OrtEvent
         return []
     names = ", ".join(Path(p).name for p in changed[:5]) + (" ..." if len(changed) > 5 else "")
     return [OrtEvent(kind="engine_rebuild", severity="error", detail=changed[0],
-                     line=f"{stage}: TensorRT wrote {len(changed)} file(s) to its engine/timing cache ({names}): "
-                          "an engine was built on this node")]
+                     line=f"{stage}: the execution provider wrote {len(changed)} file(s) to its artifact/engine "
+                          f"cache ({names}): an engine was built on this node")]
 
 
 def ep_context_nodes(model: Path | bytes) -> int:
@@ -75,7 +75,12 @@ def ep_context_events(model: Path | bytes, name: str) -> list[OrtEvent]:
 
 
 def gate(name: str, events: list[OrtEvent], forbid: bool) -> None:
-    """ArtifactError on an engine_rebuild event when on-node builds are forbidden; otherwise a warning."""
+    """ArtifactError on an artifact_mismatch event (a prebuilt engine that does not deserialize) and on an
+    engine_rebuild event when on-node builds are forbidden; otherwise a warning."""
+    mismatch = [e for e in events if e.kind == "artifact_mismatch"]
+    if mismatch:
+        raise ArtifactError(f"artifact mismatch: {name}: {mismatch[0].line[:300]}; rebuild the engines with "
+                            "`sdserve engines build` on the deployed versions")
     rebuild = [e for e in events if e.kind == "engine_rebuild"]
     if rebuild and forbid:
         raise ArtifactError(f"{name}: {rebuild[0].line[:300]}; engines are artifacts: build them offline with "

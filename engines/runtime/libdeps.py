@@ -211,7 +211,11 @@ class Closure:
 
 def provider_closure(provider: str, capi_dir: Path) -> Closure:
     """Walk DT_NEEDED from the provider library, plus the libraries it dlopens, breadth-first."""
-    root = capi_dir / PROVIDER_LIBRARIES[provider]
+    return library_closure(provider, capi_dir / PROVIDER_LIBRARIES[provider])
+
+
+def library_closure(provider: str, root: Path) -> Closure:
+    """The closure of any provider library ``root`` (a plugin EP's too: its RUNPATH, e.g. $ORIGIN, is honoured)."""
     closure = Closure(provider, str(root))
     queue: list[tuple[str, Path]] = []
     info = read_elf(root)

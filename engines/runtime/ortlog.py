@@ -39,7 +39,10 @@ RULES: tuple[tuple[EventKind, str, re.Pattern[str]], ...] = (
     ("memcpy_nodes_added", "warning", re.compile(r"(\d+ Memcpy nodes are added|Memcpy nodes are added)")),
     # "Engine will be built" is logged at VERBOSE only, so a served process never sees it: on-node builds are
     # detected from facts (EP-context nodes, the engine cache folder) in engines/runtime/enginecheck.py.
-    ("engine_rebuild", "error", re.compile(r"(could not deserialize engine|Engine will be built|"
+    # A prebuilt engine that does not deserialize (another TensorRT, GPU or a damaged file) is an artifact that
+    # does not match this node: exit 23, not "GPU unavailable" and not an on-node build.
+    ("artifact_mismatch", "error", re.compile(r"(could not deserialize engine)", re.IGNORECASE)),
+    ("engine_rebuild", "error", re.compile(r"(Engine will be built|"
                                            r"Building new engine)", re.IGNORECASE)),
     ("arena_growth", "info", re.compile(r"(Extending BFCArena)")),
 )

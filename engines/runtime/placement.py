@@ -34,6 +34,8 @@ class PlacementReport:
     cpu_ops: dict[str, int] = field(default_factory=dict)
     """op_type -> count of nodes on the CPU provider."""
     cpu_nodes: list[str] = field(default_factory=list)
+    cpu_named: list[tuple[str, str]] = field(default_factory=list)
+    """(op_type, name) of each CPU node, in assignment order."""
     shape_path: dict[str, int] = field(default_factory=dict)
     """op_type -> CPU nodes computing only on shape values (allowed, counted)."""
     activation_on_cpu: list[str] = field(default_factory=list)
@@ -95,6 +97,7 @@ def _counts(session: ort.InferenceSession, name: str) -> PlacementReport:
             if subgraph.ep_name == CPU_PROVIDER:
                 cpu[node.op_type] += 1
                 report.cpu_nodes.append(node.name)
+                report.cpu_named.append((node.op_type, node.name))
     report.nodes_by_provider, report.cpu_ops, report.attention = dict(by_provider), dict(cpu), dict(attention)
     report.compute_on_cpu = {op: n for op, n in cpu.items() if op in COMPUTE_OPS}
     return report

@@ -12,9 +12,9 @@ import numpy as np
 import onnxruntime as ort
 
 from engines.config import RuntimeSettings
-from engines.errors import GpuUnavailableError, ModelLoadError, PlacementError
+from engines.errors import ArtifactError, GpuUnavailableError, ModelLoadError, PlacementError
 from engines.protocol import OrtEvent, SessionInfo
-from engines.runtime import enginecheck, placement
+from engines.runtime import enginecheck, placement, plugins
 from engines.runtime.libdeps import preload
 from engines.runtime.ortlog import capture_ort_output
 from engines.runtime.pinned import HostAllocator, PageableAllocator, PinnedAllocator
@@ -36,6 +36,22 @@ def numpy_dtype(ort_type: str) -> type[np.generic]:
 
 
 TRT, CUDA, CPU = "TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"
+NO_CPU_FALLBACK = "session.disable_cpu_ep_fallback"
+CPU_NODES_REFUSED = "assigned to the default CPU EP"
+"""What ORT raises when disable_cpu_ep_fallback refuses a session ("This session contains graph nodes that are
+assigned to the default CPU EP, but fallback to CPU EP has been explicitly disabled", inference_session.cc)."""
+
+
+def artifact_dirs(settings: RuntimeSettings, model_dir: Path | None) -> tuple[Path, ...]:
+    """Folders whose files must not change while serving: TensorRT's (engine cache, context models) or the plugin
+    EP's EP-context artifacts (<model>/ep/<name>); a write there is an on-node build."""
+    if settings.plugin is not None and model_dir is not None:
+        from engines.artifacts import ep_dir
+
+        return (model_dir / ep_dir(settings.plugin.name),)
+    if TRT in settings.providers:
+        return enginecheck.watched_dirs(engine_cache_dir(settings, model_dir))
+    return ()
 
 
 def gpu_mem_limit(settings: RuntimeSettings, total_memory: int | None) -> int | None:
@@ -138,8 +154,7 @@ class Runtime:
         self.model_dir = model_dir
         self.total_memory = total_memory
         self.reports: dict[str, SessionReport] = {}
-        self._engine_dirs = (enginecheck.watched_dirs(engine_cache_dir(settings, model_dir))
-                             if TRT in settings.providers else ())
+        self._engine_dirs = artifact_dirs(settings, model_dir)
         self._after_load = enginecheck.snapshot(self._engine_dirs)
         self._host: HostAllocator | None = None
         self._staging: OrderedDict[tuple[str, tuple[int, ...], str], tuple[np.ndarray, ort.OrtValue]] = OrderedDict()
@@ -148,35 +163,44 @@ class Runtime:
             for line in preload(tensorrt=TRT in settings.providers):
                 log.info("preload: %s", line)
 
-    def _options(self) -> ort.SessionOptions:
+    def _options(self, audit_only: bool = False, extra: dict[str, str] | None = None) -> ort.SessionOptions:
+        """Session options under the policy; ``audit_only``: without disable_cpu_ep_fallback, to name the nodes a
+        refused session would have put on the CPU; ``extra``: more session config entries (an EP-context dump)."""
         so = ort.SessionOptions()
+        for key, value in (extra or {}).items():
+            so.add_session_config_entry(key, value)
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.log_severity_level = self.settings.ort_log_severity
         if self.settings.intra_op_threads:
             so.intra_op_num_threads = self.settings.intra_op_threads
-        if self.settings.placement_audit:
+        if self.settings.placement_audit or audit_only:
             so.add_session_config_entry(placement.CONFIG_KEY, "1")
-        if self.settings.disable_cpu_ep_fallback and not self.settings.allow_cpu:
-            so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+        if self.settings.disable_cpu_ep_fallback and not self.settings.allow_cpu and not audit_only:
+            so.add_session_config_entry(NO_CPU_FALLBACK, "1")
+        if self.settings.plugin is not None:
+            plugins.add_to(so, self.settings.plugin)
         return so
 
-    def session(self, model: Path | bytes, name: str) -> ort.InferenceSession:
+    def session(self, model: Path | bytes, name: str, extra: dict[str, str] | None = None) -> ort.InferenceSession:
         """A session on the component's providers, verified. Without allow_cpu: ORT's silent CPU retry is disabled,
         every provider asked for must be in use, nothing on the activation path may run on the CPU (placement by
         data flow), and a TensorRT component must load prebuilt engines (EP-context nodes, an unchanged cache)."""
         providers = session_providers(self.settings, isinstance(model, bytes), self.model_dir, self.total_memory)
+        if self.settings.plugin is not None:
+            providers = [(self.settings.plugin.name, dict(self.settings.plugin.options))]
         if TRT in [p for p, _ in providers] and not isinstance(model, bytes) and enginecheck.ep_context_nodes(model):
             providers = [(p, loading_prebuilt(o) if p == TRT else o) for p, o in providers]
         names = [p for p, _ in providers]
         report = SessionReport(name, names)
         self.reports[name] = report
-        if TRT in names:
+        plugin = self.settings.plugin
+        if TRT in names or (plugin is not None and plugin.require_artifacts and not isinstance(model, bytes)):
             report.events += enginecheck.ep_context_events(model, name)
             if not self.settings.allow_cpu:
-                enginecheck.gate(report.name, report.events, self.settings.tensorrt.forbid_engine_build)
-        before = enginecheck.snapshot(self._engine_dirs) if TRT in names else {}
-        sess = self._create(model, report, providers)
-        if TRT in names:
+                enginecheck.gate(report.name, report.events, forbid_builds(self.settings))
+        before = enginecheck.snapshot(self._engine_dirs)
+        sess = self._create(model, report, providers, extra)
+        if self._engine_dirs:
             self._after_load = enginecheck.snapshot(self._engine_dirs)
             report.events += enginecheck.cache_events(before, self._after_load, f"{name}: session creation")
         report.providers_used = list(sess.get_providers())
@@ -186,25 +210,52 @@ class Runtime:
         log.info("session %s on %s", name, report.providers_used)
         return sess
 
-    def _create(self, model: Path | bytes, report: SessionReport,
-                providers: list[tuple[str, dict[str, str]]]) -> ort.InferenceSession:
+    def _create(self, model: Path | bytes, report: SessionReport, providers: list[tuple[str, dict[str, str]]],
+                extra: dict[str, str] | None = None) -> ort.InferenceSession:
         names = [p for p, _ in providers]
-        kwargs: dict[str, Any] = {} if self.settings.allow_cpu else {"enable_fallback": 0}
-        source = model if isinstance(model, bytes) else str(model)
         error: Exception | None = None
         with capture_ort_output(report.name) as captured:
             try:
-                sess = ort.InferenceSession(source, sess_options=self._options(), providers=names,
-                                            provider_options=[o for _, o in providers], **kwargs)
+                sess = self._construct(model, providers, extra=extra)
             except Exception as exc:  # ORT raises RuntimeError/Fail/NoSuchFile, all plain Exceptions
                 error = exc
         report.log_lines, report.events = captured.lines, [*report.events, *captured.events]
         if error is not None:
             detail = "; ".join(e.line for e in captured.events if e.severity == "error") or str(error).strip()
-            if self.device == "cuda":
+            if CPU_NODES_REFUSED in str(error):
+                raise PlacementError(f"{report.name}: {self._cpu_nodes(model, providers)}") from error
+            if not isinstance(model, bytes) and enginecheck.ep_context_nodes(model):
+                raise ArtifactError(f"artifact mismatch: {report.name}: {names} cannot load the prebuilt EP-context "
+                                    f"model {model}: {detail[:400]}; rebuild it with `sdserve engines build` on "
+                                    "the deployed versions") from error
+            if self.device == "cuda" or self.settings.plugin is not None:
                 raise GpuUnavailableError(f"{report.name}: cannot create a session on {names}: {detail}") from error
             raise ModelLoadError(f"{report.name}: cannot create a session: {str(error).strip()}") from error
         return sess
+
+    def _construct(self, model: Path | bytes, providers: list[tuple[str, dict[str, str]]],
+                   audit_only: bool = False, extra: dict[str, str] | None = None) -> ort.InferenceSession:
+        kwargs: dict[str, Any] = {} if self.settings.allow_cpu else {"enable_fallback": 0}
+        source = model if isinstance(model, bytes) else str(model)
+        options = self._options(audit_only, None if audit_only else extra)
+        if self.settings.plugin is not None:  # the EP is in the options (add_provider_for_devices), not providers=
+            return ort.InferenceSession(source, sess_options=options, **kwargs)
+        return ort.InferenceSession(source, sess_options=options, providers=[p for p, _ in providers],
+                                    provider_options=[o for _, o in providers], **kwargs)
+
+    def _cpu_nodes(self, model: Path | bytes, providers: list[tuple[str, dict[str, str]]]) -> str:
+        """ORT refused the session (disable_cpu_ep_fallback) without naming a node: build it once more with CPU
+        fallback allowed and the assignment recorded, to name the nodes that would have run on the CPU."""
+        try:
+            with capture_ort_output("placement audit"):
+                sess = self._construct(model, providers, audit_only=True)
+            found = placement.audit(sess, "audit", model, classify=False)
+        except Exception as exc:  # the second build can fail for its own reasons; say so, still refuse
+            return f"{CPU_NODES_REFUSED} (the nodes could not be listed: {str(exc).strip()[:200]})"
+        named = ", ".join(f"{op} {name}" for op, name in found.cpu_named[:8])
+        more = f" and {len(found.cpu_named) - 8} more" if len(found.cpu_named) > 8 else ""
+        return (f"{len(found.cpu_named)} node(s) the accelerator leaves on the CPU, refused by "
+                f"session.disable_cpu_ep_fallback: {named}{more}")
 
     def check_engine_cache(self, stage: str) -> list[OrtEvent]:
         """Call after the first run at every served shape (the self-test warm-up): TensorRT builds an engine per
@@ -212,7 +263,7 @@ class Runtime:
         when the policy forbids on-node builds (and the profile does not allow the CPU); returns the events."""
         events = enginecheck.cache_events(self._after_load, enginecheck.snapshot(self._engine_dirs), stage)
         if events and not self.settings.allow_cpu:
-            enginecheck.gate(stage, events, self.settings.tensorrt.forbid_engine_build)
+            enginecheck.gate(stage, events, forbid_builds(self.settings))
         self._after_load = enginecheck.snapshot(self._engine_dirs)
         return events
 
@@ -249,6 +300,12 @@ class Runtime:
         self._staging.move_to_end(key)
         return self._staging[key]
 
+    def staged(self, tag: str, shape: tuple[int, ...], dtype: type[np.generic]) -> np.ndarray | None:
+        """The host staging array the pipeline used for (tag, shape, dtype), or None when it never staged one:
+        a check of what was bound must not create what it checks (``staging`` would allocate a fresh buffer)."""
+        found = self._staging.get((tag, shape, np.dtype(dtype).name))
+        return found[0] if found is not None else None
+
     def upload(self, tag: str, array: np.ndarray) -> ort.OrtValue:
         """Copy a host array into the reusable device buffer ``tag``; on a GPU through a pinned staging buffer."""
         value = self.buffer(tag, tuple(array.shape), array.dtype.type)
@@ -278,7 +335,12 @@ def enforce(report: SessionReport, settings: RuntimeSettings) -> None:
     p = report.placement
     if p is not None and not p.ok:
         raise PlacementError(f"{report.name}: {p.refusal()}")
-    enginecheck.gate(report.name, report.events, settings.tensorrt.forbid_engine_build)
+    enginecheck.gate(report.name, report.events, forbid_builds(settings))
+
+
+def forbid_builds(settings: RuntimeSettings) -> bool:
+    """Whether an on-node build is refused: the plugin EP's require_artifacts, else TensorRT's forbid_engine_build."""
+    return settings.plugin.require_artifacts if settings.plugin is not None else settings.tensorrt.forbid_engine_build
 
 
 def _require_providers(report: SessionReport) -> None:

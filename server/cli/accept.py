@@ -15,6 +15,7 @@ from engines.factory import accept
 from server.bootstrap import BootConfig
 from server.cli.common import DEFAULT_MODEL
 from server.exitcodes import ExitCode
+from server.settings import PROFILES
 
 log = logging.getLogger("sdserve")
 
@@ -57,7 +58,7 @@ def register(sub: Any) -> None:
     p.add_argument("--model", type=Path, default=None,
                    help="ONNX model folder to accept (default: build the SD 1.5-architecture model with random "
                         "weights on the node; needed for the torch reference)")
-    p.add_argument("--profile", choices=["dev", "production"], default="production")
+    p.add_argument("--profile", choices=PROFILES, default="production")
     p.add_argument("--config", type=Path, default=None, help="a profile TOML file instead of configs/<profile>.toml")
     p.add_argument("--matrix", type=Path, default=None, help="version matrix TOML (default: configs/matrix.toml)")
     p.add_argument("--device-id", type=int, default=None, help="CUDA device to accept")

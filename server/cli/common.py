@@ -7,12 +7,13 @@ import os
 from pathlib import Path
 
 from server.bootstrap import BootConfig
+from server.settings import PROFILES
 
 DEFAULT_MODEL = Path("models/tiny")
 
 
 def add_boot_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--profile", choices=["dev", "production"], default="production",
+    p.add_argument("--profile", choices=PROFILES, default="production",
                    help="settings profile from configs/ (default: production)")
     p.add_argument("--config", type=Path, default=None, help="a profile TOML file instead of configs/<profile>.toml")
     p.add_argument("--model", type=Path, default=Path(os.environ.get("SDSERVE_MODEL", DEFAULT_MODEL)),

@@ -14,6 +14,7 @@ import yaml
 
 from engines.config import Matrix, version_tuple
 from server.bootstrap import settings_matrix
+from server.cli import imagelock, imagerecord
 from server.settings import Settings, load_settings
 
 log = logging.getLogger("sdserve")
@@ -83,6 +84,34 @@ def deployment(settings: Settings, matrix: Matrix, image: str, color: str, start
                                 {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}]}}}}
 
 
+DEV_IMAGE = "sdserve:0.1.0-notrt"
+HEALTHCHECK = ["python", "/opt/sdserve/healthcheck.py"]
+
+
+def dev_overlay(deploy: dict[str, Any], settings: Settings) -> dict[str, Any]:
+    """The Deployment for a laptop or a CI machine (`podman kube play`): the dev profile on the CPU, one replica,
+    the -notrt image, no GPU scheduling. Probes are the image's healthcheck run in the container (same /ready and
+    /health semantics): podman turns an httpGet probe into `curl` inside the container, and the image has no curl.
+    Storage and the securityContext stay exactly as in production."""
+    dev: dict[str, Any] = json.loads(json.dumps(deploy))
+    dev["metadata"]["name"] = f"{APP}-dev"
+    spec = dev["spec"]
+    spec["replicas"] = 1
+    pod = spec["template"]["spec"]
+    for key in ("runtimeClassName", "affinity", "tolerations"):
+        pod.pop(key)
+    pod["terminationGracePeriodSeconds"] = int(settings.queue.drain_timeout_s) + 30
+    c = pod["containers"][0]
+    c["image"] = DEV_IMAGE
+    c["args"] = ["--profile", "dev", "--model", "/models/model", "--port", str(PORT)]
+    c["resources"] = {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "4Gi"}}
+    for name, probe in (("startupProbe", c["startupProbe"]), ("readinessProbe", c["readinessProbe"])):
+        c[name] = {**{k: v for k, v in probe.items() if k != "httpGet"}, "exec": {"command": list(HEALTHCHECK)}}
+    c["livenessProbe"] = {**{k: v for k, v in c["livenessProbe"].items() if k != "httpGet"},
+                          "exec": {"command": [*HEALTHCHECK, "/health"]}}
+    return dev
+
+
 def service(active: str) -> dict[str, Any]:
     selector = {k: v for k, v in _labels(active).items()}
     return {"apiVersion": "v1", "kind": "Service",
@@ -116,8 +145,9 @@ def service_monitor() -> dict[str, Any]:
 
 def render(settings: Settings, matrix: Matrix, image: str, color: str = "blue", active: str = "blue",
            startup_budget_s: int = 900, replicas: int = 2) -> dict[str, list[dict[str, Any]]]:
-    """File name -> manifests."""
-    return {"deployment.yaml": [deployment(settings, matrix, image, color, startup_budget_s, replicas)],
+    """File name -> manifests (dev/deployment.yaml: the dev overlay of the Deployment)."""
+    deploy = deployment(settings, matrix, image, color, startup_budget_s, replicas)
+    return {"deployment.yaml": [deploy], "dev/deployment.yaml": [dev_overlay(deploy, load_settings("dev", None))],
             "service.yaml": [service(active)], "pdb.yaml": [pdb(color)], "hpa.yaml": [hpa(color, settings)],
             "servicemonitor.yaml": [service_monitor()]}
 
@@ -161,6 +191,7 @@ def write(out: Path, rendered: dict[str, list[dict[str, Any]]]) -> list[Path]:
     written = []
     for name, docs in rendered.items():
         path = out / name
+        path.parent.mkdir(parents=True, exist_ok=True)
         header = "# Rendered by `sdserve deploy render` from configs/ and the version matrix. Do not edit by hand.\n"
         path.write_text(header + yaml.safe_dump_all(docs, sort_keys=True), encoding="utf-8")
         written.append(path)
@@ -174,8 +205,11 @@ def write_dashboard(path: Path) -> Path:
 
 
 def register(sub: Any) -> None:
-    deploy = sub.add_parser("deploy", help="render Kubernetes manifests and the Grafana dashboard")
-    p = deploy.add_subparsers(dest="deploy_cmd", required=True).add_parser("render")
+    deploy = sub.add_parser("deploy", help="render Kubernetes manifests and the Grafana dashboard; lock the image")
+    commands = deploy.add_subparsers(dest="deploy_cmd", required=True)
+    register_lock(commands)
+    register_record(commands)
+    p = commands.add_parser("render")
     p.add_argument("--profile", choices=["dev", "production"], default="production")
     p.add_argument("--config", type=Path, default=None)
     p.add_argument("--matrix", type=Path, default=None)
@@ -194,4 +228,43 @@ def run(args: argparse.Namespace) -> int:
                       args.startup_budget_s)
     for path in [*write(args.out, rendered), write_dashboard(args.dashboard)]:
         log.info("wrote %s", path)
+    return 0
+
+
+def register_lock(commands: Any) -> None:
+    p = commands.add_parser("lock", help="resolve the image's runtime closure from the matrix and freeze it with "
+                                         "hashes (deploy/image/*.lock)")
+    p.add_argument("--matrix", type=Path, default=None)
+    p.add_argument("--pyproject", type=Path, default=Path("pyproject.toml"))
+    p.add_argument("--out", type=Path, default=imagelock.LOCK_DIR)
+    p.add_argument("--cert", default=None, help="TLS bundle pip trusts (default: pip's own)")
+    p.add_argument("--tensorrt-index", default=None,
+                   help="NVIDIA's Python package index: also lock the TensorRT libraries from it")
+    p.set_defaults(run=run_lock)
+
+
+def run_lock(args: argparse.Namespace) -> int:
+    matrix = settings_matrix(load_settings("production", None), args.matrix)
+    for path in imagelock.write_locks(args.out, args.pyproject, matrix, args.cert, args.tensorrt_index):
+        log.info("wrote %s", path)
+    return 0
+
+
+def register_record(commands: Any) -> None:
+    p = commands.add_parser("record", help="the content record of a built image: digest, pip freeze, file-list "
+                                           "digest, doctor snapshot of a boot inside it")
+    p.add_argument("--engine", default="podman", help="docker or podman")
+    p.add_argument("--image", required=True)
+    p.add_argument("--model", type=Path, default=Path("models/tiny"), help="model folder the doctor boot mounts")
+    p.add_argument("--run-flags", default="", help="extra flags for `ENGINE run` (e.g. podman's --runtime)")
+    p.add_argument("--profile", choices=["dev", "production"], default="dev",
+                   help="profile of the doctor boot (production on a GPU node, with the engine's GPU flags)")
+    p.add_argument("--out", type=Path, required=True)
+    p.set_defaults(run=run_record)
+
+
+def run_record(args: argparse.Namespace) -> int:
+    record = imagerecord.build(args.engine, args.image, args.model, args.run_flags.split(), args.profile)
+    log.info("wrote %s (image %s, %d packages, doctor exit %s)", imagerecord.write(args.out, record),
+             record["digest"] or record["id"], len(record["freeze"]), record["doctor"]["exit_code"]["code"])
     return 0

@@ -30,7 +30,8 @@ def register(sub: Any) -> None:
     opt.add_argument("--target", choices=["cpu", "cuda"], default="cpu", help="cuda enables CUDA-only fused ops")
     opt.add_argument("--fp16", action="store_true", help="convert to fp16 (fp32 keep-list for overflow-prone ops)")
     opt.add_argument("--vae-fp16", action="store_true", help="also convert the VAE (kept fp32 by default)")
-    build = engines.add_parser("build", help="TensorRT engines for the profile's served shapes (GPU node)")
+    build = engines.add_parser("build", help="EP-context artifacts for the profile's served shapes: TensorRT engines "
+                                             "(GPU node), or the profile's plugin EP (e.g. --profile openvino)")
     add_boot_args(build)
     build.add_argument("--dry-run", action="store_true", help="print the provider options and artifact plan")
     build.add_argument("--int8", action="store_true", help="INT8 engines (needs a passed accuracy gate)")
@@ -45,6 +46,26 @@ def register(sub: Any) -> None:
         p.set_defaults(run=run)
 
 
+DIFFUSERS_PARTS = ("model_index.json", "text_encoder/config.json", "unet/config.json", "vae/config.json")
+"""What a diffusers Stable Diffusion folder has (save_pretrained's layout) and `engines export` reads."""
+
+
+def check_diffusers_folder(src: Path) -> None:
+    """Exit 11 (MODEL_INVALID), naming what is wrong, for an export source that is not a diffusers folder: missing,
+    an sdserve ONNX model already (models/tiny), or lacking the parts export reads."""
+    from engines.errors import ModelLoadError
+
+    if not src.is_dir():
+        raise ModelLoadError(f"--from {src}: not a folder (give a local diffusers Stable Diffusion folder)")
+    if (src / "manifest.json").exists() or (src / "unet" / "model.onnx").exists():
+        raise ModelLoadError(f"--from {src}: this is an sdserve ONNX model folder already (serve it with "
+                             f"`sdserve serve --model {src}`); export reads a diffusers folder (text_encoder/, "
+                             "unet/, vae/ with their config.json and weights)")
+    missing = [part for part in DIFFUSERS_PARTS if not (src / part).is_file()]
+    if missing:
+        raise ModelLoadError(f"--from {src}: not a diffusers Stable Diffusion folder, missing {missing}")
+
+
 def run(args: argparse.Namespace) -> int:
     import json
 
@@ -55,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.engines_cmd == "export":
         from engines.build.export import export_folder
 
+        check_diffusers_folder(args.src)
         out = export_folder(args.src, args.out)
     elif args.engines_cmd == "optimize":
         from engines.build.optimize import optimize_folder
@@ -97,6 +119,8 @@ def _build_engines(args: argparse.Namespace) -> int:
 
     boot = boot_config(args)
     settings = boot.settings
+    if settings.runtime.plugin is not None:
+        return _build_plugin(args, boot)
     # Refused before anything else, dry runs included: a plan for a graph TensorRT cannot import is no plan.
     trtplan.refuse_unimportable(args.model)
     if args.int8:
@@ -128,6 +152,30 @@ def _build_on_gpu(args: argparse.Namespace, boot: Any, plan: dict[str, Any]) -> 
     engine = replace(boot, settings=settings.model_copy(update={"runtime": gpu})).engine()
     engine.preflight()
     observations = engine.capabilities().observations
-    manifest = build(args.model, plan, observations.model_dump() if observations else {}, settings.runtime.device_id)
+    # The manifest binds the engines to the served card by its NVML index, matched by PCI bus id (never the ordinal).
+    manifest = build(args.model, plan, observations.model_dump() if observations else {}, engine.nvml_index())
     log.info("engines and manifest written: %s", manifest)
+    return 0
+
+
+def _build_plugin(args: argparse.Namespace, boot: Any) -> int:
+    """EP-context artifacts for the profile's plugin EP (engines/build/epctx.py), after the profile's preflight
+    (the plugin registers, at the version the matrix pins)."""
+    import json
+
+    from engines.build import epctx
+    from engines.config import parse_size
+
+    settings = boot.settings
+    native = _native_size(args.model)
+    sizes = [f"{w}x{h}" for w, h in map(parse_size, settings.serving.sizes)] or [f"{native}x{native}"]
+    plugin = settings.runtime.plugin
+    if args.dry_run:
+        print(json.dumps(epctx.plan(args.model, plugin, sizes), indent=2))
+        return 0
+    engine = boot.engine()
+    engine.preflight()
+    observations = engine.capabilities().observations
+    manifest = epctx.build(args.model, settings.runtime, sizes, observations.model_dump() if observations else {})
+    log.info("EP-context artifacts and manifest written: %s", manifest)
     return 0

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from engines.errors import ConfigError
+from server.cli import imagerecord
 from server.exitcodes import ExitCode
 
 
@@ -22,7 +23,7 @@ class Row:
     baseline: str
     candidate: str
     verdict: str
-    """ok, changed (reported, not failing) or REGRESSION."""
+    """ok, changed or not comparable (reported, not failing), or REGRESSION."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,11 @@ def _snapshot(base: dict[str, Any], cand: dict[str, Any]) -> list[Row]:
     b, c = base.get("capabilities", {}), cand.get("capabilities", {})
     rows = []
     for component in sorted(set(b.get("providers", {})) | set(c.get("providers", {}))):
-        pb = (b.get("providers", {}).get(component) or ["none"])[0]
+        if component not in b.get("providers", {}):  # a session the old baseline did not have: nothing to hold
+            pc = (c["providers"][component] or ["none"])[0]
+            rows.append(Row(f"provider {component}", "absent", pc, "not comparable"))
+            continue
+        pb = (b["providers"][component] or ["none"])[0]
         pc = (c.get("providers", {}).get(component) or ["none"])[0]
         rows.append(Row(f"provider {component}", pb, pc, "ok" if pb == pc else "REGRESSION"))
     if b.get("accelerated") and not c.get("accelerated"):
@@ -109,11 +114,14 @@ def render(rows: list[Row]) -> str:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(cells, widths, strict=True)))
     failed = sum(r.verdict == "REGRESSION" for r in rows)
     lines.append(f"\n{failed} regression(s)" if failed else "\nno regression: the candidate may take traffic")
+    new = sum(r.verdict == "not comparable" for r in rows)
+    if new:
+        lines.append(f"{new} check(s) not comparable: the baseline predates them (record a new baseline)")
     return "\n".join(lines)
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("gate", help="compare two bench results; exit non-zero on regression")
+    p = sub.add_parser("gate", help="compare two bench results (or two image records); exit non-zero on regression")
     p.add_argument("--baseline", type=Path, required=True)
     p.add_argument("--candidate", type=Path, required=True)
     p.add_argument("--p95-tolerance", type=float, default=0.10, help="allowed p95 increase (fraction)")
@@ -124,6 +132,12 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     tol = Tolerances(args.p95_tolerance, args.throughput_tolerance, fingerprint=args.fingerprint_tolerance)
-    rows = compare(load(args.baseline), load(args.candidate), tol)
+    records = (imagerecord.read(args.baseline), imagerecord.read(args.candidate))
+    if any(records):  # two images' content records (`sdserve deploy record`), not bench results
+        if not all(records):
+            raise ConfigError("gate compares two bench results or two image records, not one of each")
+        rows = [Row(*row) for row in imagerecord.compare(*records)]  # type: ignore[arg-type]
+    else:
+        rows = compare(load(args.baseline), load(args.candidate), tol)
     print(render(rows))
     return int(ExitCode.GATE_REGRESSION) if any(r.verdict == "REGRESSION" for r in rows) else 0

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from server.cli.common import add_boot_args, boot_config
+from server.cli.serve import check_model_folder
 
 log = logging.getLogger("sdserve")
 
@@ -33,9 +34,11 @@ def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from engines.errors import GpuUnavailableError, InvalidRequestError
+    from server.request_rules import build_batch
     from server.schemas import ImageGenerationRequest
-    from server.service import build_batch, encode_png
+    from server.service import encode_png
 
+    check_model_folder(args.model)  # exit 11 for a missing folder, as `serve` does
     boot = boot_config(args)  # every option is checked before anything loads
     try:
         req = ImageGenerationRequest.model_validate(

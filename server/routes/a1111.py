@@ -14,6 +14,7 @@ from engines.errors import InvalidRequestError
 from engines.protocol import ModelInfo
 from server.a1111_options import OptionsStore
 from server.middleware import api_key_id
+from server.routes.a1111_infotext import generation_info
 from server.schemas import ImageGenerationRequest, Prompt, Text, error_responses
 from server.service import b64
 
@@ -91,12 +92,29 @@ class Txt2ImgRequest(BaseModel):
     override_settings_restore_afterwards: bool = True
 
     def refuse_unsupported(self) -> None:
-        for name in ("enable_hr", "restore_faces", "tiling", "script_name", "alwayson_scripts"):
+        """Rule 1 (server/request_rules.py): a feature whose ignoring would return an image the client did not ask
+        for is a 422 naming it; the same fields when off, and the others A1111 clients send, are accepted."""
+        for name, why in REFUSED.items():
             if getattr(self, name):
-                raise InvalidRequestError(f"{name} is not supported by sdserve", param=name)
+                raise InvalidRequestError(f"{name} is not supported by sdserve: {why}", param=name)
         if self.styles:
             raise InvalidRequestError(f"unknown style {self.styles[0][:64]!r}: sdserve has no styles "
                                       "(GET /sdapi/v1/prompt-styles lists none)", param="styles")
+        for name, neutral in NEUTRAL.items():
+            value = (self.model_extra or {}).get(name)
+            if value is not None and (type(value) is bool or value not in neutral):
+                raise InvalidRequestError(f"{name} {value!r} is not supported by sdserve (only {neutral[0]!r}): "
+                                          "ignoring it would change the image", param=name)
+
+
+REFUSED = {"enable_hr": "no hires fix (the image would come back at the first-pass size)",
+           "restore_faces": "no face restoration model", "tiling": "no seamless tiling (the image would not tile)",
+           "script_name": "no scripts", "alwayson_scripts": "no extensions"}
+"""Features sdserve does not implement, refused when on, and why."""
+NEUTRAL: dict[str, tuple[object, ...]] = {"subseed_strength": (0, 0.0), "clip_skip": (1, 0),
+                                          "seed_resize_from_w": (-1, 0), "seed_resize_from_h": (-1, 0)}
+"""Undeclared A1111 fields accepted (and named as ignored) only at values that leave the image as sdserve makes
+it: webuiapi's and SillyTavern's defaults."""
 
 
 class Txt2ImgResponse(BaseModel):
@@ -116,10 +134,12 @@ def _split_schedule(name: str) -> tuple[str, str | None]:
     return name, None
 
 
-def resolve_sampler(name: str, schedule: str | None = None) -> str:
+def resolve_sampler(name: str, schedule: str | None = None, notes: list[str] | None = None) -> str:
     """The API scheduler name for an A1111 sampler name or alias and schedule type ("DPM++ 2M", "Karras" ->
-    "dpmpp_2m_karras"); a schedule in the name wins, as in A1111. Raises InvalidRequestError (422) naming what is
-    refused and listing what is served."""
+    "dpmpp_2m_karras"); a schedule in the name wins, as in A1111. An unknown sampler is a 422 naming what is
+    refused and listing what is served. A schedule sdserve does not serve, or one the sampler takes none of (DDIM,
+    PLMS), is a 422 too, unless ``notes`` is given: then it falls back to Automatic as A1111's
+    get_sampler_and_scheduler does for a scheduler it cannot use, and the fallback is appended to ``notes``."""
     base, suffix = _split_schedule(name)
     label = _BY_NAME.get(base.lower())
     if label is None:
@@ -132,8 +152,13 @@ def resolve_sampler(name: str, schedule: str | None = None) -> str:
     known = _SCHEDULE_BY_NAME.get(wanted.lower())
     if known is None or (ours in FIXED_SCHEDULE and known != "Automatic"):
         offered = ["Automatic"] if ours in FIXED_SCHEDULE else list(SCHEDULES)
-        raise InvalidRequestError(f"scheduler {wanted!r} is not supported with {label}; available: {offered}",
-                                  param="scheduler")
+        if notes is None:
+            raise InvalidRequestError(f"scheduler {wanted!r} is not supported with {label}; available: {offered}",
+                                      param="scheduler")
+        why = "it takes no schedule type" if ours in FIXED_SCHEDULE else f"sdserve serves {offered}"
+        notes.append(f"scheduler {wanted[:64]!r} ignored for {label} ({why}): used Automatic, as A1111 does "
+                     "for a scheduler it cannot use")
+        known = "Automatic"
     chosen = SCHEDULES[known][0] or automatic
     return f"{ours}_{chosen}" if chosen else ours
 
@@ -145,30 +170,25 @@ def sampler_label(ours: str) -> str:
     return next(name for name, (base, _, _) in SAMPLERS.items() if base == ours)
 
 
-def _sampler(req: Txt2ImgRequest) -> str | None:
+def _sampler(req: Txt2ImgRequest, notes: list[str]) -> str | None:
     name = req.sampler_name or req.sampler_index
     if name is None:
         if (req.scheduler or "automatic").lower() != "automatic":
             raise InvalidRequestError("a scheduler other than Automatic needs a sampler_name", param="scheduler")
         return None
-    return resolve_sampler(name, req.scheduler)
+    return resolve_sampler(name, req.scheduler, notes)
 
 
-def _openai_request(req: Txt2ImgRequest, seed: int) -> ImageGenerationRequest:
+def _openai_request(req: Txt2ImgRequest, seed: int, scheduler: str | None) -> ImageGenerationRequest:
     """The A1111 fields as the one request model the service validates (size built from the integers)."""
     size = f"{req.width}x{req.height}" if req.width is not None and req.height is not None else None
     return ImageGenerationRequest.model_construct(
         prompt=req.prompt, negative_prompt=req.negative_prompt, n=req.batch_size, size=size, seed=seed % 2**32,
-        steps=req.steps, guidance_scale=req.cfg_scale, scheduler=_sampler(req), response_format="b64_json",
-        model=None, user=None, quality=None, style=None)
+        steps=req.steps, guidance_scale=req.cfg_scale, scheduler=scheduler, response_format="b64_json",
+        model=None, user=None, quality=None, style=None, original_size=None, crops_coords_top_left=None)
 
 
-@router.post("/txt2img", response_model=Txt2ImgResponse,
-             responses=error_responses(400, 401, 413, 422, 429, 500, 503, 504, validation=True))
-async def txt2img(req: Txt2ImgRequest, request: Request, response: Response) -> Txt2ImgResponse:
-    """batch_size images per iteration, n_iter iterations; image i uses seed + i."""
-    service = request.app.state.service
-    service.require_ready()
+def _check(req: Txt2ImgRequest, request: Request) -> None:
     req.refuse_unsupported()
     OptionsStore().check(req.override_settings, request.app.state.engine.info, "override_settings.")
     max_n = request.app.state.settings.limits.max_n
@@ -177,28 +197,38 @@ async def txt2img(req: Txt2ImgRequest, request: Request, response: Response) -> 
             raise InvalidRequestError(f"{name} must be at most {max_n}, got {value}", param=name)
     if (req.width is None) != (req.height is None):
         raise InvalidRequestError("give both width and height, or neither", param="width")
+
+
+@router.post("/txt2img", response_model=Txt2ImgResponse,
+             responses=error_responses(400, 401, 413, 422, 429, 500, 503, 504, validation=True))
+async def txt2img(req: Txt2ImgRequest, request: Request, response: Response) -> Txt2ImgResponse:
+    """batch_size images per iteration, n_iter iterations; image i uses seed + i."""
+    service = request.app.state.service
+    service.require_ready()
+    _check(req, request)
+    notes: list[str] = []
+    scheduler = _sampler(req, notes)
     seed = req.seed if req.seed >= 0 else secrets.randbelow(2**32 - 1024)
-    batches = [service.to_batch(_openai_request(req, seed + i * req.batch_size)) for i in range(req.n_iter)]
+    batches = [service.to_batch(_openai_request(req, seed + i * req.batch_size, scheduler))
+               for i in range(req.n_iter)]
     timeout = request.headers.get("x-sdserve-timeout-s")
     owner = api_key_id(request.scope)
     outs = await service.run_all(batches, timeout, request.is_disconnected, owner)  # n_iter: one after another
     outs[-1].trace_headers(response)
     ignored = sorted(req.model_extra or {})
-    warnings = outs[0].warnings + ([f"ignored A1111 fields: {', '.join(ignored)}"] if ignored else [])
+    warnings = outs[0].warnings + notes + ([f"ignored A1111 fields: {', '.join(ignored)}"] if ignored else [])
     if ignored:  # a header carries printable ASCII only; the info JSON has every name
         response.headers["x-sdserve-ignored-fields"] = ",".join(
             n if n.isascii() and n.isprintable() else "?" for n in ignored)[:1000]
-    first = batches[0]
-    seeds = [g.seed for out in outs for g in out.result.images]
-    info = {"prompt": req.prompt, "negative_prompt": req.negative_prompt, "seed": seeds[0], "all_seeds": seeds,
-            "all_prompts": [req.prompt] * len(seeds), "width": first.width, "height": first.height,
-            "sampler_name": sampler_label(first.scheduler), "cfg_scale":
-            first.images[0].guidance_scale, "steps": first.steps, "batch_size": req.batch_size, "n_iter": req.n_iter,
-            "sd_model_name": request.app.state.engine.info.name, "warnings": warnings,
-            "interrupted": any(out.result.interrupted for out in outs),
-            "steps_done": min(out.result.steps_done or first.steps for out in outs)}
-    if info["interrupted"]:
-        response.headers["x-sdserve-interrupted"] = f"{info['steps_done']}/{first.steps}"
+    if notes:
+        response.headers["x-sdserve-warnings"] = "; ".join(warnings)
+    interrupted = any(out.result.interrupted for out in outs)
+    steps_done = min(out.result.steps_done or batches[0].steps for out in outs)
+    info = generation_info(req.prompt, req.negative_prompt, batches, outs, request.app.state.engine.info,
+                           sampler_label(batches[0].scheduler), {"warnings": warnings, "interrupted": interrupted,
+                                                                 "steps_done": steps_done})
+    if interrupted:
+        response.headers["x-sdserve-interrupted"] = f"{steps_done}/{batches[0].steps}"
     return Txt2ImgResponse(images=[b64(p) for out in outs for p in out.pngs],
                            parameters=req.model_dump(exclude=set(ignored)), info=json.dumps(info))
 

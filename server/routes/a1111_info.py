@@ -35,7 +35,7 @@ from fastapi import APIRouter, FastAPI, Request, Response
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
-from server.a1111_options import OptionsStore
+from server.a1111_options import OptionsStore, model_title
 from server.batcher import Progress
 from server.routes.a1111 import SCHEDULES
 
@@ -205,6 +205,35 @@ async def embeddings() -> dict[str, dict[str, Any]]:
 @router.post("/refresh-loras")
 async def refresh() -> None:
     """A no-op, answered as A1111 does (null): one model is served per process, fixed at boot."""
+
+
+class CheckpointAnswer(BaseModel):
+    """A1111 answers ``{}``; sdserve says what happened to the one model it serves."""
+
+    resident: bool = Field(description="true: the served model stays loaded (sdserve never unloads it)")
+    model: str = Field(description="the served model's A1111 title")
+    detail: str
+
+
+RESIDENT = ("sdserve keeps its one model resident for the life of the process: it was proven at boot (placement, "
+            "canaries), and unloading it would take /ready down until a reload proved it again")
+
+
+@router.post("/unload-checkpoint", response_model=CheckpointAnswer)
+async def unload_checkpoint(request: Request, response: Response) -> CheckpointAnswer:
+    """A1111 frees the model's memory (text-generation-webui's sd_api_pictures asks before its LLM runs); sdserve
+    does not, and says so: nothing is freed, the next generation needs no reload."""
+    response.headers["x-sdserve-resident"] = "true"
+    return CheckpointAnswer(resident=True, model=model_title(request.app.state.engine.info),
+                            detail=f"not unloaded: {RESIDENT}; no device memory was freed")
+
+
+@router.post("/reload-checkpoint", response_model=CheckpointAnswer)
+async def reload_checkpoint(request: Request, response: Response) -> CheckpointAnswer:
+    """A1111 moves the model back to the device; sdserve's model never left it."""
+    response.headers["x-sdserve-resident"] = "true"
+    return CheckpointAnswer(resident=True, model=model_title(request.app.state.engine.info),
+                            detail=f"already loaded: {RESIDENT}")
 
 
 @router.get("/cmd-flags")

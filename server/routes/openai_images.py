@@ -1,53 +1,65 @@
-"""OpenAI Images API: POST /v1/images/generations (b64_json or url), GET /v1/images/files/{id}.png, and
-GET /v1/models (the served model with its family)."""
+"""OpenAI Images API: POST /v1/images/generations (b64_json or url, png/jpeg/webp), GET /v1/images/files/{name},
+and GET /v1/models (the served model with its family)."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, HTTPException, Request, Response
 
+from server.encoding import ImageFormat, media_type_of
+from server.links import image_link, link_base
 from server.middleware import api_key_id
+from server.request_rules import alias_models, openai_notes, response_format
 from server.schemas import ImageData, ImageGenerationRequest, ImagesResponse, error_responses
-from server.service import alias_models, b64
+from server.service import b64
 
 router = APIRouter(tags=["openai"])
-
-
-def image_link(request: Request, image_id: str) -> str:
-    """The configured public base URL + the file's path, or the path alone: never built from the Host header,
-    which the client chooses."""
-    path = request.app.url_path_for("image_file", image_id=image_id)
-    base: str = request.app.state.settings.server.public_base_url
-    return base.rstrip("/") + str(path)
+__all__ = ["image_link", "link_base", "router"]
+"""image_link and link_base live in server/links.py; named here too for routes that imported them from here."""
 
 
 @router.post("/v1/images/generations", response_model=ImagesResponse, response_model_exclude_none=True,
              responses=error_responses(400, 401, 413, 429, 500, 503, 504))
 async def generate_images(req: ImageGenerationRequest, request: Request, response: Response) -> ImagesResponse:
-    """Generate ``n`` images for ``prompt``; same seed, same request -> byte-identical PNGs."""
+    """Generate ``n`` images for ``prompt``; same seed, same request -> byte-identical images."""
     service = request.app.state.service
     service.require_ready()
+    notes = openai_notes(req)
     batch = service.to_batch(req)
+    as_url = response_format(req) == "url"
+    if as_url:
+        link_base(request, request.app.state.settings.server)  # refuse a Host we cannot link to before computing
+    fmt = ImageFormat(req.output_format or "png", 100 if req.output_compression is None else req.output_compression)
     out = await service.run(batch, request.headers.get("x-sdserve-timeout-s"), request.is_disconnected,
-                            api_key_id(request.scope))
+                            api_key_id(request.scope), fmt.encode)
     out.trace_headers(response)
+    warnings = out.warnings + notes.warnings
+    response.headers.update(notes.headers())
+    if warnings:
+        response.headers["x-sdserve-warnings"] = "; ".join(warnings)
     if out.result.interrupted:  # POST /sdapi/v1/interrupt by the same caller: decoded from the latents so far
         response.headers["x-sdserve-interrupted"] = f"{out.result.steps_done}/{batch.steps}"
-    if req.response_format == "url":
+    if as_url:
         store = request.app.state.image_store
-        data = [ImageData(url=image_link(request, store.put(p))) for p in out.pngs]
+        data = [ImageData(url=image_link(request, store.put(p, fmt.name))) for p in out.pngs]
     else:
         data = [ImageData(b64_json=b64(p)) for p in out.pngs]
-    return ImagesResponse(created=int(time.time()), data=data)
+    return ImagesResponse(created=int(time.time()), data=data, output_format=fmt.name,
+                          size=f"{batch.width}x{batch.height}", background="opaque", warnings=warnings or None)
 
 
-@router.get("/v1/images/files/{image_id}.png", name="image_file", response_class=Response,
-            responses={200: {"content": {"image/png": {}}}, **error_responses(404)})
+@router.get("/v1/images/files/{image_id}", name="image_file", response_class=Response,
+            responses={200: {"content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}}},
+                       **error_responses(404)})
 async def image_file(image_id: str, request: Request) -> Response:
-    """An image from a `response_format: url` response; kept for a short time in a bounded store."""
-    return Response(request.app.state.image_store.get(image_id), media_type="image/png")
+    """An image from a `response_format: url` response (``<id>.png``, ``.jpeg`` or ``.webp``); kept for a short
+    time in a bounded store."""
+    media_type = media_type_of(image_id)
+    if media_type is None:
+        raise HTTPException(404, "image not found or expired")
+    return Response(request.app.state.image_store.get(image_id), media_type=media_type)
 
 
 @router.get("/v1/models")

@@ -21,13 +21,14 @@ GEN = "/v1/images/generations"
 
 
 def test_openai_client_url_format_serves_short_lived_pngs(dev_server: str) -> None:
+    """The SDK user's url flow as written: generate with response_format url, then httpx.get(url) as returned."""
     client = openai.OpenAI(base_url=f"{dev_server}/v1", api_key="unused", max_retries=0)
     result = client.images.generate(prompt="a kite", n=2, size="64x64", response_format="url",  # type: ignore[arg-type]
                                     extra_body={"steps": 4})
     assert len(result.data) == 2
     for item in result.data:
-        assert item.url is not None and item.url.startswith("/v1/images/files/")  # no public_base_url: relative
-        png = httpx.get(f"{dev_server}{item.url}")
+        assert item.url is not None and item.url.startswith(f"{dev_server}/v1/images/files/")  # absolute
+        png = httpx.get(item.url)
         assert png.status_code == 200 and png.headers["content-type"] == "image/png"
         with Image.open(io.BytesIO(png.content)) as image:
             assert image.size == (64, 64)

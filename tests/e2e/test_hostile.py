@@ -153,13 +153,17 @@ def test_connections_over_the_cap_evict_the_oldest_slow_body_so_probes_answer(bo
     _wait_ready_body(bounded.url or "", lambda b: b["state"] == "ready")
 
 
-def test_forged_host_gets_relative_links_and_no_server_header(bounded: ServerProcess) -> None:
+def test_forged_host_gets_no_link_and_no_server_header(bounded: ServerProcess) -> None:
+    """A spoofed Host is refused for url responses (never reflected into a link); the bound host gets an absolute
+    link that serves the PNG."""
     response = httpx.post(f"{bounded.url}{GEN}", json={**OK_BODY, "response_format": "url"},
                           headers={"host": "evil.example"}, timeout=30)
-    assert response.status_code == 200
-    link = response.json()["data"][0]["url"]
-    assert link.startswith("/v1/images/files/") and "evil" not in link
-    png = httpx.get(f"{bounded.url}{link}")
+    assert response.status_code == 400 and response.json()["error"]["param"] == "response_format"
+    assert "evil.example" in response.json()["error"]["message"] and "public_base_url" in response.text
+    ok = httpx.post(f"{bounded.url}{GEN}", json={**OK_BODY, "response_format": "url"}, timeout=30)
+    link = ok.json()["data"][0]["url"]
+    assert link.startswith(f"{bounded.url}/v1/images/files/") and "evil" not in link
+    png = httpx.get(link)
     assert png.status_code == 200 and png.content.startswith(b"\x89PNG")
     assert "server" not in response.headers and "server" not in png.headers
 

@@ -70,7 +70,8 @@ def test_an_unknown_model_is_a_400_naming_the_served_ids(dev_server: str) -> Non
 def test_models_list_has_the_served_model_and_the_aliases(dev_server: str) -> None:
     with _client(dev_server) as client:
         models = {m.id: m for m in client.models.list()}
-    assert list(models) == [_served(dev_server), "dall-e-2", "dall-e-3", "gpt-image-1"]
+    assert list(models) == [_served(dev_server), "dall-e-2", "dall-e-3", "gpt-image-1", "gpt-image-1-mini",
+                            "gpt-image-1.5"]
     assert all(m.owned_by == "sdserve" and m.object == "model" for m in models.values())
 
 

@@ -261,3 +261,23 @@ def test_subgraphs_are_refused_even_when_fed_by_shapes() -> None:
     verdict = classify_cpu_nodes(graph, ["cond", "if", "inner", "after"])
     assert verdict.shape_path == {"Cast": 1}
     assert verdict.activation_on_cpu == ["If if", "Identity after", "Identity inner"]
+
+
+def test_small_static_graph_inputs_are_shape_values_as_in_get_cpu_preferred_nodes() -> None:
+    """GetCpuPreferredNodes (onnxruntime/core/framework/fallback_cpu_capability.cc) lets a node fed by a CPU value
+    read graph inputs ("allow placing on CPU if it's a small initializer or graph input"): `Mul(Cast(Gather(Shape(x))),
+    t)` with the UNet-like `timestep` input t of shape [1] goes to the CPU, and the audit must allow it. A node that
+    mixes a shape value with the latent input x (symbolic dims) stays refused."""
+    index = helper.make_tensor("i2", TensorProto.INT64, [], [2])
+    t = helper.make_tensor_value_info("t", TensorProto.FLOAT, [1])
+    nodes = [helper.make_node("Shape", ["x"], ["s"], name="shape"),
+             helper.make_node("Gather", ["s", "i2"], ["h"], name="gh"),
+             helper.make_node("Cast", ["h"], ["hf"], name="cast", to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["hf", "t"], ["scaled"], name="times_t"),
+             helper.make_node("Add", ["x", "hf"], ["y"], name="x_plus_h")]
+    graph = _graph(nodes, [index])
+    graph.input.append(t)
+    assert "times_t" in cuda_cpu_preferred_nodes(graph)
+    verdict = classify_cpu_nodes(graph, ["gh", "cast", "times_t", "x_plus_h"])
+    assert verdict.shape_path == {"Gather": 1, "Cast": 1, "Mul": 1}
+    assert verdict.activation_on_cpu == ["Add x_plus_h"]

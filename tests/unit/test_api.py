@@ -47,7 +47,7 @@ def client() -> Iterator[TestClient]:
 
 @pytest.mark.parametrize(("body", "param", "fragment"), [
     ({"prompt": "a", "size": "100x64"}, "size", "multiple of 16"),
-    ({"prompt": "a", "size": "1024x1024"}, "size", "at most 512"),
+    ({"prompt": "a", "size": "1024x1024"}, "size", "up to 512x512; the model's native size is 64x64"),
     ({"prompt": "a", "size": "big"}, "size", "512x512"),
     ({"prompt": "a", "n": 0}, "n", "between 1 and 4"),
     ({"prompt": "a", "n": 5}, "n", "between 1 and 4"),
@@ -171,7 +171,8 @@ def test_unserved_size_is_400_listing_served_sizes() -> None:
         _wait_state(client, "ready")
         response = client.post("/v1/images/generations", json={"prompt": "x", "size": "96x96"})
     assert response.status_code == 400
-    assert response.json()["error"]["message"] == "size 96x96 is not served; served sizes: 64x64, 128x128"
+    assert response.json()["error"]["message"] == ("size 96x96 is not served; served sizes: 64x64, 128x128; the "
+                                                   "model's native size is 64x64 (size auto)")
 
 
 def _exposition(client: TestClient) -> dict[str, float]:

@@ -33,7 +33,7 @@ BUILT = {"onnxruntime": "1.31.1", "cuda": "13.0", "cudnn_major": "9", "tensorrt"
 def observations(trt: str | None = "10.13.3", cc: str = "9.0") -> dict[str, object]:
     return {"onnxruntime": "1.31.1", "onnxruntime_cuda_build": "13.0", "cudnn": {"version": "9.14.0"},
             "tensorrt": {"version": trt}, "nvml": {"driver_version": "580.95.05", "devices": [
-                {"name": "NVIDIA H200", "compute_capability": cc}]}}
+                {"index": 0, "name": "NVIDIA H200", "compute_capability": cc}]}}
 
 
 LIVE = node_identity(observations(), 0)

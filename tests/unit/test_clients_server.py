@@ -44,7 +44,7 @@ def _settings(**sections: Any) -> Settings:
 
 
 def _start(engine: HashedEngine, settings: Settings) -> Iterator[TestClient]:
-    with TestClient(create_app(engine, settings)) as client:
+    with TestClient(create_app(engine, settings), base_url="http://localhost") as client:  # a Host links may use
         _wait(client, "/ready", lambda r: r.status_code == 200)
         yield client
 
@@ -131,14 +131,17 @@ def test_aliases_are_off_unless_the_profile_maps_them(engine: HashedEngine) -> N
 def test_v1_models_lists_the_served_model_then_the_aliases(client: TestClient) -> None:
     body = client.get("/v1/models").json()
     assert body["object"] == "list"
-    assert [m["id"] for m in body["data"]] == ["fake", "dall-e-2", "dall-e-3", "gpt-image-1"]
+    assert [m["id"] for m in body["data"]] == ["fake", "dall-e-2", "dall-e-3", "gpt-image-1", "gpt-image-1-mini",
+                                               "gpt-image-1.5"]
     for entry in body["data"]:
         assert entry["object"] == "model" and entry["owned_by"] == "sdserve" and isinstance(entry["created"], int)
     assert {m["parent"] for m in body["data"][1:]} == {"fake"}
 
 
 @pytest.mark.parametrize(("extra", "steps"), [({"quality": "hd"}, 40), ({"quality": "standard"}, 20),
-                                              ({"quality": "auto"}, 20), ({"quality": "auto", "steps": 3}, 3)])
+                                              ({"quality": "auto"}, 20), ({"quality": "auto", "steps": 3}, 3),
+                                              ({"quality": "high"}, 40), ({"quality": "medium"}, 20),
+                                              ({"quality": "low"}, 10)])
 def test_quality_maps_to_the_profiles_steps(client: TestClient, engine: HashedEngine, extra: dict[str, Any],
                                             steps: int) -> None:
     assert client.post(GEN, json={"prompt": "q", "size": "64x64", **extra}).status_code == 200
@@ -146,10 +149,12 @@ def test_quality_maps_to_the_profiles_steps(client: TestClient, engine: HashedEn
 
 
 @pytest.mark.parametrize(("extra", "param", "fragment"), [
-    ({"quality": "ultra"}, "quality", "supported: ['auto', 'standard', 'hd']"),
+    ({"quality": "ultra"}, "quality", "supported: ['auto', 'standard', 'hd', 'low', 'medium', 'high']"),
     ({"quality": "hd", "steps": 5}, "quality", "give one of them"),
-    ({"style": "vivid"}, "style", "no styles"),
-    ({"style": "natural"}, "style", "no styles"),
+    ({"style": "cinematic"}, "style", "'vivid' or 'natural'"),
+    ({"background": "transparent"}, "background", "images are opaque"),
+    ({"output_format": "gif"}, "output_format", "'png', 'jpeg' or 'webp'"),
+    ({"output_compression": 101}, "output_compression", "less than or equal to 100"),
 ])
 def test_unmapped_openai_fields_are_400_naming_the_field(client: TestClient, extra: dict[str, Any], param: str,
                                                          fragment: str) -> None:

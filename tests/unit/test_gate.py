@@ -69,3 +69,15 @@ def test_bench_refuses_non_loopback_targets(url: str) -> None:
 def test_bench_accepts_loopback() -> None:
     require_loopback("http://127.0.0.1:8000")
     require_loopback("http://localhost:8000")
+
+
+def test_a_session_missing_from_the_old_baseline_is_not_comparable_not_a_regression() -> None:
+    cand = copy.deepcopy(BASE)
+    cand["capabilities"]["providers"]["scheduler_step"] = ["CUDAExecutionProvider"]
+    rows = compare(BASE, cand)
+    assert {r.check: r.verdict for r in rows}["provider scheduler_step"] == "not comparable"
+    assert not any(r.verdict == "REGRESSION" for r in rows)
+    assert "no regression" in render(rows) and "1 check(s) not comparable" in render(rows)
+    gone = copy.deepcopy(BASE)
+    gone["capabilities"]["providers"] = {}
+    assert verdicts(gone)["provider unet"] == "REGRESSION"  # a session the candidate lost still fails

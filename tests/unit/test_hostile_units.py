@@ -162,19 +162,49 @@ def test_strict_loads_keeps_nested_surrogates_and_duplicates_out() -> None:
         strict_loads(b'{"o": {"x": 1, "x": 2}}')
 
 
-def test_url_links_ignore_a_forged_host_header() -> None:
+URL_BODY = {"prompt": "a", "size": "64x64", "response_format": "url"}
+
+
+@pytest.mark.parametrize("host", ["evil.example", "localhost.evil.example", "127.0.0.1@evil.example",
+                                  "evil.example/127.0.0.1", "[::1].evil", "localhost:80:80", ""])
+def test_a_spoofed_host_gets_no_link_built_from_it(host: str) -> None:
     with TestClient(create_app(FakeEngine(), load_settings("dev"))) as c:
         _wait_ready(c)
-        relative = c.post(GEN, json={"prompt": "a", "size": "64x64", "response_format": "url"},
-                          headers={"host": "evil.example"}).json()["data"][0]["url"]
-        assert relative.startswith("/v1/images/files/") and "evil" not in relative
-        assert c.get(relative).status_code == 200
-    settings = _settings(public_base_url="https://img.example.com/")
-    with TestClient(create_app(FakeEngine(), settings)) as c:
+        response = c.post(GEN, json=URL_BODY, headers={"host": host})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "response_format" and "public_base_url" in error["message"]
+        assert "evil" not in response.headers.get("location", "")
+        assert c.post(GEN, json={**URL_BODY, "response_format": "b64_json"}, headers={"host": host}).status_code \
+            == 200  # only a link needs a Host
+
+
+@pytest.mark.parametrize(("host", "scheme"), [("localhost:8000", "http"), ("127.0.0.1", "http"),
+                                              ("[::1]:9", "http"), ("LOCALHOST:1", "http")])
+def test_an_allowed_host_gets_an_absolute_link_that_serves_the_image(host: str, scheme: str) -> None:
+    with TestClient(create_app(FakeEngine(), load_settings("dev"))) as c:
         _wait_ready(c)
-        url = c.post(GEN, json={"prompt": "a", "size": "64x64", "response_format": "url"},
-                     headers={"host": "evil.example"}).json()["data"][0]["url"]
+        url = c.post(GEN, json=URL_BODY, headers={"host": host}).json()["data"][0]["url"]
+        assert url.startswith(f"{scheme}://{host}/v1/images/files/") and url.endswith(".png")
+        assert c.get(url.removeprefix(f"{scheme}://{host}")).content.startswith(b"\x89PNG")
+
+
+def test_allowed_hosts_replace_the_default_and_public_base_url_wins_over_any_host() -> None:
+    with TestClient(create_app(FakeEngine(), _settings(allowed_hosts=("images.internal",)))) as c:
+        _wait_ready(c)
+        url = c.post(GEN, json=URL_BODY, headers={"host": "images.internal:8080"}).json()["data"][0]["url"]
+        assert url.startswith("http://images.internal:8080/v1/images/files/")
+        assert c.post(GEN, json=URL_BODY, headers={"host": "localhost"}).status_code == 400  # not listed now
+    with TestClient(create_app(FakeEngine(), _settings(public_base_url="https://img.example.com/"))) as c:
+        _wait_ready(c)
+        url = c.post(GEN, json=URL_BODY, headers={"host": "evil.example"}).json()["data"][0]["url"]
     assert url.startswith("https://img.example.com/v1/images/files/")
+
+
+@pytest.mark.parametrize("name", ["host:80", "a/b", "*", "", "exa mple", "ü.example"])
+def test_allowed_hosts_entries_must_be_plain_names(name: str) -> None:
+    with pytest.raises(ValueError, match="allowed_hosts"):
+        _settings(allowed_hosts=(name,))
 
 
 def test_public_base_url_must_be_plain_http() -> None:

@@ -177,11 +177,7 @@ def test_a1111_names_reach_the_engine_as_our_scheduler(client: tuple[TestClient,
     ({"sampler_name": "DPM2 a Karras"}, "sampler_name", ["unknown sampler 'DPM2 a Karras'", "'Euler a'"]),
     ({"sampler_name": "DPM++ 3M SDE"}, "sampler_name", ["'DPM++ 3M SDE'", "'DDIM'", "'UniPC'"]),
     ({"sampler_name": "Restart"}, "sampler_name", ["varying number of times per step", "'Euler'"]),
-    ({"sampler_name": "PLMS", "scheduler": "Karras"}, "scheduler", ["with PLMS", "['Automatic']"]),
     ({"sampler_name": "DPM++ SDE Karras"}, "sampler_name", ["'DPM++ SDE Karras'", "'DPM++ 2M'"]),
-    ({"sampler_name": "Euler", "scheduler": "Beta"}, "scheduler", ["'Beta'", "'SGM Uniform'"]),
-    ({"sampler_name": "DPM++ 2M Align Your Steps"}, "scheduler", ["'Align Your Steps'", "'Karras'"]),
-    ({"sampler_name": "DDIM", "scheduler": "Karras"}, "scheduler", ["with DDIM", "['Automatic']"]),
     ({"scheduler": "Karras"}, "scheduler", ["needs a sampler_name"]),
 ])
 def test_a1111_refuses_unserved_samplers_with_422_listing_the_served(
@@ -195,6 +191,23 @@ def test_a1111_refuses_unserved_samplers_with_422_listing_the_served(
     for fragment in fragments:
         assert fragment in detail["msg"]
     assert len(engine.batches) == before
+
+
+@pytest.mark.parametrize(("body", "ours", "fragments"), [
+    ({"sampler_name": "PLMS", "scheduler": "Karras"}, "plms", ["for PLMS", "takes no schedule type"]),
+    ({"sampler_name": "Euler", "scheduler": "Beta"}, "euler", ["'Beta'", "'SGM Uniform'"]),
+    ({"sampler_name": "DPM++ 2M Align Your Steps"}, "dpmpp_2m_karras", ["'Align Your Steps'", "'Karras'"]),
+    ({"sampler_name": "DDIM", "scheduler": "Karras"}, "ddim", ["for DDIM", "used Automatic"]),
+])
+def test_a1111_schedules_a_sampler_cannot_use_fall_back_to_automatic_named(
+        client: tuple[TestClient, FakeEngine], body: dict[str, object], ours: str, fragments: list[str]) -> None:
+    """As A1111's get_sampler_and_scheduler: a schedule it cannot use means Automatic; sdserve says so."""
+    http, engine = client
+    response = http.post("/sdapi/v1/txt2img", json={"prompt": "a", "steps": 3, "width": 64, "height": 64, **body})
+    assert response.status_code == 200, response.text
+    assert engine.batches[-1].scheduler == ours
+    warning = next(w for w in json.loads(response.json()["info"])["warnings"] if "ignored for" in w)
+    assert all(fragment in warning for fragment in fragments), warning
 
 
 def test_every_unserved_a1111_sampler_is_refused_not_mapped() -> None:

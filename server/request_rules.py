@@ -1,0 +1,208 @@
+"""Request -> engine batch: the served model and sizes, quality, and the rule for the fields clients always send.
+
+The rule (README "Fields clients always send"), on both APIs:
+
+1. A field that changes the image and that sdserve can honour is honoured (``size``, ``quality`` through
+   ``[api] quality_steps``, ``output_format`` with ``output_compression``, ``background: opaque``).
+2. A field sdserve cannot honour that a popular client sends by default, and whose ignoring still returns what the
+   client asked for, is accepted and named: in the ``x-sdserve-ignored-fields`` header and the response's warnings
+   (``style``, ``moderation``, ``output_compression`` with PNG; A1111's hires/save fields when off).
+3. A field whose ignoring would return something the client did not ask for is a 400 (422 on A1111 routes) naming
+   it: ``background: transparent`` (the model has no alpha), a size the model does not serve (never resized).
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from engines.config import parse_size
+from engines.errors import InvalidRequestError
+from engines.protocol import Batch, ImageSpec, ModelInfo
+from server.a1111_options import checkpoint_names
+from server.schemas import ImageGenerationRequest
+from server.settings import Settings
+
+OPENAI_SIZES = ("1024x1024", "1536x1024", "1024x1536", "1792x1024", "1024x1792")
+"""The sizes OpenAI's image models take, which OpenAI clients send by default ([serving] openai_sizes)."""
+OPENAI_SIZE_FAMILIES = ("sdxl",)
+"""Families trained at 1024x1024, which serve the OpenAI sizes without resizing (SD 1.x/2.x at 1024 repeat
+subjects; Turbo is trained at 512)."""
+DALL_E = ("dall-e-2", "dall-e-3")
+"""Models whose OpenAI default response_format is url (gpt-image models answer b64_json)."""
+
+
+@dataclass
+class FieldNotes:
+    """What a request asked for that sdserve accepted without honouring: field names and one warning each."""
+
+    ignored: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def ignore(self, name: str, why: str) -> None:
+        self.ignored.append(name)
+        self.warnings.append(f"{name} ignored: {why}")
+
+    def headers(self) -> dict[str, str]:
+        """``x-sdserve-ignored-fields`` (printable ASCII names only; the body's warnings have every name)."""
+        if not self.ignored:
+            return {}
+        names = ",".join(n if n.isascii() and n.isprintable() else "?" for n in sorted(self.ignored))
+        return {"x-sdserve-ignored-fields": names[:1000]}
+
+
+def served_model(requested: str | None, settings: Settings, info: ModelInfo) -> str:
+    """The served model id for an OpenAI ``model``: absent, the served id (the model's folder name) or another of
+    its A1111 names (title, hash), or a profile alias (``[api] model_aliases``). Anything else is a 400 naming the
+    served id and the aliases: a request for another model is never silently answered by this one."""
+    if requested is None or requested in checkpoint_names(info) or requested in settings.api.model_aliases:
+        return info.name
+    aliases = list(settings.api.model_aliases)
+    raise InvalidRequestError(f"model {requested[:64]!r} is not served here; served: {[info.name]}"
+                              + (f", aliases: {aliases}" if aliases else "") + " (GET /v1/models)", param="model")
+
+
+def alias_models(settings: Settings, info: ModelInfo) -> list[dict[str, Any]]:
+    """GET /v1/models entries for the profile's ``[api] model_aliases``: each runs the served model (``parent``)."""
+    return [{"id": alias, "object": "model", "created": 0, "owned_by": "sdserve", "parent": info.name}
+            for alias in settings.api.model_aliases]
+
+
+def response_format(req: ImageGenerationRequest) -> str:
+    """The asked response_format, else OpenAI's default for the model: url for DALL·E, b64_json otherwise."""
+    if req.response_format is not None:
+        return req.response_format
+    return "url" if req.model in DALL_E else "b64_json"
+
+
+def openai_notes(req: ImageGenerationRequest) -> FieldNotes:
+    """Rule 1 for the OpenAI fields sdserve accepts without honouring; 400 where ignoring would mislead."""
+    notes = FieldNotes()
+    if req.background == "transparent":
+        raise InvalidRequestError("background 'transparent' is not supported: the model's images are opaque (no "
+                                  "alpha channel); use auto or opaque", param="background")
+    if req.style is not None:
+        notes.ignore("style", f"{req.style!r}: sdserve has no styles (steer the image with prompt and "
+                              "negative_prompt)")
+    if req.moderation is not None:
+        notes.ignore("moderation", f"{req.moderation!r}: sdserve runs no content moderation")
+    if req.output_compression is not None and (req.output_format or "png") == "png":
+        notes.ignore("output_compression", "applies to jpeg and webp only; PNG is lossless")
+    return notes
+
+
+def quality_steps(req: ImageGenerationRequest, settings: Settings) -> int | None:
+    """The steps OpenAI's ``quality`` asks for (``[api] quality_steps``: DALL·E's standard/hd and gpt-image's
+    low/medium/high; "auto" or absent: None, the default). Anything not mapped is a 400 naming the field."""
+    if req.quality is None or req.quality == "auto":
+        return None
+    mapped = settings.api.quality_steps
+    if req.quality not in mapped:
+        raise InvalidRequestError(f"quality {req.quality[:32]!r} is not supported here; supported: "
+                                  f"{['auto', *mapped]}", param="quality")
+    if req.steps is not None:
+        raise InvalidRequestError("quality and steps both set: give one of them", param="quality")
+    steps = mapped[req.quality]
+    if steps > settings.limits.max_steps:  # a profile that lowered max_steps below its quality table
+        raise InvalidRequestError(f"quality {req.quality!r} means {steps} steps, over this server's limit of "
+                                  f"{settings.limits.max_steps}", param="quality")
+    return steps
+
+
+def openai_sizes(settings: Settings, info: ModelInfo) -> tuple[str, ...]:
+    """The OpenAI sizes served beyond the profile's sizes and limits: [serving] openai_sizes on a model of a family
+    trained at 1024x1024 (SDXL), each a multiple of the model's factor."""
+    if not settings.serving.openai_sizes or info.family not in OPENAI_SIZE_FAMILIES:
+        return ()
+    return tuple(s for s in OPENAI_SIZES if all(v % info.size_multiple == 0 for v in parse_size(s)))
+
+
+def served_sizes_text(settings: Settings, info: ModelInfo) -> str:
+    """What this server serves, for an error message: the sizes, and the model's native size."""
+    native = f"{info.default_size}x{info.default_size}"
+    limits, extra = settings.limits, openai_sizes(settings, info)
+    if settings.serving.sizes:
+        served = ", ".join((*settings.serving.sizes, *extra))
+    else:
+        served = (f"WIDTHxHEIGHT with each side a multiple of {info.size_multiple} up to "
+                  f"{limits.max_width}x{limits.max_height}" + (f", and {', '.join(extra)}" if extra else ""))
+    return f"served sizes: {served}; the model's native size is {native} (size auto)"
+
+
+def resolve_size(size: str | None, settings: Settings, info: ModelInfo) -> tuple[int, int]:
+    """(width, height) for a requested size (None or "auto": the first served size, else the native size); a size
+    the model does not serve is a 400 naming the served sizes and the native size. Never resized."""
+    served = settings.serving.sizes
+    if size is None or size == "auto":
+        return parse_size(served[0]) if served else (info.default_size, info.default_size)
+    width, height = parse_size(size)
+    if f"{width}x{height}" in openai_sizes(settings, info):
+        return width, height
+    if served:
+        if f"{width}x{height}" not in served:
+            raise InvalidRequestError(f"size {width}x{height} is not served; {served_sizes_text(settings, info)}"
+                                      + _openai_hint(size, settings, info), param="size")
+        return width, height
+    for name, value, cap in (("width", width, settings.limits.max_width),
+                             ("height", height, settings.limits.max_height)):
+        if value % info.size_multiple:
+            raise InvalidRequestError(f"size {size}: {name} {value} is not a multiple of {info.size_multiple}; "
+                                      f"{served_sizes_text(settings, info)}", param="size")
+        if value > cap:
+            raise InvalidRequestError(f"size {size}: {name} {value} is over this server's largest {cap}; "
+                                      f"{served_sizes_text(settings, info)}" + _openai_hint(size, settings, info),
+                                      param="size")
+    return width, height
+
+
+def _openai_hint(size: str, settings: Settings, info: ModelInfo) -> str:
+    if size not in OPENAI_SIZES:
+        return ""
+    if info.family not in OPENAI_SIZE_FAMILIES:
+        return (f" ({size} is an OpenAI size: served only by models of a family trained at 1024x1024 (SDXL), "
+                f"with [serving] openai_sizes; this model is {info.family}, and sdserve never resizes)")
+    return "" if settings.serving.openai_sizes else " (enable [serving] openai_sizes to serve OpenAI's sizes)"
+
+
+def build_batch(req: ImageGenerationRequest, settings: Settings, info: ModelInfo) -> Batch:
+    """Validate a request against the profile's limits and the model; fill defaults; expand per-image seeds."""
+    limits, defaults = settings.limits, settings.defaults_for(info.family)
+    if not 1 <= req.n <= limits.max_n:
+        raise InvalidRequestError(f"n must be between 1 and {limits.max_n}, got {req.n}", param="n")
+    served_model(req.model, settings, info)
+    width, height = resolve_size(req.size, settings, info)
+    mapped = quality_steps(req, settings)
+    steps = req.steps if req.steps is not None else mapped if mapped is not None else defaults.steps
+    if steps > limits.max_steps:
+        raise InvalidRequestError(f"steps must be at most {limits.max_steps} (this server's limits.max_steps), "
+                                  f"got {steps}", param="steps")
+    scheduler = req.scheduler or defaults.scheduler
+    if scheduler not in info.schedulers:
+        raise InvalidRequestError(f"unknown scheduler {scheduler!r}; expected one of {list(info.schedulers)}",
+                                  param="scheduler")
+    for name, text in (("prompt", req.prompt), ("negative_prompt", req.negative_prompt)):
+        if len(text) > limits.max_prompt_chars:
+            raise InvalidRequestError(f"{name} is longer than {limits.max_prompt_chars} characters",
+                                      param=name)
+    seed = req.seed if req.seed is not None else secrets.randbelow(2**32)
+    guidance = req.guidance_scale if req.guidance_scale is not None else defaults.guidance_scale
+    images = tuple(ImageSpec(req.prompt, req.negative_prompt, (seed + i) % 2**32, guidance)
+                   for i in range(req.n))
+    original, crops = _micro_conditioning(req, info)
+    return Batch(images, width, height, steps, scheduler, settings.limits.prompt_overflow == "truncate", original,
+                 crops)
+
+
+def _micro_conditioning(req: ImageGenerationRequest, info: ModelInfo) -> tuple[tuple[int, int] | None,
+                                                                              tuple[int, int]]:
+    """SDXL's original_size (as the (height, width) diffusers takes) and crop; refused for other families."""
+    for name in ("original_size", "crops_coords_top_left"):
+        if getattr(req, name) is not None and info.family != "sdxl":
+            raise InvalidRequestError(f"{name} applies to SDXL models only; this model is {info.family}", param=name)
+    original = None
+    if req.original_size is not None:
+        width, height = parse_size(req.original_size)
+        original = (height, width)
+    crops = req.crops_coords_top_left or [0, 0]
+    return original, (crops[0], crops[1])
