@@ -314,15 +314,21 @@ class OrtEngine:
         first = plan.shapes[0]
         shape = Shape(first.width, first.height, 1)
         start = time.perf_counter()
-        result = self.generate(plan.suite.batch(shape))
+        batch = plan.suite.batch(shape)
+        if self.faults is not None and self.faults.nan_canary:
+            raise InferenceError("the VAE produced NaN/inf values (fp16 overflow or corrupted weights) [injected]")
+        result = self.generate(batch)
         seconds = time.perf_counter() - start
         image = np.asarray(result.images[0].image)
+        if self.faults is not None and self.faults.output_shift:
+            image = np.clip(image.astype(np.float32) + self.faults.output_shift, 0, 255).astype(np.uint8)
         baseline = next((r.p50_s / first.batch for r in (self._report.shapes if self._report else [])
                          if r.shape == first.key), seconds)
         distance = (float(np.abs(fingerprint(image) - self._boot_fingerprint).max())
                     if self._boot_fingerprint is not None else 0.0)
         problem = selftest.sanity(image)
-        return CanaryCheck(shape.key, seconds, baseline, distance, plan.tolerance, problem)
+        return CanaryCheck(shape.key, seconds, baseline, distance, plan.tolerance, problem, batch.steps,
+                           result.provider)
 
     def generate(self, batch: Batch, on_step: StepHook | None = None) -> BatchResult:
         """Run ``batch``; an all-black image (or NaN/inf from the VAE) is refused with InferenceError, never
@@ -344,6 +350,8 @@ class OrtEngine:
 
     @property
     def provider(self) -> str:
+        if self.faults is not None and self.faults.provider:
+            return self.faults.provider
         return str(self.pipeline.unet.session.get_providers()[0])
 
     def check_health(self) -> None:

@@ -181,6 +181,10 @@ class CanaryCheck:
     distance: float
     tolerance: float
     problem: str | None = None
+    steps: int = 0
+    """Denoising steps the canary ran (its per-step time is seconds / steps)."""
+    provider: str = ""
+    """The provider the canary's batch reported (a change since boot is evidence, not load)."""
 
 
 @dataclass
@@ -190,6 +194,12 @@ class Faults:
 
     latency_s: float = 0.0
     """Extra seconds added to every batch, inside the execution lock (a slow GPU, as the server sees it)."""
+    output_shift: float = 0.0
+    """Pixel units added to the canary's output (a fast path that computes something else: fingerprint drift)."""
+    nan_canary: bool = False
+    """The canary's decode yields NaN/inf (refused as the pipeline refuses it)."""
+    provider: str = ""
+    """Reported in place of the session's provider (a provider that changed under the server); empty: none."""
 
 
 # Telemetry, signature and ORT log events

@@ -80,6 +80,16 @@ WRITABLE: dict[str, bool] = {"send_seed": True, "send_size": True}
 """Boolean settings sdserve keeps for the process (A1111 defaults); they are interface hints, stored and echoed."""
 
 
+MAX_PROBLEMS = 5
+"""Refused keys named in one 422 (the count says how many more)."""
+SUPPORTED = sorted(["sd_model_checkpoint", *FIXED, *WRITABLE])
+
+
+def _short(value: object, limit: int = 64) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
 class OptionsStore:
     """The process's A1111 options: the fixed ones derived from the served model, the writable ones in memory."""
 
@@ -92,37 +102,50 @@ class OptionsStore:
         body |= {key: fixed.value(info) for key, fixed in FIXED.items()}
         return body | self.values
 
-    def problems(self, body: Mapping[str, object], info: ModelInfo, prefix: str = "") -> list[tuple[str, str]]:
-        """(param, message) for every key of ``body`` sdserve cannot honour; empty when all can be."""
+    def problems(self, body: Mapping[str, object], info: ModelInfo, prefix: str = "",
+                 keep: int = MAX_PROBLEMS) -> tuple[list[tuple[str, str]], int]:
+        """(param, message) for the first ``keep`` keys of ``body`` sdserve cannot honour, and how many there are
+        in all (both 0/empty when every key can be honoured)."""
         found: list[tuple[str, str]] = []
+        count = 0
         for key, value in body.items():
-            param = prefix + key
-            if key == "sd_model_checkpoint":
-                try:
-                    refuse_other_checkpoint(value, info, param)
-                except InvalidRequestError as exc:
-                    found.append((param, exc.message))
-            elif key in FIXED:
-                fixed = FIXED[key]
-                if not fixed.accepts(value, info):
-                    found.append((param, f"{param}: cannot be set to {value!r} (it is {fixed.value(info)!r}): "
-                                         f"{fixed.why}"))
-            elif key in WRITABLE:
-                if not isinstance(value, bool):
-                    found.append((param, f"{param}: must be true or false, got {value!r}"))
-            else:
-                found.append((param, f"{param}: unknown or unsupported option; sdserve supports "
-                                     f"{sorted(['sd_model_checkpoint', *FIXED, *WRITABLE])}"))
-        return found
+            problem = self._problem(prefix + key, key, value, info)
+            if problem is not None:
+                count += 1
+                if len(found) < keep:
+                    found.append((prefix + key, problem))
+        return found, count
+
+    def _problem(self, param: str, key: str, value: object, info: ModelInfo) -> str | None:
+        shown = _short(value)
+        if key == "sd_model_checkpoint":
+            try:
+                refuse_other_checkpoint(value, info, param)
+            except InvalidRequestError as exc:
+                return exc.message
+        elif key in FIXED:
+            fixed = FIXED[key]
+            if not fixed.accepts(value, info):
+                return f"{_short(param)}: cannot be set to {shown} (it is {fixed.value(info)!r}): {fixed.why}"
+        elif key in WRITABLE:
+            if not isinstance(value, bool):
+                return f"{_short(param)}: must be true or false, got {shown}"
+        else:
+            return f"{_short(param)}: unknown or unsupported option"
+        return None
 
     def check(self, body: Mapping[str, object], info: ModelInfo, prefix: str = "") -> None:
-        """Raise one 422 naming the first refused key, its message listing every refused key.
+        """Raise one 422 naming the first refused key; its message lists the first few refused keys, how many
+        there are in all and the supported options once (O(1) in size, however many keys the body holds).
 
         ``prefix`` names where the keys came from: "" for POST /options, "override_settings." for a generation
         request's per-request overrides (which are checked, never stored)."""
-        found = self.problems(body, info, prefix)
+        found, count = self.problems(body, info, prefix)
         if found:
-            raise InvalidRequestError("; ".join(message for _, message in found), param=found[0][0])
+            more = f"; {count} refused key(s) in all" if count > len(found) else ""
+            unknown = any(m.endswith("unknown or unsupported option") for _, m in found)
+            supported = f"; sdserve supports {SUPPORTED}" if unknown else ""
+            raise InvalidRequestError("; ".join(m for _, m in found) + more + supported, param=found[0][0][:200])
 
     def apply(self, body: Mapping[str, object], info: ModelInfo) -> None:
         """POST /sdapi/v1/options: all keys are checked before any is stored, so a refused write changes nothing."""

@@ -13,8 +13,9 @@ from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware.cors import CORSMiddleware
 
-from engines.protocol import Engine, Faults
+from engines.protocol import Engine, Faults, SelfTestReport
 from server import errors
+from server.bootstrap import selftest_plan
 from server.exitcodes import ExitCode, exit_code_for
 from server.images import ImageStore
 from server.metrics import Metrics
@@ -70,6 +71,10 @@ async def boot(app: FastAPI) -> None:
             app.state.on_fatal(code, reason)
         return
     snapshot = engine.capabilities()
+    _seed_costs(app, engine, settings, snapshot.self_test)
+    unet = snapshot.sessions.get("unet") or next(iter(snapshot.sessions.values()), None)
+    if unet is not None and unet.providers_used:
+        app.state.watchdog.expect_provider(unet.providers_used[0])
     for component, session in snapshot.sessions.items():
         metrics.provider.labels(component, (session.providers_used or ("none",))[0]).set(1)
         for event in session.ort_events:
@@ -80,6 +85,18 @@ async def boot(app: FastAPI) -> None:
     log.info("ready: serving %s on %s", engine.info.name, (runtime.accelerators or runtime.providers)[0])
     if settings.watchdog.enabled:
         app.state.watchdog_task = asyncio.create_task(app.state.watchdog.run())
+
+
+def _seed_costs(app: FastAPI, engine: Engine, settings: Settings, report: SelfTestReport | None) -> None:
+    """Admission's first per-step costs: the self-test's timed canaries (then live batches refine them)."""
+    if report is None:
+        return
+    try:
+        steps = selftest_plan(settings).suite.for_family(engine.info.family).steps
+    except Exception:  # admission then starts from live batches; never a boot failure of its own
+        log.warning("canary steps unknown: admission costs start from live batches", exc_info=True)
+        return
+    app.state.service.seed_costs([(s.shape, s.p50_s) for s in report.shapes], steps)
 
 
 def create_app(engine: Engine, settings: Settings, on_fatal: OnFatal | None = None,
@@ -124,14 +141,16 @@ def create_app(engine: Engine, settings: Settings, on_fatal: OnFatal | None = No
 
 
 def _add_middleware(app: FastAPI, settings: Settings, metrics: Metrics) -> None:
-    """Outermost last: guard -> CORS (when configured) -> metrics -> body cap -> auth -> strict JSON -> routes.
-    CORS sits outside auth: a browser's preflight carries no credentials."""
+    """Outermost last: guard -> CORS (when configured) -> metrics -> auth -> body cap and deadline -> strict JSON
+    -> routes. CORS sits outside auth: a browser's preflight carries no credentials. Auth sits outside the body
+    reader: a request without valid credentials is refused on its headers, its body never read."""
     auth, server = settings.auth, settings.server
     app.add_middleware(StrictJsonMiddleware, keep_prompt=server.log_prompts)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.queue.max_body_bytes, timeout_s=server.body_timeout_s,
+                       upload_paths=edits.EDIT_PATHS,
+                       upload_max_bytes=max(settings.limits.max_upload_bytes, settings.queue.max_body_bytes))
     app.add_middleware(AuthMiddleware, digests=auth.api_key_sha256, exempt=auth.exempt_paths,
                        per_key=auth.per_key_concurrency)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.queue.max_body_bytes, upload_paths=edits.EDIT_PATHS,
-                       upload_max_bytes=max(settings.limits.max_upload_bytes, settings.queue.max_body_bytes))
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # sees every status, 401/413/500 included
     if server.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(server.cors_origins), allow_credentials=False,

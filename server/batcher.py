@@ -14,6 +14,7 @@ import asyncio
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -21,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 
 from engines.errors import NotReadyError
 from engines.protocol import Batch, BatchResult, Engine
+from server.admission import Cost, CostModel
 from server.errors import DeadlineExceededError, JobInterruptedError, QueueFullError
 from server.metrics import Metrics
 
@@ -41,6 +43,10 @@ class Job:
     @property
     def images(self) -> int:
         return len(self.batch.images)
+
+    @property
+    def cost(self) -> Cost:
+        return Cost(self.batch.width, self.batch.height, self.batch.steps, self.images)
 
     @property
     def group(self) -> tuple[object, ...]:
@@ -70,8 +76,12 @@ class BatchStats:
 
 class Batcher:
     def __init__(self, engine: Engine, metrics: Metrics, lock: asyncio.Lock, max_queue: int, max_batch: int,
-                 max_delay_s: float) -> None:
+                 max_delay_s: float, cost: CostModel | None = None) -> None:
         self.engine, self.metrics, self.lock = engine, metrics, lock
+        self.cost = cost or CostModel()
+        self.abandon = False
+        """Set by a stop: the executing batch ends at its next step boundary without decoding (exit within the
+        drain bound plus at most one step)."""
         self.max_queue, self.max_batch, self.max_delay_s = max_queue, max_batch, max_delay_s
         self.queue: deque[Job] = deque()
         self._live: list[Job] = []
@@ -80,6 +90,8 @@ class Batcher:
         self.stats = BatchStats()
         self.peak_queue = 0
         self.progress: Progress | None = None
+        self.last_provider = ""
+        """The provider the last executed batch reported (the watchdog compares it with the boot one)."""
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -93,6 +105,16 @@ class Batcher:
         per_batch = self.stats.batch_seconds or 1.0
         ahead = math.ceil(sum(j.images for j in self.queue) / self.max_batch) + 1
         return max(1, math.ceil(ahead * per_batch))
+
+    def ahead_seconds(self) -> float:
+        """Estimated seconds of admitted work a new job would wait behind: the executing batch's remaining steps
+        and every queued job (the cost model's estimates; 0 for what it cannot estimate yet)."""
+        running = 0.0
+        if self.progress is not None and self._live:
+            b = self._live[0].batch
+            whole = self.cost.total([Cost(b.width, b.height, b.steps, self.progress.images)])
+            running = whole * (1 - self.progress.steps_done / max(1, self.progress.steps_total))
+        return running + self.cost.total(job.cost for job in self.queue)
 
     def interrupt(self, owner: str | None, queued_too: bool = True) -> tuple[int, int]:
         """Stop ``owner``'s jobs: queued ones are dropped (JobInterruptedError), running ones stop at the next step
@@ -174,7 +196,8 @@ class Batcher:
                 continue
             await self._execute(self._take())
 
-    async def _execute(self, jobs: list[Job]) -> None:
+    def _start(self, jobs: list[Job]) -> list[Job]:
+        """The jobs still worth running (a job whose deadline passed in the queue gets its 504 here)."""
         now = time.monotonic()
         live = []
         for job in jobs:
@@ -186,16 +209,28 @@ class Batcher:
             else:
                 job.state = "running"
                 live.append(job)
+        return live
+
+    def _step_hook(self, live: list[Job], start: float, images: int) -> Callable[[int, int], bool]:
+        def on_step(done: int, total: int) -> bool:  # runs in the engine's thread, between steps
+            self.progress = Progress(done, total, start, images)
+            if self.abandon:  # raising skips the decode: a stop costs at most the step that was running
+                raise NotReadyError("server stopped before this request completed: retry it on another replica")
+            if all(j.deadline is not None and time.monotonic() >= j.deadline for j in live):
+                raise DeadlineExceededError(f"deadline passed after {done} of {total} steps: the batch was stopped "
+                                            "there, nothing more is computed for it")
+            return not all(j.interrupted for j in live)
+
+        return on_step
+
+    async def _execute(self, jobs: list[Job]) -> None:
+        live = self._start(jobs)
         if not live:
             return
         merged = replace(live[0].batch, images=tuple(s for j in live for s in j.batch.images))
         self.running += 1
         start = time.perf_counter()
-
-        def on_step(done: int, total: int) -> bool:  # runs in the engine's thread, between steps
-            self.progress = Progress(done, total, start, len(merged.images))
-            return not all(j.interrupted for j in live)
-
+        on_step = self._step_hook(live, start, len(merged.images))
         try:
             async with self.lock:
                 for job in live:
@@ -212,6 +247,9 @@ class Batcher:
             self.running -= 1
             self._live, self.progress = [], None
         elapsed = time.perf_counter() - start
+        self.last_provider = result.provider
+        self.cost.observe(Cost(merged.width, merged.height, result.steps_done, len(merged.images)),
+                          result.timings.total or elapsed)
         m = self.metrics
         m.compute_seconds.observe(result.timings.total or elapsed)
         m.batch_size.observe(len(merged.images))

@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from engines.errors import InferenceError, InvalidRequestError, NotReadyError, SdserveError
 
@@ -37,6 +38,10 @@ class JobInterruptedError(SdserveError):
 
 class BodyTooLargeError(SdserveError):
     """The request body is over the configured cap (413)."""
+
+
+class BodyTimeoutError(SdserveError):
+    """The request body did not arrive within ``server.body_timeout_s`` of its head (408; the connection closes)."""
 
 
 class AuthenticationError(SdserveError):
@@ -68,6 +73,7 @@ _TABLE: tuple[tuple[type[SdserveError], int, str], ...] = (
     (InvalidRequestError, 400, "invalid_request_error"),
     (AuthenticationError, 401, "authentication_error"),
     (BodyTooLargeError, 413, "invalid_request_error"),
+    (BodyTimeoutError, 408, "timeout"),
     (JobInterruptedError, 409, "request_interrupted"),
     (QueueFullError, 429, "rate_limit_exceeded"),
     (DeadlineExceededError, 504, "timeout"),
@@ -76,6 +82,15 @@ _TABLE: tuple[tuple[type[SdserveError], int, str], ...] = (
     (InferenceError, 500, "server_error"),
     (SdserveError, 500, "server_error"),
 )
+
+
+MAX_MESSAGE_CHARS = 2000
+MAX_PARAM_CHARS = 200
+"""Every error body is O(1) in size whatever the request held: a message or param past these is cut."""
+
+
+def bounded(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -115,9 +130,13 @@ def _detail(param: str | None, message: str, type_: str) -> dict[str, Any]:
 
 
 async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-    message, param = _validation_message(dict(exc.errors()[0]))
+    errors = exc.errors()
+    message, param = _validation_message(dict(errors[0]))
+    message, param = bounded(message), bounded(param or "", MAX_PARAM_CHARS) or None
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem(s))"
     if is_a1111(request.url.path):
-        return JSONResponse(_detail(param, message, str(exc.errors()[0].get("type", "value_error"))),
+        return JSONResponse(_detail(param, message, str(errors[0].get("type", "value_error"))),
                             status_code=422)
     return JSONResponse(error_body(message, "invalid_request_error", param, "invalid_value"), status_code=400)
 
@@ -146,24 +165,41 @@ def error_response(exc: SdserveError, path: str, request_id: str = "-") -> JSONR
     internals in a 500. Exception handlers and the ASGI middleware both answer through here."""
     status, type_ = status_of(exc)
     if isinstance(exc, InvalidRequestError):
+        message, param = bounded(exc.message), bounded(exc.param or "", MAX_PARAM_CHARS) or None
         if is_a1111(path):
-            return JSONResponse(_detail(exc.param, exc.message, "value_error"), status_code=422)
-        return JSONResponse(error_body(exc.message, type_, exc.param, "invalid_value"), status_code=status)
+            return JSONResponse(_detail(param, message, "value_error"), status_code=422)
+        return JSONResponse(error_body(message, type_, param, "invalid_value"), status_code=status)
     if status == 500:  # our own failure: log it, tell the client nothing internal
         log.error("request %s failed", request_id, exc_info=exc)
         return internal_error(request_id, type_)
-    return JSONResponse(error_body(str(exc), type_), status_code=status, headers=_headers(exc))
+    return JSONResponse(error_body(bounded(str(exc)), type_), status_code=status, headers=_headers(exc))
 
 
 async def _on_sdserve(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, SdserveError)
+    state = getattr(request.app.state, "server_state", None)
+    if isinstance(exc, NotReadyError) and not exc.permanent and getattr(state, "state", "") == "failed":
+        exc = NotReadyError(str(exc), permanent=True)  # after a failed boot every route says the same: don't retry
     return error_response(exc, request.url.path, request_id_of(request.scope))
+
+
+METHODS = ("GET", "HEAD", "POST", "PUT", "DELETE", "PATCH")
+
+
+def allowed_methods(request: Request) -> str:
+    """Every method some route serves at this path (Starlette's 405 names only the first route that matched)."""
+    routes = request.app.router.routes
+    return ", ".join(m for m in METHODS
+                     if any(r.matches({**request.scope, "method": m})[0] == Match.FULL for r in routes))
 
 
 async def _on_http(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
+    headers = dict(exc.headers or {})
+    if exc.status_code == 405:
+        headers["Allow"] = allowed_methods(request) or headers.get("Allow", "")
     return JSONResponse(error_body(str(exc.detail), "invalid_request_error"), status_code=exc.status_code,
-                        headers=exc.headers)
+                        headers=headers)
 
 
 def install(app: FastAPI) -> None:

@@ -5,14 +5,17 @@ re-raising the signal. A second signal stops at once, cleanly: every request in 
 batch stops at its next step boundary and the engine is closed only after it returned (no abort), exit code 0.
 
 Hostile clients: a connection that has not sent a complete request head within ``server.header_timeout_s`` is closed
-(uvicorn's own keep-alive timer starts only after a first response); open connections are capped below
-RLIMIT_NOFILE: one over the cap closes the oldest connection still waiting for its head (so probes keep answering
-under an idle-connection flood), or is refused at once with a 503 when every connection is busy. Repeated log lines
+(uvicorn's own keep-alive timer starts only after a first response), and a body must arrive whole within
+``server.body_timeout_s`` (408, server/middleware.py); open connections are capped below RLIMIT_NOFILE: one over the
+cap closes the oldest connection still sending its head, else the oldest still sending its body (so probes keep
+answering under an idle or slow-body flood), or is refused at once with a 503 when every connection is busy.
+Accepted sockets get TCP_NODELAY. Repeated log lines
 (accept errors, refusals, invalid requests) are rate-limited."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -23,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import h11
 import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -75,6 +79,12 @@ class Bounds:
     header_timeout_s: float
     waiting: dict[BoundedH11Protocol, None] = field(default_factory=dict)
     """Connections with no complete request head yet, oldest first (the ones an over-cap connection may evict)."""
+    reading: dict[BoundedH11Protocol, None] = field(default_factory=dict)
+    """Connections whose request head arrived but whose body is still coming, oldest first (evicted next)."""
+
+    def evictable(self) -> BoundedH11Protocol | None:
+        """The connection an over-cap one may close: the oldest still sending a head, else a body."""
+        return next(iter(self.waiting), None) or next(iter(self.reading), None)
 
 
 class _Config(uvicorn.Config):
@@ -95,16 +105,17 @@ class BoundedH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        nodelay(transport)
         if len(self.connections) > self.bounds.max_connections:
-            oldest = next(iter(self.bounds.waiting), None)
+            oldest = self.bounds.evictable()
             if oldest is None:  # every connection is busy with a request: refuse this one, fast
                 conn_log.warning("connection cap %d reached with every connection busy: refusing new connections",
                                  self.bounds.max_connections)
                 transport.write(REFUSAL)
                 transport.close()
                 return
-            conn_log.warning("connection cap %d reached: closing the oldest connections still waiting for a "
-                             "request head", self.bounds.max_connections)
+            conn_log.warning("connection cap %d reached: closing the oldest connections still sending a request "
+                             "head or body", self.bounds.max_connections)
             oldest.expire()
         self.await_head()
 
@@ -125,6 +136,7 @@ class BoundedH11Protocol(H11Protocol):
     def expire(self) -> None:
         """No complete request head in time (or evicted by the cap): close."""
         self.bounds.waiting.pop(self, None)
+        self.bounds.reading.pop(self, None)
         if not self.transport.is_closing():
             self.transport.close()
 
@@ -132,9 +144,17 @@ class BoundedH11Protocol(H11Protocol):
         super().data_received(data)
         if self.cycle is not None and self.cycle is not self.seen_cycle:
             self.head_arrived()
+        self.track_body()
+
+    def track_body(self) -> None:
+        if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+            self.bounds.reading.setdefault(self, None)
+        else:
+            self.bounds.reading.pop(self, None)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # may start a pipelined request
+        self.track_body()
         if self.cycle is not self.seen_cycle:
             self.head_arrived()
         elif not self.transport.is_closing():
@@ -142,9 +162,20 @@ class BoundedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.bounds.waiting.pop(self, None)
+        self.bounds.reading.pop(self, None)
         if self.head_timer is not None:
             self.head_timer.cancel()
         super().connection_lost(exc)
+
+
+def nodelay(transport: asyncio.BaseTransport) -> None:
+    """TCP_NODELAY on an accepted socket. asyncio sets it only for sockets it creates with proto IPPROTO_TCP;
+    ours is bound by hand (proto 0), and without it Nagle holds each response's body behind its headers until
+    the client's delayed ACK (~40 ms on every kept-alive request)."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        with contextlib.suppress(OSError):  # the peer already went away
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def fd_budget(configured: int) -> tuple[int, int]:

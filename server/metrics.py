@@ -9,7 +9,7 @@ from prometheus_client.platform_collector import PlatformCollector
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 DEGRADED_REASONS = ("boot_failed", "latency_drift", "output_drift", "canary_invalid", "livelock",
-                    "fallback_suspected", "ort_event")
+                    "fallback_suspected", "ort_event", "provider_changed", "model_files")
 
 
 class Metrics:
@@ -52,6 +52,24 @@ class Metrics:
                              "utilization", ["gpu"], registry=r)
         self.gpu_power = Gauge("sdserve_gpu_power_watts", "NVML power draw", ["gpu"], registry=r)
         self.gpu_mem_used = Gauge("sdserve_gpu_memory_used_bytes", "NVML memory used", ["gpu"], registry=r)
+        self.slowdown = Gauge("sdserve_canary_slowdown_ratio", "Canary per-step time over its boot baseline",
+                              registry=r)
+        self.slow = Gauge("sdserve_slow", "1 while the canary is over watchdog.drift_factor for drift_consecutive "
+                          "checks (reported; it turns /ready 503 only when the profile asks and nothing explains it)",
+                          registry=r)
+        self.contention = Gauge("sdserve_contention", "1 while observed contention (CPU pressure, steal, other GPU "
+                                "processes) is over the profile's thresholds", registry=r)
+        self.cpu_pressure = Gauge("sdserve_host_cpu_pressure_percent", "Share of the last window a runnable task "
+                                  "waited for a CPU (/proc/pressure/cpu some)", registry=r)
+        self.cpu_steal = Gauge("sdserve_host_cpu_steal_percent", "CPU steal in the last window", registry=r)
+        self.load_per_cpu = Gauge("sdserve_host_load_per_cpu", "1-minute load average per usable CPU", registry=r)
+        self.gpu_others = Gauge("sdserve_gpu_other_processes", "Other compute processes on this GPU (NVML)", ["gpu"],
+                                registry=r)
+        self.refused = Counter("sdserve_requests_refused_total", "Requests refused at admission by their estimated "
+                               "cost", ["reason"], registry=r)
+        for gauge in (self.slowdown, self.cpu_pressure, self.cpu_steal, self.load_per_cpu):
+            gauge.set(math.nan)  # unknown until the watchdog's first window
+        self.gpu_others.labels(self.gpu).set(math.nan)
         for reason in DEGRADED_REASONS:
             self.degraded.labels(reason).set(0)
         self.set_gpu(math.nan, math.nan, math.nan, math.nan)  # unknown until a sample arrives

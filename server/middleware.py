@@ -23,12 +23,14 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import MutableHeaders
 
 from engines.errors import InvalidRequestError, NotReadyError, SdserveError
 from server.errors import (
     REQUEST_ID,
     AuthenticationError,
+    BodyTimeoutError,
     BodyTooLargeError,
     QueueFullError,
     error_response,
@@ -82,6 +84,25 @@ def _access_fields(scope: Scope, status: int, seconds: float, log_prompts: bool)
     return fields
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def escape_controls(text: str) -> str:
+    """Control characters (CR, LF, ESC, ...) as \\xNN / \\uNNNN: client text cannot forge or split a log line."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
+                        else f"\\u{ord(m.group()):04x}", text)
+
+
+def relative_location(location: str) -> str:
+    """A redirect's target without scheme and host (Starlette builds them from the request's Host header, which
+    a client forges): path, query and fragment only, so a redirect never sends a client to another host."""
+    scheme, sep, rest = location.partition("://")
+    if not sep or "/" in scheme:
+        return location if not location.startswith("//") else "/" + location.lstrip("/")
+    path = rest[rest.find("/"):] if "/" in rest else "/"
+    return "/" + path.lstrip("/")
+
+
 class GuardMiddleware:
     """Outermost: gives every request an id (x-request-id on every response), writes one access-log line per
     request (logger ``sdserve.access``, fields in ``record.access``) and turns any exception that escapes the app
@@ -105,6 +126,8 @@ class GuardMiddleware:
                 status[0] = int(message["status"])
                 headers = MutableHeaders(scope=message)
                 headers[REQUEST_ID] = request_id
+                if "location" in headers:
+                    headers["location"] = relative_location(headers["location"])
             await send(message)
 
         try:
@@ -123,8 +146,8 @@ class GuardMiddleware:
                 status[0] = 500
         finally:
             fields = _access_fields(scope, status[0] or 499, time.perf_counter() - start, self.log_prompts)
-            access_log.info("%s %s %d %.1fms id=%s", fields["method"], fields["path"], fields["status"],
-                            fields["duration_ms"], request_id, extra={"access": fields})
+            access_log.info("%s %s %d %.1fms id=%s", fields["method"], escape_controls(str(fields["path"])),
+                            fields["status"], fields["duration_ms"], request_id, extra={"access": fields})
 
 
 class MetricsMiddleware:
@@ -153,13 +176,15 @@ class MetricsMiddleware:
 
 
 class BodyLimitMiddleware:
-    """413 for bodies over ``max_bytes``: by Content-Length at once, or while a chunked body streams in. The body is
-    read whole here (it is small by this bound) and replayed to the app, so the app never sees a partial body."""
+    """413 for bodies over ``max_bytes``: by Content-Length at once, or while a chunked body streams in; 408 (JSON,
+    connection closed) for a body not complete within ``timeout_s`` of the head, however slowly it trickles. The
+    body is read whole here (it is small by this bound) and replayed to the app, so the app never sees a partial
+    body."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, upload_paths: tuple[str, ...] = (),
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = 30.0, upload_paths: tuple[str, ...] = (),
                  upload_max_bytes: int = 0) -> None:
         """``upload_paths`` (the edit routes, which take images) allow ``upload_max_bytes`` instead."""
-        self.app, self.default_max = app, max_bytes
+        self.app, self.default_max, self.timeout_s = app, max_bytes, timeout_s
         self.upload_paths, self.upload_max = upload_paths, upload_max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -169,21 +194,43 @@ class BodyLimitMiddleware:
         limit = self.upload_max if scope.get("path") in self.upload_paths else self.default_max
         length = dict(scope.get("headers", [])).get(b"content-length")
         if length is not None and (not length.isdigit() or len(length) > 12 or int(length) > limit):
-            await _answer(BodyTooLargeError(f"request body over {limit} bytes"), scope, receive, send)
+            await _answer_and_close(BodyTooLargeError(f"request body over {limit} bytes"), scope, receive, send)
             return
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                body = await self._read(receive, limit)
+        except TimeoutError:
+            await _answer_and_close(BodyTimeoutError(f"request body not received within {self.timeout_s:g}s of "
+                                                     "the request head (server.body_timeout_s)"), scope, receive,
+                                    send)
+            return
+        except BodyTooLargeError as exc:
+            await _answer_and_close(exc, scope, receive, send)
+            return
+        if body is not None:  # None: disconnected, nobody to answer
+            await self.app(scope, _replay(body, receive), send)
+
+    async def _read(self, receive: Receive, limit: int) -> bytes | None:
         chunks: list[bytes] = []
         seen, more = 0, True
         while more:
             message = await receive()
-            if message["type"] != "http.request":  # disconnected: nobody to answer
-                return
+            if message["type"] != "http.request":
+                return None
             chunks.append(message.get("body", b""))
             seen += len(chunks[-1])
             more = bool(message.get("more_body", False))
             if seen > limit:
-                await _answer(BodyTooLargeError(f"request body over {limit} bytes"), scope, receive, send)
-                return
-        await self.app(scope, _replay(b"".join(chunks), receive), send)
+                raise BodyTooLargeError(f"request body over {limit} bytes")
+        return b"".join(chunks)
+
+
+async def _answer_and_close(exc: SdserveError, scope: Scope, receive: Receive, send: Send) -> None:
+    """An answer given before the body was read (whole): the connection closes after it, since what the client
+    still sends belongs to this request, not to a next one."""
+    response = error_response(exc, str(scope.get("path", "")), request_id_of(scope))
+    response.headers["connection"] = "close"
+    await response(scope, receive, send)
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
@@ -213,7 +260,17 @@ def _bounded(kind: type[int] | type[float]) -> Callable[[str], int | float]:
     return parse
 
 
+MAX_OBJECT_KEYS = 1000
+"""Keys one JSON object may hold: no route takes more than a few dozen, and refusing at parse time keeps a body of
+100,000 unknown keys from costing 100,000 validation errors."""
+OFF_LOOP_BYTES = 64 << 10
+"""Bodies at least this large are parsed in a worker thread, so a burst of them never stalls the probes."""
+
+
 def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    if len(pairs) > MAX_OBJECT_KEYS:
+        raise InvalidRequestError(f"a JSON object in the request body has {len(pairs)} keys; at most "
+                                  f"{MAX_OBJECT_KEYS} are accepted")
     seen: dict[str, Any] = {}
     for key, value in pairs:
         if key in seen:
@@ -276,7 +333,8 @@ class StrictJsonMiddleware:
         body = message.get("body", b"")
         if body:
             try:
-                value = strict_loads(body)
+                value = await run_in_threadpool(strict_loads, body) if len(body) >= OFF_LOOP_BYTES \
+                    else strict_loads(body)
                 if self.keep_prompt and isinstance(value, dict) and isinstance(value.get("prompt"), str):
                     scope.setdefault("state", {})["prompt"] = value["prompt"]
             except InvalidRequestError as exc:
@@ -317,6 +375,11 @@ def presented_secret(header: str) -> str | None:
     return pair if ":" in pair else None
 
 
+def _has_body(scope: Scope) -> bool:
+    headers = dict(scope.get("headers", []))
+    return headers.get(b"content-length", b"0") != b"0" or b"transfer-encoding" in headers
+
+
 class AuthMiddleware:
     """Secrets checked against stored sha256 digests: a Bearer key's digest, or for HTTP Basic the digest of
     ``user:pass`` (so ``printf %s 'user:pass' | sha256sum`` gives the entry). Exempt paths (probes) pass without
@@ -349,6 +412,8 @@ class AuthMiddleware:
                                                          "Bearer <key> or Basic (user:pass)"),
                                      path, request_id_of(scope))
             refusal.headers["WWW-Authenticate"] = CHALLENGE
+            if _has_body(scope):  # decided on the headers; the unread body must not be taken for a next request
+                refusal.headers["connection"] = "close"
             await refusal(scope, receive, send)
             return
         key_id = digest[:8]

@@ -19,8 +19,9 @@ from starlette.responses import Response
 
 from engines.errors import InvalidRequestError, NotReadyError
 from engines.protocol import Batch, BatchResult, Engine
+from server.admission import Cost, CostModel, admit
 from server.batcher import Batcher
-from server.errors import ClientGoneError
+from server.errors import ClientGoneError, QueueFullError
 from server.metrics import Metrics
 from server.request_rules import build_batch
 from server.schemas import ImageGenerationRequest
@@ -85,7 +86,9 @@ class ImageService:
         self.metrics = metrics
         self.lock = asyncio.Lock()
         q = settings.queue
-        self.batcher = Batcher(engine, metrics, self.lock, q.max_size, q.max_batch, q.max_queue_delay_ms / 1000)
+        self.cost = CostModel()
+        self.batcher = Batcher(engine, metrics, self.lock, q.max_size, q.max_batch, q.max_queue_delay_ms / 1000,
+                               self.cost)
         self.window_s = window_s
         self.recent: deque[Sample] = deque(maxlen=10_000)
         self._last_done = time.monotonic()
@@ -107,8 +110,27 @@ class ImageService:
     async def run(self, batch: Batch, timeout_header: str | None, disconnected: Disconnected,
                   owner: str | None = None, encode: Encoder = encode_png) -> Generated:
         """Queue ``batch`` under the request's deadline for ``owner`` (the caller's API key id: whose requests
-        /sdapi/v1/interrupt stops); drop it if the client disconnects, answer 503 if the server stops first."""
-        task = asyncio.ensure_future(self.generate(batch, self.deadline(timeout_header), owner, encode))
+        /sdapi/v1/interrupt stops); drop it if the client disconnects, answer 503 if the server stops first.
+        Refused at admission (4xx / 429) when its estimated cost cannot finish before the deadline."""
+        return (await self.run_all([batch], timeout_header, disconnected, owner, encode))[0]
+
+    async def run_all(self, batches: list[Batch], timeout_header: str | None, disconnected: Disconnected,
+                      owner: str | None = None, encode: Encoder = encode_png) -> list[Generated]:
+        """Several batches of one request under one deadline (A1111's n_iter), admitted on their total cost and
+        queued one after another, so other callers' requests interleave between them."""
+        deadline = self.deadline(timeout_header)
+        source = "x-sdserve-timeout-s" if timeout_header is not None else "queue.request_timeout_s"
+        try:
+            admit(self.cost, [_cost(b) for b in batches], self.batcher.ahead_seconds(), deadline - time.monotonic(),
+                  source)
+        except (InvalidRequestError, QueueFullError):
+            self.metrics.refused.labels("over_deadline").inc()
+            raise
+        return [await self._run(b, deadline, disconnected, owner, encode) for b in batches]
+
+    async def _run(self, batch: Batch, deadline: float, disconnected: Disconnected, owner: str | None,
+                   encode: Encoder) -> Generated:
+        task = asyncio.ensure_future(self.generate(batch, deadline, owner, encode))
         self._owners[owner] += 1
         try:
             while True:
@@ -129,11 +151,18 @@ class ImageService:
             if not self._owners[owner]:
                 del self._owners[owner]
 
+    def seed_costs(self, shapes: list[tuple[str, float]], steps: int) -> None:
+        """The cost model's first figures: the self-test's p50 per shape ("WxHxB") at the canary ``steps``."""
+        for key, p50_s in shapes:
+            width, height, batch = (int(v) for v in key.split("x"))
+            self.cost.seed(width, height, batch, steps, p50_s)
+
     def stop(self) -> None:
         """Stop at once (a second SIGTERM/SIGINT): every request still waiting answers 503 within CLIENT_POLL_S
         (its queued job is dropped), the running batch stops at its next step boundary, nothing new is queued."""
         self.stopping = True
         self.batcher.draining = True
+        self.batcher.abandon = True
         for owner in list(self._owners):
             self.batcher.interrupt(owner, queued_too=False)
 
@@ -216,8 +245,13 @@ class ImageService:
         b = self.batcher
         return {"window_s": self.window_s, "baseline": baseline, "live": live,
                 "images_per_minute": round(images * 60.0 / span, 3), "drift_p50_ratio": drift,
+                "cost_s_per_image_step": self.cost.snapshot(),
                 "queue": {"depth": len(b.queue), "max_size": b.max_queue, "peak": b.peak_queue,
                           "max_batch": b.max_batch, "batch_seconds_ewma": round(b.stats.batch_seconds, 4)}}
+
+
+def _cost(batch: Batch) -> Cost:
+    return Cost(batch.width, batch.height, batch.steps, len(batch.images))
 
 
 async def _cancel(task: asyncio.Future[Generated]) -> None:

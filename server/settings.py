@@ -34,6 +34,9 @@ class ServerSettings(BaseModel):
     header_timeout_s: float = Field(10.0, gt=0, le=300)
     """Seconds a connection may take to send a complete request head (a new connection, or a kept-alive one
     between requests); then it is closed."""
+    body_timeout_s: float = Field(30.0, gt=0, le=3600)
+    """Seconds a request body may take to arrive in full after its head; then 408 (JSON) and the connection
+    closes. A connection still sending its body can be evicted by the connection cap like an idle one."""
     public_base_url: str = ""
     """Base of the absolute links response_format=url returns (e.g. https://img.example.com). Empty: the request's
     Host header is used, but only when its host name is in ``allowed_hosts`` (else the url request is a 400)."""
@@ -211,6 +214,30 @@ class WatchdogSettings(BaseModel):
     """Clean checks in a row that bring a degraded server back to ready."""
     telemetry_window_s: float = Field(1.0, ge=0.1, le=60)
     """Seconds of telemetry sampled per check for the signature classifier."""
+    latency_unready: Literal["never", "corroborated"] = "corroborated"
+    """May slowness alone turn /ready 503? never (dev): slowness is measured, reported (/ready's ``load``,
+    /performance, metrics) and alerted, never a flip. corroborated: only when the canary's per-step time is at least
+    ``unready_drift_factor`` x its boot baseline for ``drift_consecutive`` checks in a row and no contention
+    (CPU pressure, steal, other GPU processes) was observed in any of them. Evidence that the fast path broke
+    (provider change, bad canary output, GPU signature, ORT errors, changed files) flips /ready in every profile."""
+    unready_drift_factor: float = Field(5.0, gt=1.0, le=1000)
+    """The hard slowdown factor for ``latency_unready = "corroborated"`` (``drift_factor`` only marks "slow")."""
+    contention_cpu_pressure_percent: float = Field(20.0, ge=0, le=100)
+    """Host CPU pressure (PSI "some", % of the window) at or over which slowness counts as explained by load."""
+    contention_steal_percent: float = Field(5.0, ge=0, le=100)
+    """CPU steal (% of CPU time) at or over which slowness counts as explained by load."""
+    contention_load_per_cpu: float = Field(1.5, gt=0, le=1000)
+    """Load average per CPU that explains slowness where the kernel exposes no CPU pressure."""
+    canary_max_skips: int = Field(1, ge=0, le=100)
+    """Checks in a row the canary may yield to traffic; then it runs between two batches anyway, so output faults
+    are caught within ``canary_max_skips + 1`` intervals under any load."""
+
+    @model_validator(mode="after")
+    def _factors(self) -> WatchdogSettings:
+        if self.unready_drift_factor < self.drift_factor:
+            raise ValueError(f"watchdog.unready_drift_factor {self.unready_drift_factor} is below drift_factor "
+                             f"{self.drift_factor}: the unready bound must be the harder one")
+        return self
 
 
 class QueueSettings(BaseModel):

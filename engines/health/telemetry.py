@@ -117,6 +117,13 @@ class NvmlTelemetry:
         return GpuSample(float(util.gpu), float(util.memory), nv.nvmlDeviceGetPowerUsage(h) / 1000.0,
                          nv.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0, int(mem.used))
 
+    def other_processes(self, device_index: int) -> int:
+        """Compute processes on the device besides this one (time-sliced or MPS neighbours). Counted as all
+        listed minus one, not by our pid: inside a container NVML reports host pids, which never equal ours."""
+        nv = self._nvml
+        h = nv.nvmlDeviceGetHandleByIndex(self._index.get(device_index, device_index))
+        return max(0, len(nv.nvmlDeviceGetComputeRunningProcesses(h)) - 1)
+
     def close(self) -> None:
         self._nvml.nvmlShutdown()
 

@@ -11,6 +11,7 @@ import sys
 from engines.errors import SdserveError
 from server.cli import accept, bench, deploy, doctor, engines, gate, generate, selftest, serve
 from server.exitcodes import ExitCode, exit_code_for
+from server.middleware import escape_controls
 
 log = logging.getLogger("sdserve")
 COMMANDS = (serve, doctor, selftest, generate, engines, bench, gate, deploy, accept)
@@ -31,10 +32,19 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, default=str, ensure_ascii=False)
 
 
+class TextFormatter(logging.Formatter):
+    """TEXT_FORMAT with control characters in the message escaped (server/middleware.py escape_controls): a
+    request path holding CR/LF cannot forge or split a line. Tracebacks keep their own lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+        record.message = escape_controls(record.message)
+        return super().formatMessage(record)
+
+
 def configure_logging(level: str, fmt: str) -> None:
     """stderr, text or JSON lines (``--log-format``)."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter(TEXT_FORMAT))
     logging.basicConfig(level=level.upper(), handlers=[handler])
 
 

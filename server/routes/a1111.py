@@ -3,7 +3,6 @@ Validation errors are 422 with FastAPI's `detail` list (what A1111 clients expec
 
 from __future__ import annotations
 
-import asyncio
 import json
 import secrets
 from typing import Any
@@ -214,7 +213,7 @@ async def txt2img(req: Txt2ImgRequest, request: Request, response: Response) -> 
                for i in range(req.n_iter)]
     timeout = request.headers.get("x-sdserve-timeout-s")
     owner = api_key_id(request.scope)
-    outs = await asyncio.gather(*(service.run(b, timeout, request.is_disconnected, owner) for b in batches))
+    outs = await service.run_all(batches, timeout, request.is_disconnected, owner)  # n_iter: one after another
     outs[-1].trace_headers(response)
     ignored = sorted(req.model_extra or {})
     warnings = outs[0].warnings + notes + ([f"ignored A1111 fields: {', '.join(ignored)}"] if ignored else [])

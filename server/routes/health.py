@@ -25,6 +25,8 @@ class ReadyResponse(BaseModel):
     codes: list[str]
     """Machine-readable reasons: the watchdog's (latency_drift, model_files, ...) or a failed boot's exit code."""
     reasons: list[str]
+    load: dict[str, Any] | None = None
+    """Slowness and the contention observed on the node (reported; a flip needs evidence, see the README)."""
 
 
 @router.get("/health", response_model=HealthResponse)
@@ -45,7 +47,7 @@ async def ready(request: Request) -> JSONResponse:
         codes = list(request.app.state.watchdog.active)
     else:
         codes = state.codes or ([] if state.ready else [state.state])
-    body = {"state": state.state, "codes": codes, "reasons": state.reasons}
+    body = {"state": state.state, "codes": codes, "reasons": state.reasons, "load": request.app.state.watchdog.load}
     return JSONResponse(body, status_code=200 if state.ready else 503)
 
 

@@ -34,7 +34,7 @@ async def performance(request: Request) -> dict[str, Any]:
                  "gpu_util_percent": s.gpu_util_percent, "gpu_util_floor": s.gpu_util_floor}
                 for s in (report.shapes if report else ())]
     performance: dict[str, Any] = request.app.state.service.performance(baseline)
-    return performance
+    return {**performance, "load": request.app.state.watchdog.load}
 
 
 def _fields(schema: dict[str, Any], models: dict[str, Any]) -> str:

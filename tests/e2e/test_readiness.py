@@ -143,24 +143,35 @@ def _boot_p50(url: str, shape: str = "64x64x1") -> float:
     return float(next(s["p50_s"] for s in shapes if s["shape"] == shape))
 
 
-def test_injected_latency_flips_ready_and_recovers(watched: str) -> None:
+def _checks(url: str) -> int:
+    return int(httpx.get(f"{url}/capabilities").json()["watchdog"]["checks"])
+
+
+def test_injected_latency_is_reported_as_slow_but_never_flips_dev_ready(watched: str) -> None:
+    """Latency alone is load, not evidence: dev reports it (/ready's load, /performance, metrics) and stays ready."""
     _wait(watched, lambda b: b["state"] == "ready")
     # Large relative to the measured baseline, however contended the boot was: every canary is then at least
     # 10x its baseline, far over drift_factor (3), whatever the machine's load does to the compute part.
     latency = max(0.3, 10 * _boot_p50(watched))
     _inject(watched, latency_s=latency)
-    body = _wait(watched, lambda b: b["state"] == "degraded", timeout=30 + 6 * latency)
-    assert "latency drift" in body["reasons"][0]
-    assert httpx.get(f"{watched}/ready").status_code == 503
-    assert _metric(watched, "sdserve_degraded", {"reason": "latency_drift"}) == 1.0
-    assert _metric(watched, "sdserve_ready", {}) == 0.0
-    caps = httpx.get(f"{watched}/capabilities").json()
-    assert "latency_drift" in caps["watchdog"]["active"] and caps["watchdog"]["last"]["canary"]["ratio"] > 3
-    assert any(t["state"] == "degraded" for t in caps["server"]["history"])
-    _inject(watched, latency_s=0)
-    _wait(watched, lambda b: b["state"] == "ready", timeout=60)
-    assert _metric(watched, "sdserve_degraded", {"reason": "latency_drift"}) == 0.0
-    assert _metric(watched, "sdserve_ready", {}) == 1.0
+    try:
+        body = _wait(watched, lambda b: (b.get("load") or {}).get("slow") is True, timeout=30 + 6 * latency)
+        first = _checks(watched)
+        deadline = time.monotonic() + 30 + 6 * latency
+        while _checks(watched) < first + 3:  # three more watchdog checks while slow: still ready throughout
+            response = httpx.get(f"{watched}/ready")
+            assert response.status_code == 200, response.text
+            assert time.monotonic() < deadline, "the watchdog stopped checking"
+            time.sleep(0.1)
+        assert body["state"] == "ready" and body["load"]["slowdown_ratio"] > 3
+        assert body["load"]["latency_unready"] == "never"
+        assert _metric(watched, "sdserve_slow", {}) == 1.0 and _metric(watched, "sdserve_ready", {}) == 1.0
+        assert _metric(watched, "sdserve_degraded", {"reason": "latency_drift"}) == 0.0
+        assert httpx.get(f"{watched}/performance").json()["load"]["slow"] is True
+    finally:
+        _inject(watched, latency_s=0)
+    _wait(watched, lambda b: (b.get("load") or {}).get("slow") is False, timeout=60)
+    assert _metric(watched, "sdserve_slow", {}) == 0.0
 
 
 LIVELOCK = [{"sm_percent": sm, "memory_percent": mem, "power_w": w, "power_limit_w": 300.0}

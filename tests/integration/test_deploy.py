@@ -70,7 +70,7 @@ def test_prometheus_rules_check_and_unit_tests_pass() -> None:
     assert promtool, "promtool missing: `make tools` installs Debian's prometheus package"
     rules = ROOT / "deploy" / "prometheus"
     check = subprocess.run([promtool, "check", "rules", "alerts.yml"], cwd=rules, capture_output=True, text=True)
-    assert check.returncode == 0 and "SUCCESS: 8 rules found" in check.stdout, check.stdout + check.stderr
+    assert check.returncode == 0 and "SUCCESS: 10 rules found" in check.stdout, check.stdout + check.stderr
     tests = subprocess.run([promtool, "test", "rules", "alerts_test.yml"], cwd=rules, capture_output=True, text=True)
     assert tests.returncode == 0, tests.stdout + tests.stderr
 

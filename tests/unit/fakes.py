@@ -46,6 +46,8 @@ class FakeEngine:
         self.drift_distance = 0.0
         """Fingerprint distance the canary reports (tolerance 4.0): > 4 is output drift."""
         self.canary_problem: str | None = None
+        self.canary_error: Exception | None = None
+        """Raised by the next canaries (e.g. the pipeline refusing NaN output)."""
         self.pending_events: list[OrtEvent] = []
         """ORT log events the next ``ort_events()`` call returns (then forgets, like the engine's tee)."""
         self.provider = "FakeExecutionProvider"
@@ -81,8 +83,11 @@ class FakeEngine:
                            done < batch.steps)
 
     def canary(self) -> CanaryCheck:
-        self.generate(Batch((ImageSpec("canary", seed=1),), 64, 64, 2))
-        return CanaryCheck("64x64x1", 0.01 + self.latency_s, 0.01, self.drift_distance, 4.0, self.canary_problem)
+        if self.canary_error is not None:
+            raise self.canary_error
+        result = self.generate(Batch((ImageSpec("canary", seed=1),), 64, 64, 2))
+        return CanaryCheck("64x64x1", 0.01 + self.latency_s, 0.01, self.drift_distance, 4.0, self.canary_problem,
+                           2, result.provider)
 
     def record_fingerprints(self) -> Path:
         raise NotImplementedError("the fake records nothing")
