@@ -175,6 +175,10 @@ async def drain(app: FastAPI) -> None:
     failed = await service.batcher.drain(settings.queue.drain_timeout_s)
     log.warning("drained: %d queued request(s) were not started before the %.0fs drain deadline", failed,
                 settings.queue.drain_timeout_s)
+    if not service.batcher.running:
+        # Every batch finished: its requests still encode and send their images (a moment after the batch ends);
+        # let them answer instead of mistaking them for work the deadline cut off.
+        await service.quiesce(DRAIN_ANSWER_S)
     if service.batcher.running or service.waiting:
         # The deadline passed with a batch still executing: stop it at its next step boundary and answer its
         # requests 503 now, as a second signal would, so the process exits within the drain bound.
