@@ -35,7 +35,7 @@ from engines.errors import ArtifactError
 from engines.runtime.sessions import Runtime
 
 log = logging.getLogger(__name__)
-OPTIONAL_COMPONENTS = ("text_encoder_2",)
+OPTIONAL_COMPONENTS = ("text_encoder_2", "vae_encoder")  # when the folder has them
 
 
 def components(model_dir: Path) -> list[str]:

@@ -48,14 +48,15 @@ ROLES: dict[str, dict[int, tuple[str, ...]]] = {
     "unet": {4: ("cfg_batch", "unet_channels", "height", "width"), 3: ("cfg_batch", "tokens", "hidden"),
              1: ("timesteps",), 0: ()},
     "vae_decoder": {4: ("batch", "latent_channels", "height", "width")},
+    "vae_encoder": {4: ("batch", "image_channels", "pixel_height", "pixel_width")},
 }
 NAMED_ROLES: dict[str, dict[str, tuple[str, ...]]] = {
     "unet": {"text_embeds": ("cfg_batch", "pooled"), "time_ids": ("cfg_batch", "time_ids")},
 }
 """SDXL's extra UNet inputs (same rank, told apart by name): the pooled projection of the second text encoder and
 the six micro-conditioning time ids (original size, crop top-left, target size)."""
-OPTIONAL_COMPONENTS = ("text_encoder_2",)
-"""Built when the model folder has them (SDXL's second text encoder)."""
+OPTIONAL_COMPONENTS = ("text_encoder_2", "vae_encoder")
+"""Built when the model folder has them (SDXL's second text encoder; the VAE encoder that edits need)."""
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ def model_dims(model_dir: Path) -> dict[str, int | None]:
             "latent_channels": _int(vae.get("latent_channels"), unet.get("out_channels"), unet.get("in_channels")),
             "hidden": _int(unet.get("cross_attention_dim"), text.get("hidden_size")),
             "pooled": _int(text_2.get("projection_dim"), text_2.get("hidden_size")),
-            "time_ids": 6,
+            "time_ids": 6, "image_channels": 3,
             "factor": 2 ** (len(blocks) - 1) if isinstance(blocks, list) and blocks else 8}
 
 
@@ -143,7 +144,8 @@ def component_shapes(component: str, inputs: dict[str, list[int | str]], dims: d
     the conditional half only)."""
     factor = dims["factor"] or 8
     values = {**dims, "batch": batch, "cfg_batch": 2 * batch if cfg else batch, "height": p.height // factor,
-              "width": p.width // factor, "timesteps": 1}  # the pipeline feeds one timestep per UNet call
+              "width": p.width // factor, "timesteps": 1,
+              "pixel_height": p.height, "pixel_width": p.width}  # the pipeline feeds one timestep per UNet call
     return ",".join(f"{name}:" + "x".join(str(d) for d in resolve(component, name, declared, values))
                     for name, declared in inputs.items())
 

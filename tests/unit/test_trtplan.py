@@ -177,3 +177,15 @@ def test_dynamic_quantization_ops_are_named(tmp_path: Path) -> None:
     assert trtplan.trt_unimportable_ops(model) == {"unet": {"DynamicQuantizeLinear": 1, "MatMulInteger": 1}}
     with pytest.raises(ArtifactError, match=r"unet: DynamicQuantizeLinear x1, MatMulInteger x1"):
         trtplan.refuse_unimportable(model)
+
+
+def test_the_vae_encoder_gets_an_engine_at_pixel_size_when_the_folder_has_one(tmp_path: Path) -> None:
+    """Edits encode the image on the device: a folder with vae_encoder/ plans its engine per size, its input at the
+    image's pixel size (not the latent size), one image per row (no CFG doubling)."""
+    inputs = {**OPTIMUM, "vae_encoder": {"sample": ["batch_size", "num_channels", "height", "width"]}}
+    plan = _plan(_model(tmp_path, inputs=inputs), sizes=[(512, 768)])
+    assert "vae_encoder" in plan["sizes"]["512x768"]["components"]
+    encoder = _options(plan, "512x768", "vae_encoder")
+    assert encoder["trt_profile_min_shapes"] == "sample:1x3x768x512"
+    assert encoder["trt_profile_max_shapes"] == "sample:4x3x768x512"
+    assert "vae_encoder" not in _plan(_model(tmp_path / "no-encoder"))["sizes"]["512x512"]["components"]
