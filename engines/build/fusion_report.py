@@ -72,7 +72,7 @@ def expected_attention(component: str, config: dict[str, Any]) -> int:
         return int(config["num_hidden_layers"])
     if component == "unet":
         return unet_attention_blocks(config)
-    if component == "vae_decoder":  # AutoencoderKL: one single-head attention in the decoder's mid block
+    if component in ("vae_decoder", "vae_encoder"):  # AutoencoderKL: one single-head attention in each mid block
         return 1 if config.get("mid_block_add_attention", True) else 0
     raise ValueError(f"unknown component {component!r}")
 

@@ -40,7 +40,8 @@ from engines.errors import ConfigError
 
 log = logging.getLogger(__name__)
 Target = Literal["cpu", "cuda", "tensorrt"]
-MODEL_TYPES = {"text_encoder": "clip", "text_encoder_2": "clip", "unet": "unet", "vae_decoder": "vae"}
+MODEL_TYPES = {"text_encoder": "clip", "text_encoder_2": "clip", "unet": "unet", "vae_decoder": "vae",
+               "vae_encoder": "vae"}
 CUDA_ONLY = ("enable_group_norm", "enable_skip_group_norm", "enable_nhwc_conv", "enable_bias_splitgelu",
              "enable_packed_qkv", "enable_packed_kv", "enable_bias_add")
 # Ops kept in fp32 when converting to fp16: they overflow or lose too much in half precision. (LayerNormalization,
@@ -150,6 +151,8 @@ def _feeds(session: ort.InferenceSession, component: str, rng: np.random.Generat
     for arg in session.get_inputs():
         if component == "vae_decoder":
             shape = [1, 4, 8, 8]
+        elif component == "vae_encoder":  # an image at 8x the latent probe (the tiny VAE's scale factor)
+            shape = [1, 3, 64, 64]
         else:
             shape = [d if isinstance(d, int) else 2 for d in arg.shape]
             if component == "unet" and len(shape) == 4:
@@ -210,7 +213,7 @@ def optimize_folder(src: Path, out: Path, target: Target = "cpu", fp16: bool = F
     report: dict[str, Any] = {"target": target, "fp16": fp16, "components": {},
                               "kernels": {op: KERNELS[op] for op in KERNELS}, "left_out": LEFT_OUT}
     for component in [c for c in MODEL_TYPES if (src / c / "model.onnx").is_file()]:
-        half = fp16 and not (component == "vae_decoder" and vae_fp32)
+        half = fp16 and not (component.startswith("vae_") and vae_fp32)
         source, dest = src / component / "model.onnx", out / component / "model.onnx"
         for stale in dest.parent.glob("model.onnx*"):
             stale.unlink()

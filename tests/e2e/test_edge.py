@@ -154,8 +154,11 @@ def test_100k_unknown_keys_get_small_answers_fast_on_every_json_route(edge: Serv
     for answer in answers:
         assert 400 <= answer.status_code < 500 and len(answer.content) < 4096, (answer.status_code,
                                                                                  len(answer.content))
-    assert health and max(health) < 2.0, health
-    assert _rss(url) - rss_before < 300e6
+    # Bounds far from the failure they guard against (main before the fix: /health stalled 12.6 s and RSS grew by
+    # ~1.9 GB), wide enough that a CI machine under load cannot trip them: allocator arenas of 16 parallel 1 MB
+    # bodies kept ~320 MB once during a whole-suite run on 2 busy cores.
+    assert health and max(health) < 5.0, health
+    assert _rss(url) - rss_before < 800e6
 
 
 def test_the_trailing_slash_redirect_never_names_the_forged_host(edge: ServerProcess) -> None:
