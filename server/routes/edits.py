@@ -15,7 +15,6 @@ official SDK sends them).
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -25,13 +24,10 @@ from starlette.datastructures import FormData, UploadFile
 
 from engines.errors import InvalidRequestError
 from server.edits import EditInput, edit_batch, require_edits
-from server.encoding import ImageFormat
 from server.images_in import alpha_mask, decode, mask_image
-from server.links import image_link, link_base
-from server.middleware import api_key_id
-from server.request_rules import FieldNotes, openai_notes, response_format
-from server.schemas import ImageData, ImageGenerationRequest, ImagesResponse, error_responses
-from server.service import b64
+from server.request_rules import FieldNotes, openai_notes
+from server.routes.openai_images import run_and_answer
+from server.schemas import ImageGenerationRequest, ImagesResponse, error_responses
 
 router = APIRouter(tags=["openai"])
 EDIT_PATHS = ("/v1/images/edits", "/v1/images/variations", "/sdapi/v1/img2img")
@@ -111,27 +107,11 @@ async def _respond(request: Request, response: Response, req: ImageGenerationReq
     notes.ignored += more.ignored
     notes.warnings += more.warnings
     batch = edit_batch(service.to_batch(req), edit, service.engine.info, strength)
-    as_url = response_format(req) == "url"
-    if as_url:
-        link_base(request, request.app.state.settings.server)  # refuse a Host we cannot link to before computing
-    fmt = ImageFormat(req.output_format or "png", 100 if req.output_compression is None else req.output_compression)
-    out = await service.run(batch, request.headers.get("x-sdserve-timeout-s"), request.is_disconnected,
-                            api_key_id(request.scope), fmt.encode)
-    out.trace_headers(response)
-    warnings = out.warnings + notes.warnings
-    response.headers.update(notes.headers())
-    if warnings:
-        response.headers["x-sdserve-warnings"] = "; ".join(warnings)
+    answer, out = await run_and_answer(request, response, req, batch, notes)
     response.headers["x-sdserve-mode"] = batch.mode
     response.headers["x-sdserve-strength"] = f"{batch.strength:g}"
     request.app.state.metrics.images_by_mode.labels(request.url.path, batch.mode).inc(len(out.pngs))
-    if as_url:
-        store = request.app.state.image_store
-        data = [ImageData(url=image_link(request, store.put(p, fmt.name))) for p in out.pngs]
-    else:
-        data = [ImageData(b64_json=b64(p)) for p in out.pngs]
-    return ImagesResponse(created=int(time.time()), data=data, output_format=fmt.name,
-                          size=f"{batch.width}x{batch.height}", background="opaque", warnings=warnings or None)
+    return answer
 
 
 @router.post("/v1/images/edits", response_model=ImagesResponse, response_model_exclude_none=True,

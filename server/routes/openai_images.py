@@ -8,12 +8,13 @@ from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request, Response
 
+from engines.protocol import Batch
 from server.encoding import ImageFormat, media_type_of
 from server.links import image_link, link_base
 from server.middleware import api_key_id
-from server.request_rules import alias_models, openai_notes, response_format
+from server.request_rules import FieldNotes, alias_models, openai_notes, response_format
 from server.schemas import ImageData, ImageGenerationRequest, ImagesResponse, error_responses
-from server.service import b64
+from server.service import Generated, b64
 
 router = APIRouter(tags=["openai"])
 __all__ = ["image_link", "link_base", "router"]
@@ -26,8 +27,18 @@ async def generate_images(req: ImageGenerationRequest, request: Request, respons
     """Generate ``n`` images for ``prompt``; same seed, same request -> byte-identical images."""
     service = request.app.state.service
     service.require_ready()
-    notes = openai_notes(req)
     batch = service.to_batch(req)
+    answer, out = await run_and_answer(request, response, req, batch, openai_notes(req))
+    if out.result.interrupted:  # POST /sdapi/v1/interrupt by the same caller: decoded from the latents so far
+        response.headers["x-sdserve-interrupted"] = f"{out.result.steps_done}/{batch.steps}"
+    return answer
+
+
+async def run_and_answer(request: Request, response: Response, req: ImageGenerationRequest, batch: Batch,
+                         notes: FieldNotes) -> tuple[ImagesResponse, Generated]:
+    """Run ``batch`` for an OpenAI images route (generations, edits, variations) and answer as OpenAI does: images
+    as b64 or absolute links in the requested format, trace headers, the fields noted as ignored, warnings."""
+    service = request.app.state.service
     as_url = response_format(req) == "url"
     if as_url:
         link_base(request, request.app.state.settings.server)  # refuse a Host we cannot link to before computing
@@ -39,15 +50,14 @@ async def generate_images(req: ImageGenerationRequest, request: Request, respons
     response.headers.update(notes.headers())
     if warnings:
         response.headers["x-sdserve-warnings"] = "; ".join(warnings)
-    if out.result.interrupted:  # POST /sdapi/v1/interrupt by the same caller: decoded from the latents so far
-        response.headers["x-sdserve-interrupted"] = f"{out.result.steps_done}/{batch.steps}"
     if as_url:
         store = request.app.state.image_store
         data = [ImageData(url=image_link(request, store.put(p, fmt.name))) for p in out.pngs]
     else:
         data = [ImageData(b64_json=b64(p)) for p in out.pngs]
-    return ImagesResponse(created=int(time.time()), data=data, output_format=fmt.name,
-                          size=f"{batch.width}x{batch.height}", background="opaque", warnings=warnings or None)
+    answer = ImagesResponse(created=int(time.time()), data=data, output_format=fmt.name,
+                            size=f"{batch.width}x{batch.height}", background="opaque", warnings=warnings or None)
+    return answer, out
 
 
 @router.get("/v1/images/files/{image_id}", name="image_file", response_class=Response,
