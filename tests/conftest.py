@@ -2,9 +2,41 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
+
+_PROOF: Counter[str] = Counter()
+"""Outcomes of the tests marked plugin_ep (the accelerator proof), for the summary at the end."""
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """The machine facts that change results, at the top of the run: a red run on one machine and a green one on
+    another read apart at once."""
+    from tests.plugin_ep import header_lines
+
+    return header_lines()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if "plugin_ep" in report.keywords and (report.when == "call" or report.outcome != "passed"):
+        _PROOF[report.outcome] += 1
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    from tests.plugin_ep import accelerator
+
+    if not _PROOF:
+        terminalreporter.write_line("accelerator proof: NOT run (no plugin_ep test was selected)", yellow=True)
+        return
+    counts = ", ".join(f"{n} {outcome}" for outcome, n in sorted(_PROOF.items()))
+    try:
+        how = accelerator().how
+    except (AssertionError, ImportError, OSError) as exc:
+        how = f"nothing ({exc})"
+    terminalreporter.write_line(f"accelerator proof: {counts}; ran on {how}",
+                                green=set(_PROOF) == {"passed"}, red="failed" in _PROOF)
 
 
 @pytest.fixture(scope="session")

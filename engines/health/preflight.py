@@ -263,7 +263,8 @@ def _plugin(obs: Observations, matrix: Matrix, plugin: PluginEp) -> list[Check]:
         checks.append(Check(f"plugin_library:{name}", "gpu", "fail" if found.error else "pass",
                             found.error or f"{found.library} registered; {found.devices[0]['device_name']}",
                             f"{name} registered from {package} with a {plugin.device_type} device",
-                            f"reinstall {package}, or check runtime.plugin.library / device_type"))
+                            "see the cause in the observed line: the library loads, the plugin offers no device"
+                            if found.loaded else f"reinstall {package}, or check runtime.plugin.library"))
     pinned = matrix.plugins.get(name)
     if pinned is None:
         checks.append(Check(f"plugin_version:{name}", "version", "fail", f"{package} {found.package_version}",

@@ -29,6 +29,24 @@ _REGISTERED: dict[str, str] = {}
 """registration name -> library path, for this process (ORT refuses a second registration under one name)."""
 
 
+@dataclass(frozen=True)
+class VendorRule:
+    """A plugin that offers only one vendor's devices, whatever else could run it."""
+
+    vendor_id: int
+    vendor: str
+    where: str
+    """Where the rule lives in the plugin's source."""
+
+
+VENDOR_RULES: dict[str, VendorRule] = {
+    # OpenVINOEpPluginFactory::GetSupportedDevices (onnxruntime/core/providers/openvino/ov_factory.cc) skips every
+    # OrtHardwareDevice whose vendor id is not 0x8086 ("Not an Intel Device"), though OpenVINO runs on other x86-64.
+    "OpenVINOExecutionProvider": VendorRule(0x8086, "Intel", "OpenVINOEpPluginFactory::GetSupportedDevices in "
+                                            "onnxruntime/core/providers/openvino/ov_factory.cc"),
+}
+
+
 @dataclass
 class PluginReport:
     """What preflight found about a plugin EP: package, library, registration, devices."""
@@ -42,6 +60,8 @@ class PluginReport:
     devices: list[dict[str, str]] = field(default_factory=list)
     error: str = ""
     """Why the plugin is unusable (empty: registered, with a device of the wanted type)."""
+    loaded: bool = False
+    """The library registered (so an error is about devices, never about the installation)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "package": self.package, "package_version": self.package_version,
@@ -89,13 +109,40 @@ def register(plugin: PluginEp) -> str:
 def devices(plugin: PluginEp) -> list[Any]:
     """The OrtEpDevices of ``plugin.name`` on a ``plugin.device_type`` device (register first). Exact EP-name
     match: OpenVINO also lists ``OpenVINOExecutionProvider.AUTO``, a meta device that may pick another target."""
-    found = [d for d in ort.get_ep_devices() if d.ep_name == plugin.name and
-             str(d.device.type).rsplit(".", 1)[-1] == plugin.device_type]
+    listed = ort.get_ep_devices()
+    found = [d for d in listed if d.ep_name == plugin.name and _type(d) == plugin.device_type]
     if not found:
-        listed = sorted({f"{d.ep_name} on {str(d.device.type).rsplit('.', 1)[-1]}" for d in ort.get_ep_devices()})
-        raise GpuUnavailableError(f"plugin EP {plugin.name} (package {plugin.package}) lists no {plugin.device_type} "
-                                  f"device; ONNX Runtime has: {', '.join(listed) or 'none'}")
+        offered = sorted({f"{d.ep_name} on {_type(d)}" for d in listed if d.ep_name.startswith(plugin.name)})
+        hardware = sorted({(_type(d), int(d.device.vendor_id), str(d.device.vendor)) for d in listed})
+        raise GpuUnavailableError(no_device_message(plugin, offered, hardware))
     return found[:1]
+
+
+def _type(device: Any) -> str:
+    return str(device.device.type).rsplit(".", 1)[-1]
+
+
+def no_device_message(plugin: PluginEp, offered: list[str], hardware: list[tuple[str, int, str]]) -> str:
+    """Why a registered plugin offers no device of the wanted type: what ONNX Runtime found, what the plugin offered,
+    and the likely cause from what is known (a vendor rule in the plugin's own factory, or the device type). The
+    library loaded, so reinstalling it is never the advice."""
+    seen = ", ".join(f"{kind} {vendor or '?'} (vendor id {vendor_id:#06x})" for kind, vendor_id, vendor in hardware)
+    text = (f"plugin EP {plugin.name} (package {plugin.package}) loaded but lists no {plugin.device_type} device. "
+            f"ONNX Runtime found: {seen or 'no hardware devices'}; the plugin offered: "
+            f"{', '.join(offered) or 'nothing'}. ")
+    rule = VENDOR_RULES.get(plugin.name)
+    wanted = [(vendor_id, vendor) for kind, vendor_id, vendor in hardware if kind == plugin.device_type]
+    if rule is not None and wanted and all(vendor_id != rule.vendor_id for vendor_id, _ in wanted):
+        vendors = ", ".join(sorted({f"{vendor or '?'} {vendor_id:#06x}" for vendor_id, vendor in wanted}))
+        return text + (f"Cause: the plugin's vendor rule, not the installation: {rule.where} offers only devices "
+                       f"whose vendor id is {rule.vendor_id:#06x} ({rule.vendor}); this {plugin.device_type} is "
+                       f"{vendors}. Run this profile on a node with an {rule.vendor} {plugin.device_type}, or "
+                       "choose a profile whose accelerator this node has.")
+    if not wanted:
+        return text + (f"Cause: ONNX Runtime found no {plugin.device_type} device at all: check "
+                       "runtime.plugin.device_type against the hardware listed.")
+    return text + ("Likely cause: the plugin cannot use this hardware (its own log lines above say why), or "
+                   "runtime.plugin.device_type names a type it does not serve.")
 
 
 def describe(device: Any) -> dict[str, str]:
@@ -116,6 +163,7 @@ def observe(plugin: PluginEp) -> PluginReport:
         return report
     try:
         report.library = register(plugin)
+        report.loaded = True
         report.devices = [describe(d) for d in devices(plugin)]
     except GpuUnavailableError as exc:
         report.error = str(exc)

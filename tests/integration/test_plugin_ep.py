@@ -13,7 +13,19 @@ from pathlib import Path
 import pytest
 
 from server.exitcodes import ExitCode
-from tests.plugin_ep import ARTIFACTS, EP, profile, resign, sdserve, with_cpu_node
+from tests.plugin_ep import (
+    ARTIFACTS,
+    EP,
+    build_shim,
+    cpu_facts,
+    listed_devices,
+    openvino_args,
+    openvino_library,
+    profile,
+    resign,
+    sdserve,
+    with_cpu_node,
+)
 
 pytestmark = pytest.mark.plugin_ep
 
@@ -29,7 +41,7 @@ def assert_exit(done: Done, code: ExitCode, *fragments: str) -> None:
 
 
 def doctor(model: Path, config: Path | None = None) -> Done:
-    where = ("--config", str(config)) if config else ("--profile", "openvino")
+    where = ("--config", str(config)) if config else openvino_args(model.parent)
     return sdserve("doctor", *where, "--model", str(model))
 
 
@@ -73,7 +85,7 @@ def test_a_node_the_ep_leaves_on_the_cpu_exits_22_naming_it(tiny_model: Path, tm
     """Both where it can happen: the build (the EP compiles the source) and a boot that compiles at load."""
     model = tmp_path / "det"
     det = with_cpu_node(tiny_model, model)
-    assert_exit(sdserve("engines", "build", "--profile", "openvino", "--model", str(model)),
+    assert_exit(sdserve("engines", "build", *openvino_args(tmp_path), "--model", str(model)),
                 ExitCode.PLACEMENT_FAILED, f"Det {det}", "vae_decoder")
     assert not (model / ARTIFACTS).exists(), "a failed build leaves no half-written artifacts"
     config = profile(tmp_path, {"require_artifacts = true": "require_artifacts = false"})
@@ -127,3 +139,31 @@ def test_artifact_problems_exit_23(copy: Path, change: Callable[[Path], str]) ->
     done = doctor(copy)
     assert_exit(done, ExitCode.ARTIFACT_INVALID, fragment)
     assert "path unavailable" not in done.stdout + done.stderr
+
+
+def test_the_shim_decides_what_the_plugin_offers() -> None:
+    """The vendor path is exercised on every machine: the same OpenVINO plugin, loaded through the vendor shim,
+    offers the CPU when it is presented as Intel (0x8086) and drops it when presented as AMD (0x1022): the rule in
+    ov_factory.cc, reproduced on an Intel CPU, lifted on an AMD one."""
+    as_amd = listed_devices(str(build_shim(0x1022)))
+    as_intel = listed_devices(str(build_shim(0x8086)))
+    assert not [d for d in as_amd if d[0] == EP], as_amd
+    assert [d for d in as_intel if d[0] == EP and d[1] == "CPU"], as_intel
+    assert [d for d in as_amd if d[0] == "CPUExecutionProvider"], "ONNX Runtime's own CPU device is unchanged"
+
+
+def test_a_plugin_offering_no_device_exits_20_saying_why_not_reinstall(openvino_model: Path, tmp_path: Path) -> None:
+    """The plugin loads but offers no CPU device (here: presented an AMD CPU by the shim; on an AMD machine also the
+    plugin itself): exit 20 naming what ONNX Runtime has and what the plugin offered, never "reinstall"."""
+    libraries = [str(build_shim(0x1022))]
+    vendor_rule = cpu_facts()["vendor"] != "GenuineIntel"
+    if vendor_rule:
+        libraries.append(openvino_library())
+    for library in libraries:
+        config = profile(tmp_path, {PLUGIN: PLUGIN + f"\nlibrary = {json.dumps(library)}"})
+        done = doctor(openvino_model, config)
+        assert_exit(done, ExitCode.GPU_UNAVAILABLE, f"plugin_library:{EP}", "loaded but lists no CPU device",
+                    "ONNX Runtime found: CPU", "the plugin offered: nothing")
+        assert "reinstall" not in done.stdout + done.stderr
+        if vendor_rule and library == libraries[-1]:
+            assert "vendor rule" in done.stdout + done.stderr and "ov_factory.cc" in done.stdout + done.stderr
