@@ -7,7 +7,7 @@ OPEN_CLIP := open-clip-torch==3.3.0
 BPE_WHEEL := .cache/wheels/open_clip_torch-3.3.0-py3-none-any.whl
 MODEL := models/tiny
 
-.PHONY: run test lint bench clean tools deploy mutate
+.PHONY: run test facts lint bench clean tools deploy mutate docs refs
 
 PORT ?= 8000
 , := ,
@@ -24,8 +24,8 @@ $(RUN_STAMP): pyproject.toml constraints.txt
 
 # `make test` adds the test and lint tools.
 $(STAMP): $(RUN_STAMP)
-	@echo "installing the test and lint tools"
-	$(PY) -m pip install -q -c constraints.txt -e '.[build,client,test,dev]'
+	@echo "installing the test, lint and docs tools"
+	$(PY) -m pip install -q -c constraints.txt -e '.[build,client,test,dev,docs]'
 	touch $(STAMP)
 
 # The real CLIP BPE merges ship inside open-clip-torch's wheel; we read the file, never import the package.
@@ -47,30 +47,45 @@ tools:
 	  apt-get install -y -qq --no-install-recommends prometheus >/dev/null; } || \
 	  { echo "install Debian's prometheus package (promtool) to run the alert-rule tests" >&2; exit 1; }
 
-test: $(STAMP) $(BPE_WHEEL) tools lint
+test: $(STAMP) $(BPE_WHEEL) tools facts lint
 	$(PY) -m pytest
+
+# The machine facts that change results (CPU vendor and model, cores, ORT/OpenVINO versions, what runs the
+# accelerator proof: OpenVINO's plugin directly, or through the vendor shim on non-Intel CPUs), first in the output.
+facts: $(STAMP)
+	@$(PY) -m tests.plugin_ep
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check server engines tests benchmarks
 	$(VENV)/bin/mypy
 
+# The reference pages (settings, exit codes, metrics, API errors, CLI) generated from the code into docs/reference/;
+# tests/unit/test_docs_refs.py fails when they drift. Run after adding a settings key, exit code, metric or flag.
+refs: $(STAMP)
+	$(PY) -m server.cli.refs --out docs/reference
+
+# The docs site, offline and strict (a broken link, an unknown anchor or a page missing from the nav fails it).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --clean --site-dir site
+	@echo "docs built: open site/index.html (search: python3 -m http.server --directory site)"
+
 bench: $(STAMP) $(MODEL)/manifest.json
-	$(PY) benchmarks/bench_pipeline.py --write-readme README.md
-	$(PY) benchmarks/bench_readiness.py --model $(MODEL) --write-readme README.md
-	$(PY) benchmarks/bench_server.py --model $(MODEL) --write-readme README.md
+	$(PY) benchmarks/bench_pipeline.py --write-readme docs/benchmarks.md
+	$(PY) benchmarks/bench_readiness.py --model $(MODEL) --write-readme docs/benchmarks.md
+	$(PY) benchmarks/bench_server.py --model $(MODEL) --write-readme docs/benchmarks.md
 	$(PY) benchmarks/bench_families.py --out benchmarks/results/families_cpu.json
 
 # Mutation check: each mutant of tests/mutation/mutations.toml runs its tests in a temporary copy of the repo.
 mutate: $(STAMP) $(BPE_WHEEL)
-	$(PY) tests/mutation/run.py --write-readme README.md
+	$(PY) tests/mutation/run.py --write-readme docs/testing.md
 
 deploy: $(STAMP)
 	$(VENV)/bin/sdserve deploy render
 
 clean:
-	rm -rf $(VENV) .cache models .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .cache models site .pytest_cache .mypy_cache .ruff_cache
 
-# ---- The container image (README "The image"). docker where a daemon answers, else podman (buildah inside). ----
+# ---- The container image (docs/deployment.md, "The image"). docker where a daemon answers, else podman (buildah inside). ----
 ENGINE ?= $(shell if docker info >/dev/null 2>&1; then echo docker; elif command -v podman >/dev/null; then echo podman; fi)
 # podman on hosts like the CI machines: runc (crun fails in cgroups hybrid mode), rlimits the host allows, the
 # host network for pip, and the docker image format (OCI drops HEALTHCHECK).

@@ -4,12 +4,14 @@ Ours runs the model as `sdserve engines optimize --target cpu` leaves it (fused 
 the runtime's default session options. Same run, same machine, same scheduler (Euler), same steps, CFG on both
 sides; reported as ratios because this machine is noisy. The two sides are interleaved (A B A B ...: one call of
 each per round, after a warm-up of both), so machine noise hits both alike; each round gives one ratio, and the
-README shows their median and range, with the load average seen before and after. Peak RSS is measured per side in
-a fresh child process (benchmarks/peak_rss.py). Every README line that quotes a number is rendered here from the
+docs page shows their median and range, with the load average seen before and after. Peak RSS is measured per side in
+a fresh child process (benchmarks/peak_rss.py). Every docs line that quotes a number is rendered here from the
 results, never written by hand.
 
-    python benchmarks/bench_pipeline.py [--repeats 5] [--cases 256x1:20,256x4:20,512x1:4] [--write-readme README.md]
-    python benchmarks/bench_pipeline.py --from-results benchmarks/results/pipeline_cpu.json --write-readme README.md
+    python benchmarks/bench_pipeline.py [--repeats 5] [--cases 256x1:20,256x4:20,512x1:4] \
+        [--write-readme docs/benchmarks.md]
+    python benchmarks/bench_pipeline.py --from-results benchmarks/results/pipeline_cpu.json \
+        --write-readme docs/benchmarks.md
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ MEMORY = [("sd1", 512, 2, 2, True), ("sdxl", 1024, 1, 1, False)]
 diffusers where asked (at 1024x1024 its VAE alone takes minutes on 2 shared cores)."""
 TARGETS = [{"size": 256, "batch": 1, "speedup": 1.5}, {"size": 512, "batch": 1, "speedup": 1.5},
            {"size": 256, "batch": 4, "speedup": 1.2}]
-"""The goals quoted in the README (issue 23), each a same-run median ratio."""
+"""The goals quoted on the benchmarks page (docs/benchmarks.md; issue 23), each a same-run median ratio."""
 HERE = Path(__file__).resolve().parent
 
 
@@ -172,7 +174,7 @@ def _goal_lines(result: dict[str, Any]) -> list[str]:
 
 
 def table(result: dict[str, Any]) -> str:
-    """The README section: the speed table, the memory table and the goal lines, all from ``result``."""
+    """The benchmarks page section: the speed table, the memory table and the goal lines, all from ``result``."""
     lines = [f"Interleaved A/B rounds ({result['repeats']} per row, after a warm-up of each side); speedup = median "
              "of the per-round ratios, with their range; load = 1-minute load average before/after the row "
              f"(this machine has {result['cpu_count']} cores and is shared: anything above ~2 means other work "

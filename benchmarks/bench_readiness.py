@@ -1,7 +1,7 @@
 """Time from process start to /ready 200 for the tiny model, and watchdog detection latency (fault injected ->
 /ready 503) and recovery (fault removed -> 200), on a real `sdserve serve` process (dev profile, CPU).
 
-    python benchmarks/bench_readiness.py --model models/tiny [--runs 3] [--write-readme README.md]
+    python benchmarks/bench_readiness.py --model models/tiny [--runs 3] [--write-readme docs/benchmarks.md]
 """
 
 from __future__ import annotations

@@ -3,13 +3,14 @@
 1. server overhead: end-to-end latency at concurrency 1 over a direct pipeline call (target <= 1.05);
 2. micro-batching: throughput at concurrency 16 with max_batch=4 over max_batch=1 (target >= 1.3x at 64x64);
 3. `sdserve bench` at concurrency 1..32 against the dev profile (queue 32, max_batch 4): p50/p95/p99, 429 share,
-   with the plot committed.
+   with the plot committed (docs/assets/bench_cpu.png, shown on the benchmarks page).
 
-Every ratio the README quotes is rendered here from the results (median and range over the runs), never typed.
+Every ratio docs/benchmarks.md quotes is rendered here from the results (median and range over the runs), never typed.
 
-    python benchmarks/bench_server.py --model models/tiny [--rounds 3] [--write-readme README.md]
+    python benchmarks/bench_server.py --model models/tiny [--rounds 3] [--write-readme docs/benchmarks.md]
     python benchmarks/bench_server.py --repeats 2 --rounds 1 --requests 4 --levels 1,2   (smallest settings)
-    python benchmarks/bench_server.py --from-results benchmarks/results/server_cpu.json --write-readme README.md
+    python benchmarks/bench_server.py --from-results benchmarks/results/server_cpu.json \
+        --write-readme docs/benchmarks.md
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from engines.runtime.sessions import Runtime
 from server.cli import bench
 
 ROOT = Path(__file__).parents[1]
+PLOT = ROOT / "docs" / "assets" / "bench_cpu.png"
+"""The concurrency plot, beside the docs page that shows it (a docs site serves only what lies under docs/)."""
 SIZE, STEPS = 64, 20
 
 
@@ -129,7 +132,7 @@ def concurrency(model: Path, tmp: Path, requests: int, levels: list[int], result
     finally:
         server.close()
     bench.write(result, results / "bench_cpu.json")
-    bench.plot(result, results / "bench_cpu.png")
+    bench.plot(result, PLOT)
     return result
 
 
@@ -159,7 +162,7 @@ def table(o: dict[str, float], t: dict[str, object], c: dict[str, object]) -> st
         share = lv["rejected_429"] / lv["requests"] if lv["requests"] else 0
         lines.append(f"| {lv['concurrency']} | {lv['ok']} | {share:.0%} | {lv['p50_s']} | {lv['p95_s']} | "
                      f"{lv['p99_s']} | {lv['images_per_minute']} |")
-    lines += ["", "![latency and throughput vs concurrency](benchmarks/results/bench_cpu.png)"]
+    lines += ["", "![latency and throughput vs concurrency](assets/bench_cpu.png)"]
     return "\n".join(lines)
 
 

@@ -1,4 +1,4 @@
-"""Write a benchmark's table into the README between its markers."""
+"""Write a benchmark's table between its markers in a Markdown page (`make bench`: docs/benchmarks.md)."""
 
 from __future__ import annotations
 

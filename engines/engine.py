@@ -342,9 +342,11 @@ class OrtEngine:
             if selftest.sanity(image) == "all-black image":
                 raise InferenceError(f"image {index} of the batch is an all-black image (an fp16 overflow or broken "
                                      "weights): refused, not returned")
-        images = tuple(GeneratedImage(Image.fromarray(img), spec.seed, trunc, neg)
-                       for img, spec, trunc, neg in zip(out.images, batch.images, out.truncated,
-                                                        out.negative_truncated, strict=True))
+        kept = [out.latents[i] if out.latents is not None and spec.keep_latents else None
+                for i, spec in enumerate(batch.images)]
+        images = tuple(GeneratedImage(Image.fromarray(img), spec.seed, trunc, neg, latents)
+                       for img, spec, trunc, neg, latents in zip(out.images, batch.images, out.truncated,
+                                                                 out.negative_truncated, kept, strict=True))
         return BatchResult(images, self.provider, out.timings, len(images), out.steps_done,
                            out.steps_done < (out.steps_total or batch.steps))
 
@@ -368,9 +370,12 @@ class OrtEngine:
             from engines.health.telemetry import NvmlTelemetry
 
             obs = self._observations
-            mapping = ({self.settings.device_id: index} if obs is not None and
-                       (index := obs.nvml_index(self.settings.device_id)) is not None else None)
-            return NvmlTelemetry(mapping)
+            index = obs.nvml_index(self.settings.device_id) if obs is not None else None
+            if index is None:  # never the CUDA ordinal as an NVML index: it can name another card
+                log.error("NVML telemetry off: CUDA ordinal %d matches no NVML device by PCI bus id",
+                          self.settings.device_id)
+                return None
+            return NvmlTelemetry({self.settings.device_id: index})
         except Exception as exc:  # pynvml's NVMLError family; preflight reports the cause with its exit code
             log.error("NVML unavailable for the watchdog: %s", exc)
             return None

@@ -20,7 +20,8 @@ def create_engine(model: Path, runtime: RuntimeSettings, matrix: Matrix | None =
 def accept(model: Path | None, runtime: RuntimeSettings, matrix: Matrix, plan: SelfTestPlan,
            signature: SignatureThresholds, out: Path, *, jobs: int = 10, band_percent: float = 10.0,
            baseline: Path | None = None, compare: str | None = None, changed: tuple[Path, Path] | None = None,
-           skip_torch_reference: bool = False, budget_s: float = 600.0) -> tuple[str, ...]:
+           skip_torch_reference: bool = False, budget_s: float | None = None,
+           step_budgets_s: tuple[tuple[str, float], ...] = (), size: int = 512, steps: int = 50) -> tuple[str, ...]:
     """`sdserve accept`: the GPU gate (GpuUnavailableError at once without a GPU), every acceptance step, then
     ``accept_report.json`` and ``accept_report.md`` under ``out``. Returns the failing sections (empty: accepted)."""
     from engines.health.accept_run import AcceptOptions, run_acceptance
@@ -28,4 +29,19 @@ def accept(model: Path | None, runtime: RuntimeSettings, matrix: Matrix, plan: S
     return run_acceptance(AcceptOptions(
         out=out, runtime=runtime, matrix=matrix, plan=plan, thresholds=signature, model=model, jobs=jobs,
         band_percent=band_percent, baseline=baseline, compare=compare, changed=changed,
-        skip_torch_reference=skip_torch_reference, budget_s=budget_s))
+        skip_torch_reference=skip_torch_reference, budget_s=budget_s, step_budgets_s=step_budgets_s,
+        size=size, steps=steps))
+
+
+def accept_step_budgets() -> dict[str, float]:
+    """`sdserve accept`'s default budget per step, in seconds (engines/health/accept_report.py)."""
+    from engines.health.accept_report import STEP_BUDGETS_S
+
+    return dict(STEP_BUDGETS_S)
+
+
+def manifest_name() -> str:
+    """The file name of a model folder's and an artifact folder's manifest (engines/artifacts.py)."""
+    from engines.artifacts import MANIFEST
+
+    return MANIFEST

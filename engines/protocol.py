@@ -33,6 +33,9 @@ def fingerprint(image: np.ndarray) -> np.ndarray:
 # Requests and results
 
 
+LatentFill = Literal["original", "noise", "nothing"]
+
+
 @dataclass(frozen=True, eq=False)
 class EditImage:
     """One image's edit input, already at the batch's width and height (server/images_in.py decodes, orients and
@@ -43,6 +46,13 @@ class EditImage:
     mask: np.ndarray | None = None
     """uint8 [H, W]: where to repaint, as diffusers' mask (binarized at 0.5: >= 128 repaints; the output blends
     the repainted pixels in by mask/255 where ``Batch.overlay``); None: img2img."""
+    fill: LatentFill = "original"
+    """Inpainting: what the masked part of the init latents starts from (A1111's inpainting_fill 2 and 3, done
+    in modules/processing.py StableDiffusionProcessingImg2Img.init): "original" the encoded image, "noise" the
+    image's own seeded start noise (latent noise), "nothing" zeros (latent nothing)."""
+    latents: np.ndarray | None = None
+    """float32 [C, h, w]: init latents as the denoiser sees them (scaled), used instead of encoding ``image``
+    (Hires fix's latent upscale, A1111's latent_scale_mode); None: ``image`` is encoded."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +65,8 @@ class ImageSpec:
     guidance_scale: float = 7.5
     edit: EditImage | None = None
     """img2img (no mask) or inpainting input; None: txt2img. Every image of a batch has the same mode."""
+    keep_latents: bool = False
+    """Return this image's final latents (GeneratedImage.latents): a Hires fix first pass with a latent upscale."""
 
 
 Mode = Literal["txt2img", "img2img", "inpaint"]
@@ -95,6 +107,8 @@ class GeneratedImage:
     seed: int
     prompt_truncated: bool = False
     negative_prompt_truncated: bool = False
+    latents: np.ndarray | None = None
+    """float32 [C, h, w] final latents (scaled), when the image asked for them (ImageSpec.keep_latents)."""
 
 
 @dataclass(frozen=True)

@@ -14,23 +14,18 @@ from starlette.concurrency import run_in_threadpool
 from starlette.middleware.cors import CORSMiddleware
 
 from engines.protocol import Engine, Faults, SelfTestReport
-from server import errors
+from server import errors, images_in
 from server.bootstrap import selftest_plan
 from server.exitcodes import ExitCode, exit_code_for
 from server.images import ImageStore
-from server.metrics import Metrics
-from server.middleware import (
-    AuthMiddleware,
-    BodyLimitMiddleware,
-    GuardMiddleware,
-    MetricsMiddleware,
-    StrictJsonMiddleware,
-)
+from server.metrics import Exposition, Metrics
+from server.middleware import AuthMiddleware, BodyLimitMiddleware, GuardMiddleware, MetricsMiddleware
 from server.routes import a1111, a1111_img2img, a1111_info, debug, edits, health, observability, openai_images
 from server.schemas import document_openapi
 from server.service import ImageService
 from server.settings import Settings
 from server.state import ServerState
+from server.strict_json import StrictJsonMiddleware
 from server.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -125,10 +120,12 @@ def create_app(engine: Engine, settings: Settings, on_fatal: OnFatal | None = No
     state = ServerState()
     service = ImageService(engine, settings, metrics, state)
     app.state.engine, app.state.settings, app.state.metrics = engine, settings, metrics
+    app.state.exposition = Exposition(metrics.registry, settings.server.metrics_cache_s)
     app.state.server_state, app.state.service, app.state.faults = state, service, faults
     app.state.watchdog = Watchdog(engine, service, state, settings, metrics)
     app.state.on_fatal = on_fatal or (lambda code, reason: None)
     app.state.image_store = ImageStore(max_bytes=settings.server.url_store_max_bytes)
+    images_in.configure(settings.limits.max_jpeg_scans, settings.limits.decode_concurrency)
     errors.install(app)
     _add_middleware(app, settings, metrics)
     for router in (health.router, observability.router, openai_images.router, a1111.router, a1111_info.router,
@@ -152,8 +149,9 @@ def _add_middleware(app: FastAPI, settings: Settings, metrics: Metrics) -> None:
     app.add_middleware(AuthMiddleware, digests=auth.api_key_sha256, exempt=auth.exempt_paths,
                        per_key=auth.per_key_concurrency)
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # sees every status, 401/413/500 included
-    if server.cors_origins:
+    if server.cors_origins or server.cors_origin_regex:
         app.add_middleware(CORSMiddleware, allow_origins=list(server.cors_origins), allow_credentials=False,
+                           allow_origin_regex=server.cors_origin_regex or None,
                            allow_methods=["GET", "HEAD", "POST"], expose_headers=list(EXPOSED_HEADERS),
                            allow_headers=["authorization", "content-type", "x-request-id", "x-sdserve-timeout-s"],
                            max_age=600)

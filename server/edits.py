@@ -13,7 +13,7 @@ import numpy as np
 from PIL import Image
 
 from engines.errors import InvalidRequestError
-from engines.protocol import Batch, EditImage, ModelInfo
+from engines.protocol import Batch, EditImage, LatentFill, ModelInfo
 from server.images_in import ResizeMode, resize
 
 
@@ -27,6 +27,8 @@ class EditInput:
     """None: the profile's default (img2img) or 1.0 (with a mask, as diffusers' inpainting)."""
     resize_mode: ResizeMode = 1
     overlay: bool = True
+    fill: LatentFill = "original"
+    """With a mask: what the masked init latents start from (A1111's inpainting_fill 2 "noise", 3 "nothing")."""
 
 
 def require_edits(info: ModelInfo) -> None:
@@ -55,6 +57,7 @@ def edit_batch(batch: Batch, edit: EditInput, info: ModelInfo, default_strength:
     if mask is not None and not mask.any():
         raise InvalidRequestError("mask marks nothing to repaint (no white, or no transparent, pixels)",
                                   param="mask")
-    specs = tuple(replace(spec, edit=EditImage(np.ascontiguousarray(pixels[i % len(pixels)]), mask))
+    fill = edit.fill if mask is not None else "original"
+    specs = tuple(replace(spec, edit=EditImage(np.ascontiguousarray(pixels[i % len(pixels)]), mask, fill))
                   for i, spec in enumerate(batch.images))
     return replace(batch, images=specs, strength=strength, overlay=edit.overlay)

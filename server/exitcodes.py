@@ -15,6 +15,7 @@ from engines.errors import (
     VersionMismatchError,
 )
 from server.errors import BindError
+from server.provenance import CredentialError
 
 
 class ExitCode(IntEnum):
@@ -24,16 +25,25 @@ class ExitCode(IntEnum):
     CONFIG_INVALID = 10
     MODEL_INVALID = 11
     CANNOT_BIND = 12
+    PROVENANCE_KEY_INVALID = 13
+    """[provenance] mode require without a usable signing key and certificate chain."""
     GPU_UNAVAILABLE = 20
     VERSION_MISMATCH = 21
     PLACEMENT_FAILED = 22
     ARTIFACT_INVALID = 23
     SELF_TEST_FAILED = 24
     GATE_REGRESSION = 30
+    VERIFY_UNTRUSTED = 40
+    """`sdserve verify`: the manifest is intact but its signer is not in the trust list (or none was given)."""
+    VERIFY_INVALID = 41
+    """`sdserve verify`: the manifest does not validate (pixels or manifest changed after signing)."""
+    VERIFY_NO_MANIFEST = 42
+    """`sdserve verify`: no C2PA manifest (never signed, or stripped)."""
 
 
 _TABLE: tuple[tuple[type[BaseException], ExitCode], ...] = (
     (InvalidRequestError, ExitCode.USAGE),
+    (CredentialError, ExitCode.PROVENANCE_KEY_INVALID),
     (ConfigError, ExitCode.CONFIG_INVALID),
     (ModelLoadError, ExitCode.MODEL_INVALID),
     (GpuUnavailableError, ExitCode.GPU_UNAVAILABLE),

@@ -6,7 +6,13 @@ What arrives and what happens to it:
   Only those decoders are tried (``Image.open(formats=...)``).
 - Size: the declared width x height is read from the header first; more than ``limits.max_image_pixels`` is refused
   before a pixel is decoded (a decompression bomb is a tiny file declaring huge dimensions).
-- Truncated or corrupt files: refused (never decoded partially).
+- Decode cost: a progressive JPEG decodes once per scan over the whole image, so its scan count (counted in the
+  byte stream before decoding) is bounded by ``limits.max_jpeg_scans``; at most ``limits.decode_concurrency``
+  images decode at once in the process (one more is a 429, never a queue of threads).
+- Per request: the pixels all its images and masks declare, read from their headers before any is decoded, are
+  bounded by ``limits.max_request_pixels`` (``check_pixel_budget``).
+- Truncated or corrupt files: refused (never decoded partially); a PNG must end with IEND and its image data must
+  hold every row its header declares (Pillow fills missing rows with black when the zlib stream ends early).
 - Animated GIF / APNG / WebP: refused (which frame to edit is ambiguous).
 - EXIF orientation: applied (the image is edited as a viewer shows it).
 - Modes: palette, grayscale, CMYK (a plain conversion, no ICC profile), 16-bit (scaled to 8 bits) become RGB. Alpha:
@@ -18,15 +24,46 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import io
+import threading
 import warnings
+import zlib
+from collections.abc import Iterator, Sequence
 from typing import Literal
 
 from PIL import Image, ImageFilter, ImageOps, UnidentifiedImageError
 
 from engines.errors import InvalidRequestError
+from server.errors import QueueFullError
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+MAX_JPEG_SCANS = 100
+"""Default bound on a JPEG's scans: libjpeg's progressive script writes 10 for colour images (6 for grayscale);
+each scan costs a pass over the whole image (~0.75 ms per scan at 4096x4096, issue 32)."""
+_policy = {"max_jpeg_scans": MAX_JPEG_SCANS}
+_slots = threading.BoundedSemaphore(4)
+
+
+def configure(max_jpeg_scans: int, decode_concurrency: int) -> None:
+    """Process-wide decode bounds (server/app.py sets them from ``limits`` at start)."""
+    global _slots
+    _policy["max_jpeg_scans"] = max_jpeg_scans
+    _slots = threading.BoundedSemaphore(decode_concurrency)
+
+
+@contextlib.contextmanager
+def _decode_slot(field: str) -> Iterator[None]:
+    """A try-acquire, never a wait: a waiting worker thread would be one the threadpool (JSON parsing, the
+    engine's batches) no longer has."""
+    slots = _slots
+    if not slots.acquire(blocking=False):
+        raise QueueFullError(f"{field}: every image decoder of this server is busy (limits.decode_concurrency): "
+                             "retry shortly", 1)
+    try:
+        yield
+    finally:
+        slots.release()
 ResizeMode = Literal[0, 1, 2]
 """A1111's resize modes: 0 just resize (stretch), 1 crop and resize (fill, center crop), 2 resize and fill (fit,
 the bands filled by stretching the image's edges)."""
@@ -34,6 +71,24 @@ the bands filled by stretching the image's edges)."""
 
 def decode(data: bytes, field: str, max_pixels: int) -> Image.Image:
     """One still image, oriented, fully decoded, in RGB, RGBA or L; InvalidRequestError names ``field``."""
+    try:
+        image = _open(data, field, max_pixels)
+        with warnings.catch_warnings(), _decode_slot(field):
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image.load()
+            if image.format == "PNG":
+                _require_whole_png(data, image, field)
+            return _normalize(ImageOps.exif_transpose(image) or image)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise InvalidRequestError(f"{field} declares more pixels than PIL decodes safely, over this server's limit "
+                                  f"of {max_pixels} pixels", param=field) from None
+    except (OSError, ValueError, SyntaxError, EOFError, zlib.error) as exc:
+        raise InvalidRequestError(f"{field} is truncated or corrupt ({type(exc).__name__}: "
+                                  f"{str(exc)[:120]})", param=field) from None
+
+
+def _open(data: bytes, field: str, max_pixels: int) -> Image.Image:
+    """The image's header read (no pixel decoded) and checked: format, declared size, frames, JPEG scans."""
     if not data:
         raise InvalidRequestError(f"{field} is empty", param=field)
     try:
@@ -45,10 +100,6 @@ def decode(data: bytes, field: str, max_pixels: int) -> Image.Image:
                 raise InvalidRequestError(f"{field} declares {width}x{height} pixels, over this server's limit of "
                                           f"{max_pixels} pixels", param=field)
             frames = int(getattr(image, "n_frames", 1))
-            if frames > 1 or getattr(image, "is_animated", False):
-                raise InvalidRequestError(f"{field} is animated ({image.format}, {frames} frames): send one still "
-                                          "image", param=field)
-            image.load()
     except UnidentifiedImageError:
         raise InvalidRequestError(f"{field} is not an image in a supported format ({', '.join(FORMATS)})",
                                   param=field) from None
@@ -58,7 +109,108 @@ def decode(data: bytes, field: str, max_pixels: int) -> Image.Image:
     except (OSError, ValueError, SyntaxError, EOFError) as exc:
         raise InvalidRequestError(f"{field} is truncated or corrupt ({type(exc).__name__}: "
                                   f"{str(exc)[:120]})", param=field) from None
-    return _normalize(ImageOps.exif_transpose(image) or image)
+    if frames > 1 or getattr(image, "is_animated", False):
+        raise InvalidRequestError(f"{field} is animated ({image.format}, {frames} frames): send one still "
+                                  "image", param=field)
+    if image.format == "JPEG" and (scans := jpeg_scans(data)) > _policy["max_jpeg_scans"]:
+        raise InvalidRequestError(f"{field} is a JPEG of {scans} scans, over this server's limit of "
+                                  f"{_policy['max_jpeg_scans']} (limits.max_jpeg_scans): re-encode it (a "
+                                  "progressive JPEG has about 10)", param=field)
+    return image
+
+
+def jpeg_scans(data: bytes) -> int:
+    """Start-of-scan (SOS, FF DA) markers in a JPEG stream, without decoding it.
+
+    Pillow's JpegImagePlugin reads the header only up to the first SOS and exposes ``info["progressive"]``, not
+    a scan count; libjpeg then decodes a progressive image scan by scan, each a pass over the whole image, so the
+    count is the decode's cost. Segments before the first scan are skipped by their lengths (an EXIF thumbnail in
+    APP1 is not counted). After it, entropy-coded data holds 0xFF only as FF 00 or a marker, so every FF DA found
+    is a scan (a table segment's bytes may add a few: they count against the sender)."""
+    pos = 2
+    while pos + 4 <= len(data):
+        if data[pos] != 0xFF:  # junk Pillow would skip: count from here
+            return data.count(b"\xff\xda", pos)
+        marker = data[pos + 1]
+        if marker == 0xDA:
+            return 1 + data.count(b"\xff\xda", pos + 2)
+        if marker == 0xFF:  # fill byte
+            pos += 1
+        elif marker in (0x00, 0x01) or 0xD0 <= marker <= 0xD9:  # standalone markers
+            pos += 2
+        else:
+            pos += 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
+    return 0
+
+
+ADAM7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2))
+PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}
+
+
+def _png_chunks(data: bytes) -> Iterator[tuple[bytes, bytes]]:
+    pos = 8
+    while pos + 8 <= len(data):
+        length = int.from_bytes(data[pos:pos + 4], "big")
+        yield data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
+        pos += 12 + length
+
+
+def _png_expected_bytes(ihdr: bytes) -> int:
+    """Bytes of filtered scanlines the header declares (one filter byte per row, Adam7's passes when interlaced)."""
+    width, height = int.from_bytes(ihdr[0:4], "big"), int.from_bytes(ihdr[4:8], "big")
+    bits = ihdr[8] * PNG_CHANNELS.get(ihdr[9], 4)
+    passes = ADAM7 if ihdr[12] else ((0, 0, 1, 1),)
+    total = 0
+    for x0, y0, dx, dy in passes:
+        cols, rows = -(-(width - x0) // dx), -(-(height - y0) // dy)
+        if cols > 0 and rows > 0:
+            total += rows * (1 + -(-(cols * bits) // 8))
+    return total
+
+
+def _require_whole_png(data: bytes, image: Image.Image, field: str) -> None:
+    """Pillow accepts a PNG whose zlib stream ends before the last row (the rest stays black) and one without
+    IEND (PngImagePlugin's load_read / load_end stop at the stream's end); both are refused here. The image data
+    is inflated again in 1 MiB pieces to count it: bounded by the pixel limit, never held whole."""
+    chunks = []
+    for chunk in _png_chunks(data):  # bytes after IEND are ignored, as Pillow does
+        chunks.append(chunk)
+        if chunk[0] == b"IEND":
+            break
+    else:
+        raise InvalidRequestError(f"{field} is a truncated PNG (it ends before its IEND chunk)", param=field)
+    want = _png_expected_bytes(chunks[0][1])
+    inflate, got = zlib.decompressobj(), 0
+    for kind, payload in chunks:
+        if kind != b"IDAT":
+            continue
+        piece = inflate.decompress(payload, 1 << 20)
+        got += len(piece)
+        while inflate.unconsumed_tail and got <= want:
+            piece = inflate.decompress(inflate.unconsumed_tail, 1 << 20)
+            got += len(piece)
+        if got > want:
+            break
+    if got < want:
+        raise InvalidRequestError(f"{field} is a truncated PNG: its image data holds {got} of the {want} bytes "
+                                  f"its {image.width}x{image.height} header declares", param=field)
+
+
+def check_pixel_budget(uploads: Sequence[tuple[str, bytes | str | None]], max_pixels: int, budget: int) -> None:
+    """The pixels every image and mask of one request declares, read from their headers (no pixel decoded),
+    against ``limits.max_request_pixels``; each one's own limits (``max_pixels``, JPEG scans) are checked on
+    the way. ``uploads`` are (field, bytes or A1111's base64 text, or None for a field left out)."""
+    total = 0
+    for field, item in uploads:
+        if item is None:
+            continue
+        data = _from_base64_text(item, field) if isinstance(item, str) else item
+        image = _open(data, field, max_pixels)
+        total += image.width * image.height
+        if total > budget:
+            raise InvalidRequestError(f"{field}: the request's images and masks declare {total} pixels in all (up "
+                                      f"to this one), over this server's per-request budget of {budget} pixels "
+                                      "(limits.max_request_pixels): send fewer or smaller images", param=field)
 
 
 def _normalize(image: Image.Image) -> Image.Image:
@@ -78,15 +230,18 @@ def _normalize(image: Image.Image) -> Image.Image:
 
 def from_base64(text: str, field: str, max_pixels: int) -> Image.Image:
     """A1111's base64 images, with or without a ``data:image/...;base64,`` prefix."""
+    return decode(_from_base64_text(text, field), field, max_pixels)
+
+
+def _from_base64_text(text: str, field: str) -> bytes:
     if text.startswith("data:"):
         head, _, text = text.partition(",")
         if not head.endswith(";base64"):
             raise InvalidRequestError(f"{field}: a data URL must be base64 (data:image/png;base64,...)", param=field)
     try:
-        data = base64.b64decode("".join(text.split()), validate=True)
+        return base64.b64decode("".join(text.split()), validate=True)
     except (binascii.Error, ValueError):
         raise InvalidRequestError(f"{field} is not valid base64", param=field) from None
-    return decode(data, field, max_pixels)
 
 
 def alpha_mask(image: Image.Image) -> Image.Image | None:
@@ -101,8 +256,19 @@ def alpha_mask(image: Image.Image) -> Image.Image | None:
 
 
 def mask_image(image: Image.Image) -> Image.Image:
-    """A mask upload as an L mask (255 repaints): its alpha (transparent = edit) when it has one, else luminance."""
-    return alpha_mask(image) or (image.convert("L") if image.mode != "RGBA" else Image.new("L", image.size, 0))
+    """A mask upload as an L mask (255 repaints): its alpha (transparent = edit) when it has one, else luminance.
+    A mask that marks nothing is refused here, before the image is resized or anything else costs."""
+    mask = alpha_mask(image) or (image.convert("L") if image.mode != "RGBA" else Image.new("L", image.size, 0))
+    return require_marks(mask)
+
+
+def require_marks(mask: Image.Image) -> Image.Image:
+    """``mask`` (L), or a 400 naming ``mask`` when no pixel of it repaints: a cheap check that belongs before the
+    blurs and resizes (a 4096x4096 empty mask cost 4.1 s and 450 MB before its refusal, issue 32)."""
+    if mask.getbbox() is None:
+        raise InvalidRequestError("mask marks nothing to repaint (no white, or no transparent, pixels)",
+                                  param="mask")
+    return mask
 
 
 def resize(image: Image.Image, width: int, height: int, mode: ResizeMode) -> Image.Image:
@@ -140,14 +306,16 @@ def _fill_bands(canvas: Image.Image, resized: Image.Image, w: int, h: int) -> No
 
 
 def blur_mask(mask: Image.Image, radius: int) -> Image.Image:
-    """A1111's mask_blur: a Gaussian blur of the mask (PIL's, an approximation of A1111's OpenCV kernel)."""
+    """A1111's mask_blur: a Gaussian blur of the mask (PIL's, an approximation of A1111's OpenCV kernel); a mask
+    that marks nothing is refused first (``require_marks``)."""
+    mask = require_marks(mask)
     return mask.filter(ImageFilter.GaussianBlur(radius)) if radius > 0 else mask
 
 
 def fill_masked(image: Image.Image, mask: Image.Image) -> Image.Image:
     """A1111's ``inpainting_fill`` 0 ("fill"): the area to repaint painted with its surroundings' colours (blurs of
     the kept pixels at falling radii, normalized by the blurred coverage), the kept pixels unchanged."""
-    keep = ImageOps.invert(mask.convert("L"))
+    keep = ImageOps.invert(require_marks(mask.convert("L")))
     layer = image.convert("RGB").convert("RGBA")
     layer.putalpha(keep)
     filled = Image.new("RGBA", image.size)

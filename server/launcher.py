@@ -4,18 +4,12 @@
 re-raising the signal. A second signal stops at once, cleanly: every request in flight answers 503, the executing
 batch stops at its next step boundary and the engine is closed only after it returned (no abort), exit code 0.
 
-Hostile clients: a connection that has not sent a complete request head within ``server.header_timeout_s`` is closed
-(uvicorn's own keep-alive timer starts only after a first response), and a body must arrive whole within
-``server.body_timeout_s`` (408, server/middleware.py); open connections are capped below RLIMIT_NOFILE: one over the
-cap closes the oldest connection still sending its head, else the oldest still sending its body (so probes keep
-answering under an idle or slow-body flood), or is refused at once with a 503 when every connection is busy.
-Accepted sockets get TCP_NODELAY. Repeated log lines
-(accept errors, refusals, invalid requests) are rate-limited."""
+Hostile clients: connection bounds (request-head, body and reply deadlines, the cap, evictions, probe slots) are
+server/connections.py's. Repeated log lines (accept errors, refusals, invalid requests) are rate-limited."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import os
@@ -23,40 +17,37 @@ import resource
 import signal
 import socket
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-import h11
 import uvicorn
 from fastapi import FastAPI
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from engines.errors import ConfigError
+from server.connections import BoundedConfig, Bounds
 from server.errors import BindError
 from server.exitcodes import ExitCode
 from server.settings import Settings
 
 log = logging.getLogger("sdserve")
-conn_log = logging.getLogger("sdserve.connections")
 FD_RESERVE = 64
 """File descriptors kept free for the process itself (model files, logs, pipes) besides the accept backlog."""
 STOP_GRACE_S = 5
 """After a second signal, how long uvicorn waits for connections to finish their (503) responses."""
-REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
-           b"retry-after: 1\r\ncontent-length: 20\r\n\r\ntoo many connections")
 
 
 class RepeatFilter(logging.Filter):
     """Lets the first record of each message template through, then at most one per ``interval_s`` carrying the
     count of those suppressed in between: an attack repeated 90,000 times writes a few lines, not 90,000."""
 
-    def __init__(self, interval_s: float = 10.0) -> None:
+    def __init__(self, interval_s: float = 10.0, per_logger: bool = False) -> None:
+        """``per_logger``: one key for the whole logger, for libraries that format their messages before logging
+        (python_multipart: "... at index 17"), so that every malformed body would be a new template."""
         super().__init__()
-        self.interval_s = interval_s
+        self.interval_s, self.per_logger = interval_s, per_logger
         self._last: dict[str, tuple[float, int]] = {}
 
     def filter(self, record: logging.LogRecord) -> bool:
-        key = f"{record.name}:{record.msg}"
+        key = record.name if self.per_logger else f"{record.name}:{record.msg}"
         now = time.monotonic()
         last, suppressed = self._last.get(key, (-math.inf, 0))
         if now - last < self.interval_s:
@@ -69,113 +60,18 @@ class RepeatFilter(logging.Filter):
 
 
 RATE_LIMITED_LOGGERS = ("asyncio", "uvicorn.error", "sdserve.connections")
+PER_LOGGER_LIMITED = ("python_multipart.multipart",)
+"""Loggers rate-limited as a whole: python_multipart logs one WARNING per malformed multipart body (issue 32)."""
 
 
-@dataclass
-class Bounds:
-    """Connection limits shared by every connection of one server."""
-
-    max_connections: int
-    header_timeout_s: float
-    waiting: dict[BoundedH11Protocol, None] = field(default_factory=dict)
-    """Connections with no complete request head yet, oldest first (the ones an over-cap connection may evict)."""
-    reading: dict[BoundedH11Protocol, None] = field(default_factory=dict)
-    """Connections whose request head arrived but whose body is still coming, oldest first (evicted next)."""
-
-    def evictable(self) -> BoundedH11Protocol | None:
-        """The connection an over-cap one may close: the oldest still sending a head, else a body."""
-        return next(iter(self.waiting), None) or next(iter(self.reading), None)
-
-
-class _Config(uvicorn.Config):
-    def __init__(self, app: FastAPI, bounds: Bounds, **kwargs: Any) -> None:
-        super().__init__(app, http=BoundedH11Protocol, **kwargs)
-        self.bounds = bounds
-
-
-class BoundedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a request-head timeout and the connection cap (see the module docstring)."""
-
-    def __init__(self, config: uvicorn.Config, server_state: Any, app_state: dict[str, Any],
-                 _loop: asyncio.AbstractEventLoop | None = None) -> None:
-        super().__init__(config, server_state, app_state, _loop)
-        self.bounds: Bounds = config.bounds if isinstance(config, _Config) else Bounds(1 << 30, 3600.0)
-        self.head_timer: asyncio.TimerHandle | None = None
-        self.seen_cycle: object = None
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        nodelay(transport)
-        if len(self.connections) > self.bounds.max_connections:
-            oldest = self.bounds.evictable()
-            if oldest is None:  # every connection is busy with a request: refuse this one, fast
-                conn_log.warning("connection cap %d reached with every connection busy: refusing new connections",
-                                 self.bounds.max_connections)
-                transport.write(REFUSAL)
-                transport.close()
-                return
-            conn_log.warning("connection cap %d reached: closing the oldest connections still sending a request "
-                             "head or body", self.bounds.max_connections)
-            oldest.expire()
-        self.await_head()
-
-    def await_head(self) -> None:
-        self.bounds.waiting.pop(self, None)
-        self.bounds.waiting[self] = None
-        if self.head_timer is not None:
-            self.head_timer.cancel()
-        self.head_timer = self.loop.call_later(self.bounds.header_timeout_s, self.expire)
-
-    def head_arrived(self) -> None:
-        self.seen_cycle = self.cycle
-        self.bounds.waiting.pop(self, None)
-        if self.head_timer is not None:
-            self.head_timer.cancel()
-            self.head_timer = None
-
-    def expire(self) -> None:
-        """No complete request head in time (or evicted by the cap): close."""
-        self.bounds.waiting.pop(self, None)
-        self.bounds.reading.pop(self, None)
-        if not self.transport.is_closing():
-            self.transport.close()
-
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        if self.cycle is not None and self.cycle is not self.seen_cycle:
-            self.head_arrived()
-        self.track_body()
-
-    def track_body(self) -> None:
-        if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
-            self.bounds.reading.setdefault(self, None)
-        else:
-            self.bounds.reading.pop(self, None)
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()  # may start a pipelined request
-        self.track_body()
-        if self.cycle is not self.seen_cycle:
-            self.head_arrived()
-        elif not self.transport.is_closing():
-            self.await_head()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.bounds.waiting.pop(self, None)
-        self.bounds.reading.pop(self, None)
-        if self.head_timer is not None:
-            self.head_timer.cancel()
-        super().connection_lost(exc)
-
-
-def nodelay(transport: asyncio.BaseTransport) -> None:
-    """TCP_NODELAY on an accepted socket. asyncio sets it only for sockets it creates with proto IPPROTO_TCP;
-    ours is bound by hand (proto 0), and without it Nagle holds each response's body behind its headers until
-    the client's delayed ACK (~40 ms on every kept-alive request)."""
-    sock = transport.get_extra_info("socket")
-    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-        with contextlib.suppress(OSError):  # the peer already went away
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+def rate_limit_logs() -> None:
+    """RepeatFilters on the loggers an attacker can make repeat (once per logger, however often called)."""
+    repeat = RepeatFilter()
+    for names, per_logger in ((RATE_LIMITED_LOGGERS, False), (PER_LOGGER_LIMITED, True)):
+        for name in names:
+            logger = logging.getLogger(name)
+            if not any(isinstance(f, RepeatFilter) for f in logger.filters):
+                logger.addFilter(RepeatFilter(per_logger=True) if per_logger else repeat)
 
 
 def fd_budget(configured: int) -> tuple[int, int]:
@@ -293,18 +189,17 @@ class Launcher:
         s = self.settings.server
         sock = bind(s.host, s.port)
         cap, backlog = fd_budget(s.max_connections)
-        bounds = Bounds(cap, s.header_timeout_s)
+        bounds = Bounds(cap, s.header_timeout_s, s.write_timeout_s, s.probe_slots)
         # log_config=None: uvicorn's lines go through our handler (text or JSON), not its own formatter; the
         # access log is ours (server/middleware.py GuardMiddleware), one line per request.
-        config = _Config(app, bounds, host=s.host, port=s.port, log_level="warning", access_log=False,
+        config = BoundedConfig(app, bounds, host=s.host, port=s.port, log_level="warning", access_log=False,
                          log_config=None, lifespan="on", server_header=False, backlog=backlog,
                          timeout_keep_alive=max(1, round(s.header_timeout_s)),  # idle keep-alive: same bound
                          ws="none")  # no websocket routes
-        repeat = RepeatFilter()
-        for name in RATE_LIMITED_LOGGERS:
-            logging.getLogger(name).addFilter(repeat)
-        log.info("connections: at most %d open, request head within %.1fs; drain within %.0fs", cap,
-                 s.header_timeout_s, self.settings.queue.drain_timeout_s)
+        rate_limit_logs()
+        log.info("connections: at most %d open (+%d probe slots), request head within %.1fs, replies taken "
+                 "within %.0fs; drain within %.0fs", cap, s.probe_slots, s.header_timeout_s, s.write_timeout_s,
+                 self.settings.queue.drain_timeout_s)
         self._server = _Server(config, app, self.settings.queue.drain_timeout_s)
         self._server.run(sockets=[sock])
         return int(self.exit_code)

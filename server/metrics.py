@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
+import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.platform_collector import PlatformCollector
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
@@ -67,6 +69,16 @@ class Metrics:
                                 registry=r)
         self.refused = Counter("sdserve_requests_refused_total", "Requests refused at admission by their estimated "
                                "cost", ["reason"], registry=r)
+        self.provenance_images = Counter("sdserve_provenance_images_total", "Images returned, by provenance outcome "
+                                         "(signed, unsigned) and reason (off, no_credential, signing_failed)",
+                                         ["outcome", "reason"], registry=r)
+        self.provenance_seconds = Histogram("sdserve_provenance_sign_seconds", "C2PA signing time per image",
+                                            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5), registry=r)
+        self.provenance_bytes = Histogram("sdserve_provenance_added_bytes", "Bytes the signed C2PA manifest adds "
+                                          "per image", buckets=(1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072),
+                                          registry=r)
+        self.provenance_expiry = Gauge("sdserve_provenance_certificate_expiry_timestamp_seconds", "Unix time the "
+                                       "signing certificate expires (NaN without one)", registry=r)
         for gauge in (self.slowdown, self.cpu_pressure, self.cpu_steal, self.load_per_cpu):
             gauge.set(math.nan)  # unknown until the watchdog's first window
         self.gpu_others.labels(self.gpu).set(math.nan)
@@ -85,3 +97,26 @@ class Metrics:
     def set_degraded(self, active: set[str]) -> None:
         for reason in DEGRADED_REASONS:
             self.degraded.labels(reason).set(1 if reason in active else 0)
+
+
+class Exposition:
+    """/metrics text, rendered in a worker thread, one rendering at a time: a scrape takes the newest rendering
+    that started no earlier than ``max_age_s`` before it arrived, else renders. A burst of scrapes (/metrics is
+    unauthenticated with keys on) thus shares a few renderings instead of running thousands on the event loop,
+    which stalled /health for 8.9 s (issue 32); with ``max_age_s`` 0 nothing older than the scrape is served."""
+
+    def __init__(self, registry: CollectorRegistry, max_age_s: float) -> None:
+        self.registry, self.max_age_s = registry, max_age_s
+        self.renders = 0
+        self._text, self._started = b"", -math.inf
+        self._lock = asyncio.Lock()
+
+    async def text(self) -> bytes:
+        asked = time.monotonic()
+        async with self._lock:
+            if self._started < asked - self.max_age_s:  # no rendering fresh enough for this scrape yet
+                started = time.monotonic()
+                self._text = await asyncio.to_thread(generate_latest, self.registry)
+                self._started = started
+                self.renders += 1
+            return self._text

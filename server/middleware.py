@@ -1,7 +1,7 @@
-"""ASGI middleware: the guard (request ids, one access-log line per request; any
-unexpected exception -> a sanitized 500 that closes the connection), request metrics, body-size cap (413, chunked
-bodies too), strict JSON (duplicate keys, oversized numbers, NaN, lone surrogates: 400/422), auth (401: Bearer API
-keys or HTTP Basic ``user:pass``) with per-key concurrency (429).
+"""ASGI middleware: the guard (request ids, one access-log line per request; any unexpected exception -> a
+sanitized 500 that closes the connection; both Content-Length and Transfer-Encoding -> 400 and close), request
+metrics, body-size cap (413, chunked bodies too), auth (401: Bearer API keys or HTTP Basic ``user:pass``) with
+per-key concurrency (429). Strict JSON bodies: server/strict_json.py.
 
 Secrets are compared as sha256 digests in constant time; a secret is never logged or stored, only its digest's first
 8 hex characters as an id for per-key accounting and for whose jobs /sdapi/v1/interrupt may stop."""
@@ -14,7 +14,6 @@ import binascii
 import contextlib
 import hashlib
 import hmac
-import json
 import logging
 import re
 import secrets
@@ -23,7 +22,6 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import MutableHeaders
 
 from engines.errors import InvalidRequestError, NotReadyError, SdserveError
@@ -52,7 +50,7 @@ FILES_PREFIX = "/v1/images/files/"
 """URLs handed out by response_format=url: unguessable 128-bit ids, short-lived, fetched without a key."""
 
 
-async def _answer(exc: SdserveError, scope: Scope, receive: Receive, send: Send) -> None:
+async def answer(exc: SdserveError, scope: Scope, receive: Receive, send: Send) -> None:
     """Answer through the one error table (server/errors.py) with Starlette's own response."""
     await error_response(exc, str(scope.get("path", "")), request_id_of(scope))(scope, receive, send)
 
@@ -107,7 +105,9 @@ class GuardMiddleware:
     """Outermost: gives every request an id (x-request-id on every response), writes one access-log line per
     request (logger ``sdserve.access``, fields in ``record.access``) and turns any exception that escapes the app
     into a sanitized 500 with ``connection: close``, logged once with its traceback and the id. (A 504's
-    ``x-should-retry: false`` comes from the error table, server/errors.py.)"""
+    ``x-should-retry: false`` comes from the error table, server/errors.py.) A request whose client left before
+    its answer was complete (the app saw ``http.disconnect``) is logged 499, with ``response_status`` the status
+    the server would have answered: not a 200 for a client that was gone."""
 
     def __init__(self, app: ASGIApp, log_prompts: bool = False) -> None:
         self.app, self.log_prompts = app, log_prompts
@@ -119,35 +119,68 @@ class GuardMiddleware:
         incoming = dict(scope.get("headers", [])).get(REQUEST_ID.encode(), b"").decode("latin-1")
         request_id = incoming if _CLIENT_ID.fullmatch(incoming) else secrets.token_hex(8)
         scope.setdefault("state", {})["request_id"] = request_id
-        status, start = [0], time.perf_counter()
-
-        async def tagged(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                status[0] = int(message["status"])
-                headers = MutableHeaders(scope=message)
-                headers[REQUEST_ID] = request_id
-                if "location" in headers:
-                    headers["location"] = relative_location(headers["location"])
-            await send(message)
-
+        start, watch = time.perf_counter(), _Exchange(receive, send, request_id)
+        app = _refuse_framing if _ambiguous_framing(scope) else self.app
         try:
-            await self.app(scope, receive, tagged)
+            await app(scope, watch.receive, watch.send)
         except asyncio.CancelledError:  # shutdown cancelled the request (e.g. a body still trickling in)
-            if not status[0]:  # answer it as shutdown, not with the server's plain-text 500, then let it go
+            if not watch.status:  # answer it as shutdown, not with the server's plain-text 500, then let it go
                 with contextlib.suppress(Exception):
                     await error_response(NotReadyError("the server shut down before this request completed: retry "
                                                        "it on another replica"), str(scope.get("path", "")),
-                                         request_id)(scope, receive, tagged)
+                                         request_id)(scope, receive, watch.send)
             raise
         except Exception:  # the last line of defence: nothing internal reaches the client
             log.exception("request %s %s %s failed", request_id, scope.get("method"), scope.get("path"))
-            if not status[0]:  # else the response is cut short and uvicorn closes the connection
+            if not watch.status:  # else the response is cut short and uvicorn closes the connection
                 await internal_error(request_id)(scope, receive, send)
-                status[0] = 500
+                watch.status = 500
         finally:
-            fields = _access_fields(scope, status[0] or 499, time.perf_counter() - start, self.log_prompts)
+            fields = _access_fields(scope, 499 if watch.gone else watch.status or 499, time.perf_counter() - start,
+                                    self.log_prompts)
+            if watch.gone:
+                fields["response_status"] = watch.status or None
             access_log.info("%s %s %d %.1fms id=%s", fields["method"], escape_controls(str(fields["path"])),
                             fields["status"], fields["duration_ms"], request_id, extra={"access": fields})
+
+
+class _Exchange:
+    """One request's messages as the guard sees them: the status sent (x-request-id added, a redirect made
+    relative), whether the answer completed, and whether the client left before it did."""
+
+    def __init__(self, receive: Receive, send: Send, request_id: str) -> None:
+        self._receive, self._send, self.request_id = receive, send, request_id
+        self.status, self.answered, self.gone = 0, False, False
+
+    async def receive(self) -> Message:
+        message = await self._receive()
+        if message["type"] == "http.disconnect" and not self.answered:
+            self.gone = True
+        return message
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.answered = True
+        if message["type"] == "http.response.start":
+            self.status = int(message["status"])
+            headers = MutableHeaders(scope=message)
+            headers[REQUEST_ID] = self.request_id
+            if "location" in headers:
+                headers["location"] = relative_location(headers["location"])
+        await self._send(message)
+
+
+def _ambiguous_framing(scope: Scope) -> bool:
+    names = {name.lower() for name, _ in scope.get("headers", [])}
+    return b"content-length" in names and b"transfer-encoding" in names
+
+
+async def _refuse_framing(scope: Scope, receive: Receive, send: Send) -> None:
+    """RFC 9112 6.3: a request with both Transfer-Encoding and Content-Length "ought to be handled as an error" and
+    the connection closed (h11 lets chunked win; a proxy in front may have used the length: request smuggling)."""
+    await _answer_and_close(InvalidRequestError("the request has both Content-Length and Transfer-Encoding: send "
+                                                "one of them (RFC 9112 section 6.3)", param="transfer-encoding"),
+                            scope, receive, send)
 
 
 class MetricsMiddleware:
@@ -208,7 +241,7 @@ class BodyLimitMiddleware:
             await _answer_and_close(exc, scope, receive, send)
             return
         if body is not None:  # None: disconnected, nobody to answer
-            await self.app(scope, _replay(body, receive), send)
+            await self.app(scope, replay(body, receive), send)
 
     async def _read(self, receive: Receive, limit: int) -> bytes | None:
         chunks: list[bytes] = []
@@ -233,7 +266,7 @@ async def _answer_and_close(exc: SdserveError, scope: Scope, receive: Receive, s
     await response(scope, receive, send)
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
+def replay(body: bytes, receive: Receive) -> Receive:
     """A receive that yields ``body`` once, then defers to the server (disconnect events)."""
     sent = [False]
 
@@ -244,109 +277,6 @@ def _replay(body: bytes, receive: Receive) -> Receive:
         return {"type": "http.request", "body": body, "more_body": False}
 
     return replay
-
-
-MAX_NUMBER_CHARS = 32
-"""A JSON number longer than this is refused before Python parses it (int() of thousands of digits is slow and
-raises a message of its own)."""
-
-
-def _bounded(kind: type[int] | type[float]) -> Callable[[str], int | float]:
-    def parse(text: str) -> int | float:
-        if len(text) > MAX_NUMBER_CHARS:
-            raise InvalidRequestError(f"a number in the request body is longer than {MAX_NUMBER_CHARS} characters")
-        return kind(text)
-
-    return parse
-
-
-MAX_OBJECT_KEYS = 1000
-"""Keys one JSON object may hold: no route takes more than a few dozen, and refusing at parse time keeps a body of
-100,000 unknown keys from costing 100,000 validation errors."""
-OFF_LOOP_BYTES = 64 << 10
-"""Bodies at least this large are parsed in a worker thread, so a burst of them never stalls the probes."""
-
-
-def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    if len(pairs) > MAX_OBJECT_KEYS:
-        raise InvalidRequestError(f"a JSON object in the request body has {len(pairs)} keys; at most "
-                                  f"{MAX_OBJECT_KEYS} are accepted")
-    seen: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in seen:
-            raise InvalidRequestError(f"{key}: duplicate key in the request body", param=key)
-        seen[key] = value
-    return seen
-
-
-def _constant(name: str) -> float:
-    raise InvalidRequestError(f"{name} is not a JSON number")
-
-
-def _check_text(value: Any, where: str) -> None:
-    """Every string must be valid Unicode text: a lone UTF-16 surrogate (JSON "\\ud800") is refused."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise InvalidRequestError(f"{where or 'body'}: contains an unpaired UTF-16 surrogate",
-                                      param=where or None) from None
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_text(key, where)
-            _check_text(item, f"{where}.{key}" if where else key)
-    elif isinstance(value, list):
-        for item in value:
-            _check_text(item, where)
-
-
-def strict_loads(body: bytes) -> Any:
-    """json.loads that refuses what the standard library lets through: duplicate keys, NaN/Infinity, numbers of
-    unbounded length and lone surrogates. Raises InvalidRequestError, or ValueError for text that is not JSON."""
-    value = json.loads(body, object_pairs_hook=_pairs, parse_int=_bounded(int), parse_float=_bounded(float),
-                       parse_constant=_constant)
-    _check_text(value, "")
-    return value
-
-
-def _is_json(scope: Scope) -> bool:
-    content_type = dict(scope.get("headers", [])).get(b"content-type", b"application/json").decode("latin-1")
-    media: str = content_type.split(";")[0].strip().lower()
-    return media == "application/json" or media.endswith("+json")
-
-
-class StrictJsonMiddleware:
-    """JSON request bodies are checked by ``strict_loads`` before the app parses them (after the body cap, which
-    has read the body whole); a body that is not JSON at all is left to the app's own 400. With ``keep_prompt``
-    (``server.log_prompts``) a body's ``prompt`` is kept in the request state for the access log."""
-
-    def __init__(self, app: ASGIApp, keep_prompt: bool = False) -> None:
-        self.app, self.keep_prompt = app, keep_prompt
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS") or not _is_json(scope):
-            await self.app(scope, receive, send)
-            return
-        message = await receive()
-        if message["type"] != "http.request":  # disconnected: nobody to answer
-            return
-        body = message.get("body", b"")
-        if body:
-            try:
-                value = await run_in_threadpool(strict_loads, body) if len(body) >= OFF_LOOP_BYTES \
-                    else strict_loads(body)
-                if self.keep_prompt and isinstance(value, dict) and isinstance(value.get("prompt"), str):
-                    scope.setdefault("state", {})["prompt"] = value["prompt"]
-            except InvalidRequestError as exc:
-                await _answer(exc, scope, receive, send)
-                return
-            except (UnicodeDecodeError, RecursionError) as exc:  # the app would answer an undocumented 400 / a 500
-                what = "is not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else "is nested too deeply"
-                await _answer(InvalidRequestError(f"request body is not valid JSON: it {what}"), scope, receive, send)
-                return
-            except ValueError:  # not JSON: the app's validation answers it (400, or 422 on A1111 routes)
-                pass
-        await self.app(scope, _replay(body, receive), send)
 
 
 def key_digest(key: str) -> str:
@@ -422,7 +352,7 @@ class AuthMiddleware:
             await self.app(scope, receive, send)
             return
         if self.in_flight[key_id] >= self.per_key:
-            await _answer(QueueFullError(f"too many concurrent requests for this key (limit {self.per_key})", 1),
+            await answer(QueueFullError(f"too many concurrent requests for this key (limit {self.per_key})", 1),
                           scope, receive, send)
             return
         self.in_flight[key_id] += 1

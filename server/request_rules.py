@@ -13,6 +13,7 @@ The rule (README "Fields clients always send"), on both APIs:
 
 from __future__ import annotations
 
+import math
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -156,12 +157,25 @@ def resolve_size(size: str | None, settings: Settings, info: ModelInfo) -> tuple
     return width, height
 
 
+def hires_base(size: str | None, settings: Settings, info: ModelInfo) -> tuple[int, int] | None:
+    """The first-pass size for an OpenAI size served through Hires fix ([serving] openai_sizes_hires, on a model
+    of a family not trained at 1024x1024): the requested aspect at the model's native pixel count, each side a
+    multiple of the model's factor. None when the request is not served that way."""
+    if size not in OPENAI_SIZES or info.family in OPENAI_SIZE_FAMILIES or not settings.serving.openai_sizes_hires:
+        return None
+    width, height = parse_size(size)
+    scale, m = math.sqrt(info.default_size**2 / (width * height)), info.size_multiple
+    return max(m, round(width * scale / m) * m), max(m, round(height * scale / m) * m)
+
+
 def _openai_hint(size: str, settings: Settings, info: ModelInfo) -> str:
     if size not in OPENAI_SIZES:
         return ""
     if info.family not in OPENAI_SIZE_FAMILIES:
-        return (f" ({size} is an OpenAI size: served only by models of a family trained at 1024x1024 (SDXL), "
-                f"with [serving] openai_sizes; this model is {info.family}, and sdserve never resizes)")
+        return (f" ({size} is an OpenAI size: served directly only by models of a family trained at 1024x1024 "
+                f"(SDXL), with [serving] openai_sizes; this model is {info.family}: enable [serving] "
+                "openai_sizes_hires to serve it through Hires fix, a native-size first pass then a second pass at "
+                f"{size})")
     return "" if settings.serving.openai_sizes else " (enable [serving] openai_sizes to serve OpenAI's sizes)"
 
 

@@ -23,6 +23,7 @@ from server.admission import Cost, CostModel, admit
 from server.batcher import Batcher
 from server.errors import ClientGoneError, QueueFullError
 from server.metrics import Metrics
+from server.provenance import Provenance
 from server.request_rules import build_batch
 from server.schemas import ImageGenerationRequest
 from server.settings import Settings
@@ -84,6 +85,8 @@ class ImageService:
         self.state = state
         self.settings = settings
         self.metrics = metrics
+        self.provenance = Provenance.create(settings.provenance, metrics)
+        """The signing stage (server/provenance_stage.py); require without a usable key raises here, before boot."""
         self.lock = asyncio.Lock()
         q = settings.queue
         self.cost = CostModel()

@@ -37,6 +37,17 @@ class ServerSettings(BaseModel):
     body_timeout_s: float = Field(30.0, gt=0, le=3600)
     """Seconds a request body may take to arrive in full after its head; then 408 (JSON) and the connection
     closes. A connection still sending its body can be evicted by the connection cap like an idle one."""
+    write_timeout_s: float = Field(30.0, gt=0, le=3600)
+    """Seconds a reply may stay unread in the server's buffer once the client stops taking it (or after the
+    response ends); then the connection is cut off and the buffer dropped. A connection whose reply is stuck can
+    be evicted by the connection cap like an idle one."""
+    probe_slots: int = Field(16, ge=1, le=1024)
+    """Connections accepted beyond ``max_connections`` when every connection is busy, for probes only: one
+    ``GET``/``HEAD`` of /health or /ready each, answered and closed; anything else on them is a 503."""
+    metrics_cache_s: float = Field(0.0, ge=0, le=60)
+    """/metrics is rendered in a worker thread, one rendering at a time; a scrape gets the newest rendering that
+    started at most this many seconds before it arrived. 0: one started after it arrived (a burst of scrapes
+    shares a few renderings, none stale); raise it to bound renderings to about one per this many seconds."""
     public_base_url: str = ""
     """Base of the absolute links response_format=url returns (e.g. https://img.example.com). Empty: the request's
     Host header is used, but only when its host name is in ``allowed_hosts`` (else the url request is a 400)."""
@@ -48,7 +59,11 @@ class ServerSettings(BaseModel):
     """PNG bytes kept for response_format=url (oldest dropped first), besides the 256-image count bound."""
     cors_origins: tuple[str, ...] = ()
     """Browser origins allowed to call the API (e.g. "https://chat.example.com", or "*"); empty: CORS off (no
-    CORS headers, preflights are answered like any other request)."""
+    CORS headers, preflights are answered like any other request). ``sdserve serve --cors-allow-origins`` (A1111's
+    flag: a comma-separated list) replaces it."""
+    cors_origin_regex: str = Field("", max_length=1000)
+    """Browser origins allowed, as one regular expression the whole origin must match (e.g.
+    "https://.*\\.example\\.com"), besides ``cors_origins``; empty: none. ``--cors-allow-origins-regex``."""
     log_prompts: bool = False
     """Put the prompt in the access-log line. Off: prompts are never logged."""
 
@@ -62,6 +77,12 @@ class ServerSettings(BaseModel):
             if not _HOST_NAME.fullmatch(name):
                 raise ValueError(f"server.allowed_hosts: {name!r} must be a host name or address without a port, "
                                  "e.g. images.internal, 10.0.0.5 or [fd00::5]")
+        if self.cors_origin_regex:
+            try:
+                re.compile(self.cors_origin_regex)
+            except re.error as exc:
+                raise ValueError(f"server.cors_origin_regex {self.cors_origin_regex[:64]!r} is not a regular "
+                                 f"expression: {exc}") from None
         for origin in self.cors_origins:
             scheme, _, host = origin.partition("://")
             if origin != "*" and (scheme not in ("http", "https") or not host or not origin.isascii()
@@ -93,6 +114,10 @@ class ApiSettings(BaseModel):
     quality_steps: dict[str, int] = {}
     """OpenAI ``quality`` values honoured, each as a number of denoising steps (e.g. {standard = 20, hd = 40});
     "auto" means the profile's default steps. Any other value is a 400 listing these."""
+    infotext: bool = True
+    """Write A1111's generation parameters (prompt, negative prompt, steps, sampler, seed, size, model) into every
+    image: a PNG ``parameters`` text chunk, the EXIF UserComment of JPEG/WebP; on the A1111 and OpenAI routes.
+    False keeps prompts out of the files (their privacy); the A1111 ``info`` JSON still carries the text."""
 
     @model_validator(mode="after")
     def _check(self) -> ApiSettings:
@@ -127,11 +152,27 @@ class Limits(BaseModel):
     max_image_pixels: int = Field(16_777_216, ge=65_536, le=268_435_456)
     """Pixels an uploaded image (or mask) may declare (width x height, read from its header before decoding):
     more is a 400, so a decompression bomb is never decoded."""
+    max_request_pixels: int = Field(33_554_432, ge=65_536, le=4_294_967_296)
+    """Pixels all images and masks of one request may declare together (read from their headers before any is
+    decoded); more is a 400 naming the image that crossed it. The default: one image and its mask at
+    ``max_image_pixels``. Must be at least ``max_image_pixels``."""
+    max_jpeg_scans: int = Field(100, ge=1, le=10_000)
+    """Scans a JPEG upload may hold (counted in its bytes before decoding): each scan of a progressive JPEG is a
+    decoding pass over the whole image, so 30,000 tiny scans cost half a minute of CPU. Encoders write about 10."""
+    decode_concurrency: int = Field(4, ge=1, le=256)
+    """Images decoded at once in this process; one more is a 429 with Retry-After, never a wait."""
     edit_strength: float = Field(0.75, gt=0.0, le=1.0)
     """img2img strength when a request gives none (diffusers' img2img default is 0.8, A1111's 0.75); inpainting
     with a mask defaults to 1.0, as diffusers' inpainting pipeline."""
     variation_strength: float = Field(0.7, gt=0.0, le=1.0)
     """/v1/images/variations: img2img of the image with an empty prompt at this strength."""
+
+    @model_validator(mode="after")
+    def _request_budget(self) -> Limits:
+        if self.max_request_pixels < self.max_image_pixels:
+            raise ValueError(f"limits.max_request_pixels {self.max_request_pixels} is below max_image_pixels "
+                             f"{self.max_image_pixels}: raise it to at least that (one image at the limit)")
+        return self
 
 
 class Defaults(BaseModel):
@@ -171,6 +212,12 @@ class Serving(BaseModel):
     """Also serve OpenAI's sizes (1024x1024, 1536x1024, 1024x1536, 1792x1024, 1024x1792: what OpenAI clients send
     by default) when the served model's family is trained at 1024x1024 (SDXL), beyond ``sizes`` and the
     width/height limits. Never resized: a model of another family refuses them (the message says why)."""
+    openai_sizes_hires: bool = False
+    """Serve OpenAI's sizes on a model trained at a smaller size (SD 1.x/2.x) through Hires fix: a first pass at
+    the model's native pixel count (same aspect), a Lanczos upscale, then an img2img pass at the requested size at
+    ``limits.edit_strength`` (said in x-sdserve-warnings and the response). Off: those sizes are a 400 naming this
+    option. Off by default: the second pass at 1024x1024 costs several first passes and memory beyond the served
+    sizes, which the operator should choose knowingly."""
 
     @model_validator(mode="after")
     def _check(self) -> Serving:
@@ -288,6 +335,37 @@ class DebugSettings(BaseModel):
     """Mount /debug/faults (latency and telemetry injection). Dev profile only."""
 
 
+class ProvenanceSettings(BaseModel):
+    """Signed C2PA Content Credentials on every image (server/provenance.py). The key and chain are the
+    operator's: PEM files named here or by ``SDSERVE_PROVENANCE_KEY_FILE`` / ``SDSERVE_PROVENANCE_CHAIN_FILE``, or
+    the PEM text itself in ``SDSERVE_PROVENANCE_KEY`` / ``SDSERVE_PROVENANCE_CHAIN`` (a Kubernetes Secret). The key
+    is never logged nor shown; /capabilities shows the certificate's subject and fingerprint only."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    mode: Literal["off", "sign", "require"] = "off"
+    """off: images carry no manifest. sign: every image is signed when a usable key and chain are configured;
+    without one, or when signing an image fails, the image is served unsigned and says so
+    (``x-sdserve-provenance: unsigned; reason=...``, a warning, the metric). require: boot exits 13
+    (PROVENANCE_KEY_INVALID) without a usable key and chain, and an image that fails to sign is a 500, never
+    served unsigned. ``SDSERVE_PROVENANCE_MODE`` may raise the mode at deploy time, never lower it."""
+    key_file: str = ""
+    """PEM private key of the signing certificate (EC P-256/P-384/P-521, Ed25519 or RSA); unencrypted, readable
+    by the server only. ``SDSERVE_PROVENANCE_KEY_FILE`` overrides it; both empty: the PEM text in
+    ``SDSERVE_PROVENANCE_KEY``."""
+    chain_file: str = ""
+    """PEM certificate chain: the signing (end-entity) certificate first, then its intermediates; it must not be
+    self-signed (C2PA). ``SDSERVE_PROVENANCE_CHAIN_FILE`` overrides it; both empty: the PEM text in
+    ``SDSERVE_PROVENANCE_CHAIN``."""
+    include_prompt: bool = False
+    """Write the prompt and negative prompt into the signed manifest. Off (privacy): the manifest says how the
+    image was made, not what was asked for."""
+
+
+PROVENANCE_MODES = ("off", "sign", "require")
+"""In order of strictness: the environment may move a profile's mode right, never left."""
+
+
 PROFILES = ("dev", "production", "openvino")
 """Profiles shipped in configs/ (openvino: the plugin-EP accelerator CI proves the fail-closed path against)."""
 
@@ -314,6 +392,7 @@ class Settings(BaseModel):
     auth: AuthSettings = AuthSettings()
     debug: DebugSettings = DebugSettings()
     api: ApiSettings = ApiSettings()
+    provenance: ProvenanceSettings = ProvenanceSettings()
     family_defaults: dict[str, Defaults] = {}
     """Request defaults per model family ([family_defaults.turbo], [family_defaults.sdxl], ...), used instead of
     [defaults] when the served model is of that family. Turbo has built-in ones (1 step, guidance 0)."""
@@ -354,7 +433,23 @@ def _env_overrides(data: dict[str, object]) -> dict[str, object]:
     if os.environ.get(f"{ENV_PREFIX}API_KEYS_SHA256"):
         extra = [d.strip() for d in os.environ[f"{ENV_PREFIX}API_KEYS_SHA256"].split(",") if d.strip()]
         auth["api_key_sha256"] = [*auth.get("api_key_sha256", []), *extra]
-    return {**data, "server": server, "runtime": runtime, "auth": auth}
+    return {**data, "server": server, "runtime": runtime, "auth": auth,
+            "provenance": _provenance_env(dict(data.get("provenance", {})))}  # type: ignore[call-overload]
+
+
+def _provenance_env(provenance: dict[str, object]) -> dict[str, object]:
+    """Deployment overrides of [provenance]: the key and chain files, and a stricter mode (never a looser one)."""
+    for field in ("key_file", "chain_file"):
+        if os.environ.get(f"{ENV_PREFIX}PROVENANCE_{field.upper()}"):
+            provenance[field] = os.environ[f"{ENV_PREFIX}PROVENANCE_{field.upper()}"]
+    wanted = os.environ.get(f"{ENV_PREFIX}PROVENANCE_MODE")
+    if wanted:
+        current = str(provenance.get("mode", "off"))
+        if wanted not in PROVENANCE_MODES or PROVENANCE_MODES.index(wanted) < PROVENANCE_MODES.index(current):
+            raise ConfigError(f"{ENV_PREFIX}PROVENANCE_MODE={wanted!r}: the environment may raise [provenance] mode "
+                              f"{current!r} to a stricter one ({', '.join(PROVENANCE_MODES)}), never lower it")
+        provenance["mode"] = wanted
+    return provenance
 
 
 def load_settings(profile: str = "production", config: Path | None = None) -> Settings:

@@ -35,7 +35,8 @@ WHEEL_DIRS = ("nvidia", "tensorrt_libs")
 FAMILIES = {"libcudnn.so.9": "libcudnn_*.so.9"}
 """A kept library -> the siblings it dlopens by name (cuDNN 9 splits itself into sub-libraries loaded on demand)."""
 SONAME = re.compile(rb"lib[A-Za-z0-9_+-]+\.so(?:\.[0-9]+)*")
-JUNK_SUFFIXES = (".a", ".h", ".hpp", ".cuh")
+JUNK_SUFFIXES = (".a", ".rlib", ".h", ".hpp", ".cuh")
+"""Static archives and headers: nothing loads them at run time (``.rlib``: the C2PA wheel's 31 MB Rust archive)."""
 JUNK_DIRS = ("include", "tests")
 JUNK_TREES = ("onnx/backend/test/data",)
 """onnx's backend conformance models (18 MB): data files no import reaches."""

@@ -55,13 +55,36 @@ CPU_FUSED_ATTENTION = True
 and measured faster than the unfused graph at 256x256 and up (README, Benchmarks)."""
 
 
-def _options(model_type: str, target: Target) -> Any:
+CUDA_WIDTHS: dict[str, tuple[str, frozenset[int]]] = {
+    # op -> (its fusion option, the last-dim widths its CUDA kernel takes). Checked at run time by the kernel
+    # ("Number of channels should be 320, 640 or 1280", contrib_ops/cuda/diffusion/bias_add.cc; "hidden size should
+    # be 2560, 5120 or 10240", contrib_ops/cuda/diffusion/bias_split_gelu.cc), never by ORT's fusions, and the
+    # CPU numerics twin cannot run them: a graph fused at another width only fails on a GPU.
+    "BiasAdd": ("enable_bias_add", frozenset({320, 640, 1280})),
+    "BiasSplitGelu": ("enable_bias_splitgelu", frozenset({2560, 5120, 10240})),
+}
+
+
+def unsupported_widths(model: onnx.ModelProto) -> dict[str, list[int]]:
+    """Per CUDA-only op of CUDA_WIDTHS in ``model``, the widths (its bias initializer's length; -1 when the bias is
+    not an initializer) its CUDA kernel refuses."""
+    sizes = {i.name: list(i.dims) for i in model.graph.initializer}
+    found: dict[str, list[int]] = {}
+    for node in model.graph.node:
+        if node.op_type in CUDA_WIDTHS:
+            dims = sizes.get(node.input[1]) if len(node.input) > 1 else None
+            width = dims[-1] if dims else -1
+            if width not in CUDA_WIDTHS[node.op_type][1]:
+                found.setdefault(node.op_type, []).append(width)
+    return {op: sorted(set(widths)) for op, widths in found.items()}
+
+
+def _options(model_type: str, target: Target, refused: tuple[str, ...] = ()) -> Any:
     from onnxruntime.transformers.fusion_options import FusionOptions
 
     options = FusionOptions(model_type)
-    if target != "cuda":
-        for name in CUDA_ONLY:
-            setattr(options, name, False)
+    for name in (CUDA_ONLY if target != "cuda" else refused):
+        setattr(options, name, False)
     # Attention is ours (attention_fusion.py); ORT's matchers raise or find nothing on these exports. Packed QKV/KV
     # is left out (fusion_report.LEFT_OUT).
     options.enable_attention = False
@@ -69,26 +92,68 @@ def _options(model_type: str, target: Target) -> Any:
     return options
 
 
-def _ort_fusions(src: Path, model_type: str, target: Target) -> Any:
+def _ort_fusions(src: Path, model_type: str, target: Target, refused: tuple[str, ...] = ()) -> Any:
     from onnxruntime.transformers.optimizer import optimize_model
 
     return optimize_model(str(src), model_type=model_type, num_heads=0, hidden_size=0, opt_level=0,
-                          optimization_options=_options(model_type, target), use_gpu=target == "cuda")
+                          optimization_options=_options(model_type, target, refused), use_gpu=target == "cuda")
+
+
+def _guarded_fusions(src: Path, model_type: str, target: Target, result: dict[str, Any]) -> Any:
+    """ORT's fusions; for ``cuda``, done again without a CUDA-only fusion that produced a width its kernel
+    refuses (recorded in ``result["cuda_fusions_refused"]``), so `--target cuda` never ships a graph that fails on
+    the GPU."""
+    optimized = _ort_fusions(src, model_type, target)
+    refused = unsupported_widths(optimized.model) if target == "cuda" else {}
+    if not refused:
+        return optimized
+    result["cuda_fusions_refused"] = {op: {"widths": w, "supported": sorted(CUDA_WIDTHS[op][1])}
+                                      for op, w in refused.items()}
+    log.warning("%s: not fusing %s: widths %s are not ones the CUDA kernels take", src.parent.name,
+                ", ".join(refused), refused)
+    return _ort_fusions(src, model_type, target, tuple(CUDA_WIDTHS[op][0] for op in refused))
+
+
+PROTOBUF_LIMIT = 1_900_000_000
+"""Bytes of weights above which a graph is saved with its initializers in a file beside it: protobuf refuses to
+serialize a message over 2 GB (ORT #12882, "Protobuf serialization failed"); the fp32 SD 1.5 UNet is ~3.4 GB."""
 
 
 def _save(model: onnx.ModelProto, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    large = model.ByteSize() > 1_900_000_000  # protobuf's 2 GB limit: real SD UNets keep weights beside the graph
+    large = model.ByteSize() > PROTOBUF_LIMIT  # real SD UNets keep their weights beside the graph
     onnx.save(model, str(path), save_as_external_data=large, location=f"{path.name}.data" if large else None)
 
 
-def _standard(src: Path, dst: Path) -> onnx.ModelProto:
-    """ORT's basic level, offline: provider-independent rewrites in standard ops; unused opset imports dropped."""
+def weight_bytes(model: Path) -> int:
+    """The model file and every external-data file beside it that it names (weights are not read)."""
+    proto = onnx.load(str(model), load_external_data=False)
+    files = {e.value for t in proto.graph.initializer for e in t.external_data if e.key == "location"}
+    return model.stat().st_size + sum((model.parent / f).stat().st_size for f in files
+                                      if (model.parent / f).is_file())
+
+
+def standard_options(src: Path, dst: Path) -> ort.SessionOptions:
+    """ORT's basic level, saving the optimized graph to ``dst``, its initializers beside it past PROTOBUF_LIMIT."""
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     options.optimized_model_filepath = str(dst)
-    ort.InferenceSession(str(src), options, providers=["CPUExecutionProvider"])
+    if weight_bytes(src) > PROTOBUF_LIMIT:
+        options.add_session_config_entry("session.optimized_model_external_initializers_file_name",
+                                         f"{dst.name}.data")
+        options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+    return options
+
+
+def _standard(src: Path, dst: Path) -> onnx.ModelProto:
+    """ORT's basic level, offline: provider-independent rewrites in standard ops; unused opset imports dropped.
+    A model past PROTOBUF_LIMIT is written with its initializers in ``<dst>.data`` (session config keys
+    session.optimized_model_external_initializers_file_name / _min_size_in_bytes,
+    onnxruntime_session_options_config_keys.h), which a single ModelProto could not hold."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    ort.InferenceSession(str(src), standard_options(src, dst), providers=["CPUExecutionProvider"])
     model = onnx.load(str(dst))
+    _remove(dst.parent / f"{dst.name}.data")  # in memory now; _save writes it again (onnx appends to a data file)
     used = {n.domain for n in model.graph.node}
     keep = [o for o in model.opset_import if o.domain in used or o.domain in ("", "ai.onnx")]
     del model.opset_import[:]
@@ -117,15 +182,17 @@ def optimize_component(src: Path, dst: Path, component: str, target: Target, fp1
             result["attention"] = attention
             fused_src = dst.parent / "attention_fused.onnx"
             _save(model, fused_src)
-        optimized = _ort_fusions(fused_src, model_type, target)
+        optimized = _guarded_fusions(fused_src, model_type, target, result)
         result["fusions"] = {k: v for k, v in optimized.get_fused_operator_statistics().items() if v}
         if fp16:
             optimized.convert_float_to_float16(keep_io_types=True, op_block_list=list(FP32_KEEP))
             _unique_node_names(optimized.model)
         model = optimized.model
+        if target == "cuda":
+            result["cuda_attention"] = _cuda_attention(model, component, config, fp16)
         _save(model, dst)
         if fused_src != src:
-            fused_src.unlink()
+            _remove(fused_src, fused_src.parent / f"{fused_src.name}.data")
     ops = [n.op_type for n in model.graph.node]
     result |= {"attention_fused": sum(op in ATTENTION_OPS for op in ops), "domains": domains(model),
                "nodes_before": len(onnx.load(str(src), load_external_data=False).graph.node),
@@ -133,6 +200,40 @@ def optimize_component(src: Path, dst: Path, component: str, target: Target, fp1
     if "attention" in result:
         result["fusions"]["MultiHeadAttention"] = result["attention"]["fused"]
     return result
+
+
+def cuda_attention_kernel(sequence_length: int | None, has_bias: bool, fp16: bool) -> str:
+    """The kernel ORT's CUDA MultiHeadAttention picks for a fused attention, from the conditions in
+    contrib_ops/cuda/bert/multihead_attention.cc (ComputeInternal): flash, cuDNN SDPA and the TensorRT fused
+    runners all need ``attention_bias`` absent; memory-efficient attention takes a bias only when
+    ``S % (4 * sizeof(T)) == 0`` (and, in fp32, a sequence past MinSeqLenForEfficientAttentionFp32). Else it runs
+    the unfused path (cuBLAS GEMMs, a softmax kernel, the S x S scores in memory). CLIP's causal mask is such a
+    bias, and S = 77 is a multiple of neither 16 (fp32) nor 8 (fp16): CLIP attention runs unfused on CUDA."""
+    if not has_bias:
+        return "fused (no attention_bias: flash or memory-efficient attention)"
+    align = 4 * (2 if fp16 else 4)
+    if sequence_length is not None and sequence_length % align == 0:
+        return (f"memory-efficient attention (attention_bias, S={sequence_length} a multiple of {align}"
+                + ("" if fp16 else ", if past the fp32 length threshold") + ")")
+    return (f"unfused on CUDA: attention_bias rules out flash, cuDNN SDPA and the fused runners, and S="
+            f"{sequence_length if sequence_length is not None else 'unknown'} is not a multiple of {align}, which "
+            "memory-efficient attention needs with a bias")
+
+
+def _cuda_attention(model: onnx.ModelProto, component: str, config: dict[str, Any], fp16: bool) -> dict[str, Any]:
+    """What optimize.json says about the CUDA kernel of the component's fused attention (with a bias or not)."""
+    nodes = [n for n in model.graph.node if n.op_type == "MultiHeadAttention"]
+    biased = sum(1 for n in nodes if len(n.input) > 5 and n.input[5])
+    length = config.get("max_position_embeddings") if component.startswith("text_encoder") else None
+    kernel = cuda_attention_kernel(length if isinstance(length, int) else None, biased > 0, fp16)
+    if kernel.startswith("unfused"):
+        log.warning("%s: %d fused attention node(s) run unfused on CUDA: %s", component, biased, kernel)
+    return {"nodes": len(nodes), "with_attention_bias": biased, "kernel": kernel}
+
+
+def _remove(*paths: Path) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)
 
 
 def _unique_node_names(model: onnx.ModelProto) -> None:

@@ -15,9 +15,11 @@ import onnxruntime as ort
 from engines.artifacts import TRT_DIR, node_identity, read_manifest, sha256_file, write_engine_manifest
 from engines.build.trtplan import ENGINE_CACHE, MODEL_RELATIVE, TIMING_CACHE
 from engines.errors import ArtifactError, GpuUnavailableError
+from engines.runtime.libdeps import preload
 from engines.runtime.ortlog import capture_ort_output
 
 log = logging.getLogger(__name__)
+TRT = "TensorrtExecutionProvider"
 
 
 def require_int8_gate(model_dir: Path) -> dict[str, Any]:
@@ -65,17 +67,30 @@ def _build_one(model_dir: Path, size: str, component: str, spec: dict[str, Any])
     log.info("building the TensorRT engine for %s at %s; this takes minutes", component, size)
     with capture_ort_output(component) as captured:
         try:
-            ort.InferenceSession(str(model_dir / spec["source"]), providers=["TensorrtExecutionProvider"],
-                                 provider_options=[options], enable_fallback=0)
+            session = ort.InferenceSession(str(model_dir / spec["source"]), providers=[TRT],
+                                           provider_options=[options], enable_fallback=0)
         except Exception as exc:  # ORT raises plain exceptions; the captured lines say why
             raise GpuUnavailableError(f"{component} at {size}: TensorRT build failed: {str(exc).strip()}") from exc
     for event in captured.events:
         log.info("%s: %s", component, event.line[:200])
+    require_tensorrt(session.get_providers(), f"{component} at {size}",
+                     [e.line for e in captured.events if e.severity == "error"])
     if not ctx.is_file():
         raise ArtifactError(f"{component} at {size}: TensorRT wrote no EP-context model {ctx}")
     reopen(ctx, model_dir / spec["source"], options, f"{component} at {size}")
     log.info("%s at %s done in %.0fs", component, size, time.monotonic() - start)
     return ctx
+
+
+def require_tensorrt(providers: list[str], name: str, errors: list[str]) -> None:
+    """GpuUnavailableError unless the build session runs on TensorRT. A provider that fails to create is a
+    WARNING and ORT builds the session on what remains, the CPU provider always among it
+    (CreateExecutionProviderFactoryInstance, onnxruntime/python/onnxruntime_pybind_state.cc), so a CPU session
+    would otherwise pass as a build and fail later as "TensorRT wrote no EP-context model"."""
+    if not providers or providers[0] != TRT:
+        why = "; ".join(errors)[:400] or "no error was logged (is libnvonnxparser.so.10 / libcublas.so.13 loadable?)"
+        raise GpuUnavailableError(f"{name}: the TensorRT provider did not come up (the session runs on "
+                                  f"{providers}): {why}")
 
 
 def reopen(ctx: Path, source: Path, options: dict[str, str], name: str) -> None:
@@ -91,18 +106,24 @@ def reopen(ctx: Path, source: Path, options: dict[str, str], name: str) -> None:
     so = ort.SessionOptions()
     so.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
     keep = {k: v for k, v in loading_prebuilt(options).items() if not k.startswith(("trt_dump", "trt_ep_context"))}
-    sess = ort.InferenceSession(str(ctx), sess_options=so, providers=["TensorrtExecutionProvider"],
-                                provider_options=[keep], enable_fallback=0)
+    sess = ort.InferenceSession(str(ctx), sess_options=so, providers=[TRT], provider_options=[keep], enable_fallback=0)
     on = {sg.ep_name for sg in sess.get_provider_graph_assignment_info()}
-    if on != {"TensorrtExecutionProvider"}:
+    if on != {TRT}:
         raise ArtifactError(f"{name}: the reopened EP-context model runs on {sorted(on)}, not TensorRT alone")
 
 
 def build(model_dir: Path, plan: dict[str, Any], observations: dict[str, Any], nvml_index: int) -> Path:
     """Per served size, one TensorRT session per component (the provider builds the engine and dumps the context
-    model into ``trt/<size>/``), then the manifest. Raises GpuUnavailableError when TensorRT cannot run here."""
-    if "TensorrtExecutionProvider" not in ort.get_available_providers():
+    model into ``trt/<size>/``), then the manifest. Raises GpuUnavailableError when TensorRT cannot run here.
+
+    The CUDA, cuDNN and TensorRT wheels' libraries are preloaded first, as the server does before its sessions:
+    libonnxruntime_providers_tensorrt.so needs libnvinfer.so.10, libnvonnxparser.so.10, libcublas.so.13,
+    libcudnn.so.9 and libcudart.so.13 (its DT_NEEDED) and carries no RUNPATH, so without the preload the loader
+    finds none of the pip copies."""
+    if TRT not in ort.get_available_providers():
         raise GpuUnavailableError("this onnxruntime has no TensorRT provider compiled in")
+    for line in preload(tensorrt=True):
+        log.info("preload: %s", line)
     trt = _fresh_trt(model_dir)
     sizes: dict[str, dict[str, Any]] = {}
     for size, entry in plan["sizes"].items():

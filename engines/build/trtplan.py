@@ -150,14 +150,36 @@ def component_shapes(component: str, inputs: dict[str, list[int | str]], dims: d
                     for name, declared in inputs.items())
 
 
+VAE_COMPONENTS = ("vae_decoder", "vae_encoder")
+
+
+def fp32_components(model_dir: Path) -> tuple[str, ...]:
+    """Components whose engine must stay fp32 whatever ``BuildFlags.fp16`` says: the VAE of a family whose config
+    keeps ``force_upcast`` (SDXL's VAE overflows to NaN in fp16). The ONNX dtype does not decide it: TensorRT's
+    ``trt_fp16_enable`` lets the builder pick fp16 kernels inside an fp32 graph."""
+    from engines.diffusion.family import detect
+    from engines.errors import ModelLoadError
+
+    try:
+        family = detect(model_dir)
+    except ModelLoadError:  # no family sdserve serves: the plan's other checks say so; no upcast known
+        return ()
+    return VAE_COMPONENTS if family.vae_force_upcast else ()
+
+
 def _options(component: str, inputs: dict[str, list[int | str]], dims: dict[str, int | None], p: ShapeProfile,
-             flags: BuildFlags, device_id: int) -> dict[str, str]:
+             flags: BuildFlags, device_id: int, fp32: bool = False) -> dict[str, str]:
     # min: one image without CFG (a guidance <= 1 request runs the UNet on the conditional rows only);
     # opt and max: with CFG. One engine then serves both paths at every batch in range.
     shapes = {k: component_shapes(component, inputs, dims, p, b, cfg)
               for k, b, cfg in (("min", p.batch_min, False), ("opt", p.batch_opt, True), ("max", p.batch_max, True))}
+    # trt_load_user_initializer: the provider hands the weights to TensorRT's parser from memory instead of
+    # serializing the graph with its initializers into one ModelProto, which protobuf caps at 2 GB (the fp32 SD 1.5
+    # UNet is ~3.4 GB). An option of the 1.31.1 provider library (its option-name strings list it beside
+    # trt_onnx_model_folder_path; tensorrt_execution_provider_info.cc parses it); it needs TensorRT >= 10.13.
     return {
-        "device_id": str(device_id), "trt_fp16_enable": str(flags.fp16), "trt_int8_enable": str(flags.int8),
+        "device_id": str(device_id), "trt_fp16_enable": str(flags.fp16 and not fp32),
+        "trt_int8_enable": str(flags.int8), "trt_load_user_initializer": "True",
         "trt_builder_optimization_level": str(flags.builder_optimization_level),
         "trt_engine_cache_enable": "True", "trt_engine_cache_path": ENGINE_CACHE,
         "trt_timing_cache_enable": str(flags.timing_cache), "trt_timing_cache_path": TIMING_CACHE,
@@ -174,16 +196,18 @@ def plan(model_dir: Path, profiles: list[ShapeProfile], flags: BuildFlags, devic
     if len({p.name for p in profiles}) != len(profiles):
         raise ArtifactError(f"the served sizes repeat: {[p.name for p in profiles]}")
     dims = model_dims(model_dir)
+    upcast = fp32_components(model_dir)
     present = [*COMPONENTS, *(c for c in OPTIONAL_COMPONENTS if (model_dir / c / "model.onnx").is_file())]
     inputs = {c: graph_inputs(model_dir / c / "model.onnx") for c in present}
     sizes = {}
     for p in profiles:
-        components = {c: {"source": f"{c}/model.onnx", "provider_options": _options(c, inputs[c], dims, p, flags,
-                                                                                    device_id),
+        components = {c: {"source": f"{c}/model.onnx",
+                          "provider_options": _options(c, inputs[c], dims, p, flags, device_id, c in upcast),
                           "writes": [f"{TRT_DIR}/{p.name}/{c}_ctx.onnx", f"{TRT_DIR}/{p.name}/{ENGINE_CACHE}/*"]}
                       for c in present}
         sizes[p.name] = {"profile": asdict(p) | {"name": p.name}, "components": components}
-    return {"model": model_dir.name, "dims": dims, "build_flags": asdict(flags), "sizes": sizes,
+    return {"model": model_dir.name, "dims": dims,
+            "build_flags": asdict(flags) | {"fp32_components": [c for c in present if c in upcast]}, "sizes": sizes,
             "manifest": f"{TRT_DIR}/manifest.json"}
 
 

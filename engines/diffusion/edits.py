@@ -270,7 +270,16 @@ class Editor:
         zeros = self.buffers.upload("edit_zeros", np.zeros(shape, f32))
         # diffusers encodes the image for a 4-channel UNet always (the blend needs it), else unless strength 1.0
         encode = not self.inpainting or not strength_max
-        image = self._encode("image", inputs.pixels, rngs, shape) if encode else zeros
+        given = [s.edit.latents if s.edit is not None else None for s in batch.images]
+        if all(g is not None for g in given):  # Hires fix's upscaled latents: nothing to encode
+            image = self.buffers.upload("edit_given", self._given(given, shape))
+        else:
+            image = self._encode("image", inputs.pixels, rngs, shape) if encode else zeros
+            if any(g is not None for g in given):  # a batch mixing given latents with images to encode
+                rows = np.array(image.numpy(), dtype=f32)
+                rows[[i for i, g in enumerate(given) if g is not None]] = self._given(
+                    [g for g in given if g is not None], (0, *shape[1:]))
+                image = self.buffers.upload("edit_given", rows)
         extra = None
         if self.inpainting and inputs.mask is not None:
             masked = self._encode("masked", inputs.pixels * (inputs.mask < 0.5), rngs, shape)
@@ -281,6 +290,9 @@ class Editor:
         start = self.buffers.buffer("edit_start", shape, f32)
         unet_channels = channels + (1 + channels if extra is not None else 0)
         model_in = self.buffers.buffer("edit_unet_in", (copies * n, unet_channels, h, w), self.unet_in)
+        if encode and inputs.mask is not None:
+            image = self._fill(batch, inputs.mask, noise, image, Mixer(
+                self.mix[copies].run, plan, zeros, zeros, np.ones((n, 1, h, w), f32), False, extra), model_in)
         mixer = Mixer(self.mix[copies].run, plan, image, noise_dev, np.zeros((n, 1, h, w), f32), False, extra)
         mixer.run(mixer.feeds(zeros, ab, plan.steps[0].input_scale), {"next": start, "model_in": model_in})
         if inputs.mask is None:  # img2img: no per-step work
@@ -288,6 +300,31 @@ class Editor:
         keep = np.ones((n, 1, h, w), f32) if self.inpainting else self._latent_mask(inputs.mask)
         return Prepared(start, model_in, Mixer(self.mix[copies].run, plan, image, noise_dev, keep,
                                                not self.inpainting, extra), inputs)
+
+    @staticmethod
+    def _given(latents: list[np.ndarray | None], shape: tuple[int, ...]) -> np.ndarray:
+        """Given init latents stacked; each must have the batch's latent shape."""
+        for index, array in enumerate(latents):
+            if array is None or tuple(array.shape) != tuple(shape[1:]):
+                raise InvalidRequestError(f"init latents {index} have shape {getattr(array, 'shape', None)}, not the "
+                                          f"batch's {tuple(shape[1:])}", param="image")
+        return np.ascontiguousarray(np.stack(latents), dtype=np.float32)  # type: ignore[arg-type]
+
+    def _fill(self, batch: Batch, mask: np.ndarray, noise: np.ndarray, image: ort.OrtValue, mixer: Mixer,
+              scratch: ort.OrtValue) -> ort.OrtValue:
+        """A1111's inpainting_fill 2 (latent noise) and 3 (latent nothing): the masked part of each such image's
+        init latents becomes its seeded start noise (A1111 draws it from a fresh generator of the same seed, which
+        is the start noise) or zeros; the mix graph computes ``keep * image + (1 - keep) * source``."""
+        fills = [s.edit.fill if s.edit is not None else "original" for s in batch.images]
+        if all(f == "original" for f in fills):
+            return image
+        per_image = np.array([[f != "original", f == "noise"] for f in fills], np.float32)[:, :, None, None, None]
+        keep = 1.0 - self._latent_mask(mask) * per_image[:, 0]
+        source = self.buffers.upload("edit_fill_source", np.ascontiguousarray(noise * per_image[:, 1], np.float32))
+        filled = self.buffers.buffer("edit_filled", tuple(noise.shape), STATE_DTYPE)
+        fill = Mixer(mixer.run, mixer.plan, mixer.image, source, keep.astype(np.float32), False, mixer.extra)
+        fill.run(fill.feeds(image, (0.0, 1.0), 1.0), {"next": filled, "model_in": scratch})
+        return filled
 
     def _latent_mask(self, mask: np.ndarray) -> np.ndarray:
         """The binarized mask at latent resolution: every ``factor``-th pixel (torch's nearest interpolation)."""

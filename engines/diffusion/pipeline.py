@@ -25,10 +25,12 @@ from typing import TypeAlias
 import numpy as np
 import onnxruntime as ort
 
+from engines.artifacts import MANIFEST, TRT_DIR, read_manifest
 from engines.diffusion import family as families
 from engines.diffusion.edits import Editor, Prepared, paste_back, strength_start
 from engines.diffusion.family import Family, read_json
 from engines.diffusion.multistep import MAX_HISTORY
+from engines.diffusion.plan import Step
 from engines.diffusion.schedulers import EDIT_SCHEDULERS, SCHEDULERS, NoiseSchedule, SchedulePlan, make_plan
 from engines.diffusion.step_graph import (
     STATE_DTYPE,
@@ -49,9 +51,13 @@ log = logging.getLogger(__name__)
 class OrtModel:
     """One component session; IO names, ranks and dtypes come from the session, never hard-coded."""
 
-    def __init__(self, runtime: Runtime, model: Path | bytes, name: str) -> None:
+    def __init__(self, runtime: Runtime, model: Path | bytes, name: str, fp32: bool = False) -> None:
+        """``fp32``: TensorRT may not pick fp16 kernels for this component (Runtime.session)."""
         self.name = name
-        self.session = runtime.session(model, name)
+        self.runtime = runtime
+        self.source = model
+        """The model file (or in-process graph) the session loaded: what placement is judged against."""
+        self.session = runtime.session(model, name, fp32=fp32)
         self.inputs = {i.name: i for i in self.session.get_inputs()}
         self.outputs = [o.name for o in self.session.get_outputs()]
         self.output_types = {o.name: o.type for o in self.session.get_outputs()}
@@ -67,8 +73,10 @@ class OrtModel:
         for name, value in feeds.items():
             if isinstance(value, ort.OrtValue):
                 binding.bind_ortvalue_input(name, value)
-            else:
-                binding.bind_cpu_input(name, np.require(value, requirements="C"))  # keeps rank 0
+            else:  # a host feed: copied to the device by this run (per request only, never per step)
+                host = np.require(value, requirements="C")  # keeps rank 0
+                binding.bind_cpu_input(name, host)
+                self.runtime.note_host_read(f"{self.name}:{name}", host)
         for name, value in outputs.items():
             check_output_type(self.name, name, value.data_type(), self.output_types.get(name, ""))
             binding.bind_ortvalue_output(name, value)
@@ -102,6 +110,8 @@ class PipelineOutput:
     """Denoising steps that ran (fewer when ``on_step`` stopped the batch)."""
     steps_total: int = 0
     """Steps the batch was to run: ``steps``, or an edit's ``int(steps * strength)``."""
+    latents: np.ndarray | None = None
+    """float32 [B, C, h, w] final latents, brought down only when an image asked (ImageSpec.keep_latents)."""
 
 
 @dataclass(frozen=True)
@@ -146,9 +156,11 @@ class StableDiffusionOnnx:
         self.text_encoder = OrtModel(runtime, paths["text_encoder"], "text_encoder" + label)
         self.unet = OrtModel(runtime, paths["unet"], "unet" + label)
         self.io = families.unet_io(self.family, {n: a.shape for n, a in self.unet.inputs.items()}, self.unet.outputs)
-        self.vae_decoder = OrtModel(runtime, paths["vae_decoder"], "vae_decoder" + label)
+        upcast = self.family.vae_force_upcast  # never fp16 kernels, whatever the ONNX dtype (TensorRT's fp16 flag)
+        self.vae_decoder = OrtModel(runtime, paths["vae_decoder"], "vae_decoder" + label, fp32=upcast)
         encoder = (sources or {}).get("vae_encoder", folder / "vae_encoder" / "model.onnx")
-        self.vae_encoder = OrtModel(runtime, encoder, "vae_encoder" + label) if encoder.is_file() else None
+        self.vae_encoder = OrtModel(runtime, encoder, "vae_encoder" + label, fp32=upcast) if encoder.is_file() \
+            else None
         self.edits_unavailable = "" if self.vae_encoder else (
             f"{folder.name} has no vae_encoder/model.onnx: it serves txt2img only (re-export it with "
             "`sdserve engines export` to serve edits)")
@@ -193,6 +205,12 @@ class StableDiffusionOnnx:
         self.size_multiple = self.vae_scale_factor * 2 ** (len(unet_cfg.get("block_out_channels", [0] * 4)) - 1)
         self.scaling_factor = self.family.vae_scaling_factor
         vae_in = next(iter(self.vae_decoder.inputs))
+        for part, vae in (("vae_decoder", self.vae_decoder), ("vae_encoder", self.vae_encoder)):
+            if vae is not None and self.family.vae_force_upcast and (
+                    tensorrt_fp16(vae.session) or built_fp16(vae.source, part)):
+                raise ModelLoadError(f"{folder}: the {self.family.name} {vae.name} runs on TensorRT in fp16 "
+                                     "(trt_fp16_enable, or an engine built with it): its VAE overflows in fp16 "
+                                     "(force_upcast); rebuild with `sdserve engines build`, which keeps it fp32")
         if self.family.vae_force_upcast and self.vae_decoder.input_dtype(vae_in) == np.float16:
             # SDXL's VAE overflows in fp16 (NaN images): decode in fp32, or use a VAE fixed for fp16.
             raise ModelLoadError(f"{folder}: the {self.family.name} VAE decoder is fp16 but its config says "
@@ -289,6 +307,7 @@ class StableDiffusionOnnx:
         t2 = time.perf_counter()
         # 4. Denoise: UNet on [uncond; text] (or [text]), then the step graph writes the next latents and UNet input.
         final, steps_done = self._denoise(plan, latents, cond, guidance, rngs, batch, on_step, prepared)
+        kept = np.array(final.numpy(), dtype=np.float32) if any(s.keep_latents for s in batch.images) else None
         t3 = time.perf_counter()
         # 5. Decode on the device; the image comes down once (inpainting: the init image pasted back outside).
         images = self._decode(final, batch)
@@ -297,7 +316,8 @@ class StableDiffusionOnnx:
         t4 = time.perf_counter()
         timings = Timings(text_encoder=t1 - t0, denoise=t3 - t2, vae_decode=t4 - t3, total=t4 - t0,
                           vae_encode=t2 - t1)
-        return PipelineOutput(images, cond.truncated, cond.negative_truncated, timings, steps_done, len(plan.steps))
+        return PipelineOutput(images, cond.truncated, cond.negative_truncated, timings, steps_done, len(plan.steps),
+                              kept)
 
     def _unet_feeds(self, cond: Conditioning, batch: Batch, rows: int) -> dict[str, Feed]:
         """The conditioning inputs of every step: hidden states, and SDXL's pooled embeddings and time ids."""
@@ -305,8 +325,21 @@ class StableDiffusionOnnx:
         if self.io.text_embeds is not None and self.io.time_ids is not None and cond.text_embeds is not None:
             ids = families.time_ids(batch.height, batch.width, batch.original_size, batch.crops_coords_top_left)
             feeds[self.io.text_embeds] = cond.text_embeds
-            feeds[self.io.time_ids] = np.array([ids] * rows, dtype=self.unet.input_dtype(self.io.time_ids))
+            feeds[self.io.time_ids] = self.runtime.upload(  # once per request, not a host feed every step
+                "time_ids", np.array([ids] * rows, dtype=self.unet.input_dtype(self.io.time_ids)))
         return feeds
+
+    def _step_tables(self, evals: tuple[tuple[Step, bool], ...], guidance: np.ndarray,
+                     depth: int) -> tuple[list[ort.OrtValue], list[ort.OrtValue], list[ort.OrtValue]]:
+        """Every evaluation's timestep, step coefficients and next input scale, on the device before the loop:
+        one copy each per request instead of three host feeds (pageable bind_cpu_input) per step. The values are
+        the ones a per-step feed would carry, so the CPU path stays bit-identical."""
+        t_dtype = self.unet.input_dtype(self.io.timestep)
+        timesteps = np.stack([np.full(self.io.timestep_shape, step.timestep, dtype=t_dtype) for step, _ in evals])
+        coeffs = np.stack([step_coefficients(step.next, step.denoised, guidance, depth) for step, _ in evals])
+        scales = [evals[i + 1][0].input_scale if i + 1 < len(evals) else 1.0 for i in range(len(evals))]
+        return (self.runtime.upload_steps("timesteps", timesteps), self.runtime.upload_steps("coeffs", coeffs),
+                self.runtime.upload_steps("in_scales", np.array(scales, dtype=STATE_DTYPE).reshape(-1, 1)))
 
     def _denoise(self, plan: SchedulePlan, latents: np.ndarray, cond: Conditioning, guidance: np.ndarray,
                  rngs: list[np.random.Generator], batch: Batch, on_step: StepHook | None = None,
@@ -338,11 +371,11 @@ class StableDiffusionOnnx:
         model_out = self.runtime.buffer("unet_out", (copies * n, *shape[1:]), self.unet.output_dtype())
         zeros = self.runtime.upload("zeros", np.zeros(shape, f32))
         feeds = self._unet_feeds(cond, batch, copies * n)
-        t_dtype = self.unet.input_dtype(self.io.timestep)
+        timesteps, coeffs, in_scales = self._step_tables(evals, guidance, depth)
         done = 0
         for i, (step, completes) in enumerate(evals):
-            timestep = np.full(self.io.timestep_shape, step.timestep, dtype=t_dtype)
-            self.unet.run({self.io.sample: model_in, self.io.timestep: timestep, **feeds}, {self.io.out: model_out})
+            self.unet.run({self.io.sample: model_in, self.io.timestep: timesteps[i], **feeds},
+                          {self.io.out: model_out})
             noise: Feed = zeros
             if step.next.noise:
                 noise = self.runtime.upload("noise", np.stack([r.standard_normal(shape[1:], dtype=np.float32)
@@ -351,8 +384,7 @@ class StableDiffusionOnnx:
             history = {("prev" if k == 1 else f"prev{k}"): ring[(i + 1 - k) % (depth + 1)]
                        for k in range(1, depth + 1)}
             step_graph.run({"sample": lat[0], "model_out": model_out, "noise": noise, **history,
-                            "coeffs": step_coefficients(step.next, step.denoised, guidance, depth),
-                            "in_scale": np.array([scale], dtype=f32)},
+                            "coeffs": coeffs[i], "in_scale": in_scales[i]},
                            {"next": lat[1], "denoised": ring[(i + 1) % (depth + 1)], "model_in": step_in})
             if mixer is not None:  # inpainting: the blend writes the step's latents back into lat[0]
                 mixer.after(i, lat[1], lat[0], model_in, scale)
@@ -389,7 +421,8 @@ class StableDiffusionOnnx:
         out_name = "last_hidden_state" if "last_hidden_state" in outputs else outputs[0]
         hidden = self.runtime.buffer("hidden", (len(prompts), ids.shape[1], self.hidden_width),
                                      self.unet.input_dtype(self.io.hidden))
-        self.text_encoder.run({name: ids.astype(self.text_encoder.input_dtype(name))}, {out_name: hidden})
+        ids_in = self.runtime.upload("ids", ids.astype(self.text_encoder.input_dtype(name)))  # pinned on a GPU
+        self.text_encoder.run({name: ids_in}, {out_name: hidden})
         return Conditioning(hidden, None, truncated[len(negatives):], negative_truncated)
 
     def _encode_xl(self, second: SecondEncoder, batch: Batch, prompts: list[str], ids: np.ndarray,
@@ -406,7 +439,7 @@ class StableDiffusionOnnx:
             states.append(self.runtime.buffer(f"states{k}", (rows, length, _static_width(model, out)),
                                               _output_dtype(model, out)))
             name = next(iter(model.inputs))
-            model.run({name: token_ids.astype(model.input_dtype(name))},
+            model.run({name: self.runtime.upload(f"ids{k}", token_ids.astype(model.input_dtype(name)))},
                       {out: states[k], **({"text_embeds": pooled} if k else {})})
         keep = np.ones((rows, 1), dtype=STATE_DTYPE)
         if self.family.force_zeros_for_empty_prompt:
@@ -414,7 +447,7 @@ class StableDiffusionOnnx:
         hidden = self.runtime.buffer("hidden", (rows, length, self.hidden_width), self.unet.input_dtype(self.io.hidden))
         embeds = self.runtime.buffer("text_embeds", (rows, pooled.shape()[1]),
                                      self.unet.input_dtype(second.text_embeds_input))
-        second.join.run({"h1": states[0], "h2": states[1], "pooled": pooled, "keep": keep},
+        second.join.run({"h1": states[0], "h2": states[1], "pooled": pooled, "keep": self.runtime.upload("keep", keep)},
                         {"hidden": hidden, "text_embeds": embeds})
         return hidden, embeds
 
@@ -433,6 +466,23 @@ class StableDiffusionOnnx:
             raise InferenceError("the VAE produced NaN/inf values (fp16 overflow or corrupted weights)")
         image = np.clip(decoded / 2 + 0.5, 0.0, 1.0)
         return np.ascontiguousarray((image.transpose(0, 2, 3, 1) * 255).round().astype(np.uint8))
+
+
+def tensorrt_fp16(session: ort.InferenceSession) -> bool:
+    """Whether the session runs on TensorRT with ``trt_fp16_enable`` on (its provider options as ORT reports them)."""
+    options = session.get_provider_options().get("TensorrtExecutionProvider")
+    return options is not None and str(options.get("trt_fp16_enable", "0")).lower() in ("1", "true")
+
+
+def built_fp16(source: Path | bytes, component: str) -> bool:
+    """Whether a prebuilt TensorRT engine (``trt/<WxH>/<component>_ctx.onnx``) was built with fp16 for this
+    component: its engine manifest's build_flags say fp16 and do not list it in fp32_components (engines built
+    before that list existed included)."""
+    if not isinstance(source, Path) or source.parent.parent.name != TRT_DIR or \
+            not (source.parent.parent / MANIFEST).is_file():
+        return False
+    flags = read_manifest(source.parent.parent / MANIFEST).get("build_flags", {})
+    return bool(flags.get("fp16")) and component not in flags.get("fp32_components", [])
 
 
 def _output_dtype(model: OrtModel, name: str) -> type[np.generic]:

@@ -178,6 +178,48 @@ class StepFailure:
         return f"step failed after {self.seconds:.1f} s: {self.error}"
 
 
+@dataclass(frozen=True)
+class NotApplicable:
+    """A check that says nothing on this node, and why: not this EP's (a TensorRT/CUDA-only measurement on another
+    EP), or its input was not given (parity without --baseline/--compare). It never reads as ok: the report shows
+    "not applicable" and the reason; it does not fail the verdict either."""
+
+    step: str
+    reason: str
+
+    _derived: ClassVar[tuple[str, ...]] = ("state",)
+
+    @property
+    def state(self) -> str:
+        return "not applicable"
+
+    def summary(self) -> str:
+        return f"not applicable: {self.reason}"
+
+
+STEP_STATES = ("ok", "failed", "over budget", "not started", "not applicable")
+STEP_BUDGETS_S: Mapping[str, float] = {
+    "model": 900.0, "relocation": 1800.0, "boots": 600.0, "placement": 60.0, "staging": 120.0, "copies": 300.0,
+    "protocol": 900.0, "signature": 10.0, "parity": 900.0, "latency": 900.0}
+"""Each step's own time budget, seconds (estimates for SD 1.5 at 512x512 on one H200, not yet measured there):
+exporting the model from torch (model), `engines build` of four TensorRT engines and a reload (relocation), the
+10-job protocol and as many jobs on a replica (parity), the torch reference (latency). --step-budget overrides one;
+--budget (default: their sum) caps the run: a step not started by then is recorded as failed."""
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """One step of the run: how long it took against its own budget, and how it ended (STEP_STATES)."""
+
+    step: str
+    seconds: float
+    budget_s: float
+    state: str
+
+    def row(self) -> str:
+        return f"| {self.step} | {self.seconds:.1f} | {self.budget_s:g} | {self.state} |"
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The report
 
@@ -191,36 +233,40 @@ class AcceptReport:
 
     generated_at: str
     node: Mapping[str, str]
-    doctor: DoctorSection | StepFailure
-    boots: tuple[ShapeBoot, ...] | StepFailure
-    placement: tuple[SessionPlacement, ...] | StepFailure
-    staging: tuple[StagingBuffer, ...] | StepFailure
-    copies: CopyCount | StepFailure
-    relocation: RelocationSection | StepFailure
-    protocol: ProtocolSection | StepFailure
-    parity: Parity | StepFailure
-    signature: SignatureSection | StepFailure
-    latency: LatencySection | StepFailure
+    doctor: DoctorSection | StepFailure | NotApplicable
+    boots: tuple[ShapeBoot, ...] | StepFailure | NotApplicable
+    placement: tuple[SessionPlacement, ...] | StepFailure | NotApplicable
+    staging: tuple[StagingBuffer, ...] | StepFailure | NotApplicable
+    copies: CopyCount | StepFailure | NotApplicable
+    relocation: RelocationSection | StepFailure | NotApplicable
+    protocol: ProtocolSection | StepFailure | NotApplicable
+    parity: Parity | StepFailure | NotApplicable
+    signature: SignatureSection | StepFailure | NotApplicable
+    latency: LatencySection | StepFailure | NotApplicable
     notes: tuple[str, ...] = field(default=())
+    steps: tuple[StepTiming, ...] = field(default=())
 
-    def section_results(self) -> dict[str, bool]:
-        """Section name -> ok. Lists pass only when non-empty and every entry passes; a failed step never passes."""
-        return {
-            "doctor": self.doctor.ok,
-            "boots": _all_ok(self.boots, lambda b: b.ok),
-            "placement": _all_ok(self.placement, lambda p: p.ok),
-            "staging": _all_ok(self.staging, lambda b: b.pinned),
-            "copies": self.copies.ok,
-            "relocation": self.relocation.ok,
-            "protocol": self.protocol.ok,
-            "parity": self.parity.ok,
-            "signature": self.signature.ok,
-            "latency": self.latency.ok,
-        }
+    def section_results(self) -> dict[str, bool | None]:
+        """Section name -> ok, None when not applicable. Lists pass only when non-empty and every entry passes; a
+        failed step never passes."""
+        checks: dict[str, Callable[[Any], bool]] = {
+            "boots": lambda b: _all_ok(b, lambda x: x.ok), "placement": lambda p: _all_ok(p, lambda x: x.ok),
+            "staging": lambda b: _all_ok(b, lambda x: x.pinned)}
+        results: dict[str, bool | None] = {}
+        for name in SECTIONS:
+            section = getattr(self, name)
+            results[name] = None if isinstance(section, NotApplicable) else bool(
+                checks[name](section) if name in checks else section.ok)
+        return results
+
+    @property
+    def over_budget(self) -> tuple[str, ...]:
+        return tuple(t.step for t in self.steps if t.state in ("over budget", "not started"))
 
     @property
     def failing(self) -> tuple[str, ...]:
-        return tuple(name for name, ok in self.section_results().items() if not ok)
+        sections = tuple(name for name, ok in self.section_results().items() if ok is False)
+        return sections + (("budget",) if self.over_budget else ())
 
     @property
     def ok(self) -> bool:
@@ -240,14 +286,17 @@ class AcceptReport:
         lines = [f"# sdserve accept: {verdict}", "", f"Node: {node}  ", f"Generated: {self.generated_at}", "",
                  f"**Verdict: {verdict}**", "", "| Check | Result | Detail |", "|---|---|---|"]
         results = self.section_results()
-        lines += [f"| {name} | {yes_no(results[name])} | {_cell(detail)} |" for name, detail in self._details()]
-        lines += [f"- {note}" for note in self.notes]
+        lines += [f"| {name} | {_state(results[name])} | {_cell(detail)} |" for name, detail in self._details()]
+        if self.steps:
+            lines += ["", "| Step | Seconds | Budget (s) | State |", "|---|---|---|---|"]
+            lines += [t.row() for t in self.steps]
+        lines += [""] * bool(self.notes) + [f"- {note}" for note in self.notes]
         return "\n".join(lines) + "\n"
 
     def _details(self) -> list[tuple[str, str]]:
         details = [(name, _summary(getattr(self, name))) for name in SECTIONS]
         lists = {"boots": self._boots_detail, "placement": self._placement_detail, "staging": self._staging_detail}
-        return [(name, lists[name]() if name in lists and not isinstance(getattr(self, name), StepFailure)
+        return [(name, lists[name]() if name in lists and isinstance(getattr(self, name), tuple)
                  else text) for name, text in details]
 
     def _boots_detail(self) -> str:
@@ -265,8 +314,12 @@ class AcceptReport:
         return f"{sum(1 for b in buffers if b.pinned)}/{len(buffers)} staging buffers pinned"
 
 
-def _all_ok(items: tuple[Any, ...] | StepFailure, ok: Callable[[Any], bool]) -> bool:
-    return not isinstance(items, StepFailure) and bool(items) and all(ok(item) for item in items)
+def _all_ok(items: Any, ok: Callable[[Any], bool]) -> bool:
+    return isinstance(items, tuple) and bool(items) and all(ok(item) for item in items)
+
+
+def _state(ok: bool | None) -> str:
+    return "n/a" if ok is None else yes_no(ok)
 
 
 def _summary(section: object) -> str:

@@ -61,9 +61,10 @@ class Observations:
 
     def nvml_index(self, device_id: int) -> int | None:
         """NVML index of CUDA ordinal ``device_id``, matched by PCI bus id (CUDA_VISIBLE_DEVICES renumbers CUDA
-        ordinals, never NVML's); without CUDA's answer, the same number if NVML lists it."""
+        ordinals, never NVML's). None without CUDA's answer: the same number would be a guess, and with
+        CUDA_VISIBLE_DEVICES set it names another card."""
         if self.cuda_bus_ids is None:
-            return device_id if device_id < len(self.nvml.devices) else None
+            return None
         return match_cuda_to_nvml(self.cuda_bus_ids, self.nvml.devices).get(device_id)
 
     def device(self, device_id: int) -> DeviceInfo | None:
@@ -71,9 +72,10 @@ class Observations:
         return next((d for d in self.nvml.devices if d.index == index), None)
 
     def memory_total(self, device_id: int) -> int | None:
-        """Total memory of the served device (bytes) as NVML reports it; None without NVML or a match."""
+        """Total memory of the served device (bytes) as NVML reports it; None without NVML or a match, and under
+        MIG when the slice is unknown (the parent GPU's total is not what this process can use)."""
         device = self.device(device_id)
-        return device.memory_total_bytes if device is not None else None
+        return device.memory_total_bytes if device is not None and device.memory_total_bytes > 0 else None
 
     def to_model(self) -> ProtocolObservations:
         return ProtocolObservations(

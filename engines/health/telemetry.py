@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -17,6 +18,9 @@ class DeviceInfo:
     memory_used_bytes: int
     pci_bus_id: str = ""
     """nvmlDeviceGetPciInfo().busId, e.g. 00000000:3B:00.0: what ties this NVML index to a CUDA ordinal."""
+    mig: bool = False
+    """MIG mode is on: this process computes on a slice. ``memory_total_bytes`` is then the slice's (the MIG
+    device named in CUDA_VISIBLE_DEVICES), 0 when that slice is unknown, never the parent GPU's."""
 
 
 @dataclass
@@ -68,10 +72,35 @@ def _device(pynvml: Any, index: int) -> DeviceInfo:
         h = pynvml.nvmlDeviceGetHandleByIndex(index)
         major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(h)
         mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-        return DeviceInfo(index, _text(pynvml.nvmlDeviceGetName(h)), f"{major}.{minor}", int(mem.total),
-                          int(mem.used), _text(pynvml.nvmlDeviceGetPciInfo(h).busId))
+        mig = _mig_enabled(pynvml, h)
+        total = _mig_memory_total(pynvml, h, os.environ.get("CUDA_VISIBLE_DEVICES", "")) if mig else int(mem.total)
+        return DeviceInfo(index, _text(pynvml.nvmlDeviceGetName(h)), f"{major}.{minor}", total,
+                          int(mem.used), _text(pynvml.nvmlDeviceGetPciInfo(h).busId), mig)
     except pynvml.NVMLError as exc:
         return DeviceInfo(index, f"unavailable: {exc}", "", 0, 0, "")
+
+
+def _mig_enabled(pynvml: Any, handle: Any) -> bool:
+    """nvmlDeviceGetMigMode's current mode is NVML_DEVICE_MIG_ENABLE (1); a GPU without MIG answers NOT_SUPPORTED."""
+    try:
+        current, _pending = pynvml.nvmlDeviceGetMigMode(handle)
+    except pynvml.NVMLError:
+        return False
+    return bool(current == 1)
+
+
+def _mig_memory_total(pynvml: Any, handle: Any, visible: str) -> int:
+    """Total memory of the MIG device CUDA_VISIBLE_DEVICES names (``MIG-<uuid>``), 0 when none of the GPU's MIG
+    devices is named: the parent GPU's total would overstate the slice (141 GB on an H200 cut into 18 GB ones)."""
+    wanted = {v.strip() for v in visible.split(",") if v.strip().startswith("MIG-")}
+    for slot in range(int(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle))):
+        try:
+            mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
+            if _text(pynvml.nvmlDeviceGetUUID(mig)) in wanted:
+                return int(pynvml.nvmlDeviceGetMemoryInfo(mig).total)
+        except pynvml.NVMLError:  # an empty slot answers NOT_FOUND
+            continue
+    return 0
 
 
 def _text(value: bytes | str) -> str:
@@ -98,21 +127,36 @@ def match_cuda_to_nvml(cuda_bus_ids: list[str], nvml_devices: list[DeviceInfo]) 
     return {ordinal: by_bus[key] for ordinal, key in enumerate(map(pci_key, cuda_bus_ids)) if key in by_bus}
 
 
+class TelemetryUnavailable(Exception):
+    """NVML cannot give this reading for the served device (e.g. utilization under MIG: NOT_SUPPORTED), or the
+    CUDA ordinal has no NVML index. Raised per sample; a sampler records it and goes on."""
+
+
 class NvmlTelemetry:
     """Live samples from NVML (SM and memory-controller utilization over the driver's last sample period, power)."""
 
     def __init__(self, nvml_index: dict[int, int] | None = None) -> None:
-        """``nvml_index``: CUDA ordinal -> NVML index (``match_cuda_to_nvml``); callers pass CUDA ordinals."""
+        """``nvml_index``: CUDA ordinal -> NVML index (``match_cuda_to_nvml``); callers pass CUDA ordinals, and an
+        ordinal without an entry is refused, never read as an NVML index (CUDA_VISIBLE_DEVICES renumbers CUDA
+        ordinals, not NVML's: the same number can be another card)."""
         import pynvml
 
         self._nvml = pynvml
         self._index = dict(nvml_index or {})
         pynvml.nvmlInit()
 
+    def _handle(self, device_index: int) -> Any:
+        if device_index not in self._index:
+            raise TelemetryUnavailable(f"CUDA ordinal {device_index} has no NVML index (matched by PCI bus id)")
+        return self._nvml.nvmlDeviceGetHandleByIndex(self._index[device_index])
+
     def sample(self, device_index: int) -> GpuSample:
         nv = self._nvml
-        h = nv.nvmlDeviceGetHandleByIndex(self._index.get(device_index, device_index))
-        util = nv.nvmlDeviceGetUtilizationRates(h)
+        h = self._handle(device_index)
+        try:
+            util = nv.nvmlDeviceGetUtilizationRates(h)
+        except nv.NVMLError as exc:  # NOT_SUPPORTED on a MIG device: there is no per-slice utilization
+            raise TelemetryUnavailable(f"NVML utilization is not available on this device: {exc}") from exc
         mem = nv.nvmlDeviceGetMemoryInfo(h)
         return GpuSample(float(util.gpu), float(util.memory), nv.nvmlDeviceGetPowerUsage(h) / 1000.0,
                          nv.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0, int(mem.used))
@@ -121,7 +165,7 @@ class NvmlTelemetry:
         """Compute processes on the device besides this one (time-sliced or MPS neighbours). Counted as all
         listed minus one, not by our pid: inside a container NVML reports host pids, which never equal ours."""
         nv = self._nvml
-        h = nv.nvmlDeviceGetHandleByIndex(self._index.get(device_index, device_index))
+        h = self._handle(device_index)
         return max(0, len(nv.nvmlDeviceGetComputeRunningProcesses(h)) - 1)
 
     def close(self) -> None:

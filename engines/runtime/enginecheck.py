@@ -88,3 +88,24 @@ def gate(name: str, events: list[OrtEvent], forbid: bool) -> None:
     if rebuild:
         log.warning("%s: TensorRT builds engines on this node (allowed by the profile): %s", name,
                     rebuild[0].line[:300])
+
+
+def context_engine_problems(ctx: Path) -> list[str]:
+    """Why the engines an EP-context model names would not load from where the model now lies: ``ep_cache_context``
+    (embed_mode 0) must be a relative path without '..' to an existing file beside the model
+    (onnx_ctx_model_helper.cc GetEpContextFromGraph refuses an absolute path or '..' and joins the rest to the
+    context model's folder, "TensorRT EP can't find engine cache" when absent). Empty: it loads from here."""
+    problems = []
+    for node in onnx.load(str(ctx), load_external_data=False).graph.node:
+        if node.op_type != EPCONTEXT:
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if attrs.get("embed_mode", 1):
+            continue
+        raw = attrs.get("ep_cache_context", b"")
+        path = raw.decode() if isinstance(raw, bytes) else str(raw)
+        if not path or Path(path).is_absolute() or ".." in Path(path).parts:
+            problems.append(f"{ctx.name}: ep_cache_context {path!r} is not a path relative to the context model")
+        elif not (ctx.parent / path).is_file():
+            problems.append(f"{ctx.name}: its engine {path} is not beside it ({ctx.parent / path} is missing)")
+    return problems

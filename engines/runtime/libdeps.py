@@ -109,6 +109,10 @@ def _ld_cache() -> dict[str, str]:
 TENSORRT_PRELOADS: tuple[tuple[str, ...], ...] = (
     ("tensorrt_libs", "libnvinfer.so.10"), ("tensorrt_libs", "libnvinfer_plugin.so.10"),
     ("tensorrt_libs", "libnvonnxparser.so.10"))
+TENSORRT_BUILDER_GLOB = "libnvinfer_builder_resource.so.10*"
+"""TensorRT dlopens its builder resource library (full version in the name, e.g. ``.so.10.13.0``) by bare name when
+a builder is created ("Unable to load library: libnvinfer_builder_resource.so.10.x", NVIDIA/TensorRT issues #2218,
+#3983): an engine build needs it found too, so it is preloaded from the wheel's folder like the others."""
 # onnxruntime 1.31's list for CUDA 13 on Linux (onnxruntime/__init__.py, _get_nvidia_dll_paths), used only when the
 # installed package no longer offers that function.
 _ORT_CUDA13_PRELOADS: tuple[tuple[str, ...], ...] = (
@@ -147,6 +151,9 @@ def preload_plan(site: Path | None = None, tensorrt: bool = True) -> dict[str, P
         candidate = root.joinpath(*parts)
         if candidate.is_file():
             plan.setdefault(parts[-1], candidate)
+    if tensorrt:
+        for candidate in sorted((root / TENSORRT_PRELOADS[0][0]).glob(TENSORRT_BUILDER_GLOB)):
+            plan.setdefault(candidate.name, candidate)
     return plan
 
 

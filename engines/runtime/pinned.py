@@ -40,6 +40,27 @@ class PageableAllocator:
 CUDART = "libcudart.so.13"
 
 
+class CudaPointerAttributes(ctypes.Structure):
+    """``struct cudaPointerAttributes`` as CUDA 13 lays it out (driver_types.h): the memory type, the device, the
+    device and host aliases, then ``long reserved[8]`` (64 bytes on LP64) the runtime zero-fills; 88 bytes in all.
+    A definition that stops at ``hostPointer`` (24 bytes, the CUDA 10-12 documentation's struct) makes
+    cudaPointerGetAttributes write 64 bytes past the caller's buffer under CUDA 13."""
+
+    _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int), ("devicePointer", ctypes.c_void_p),
+                ("hostPointer", ctypes.c_void_p), ("reserved", ctypes.c_long * 8)]
+
+
+def memory_type(cudart: Any, address: int) -> int:
+    """``cudaPointerGetAttributes(address).type`` (cudaMemoryType); GpuUnavailableError when the runtime refuses."""
+    cudart.cudaPointerGetAttributes.argtypes = [ctypes.POINTER(CudaPointerAttributes), ctypes.c_void_p]
+    cudart.cudaPointerGetAttributes.restype = ctypes.c_int
+    attributes = CudaPointerAttributes()
+    status = cudart.cudaPointerGetAttributes(ctypes.byref(attributes), ctypes.c_void_p(address))
+    if status != 0:
+        raise GpuUnavailableError(f"cudaPointerGetAttributes({address:#x}) failed with CUDA error {status}")
+    return int(attributes.type)
+
+
 def load_cudart(soname: str = CUDART) -> ctypes.CDLL:
     """libcudart, found where session creation finds it (engines/runtime/libdeps.py: preloaded wheel, then the
     loader's own path)."""

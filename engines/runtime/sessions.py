@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,6 +124,18 @@ def session_providers(settings: RuntimeSettings, in_process: bool, model_dir: Pa
     return rest if any(p == CUDA for p, _ in rest) else [(CUDA, _cuda_options(settings, total_memory)), *rest]
 
 
+MAX_HOST_READS = 256
+
+
+@dataclass(frozen=True)
+class HostRead:
+    """One host->device copy: what it was for, and the host memory it read (address, bytes)."""
+
+    tag: str
+    address: int
+    nbytes: int
+
+
 @dataclass
 class SessionReport:
     """What building one session showed: providers asked and used, classified ORT log lines, placement."""
@@ -159,6 +171,9 @@ class Runtime:
         self._host: HostAllocator | None = None
         self._staging: OrderedDict[tuple[str, tuple[int, ...], str], tuple[np.ndarray, ort.OrtValue]] = OrderedDict()
         self._buffers: OrderedDict[tuple[str, tuple[int, ...], str], ort.OrtValue] = OrderedDict()
+        self._tables: OrderedDict[tuple[str, tuple[int, ...], str], list[ort.OrtValue]] = OrderedDict()
+        self.host_reads: deque[HostRead] = deque(maxlen=MAX_HOST_READS)
+        """The host memory each host->device copy read from, newest last (accept's staging check reads it)."""
         if self.device == "cuda":  # provider libraries have no RUNPATH: load the pip CUDA/TensorRT wheels first
             for line in preload(tensorrt=TRT in settings.providers):
                 log.info("preload: %s", line)
@@ -182,11 +197,16 @@ class Runtime:
             plugins.add_to(so, self.settings.plugin)
         return so
 
-    def session(self, model: Path | bytes, name: str, extra: dict[str, str] | None = None) -> ort.InferenceSession:
+    def session(self, model: Path | bytes, name: str, extra: dict[str, str] | None = None,
+                fp32: bool = False) -> ort.InferenceSession:
         """A session on the component's providers, verified. Without allow_cpu: ORT's silent CPU retry is disabled,
         every provider asked for must be in use, nothing on the activation path may run on the CPU (placement by
-        data flow), and a TensorRT component must load prebuilt engines (EP-context nodes, an unchanged cache)."""
+        data flow), and a TensorRT component must load prebuilt engines (EP-context nodes, an unchanged cache).
+        ``fp32``: TensorRT must not pick fp16 kernels for this component (``trt_fp16_enable`` off whatever the
+        profile says), e.g. SDXL's force-upcast VAE."""
         providers = session_providers(self.settings, isinstance(model, bytes), self.model_dir, self.total_memory)
+        if fp32:
+            providers = [(p, {**o, "trt_fp16_enable": "False"} if p == TRT else o) for p, o in providers]
         if self.settings.plugin is not None:
             providers = [(self.settings.plugin.name, dict(self.settings.plugin.options))]
         if TRT in [p for p, _ in providers] and not isinstance(model, bytes) and enginecheck.ep_context_nodes(model):
@@ -226,9 +246,7 @@ class Runtime:
             if CPU_NODES_REFUSED in str(error):
                 raise PlacementError(f"{report.name}: {self._cpu_nodes(model, providers)}") from error
             if not isinstance(model, bytes) and enginecheck.ep_context_nodes(model):
-                raise ArtifactError(f"artifact mismatch: {report.name}: {names} cannot load the prebuilt EP-context "
-                                    f"model {model}: {detail[:400]}; rebuild it with `sdserve engines build` on "
-                                    "the deployed versions") from error
+                raise prebuilt_load_error(report.name, names, model, f"{detail} {error}") from error
             if self.device == "cuda" or self.settings.plugin is not None:
                 raise GpuUnavailableError(f"{report.name}: cannot create a session on {names}: {detail}") from error
             raise ModelLoadError(f"{report.name}: cannot create a session: {str(error).strip()}") from error
@@ -261,7 +279,13 @@ class Runtime:
     def check_engine_cache(self, stage: str) -> list[OrtEvent]:
         """Call after the first run at every served shape (the self-test warm-up): TensorRT builds an engine per
         new shape on first use, so the cache folder must be as session creation left it. Raises ArtifactError
-        when the policy forbids on-node builds (and the profile does not allow the CPU); returns the events."""
+        when the policy forbids on-node builds (and the profile does not allow the CPU); returns the events.
+
+        What this can and cannot see: a prebuilt EP-context load carries no engine-cache options
+        (``loading_prebuilt``), so TensorRT writes nothing there even if it compiled; for those sessions the
+        evidence is that every TensorRT component was an EP-context model (``enginecheck.ep_context_events``,
+        gated at creation). This listing catches the loads that do carry a cache (dev, plain models) and files
+        changed under the artifact folder by anything else."""
         events = enginecheck.cache_events(self._after_load, enginecheck.snapshot(self._engine_dirs), stage)
         if events and not self.settings.allow_cpu:
             enginecheck.gate(stage, events, forbid_builds(self.settings))
@@ -310,19 +334,93 @@ class Runtime:
     def upload(self, tag: str, array: np.ndarray) -> ort.OrtValue:
         """Copy a host array into the reusable device buffer ``tag``; on a GPU through a pinned staging buffer."""
         value = self.buffer(tag, tuple(array.shape), array.dtype.type)
+        source = self._host_source(tag, array)
+        value.update_inplace(source)
+        self.note_host_read(tag, source)
+        return value
+
+    def _host_source(self, tag: str, array: np.ndarray) -> np.ndarray:
+        """What a copy to the device reads: the array itself on the CPU, a pinned staging copy on a GPU."""
         if self.device == "cpu":
-            value.update_inplace(np.ascontiguousarray(array))
-            return value
+            return np.ascontiguousarray(array)
         stage, _ = self.staging(tag, tuple(array.shape), array.dtype.type)
         np.copyto(stage, array)
-        value.update_inplace(stage)
-        return value
+        return stage
+
+    def upload_steps(self, tag: str, table: np.ndarray) -> list[ort.OrtValue]:
+        """One device tensor per row of ``table`` (per-step scalars: timestep, coefficients, scale), all copied at
+        once before the loop, so the steps bind device values instead of copying host arrays every step. Reused
+        per (tag, shape, dtype) like ``buffer``; the rows go up from one (pinned, on a GPU) staging copy."""
+        key = (tag, tuple(table.shape), np.dtype(table.dtype).name)
+        values = self._tables.get(key)
+        if values is None:
+            values = [ort.OrtValue.ortvalue_from_shape_and_type(list(table.shape[1:]), table.dtype.type, self.device,
+                                                                self.device_id) for _ in range(len(table))]
+            self._tables[key] = values
+            while len(self._tables) > MAX_CACHED:
+                self._tables.popitem(last=False)
+        self._tables.move_to_end(key)
+        source = self._host_source(tag, table)
+        for row, value in enumerate(values):
+            value.update_inplace(source[row, ...])
+        self.note_host_read(tag, source)
+        return values
+
+    def note_host_read(self, tag: str, array: np.ndarray) -> None:
+        """Record that a copy to the device read ``array`` (a host feed bound with bind_cpu_input counts too)."""
+        self.host_reads.append(HostRead(tag, int(array.ctypes.data), int(array.nbytes)))
 
     def close(self) -> None:
         self._buffers.clear()
+        self._tables.clear()
         self._staging.clear()
         if self._host is not None:
             self._host.close()
+
+
+# What a failed load of a prebuilt EP-context model said, classified. Only the artifact's own faults are exit 23;
+# the node's (memory, driver, libraries) are the GPU path's (exit 20), whatever model was being loaded.
+ARTIFACT_MARKERS = (
+    "deserialize",  # onnx_ctx_model_helper.cc GetEpContextFromGraph "could not deserialize engine" (another
+    # TensorRT or GPU, a damaged file); TensorRT's own "deserializeCudaEngine: Error Code 1: Serialization" too
+    "can't find engine cache",  # ... the engine file ep_cache_context names is not beside the context model
+    "ep_cache_context attribute",  # ... an absolute path, or one with '..', in ep_cache_context
+    "not a valid EP Context node",  # ... ValidateEPCtxNode
+    "Blob not found",  # OpenVINO plugin EP (plugin/ov_bin_manager.cc): the blob is another graph's or missing
+    "INVALID_GRAPH")  # ORT's status for a graph the EP refuses to take from its context model (ov_compute.cc)
+LOAD_FAILURES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("a provider library is missing", ("Failed to load library", "cannot open shared object file",
+                                       "Please install TensorRT libraries")),
+    ("the NVIDIA driver refused", ("CUDA driver version is insufficient", "CUDA failure 35",
+                                   "no CUDA-capable device", "CUDA failure 100")),
+    ("the GPU is out of memory", ("out of memory", "cudaErrorMemoryAllocation", "CUDA failure 2:",
+                                  "Failed to allocate", "bad_alloc")),
+)
+
+
+def classify_load_failure(text: str) -> str:
+    """Why a prebuilt EP-context model did not load: "artifact mismatch" only for ORT's messages about the
+    artifact itself; the node's faults first (a missing library or OOM can surface while loading any engine)."""
+    lowered = text.lower()
+    for reason, markers in LOAD_FAILURES:
+        if any(m.lower() in lowered for m in markers):
+            return reason
+    if any(m.lower() in lowered for m in ARTIFACT_MARKERS):
+        return "artifact mismatch"
+    return "unclassified"
+
+
+def prebuilt_load_error(name: str, providers: list[str], model: Path, text: str) -> ArtifactError | GpuUnavailableError:
+    """ArtifactError (exit 23) for an artifact mismatch; GpuUnavailableError (exit 20) naming the node's fault (or
+    "not classified as an artifact mismatch") otherwise."""
+    reason, detail = classify_load_failure(text), " ".join(text.split())[:400]
+    if reason == "artifact mismatch":
+        return ArtifactError(f"artifact mismatch: {name}: {providers} cannot load the prebuilt EP-context model "
+                             f"{model}: {detail}; rebuild it with `sdserve engines build` on the deployed versions")
+    if reason == "unclassified":
+        reason = "the failure is not one ORT reports for a mismatched artifact"
+    return GpuUnavailableError(f"{name}: {providers} cannot load the prebuilt EP-context model {model}: {reason}: "
+                               f"{detail}")
 
 
 def enforce(report: SessionReport, settings: RuntimeSettings) -> None:

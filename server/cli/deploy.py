@@ -40,6 +40,18 @@ def _affinity(matrix: Matrix) -> dict[str, Any]:
         ]}]}}}
 
 
+PROVENANCE_SECRET = "sdserve-provenance"
+PROVENANCE_DIR = "/run/secrets/sdserve-provenance"
+PROVENANCE_ENV = [
+    {"name": "SDSERVE_PROVENANCE_KEY_FILE", "value": f"{PROVENANCE_DIR}/signer.key"},
+    {"name": "SDSERVE_PROVENANCE_CHAIN_FILE", "value": f"{PROVENANCE_DIR}/chain.pem"},
+    {"name": "SDSERVE_PROVENANCE_MODE", "valueFrom": {"secretKeyRef": {"name": PROVENANCE_SECRET, "key": "mode",
+                                                                       "optional": True}}}]
+"""C2PA signing (docs/provenance.md): the optional Secret ``sdserve-provenance`` holds the operator's key
+(``signer.key``), chain (``chain.pem``) and ``mode`` (``require``: fail closed). Without it the profile's mode
+applies (off)."""
+
+
 def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
     return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "timeoutSeconds": 3,
             "failureThreshold": failures}
@@ -53,14 +65,15 @@ def deployment(settings: Settings, matrix: Matrix, image: str, color: str, start
         "args": ["--profile", settings.profile, "--model", "/models/model", "--port", str(PORT)],
         "ports": [{"name": "http", "containerPort": PORT}],
         "env": [{"name": "SDSERVE_API_KEYS_SHA256", "valueFrom": {"secretKeyRef": {
-            "name": "sdserve-api-keys", "key": "sha256", "optional": True}}}],
+            "name": "sdserve-api-keys", "key": "sha256", "optional": True}}}, *PROVENANCE_ENV],
         "startupProbe": startup, "readinessProbe": _probe("/ready", 5, 1), "livenessProbe": _probe("/health", 10, 3),
         "resources": {"requests": {"cpu": "4", "memory": "24Gi", "nvidia.com/gpu": "1"},
                       "limits": {"memory": "32Gi", "nvidia.com/gpu": "1"}},
         "securityContext": {"runAsNonRoot": True, "runAsUser": UID, "allowPrivilegeEscalation": False,
                             "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}},
         "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True},
-                         {"name": "tmp", "mountPath": "/tmp"}],
+                         {"name": "tmp", "mountPath": "/tmp"},
+                         {"name": "provenance", "mountPath": PROVENANCE_DIR, "readOnly": True}],
     }
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
@@ -81,7 +94,9 @@ def deployment(settings: Settings, matrix: Matrix, image: str, color: str, start
                     "containers": [container],
                     "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "sdserve-models",
                                                                             "readOnly": True}},
-                                {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}]}}}}
+                                {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+                                {"name": "provenance", "secret": {"secretName": PROVENANCE_SECRET, "optional": True,
+                                                                  "defaultMode": 0o440}}]}}}}
 
 
 DEV_IMAGE = "sdserve:0.1.0-notrt"

@@ -9,6 +9,9 @@ from typing import Any
 
 from server.cli.common import DEFAULT_MODEL, add_boot_args, boot_config
 
+DIT_FAMILIES = ("flux", "flux-schnell", "sd3", "sd35")
+"""The flow-matching DiT tiny models (engines/build/dit.py); kept here so the parser imports no engine code."""
+
 log = logging.getLogger("sdserve")
 
 
@@ -19,9 +22,10 @@ def register(sub: Any) -> None:
     tiny.add_argument("--out", type=Path, default=DEFAULT_MODEL)
     tiny.add_argument("--bpe", type=Path, default=None, help="open-clip-torch wheel or its bpe .txt.gz")
     tiny.add_argument("--diffusers-out", type=Path, default=None, help="also save the torch weights here")
-    tiny.add_argument("--family", choices=("sd1", "sd2", "sdxl", "turbo", "inpaint"), default="sd1",
-                      help="which family's structure to build in miniature (default sd1, the embedded model)")
-    export = engines.add_parser("export", help="export a local diffusers SD 1.x/2.x folder to ONNX")
+    tiny.add_argument("--family", choices=("sd1", "sd2", "sdxl", "turbo", "inpaint", *DIT_FAMILIES), default="sd1",
+                      help="which family's structure to build in miniature (default sd1, the embedded model; "
+                           "flux, flux-schnell, sd3, sd35: the flow-matching DiT families)")
+    export = engines.add_parser("export", help="export a local diffusers SD 1.x/2.x/XL, Flux.1 or SD 3 folder to ONNX")
     export.add_argument("--from", dest="src", type=Path, required=True)
     export.add_argument("--out", type=Path, required=True)
     opt = engines.add_parser("optimize", help="ORT transformer-optimizer fusions (+ fp16) into a new folder")
@@ -70,10 +74,18 @@ def check_diffusers_folder(src: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    if args.engines_cmd == "tiny":
+    if args.engines_cmd == "tiny" and args.family in DIT_FAMILIES:
+        from engines.build.dit import build_tiny_dit
+
+        out = build_tiny_dit(args.family, args.out, args.bpe, args.diffusers_out)
+    elif args.engines_cmd == "tiny":
         from engines.build.tiny import build_tiny
 
         out = build_tiny(args.out, args.bpe, args.diffusers_out, args.family)
+    elif args.engines_cmd == "export" and _dit_source(args.src):
+        from engines.build.dit_export import export_dit_folder
+
+        out = export_dit_folder(args.src, args.out)
     elif args.engines_cmd == "export":
         from engines.build.export import export_folder
 
@@ -99,6 +111,13 @@ def run(args: argparse.Namespace) -> int:
         return _build_engines(args)
     log.info("model written to %s (manifest.json lists every file's sha256 and size)", out)
     return 0
+
+
+def _dit_source(src: Path) -> bool:
+    """Whether ``--from`` names a Flux/SD 3 pipeline (served or refused by name), from its model_index.json."""
+    from engines.build.dit_export import is_dit_source
+
+    return is_dit_source(src)
 
 
 def _native_size(model: Path) -> int:

@@ -9,12 +9,12 @@ import os
 import sys
 
 from engines.errors import SdserveError
-from server.cli import accept, bench, deploy, doctor, engines, gate, generate, selftest, serve
+from server.cli import accept, bench, deploy, doctor, engines, gate, generate, selftest, serve, verify
 from server.exitcodes import ExitCode, exit_code_for
 from server.middleware import escape_controls
 
 log = logging.getLogger("sdserve")
-COMMANDS = (serve, doctor, selftest, generate, engines, bench, gate, deploy, accept)
+COMMANDS = (serve, doctor, selftest, generate, engines, bench, gate, deploy, accept, verify)
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 

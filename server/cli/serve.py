@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
 
-from engines.errors import ModelLoadError
+from pydantic import ValidationError
+
+from engines.errors import ConfigError, ModelLoadError
 from server.cli.common import add_boot_args, boot_config
+from server.settings import ServerSettings, Settings
 
 log = logging.getLogger("sdserve")
 
@@ -18,7 +22,28 @@ def register(sub: Any) -> None:
     add_boot_args(p)
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None, help="0 picks a free port and logs it")
+    p.add_argument("--cors-allow-origins", default=None, metavar="ORIGINS",
+                   help="browser origins allowed, comma-separated without spaces (A1111's flag); replaces [server] "
+                   "cors_origins")
+    p.add_argument("--cors-allow-origins-regex", default=None, metavar="REGEX",
+                   help="browser origins allowed, one regular expression matching the whole origin (A1111's flag); "
+                   "replaces [server] cors_origin_regex")
     p.set_defaults(run=run)
+
+
+def with_cors(settings: Settings, origins: str | None, regex: str | None) -> Settings:
+    """The profile with A1111's CORS flags applied, validated again (ConfigError, exit 10, names the flag)."""
+    if origins is None and regex is None:
+        return settings
+    server = settings.server.model_dump()
+    if origins is not None:
+        server["cors_origins"] = tuple(o for o in origins.split(",") if o)
+    if regex is not None:
+        server["cors_origin_regex"] = regex
+    try:
+        return settings.model_copy(update={"server": ServerSettings.model_validate(server)})
+    except ValidationError as exc:
+        raise ConfigError(f"--cors-allow-origins / --cors-allow-origins-regex: {exc.errors()[0]['msg']}") from None
 
 
 def check_model_folder(model: Path) -> None:
@@ -36,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
 
     check_model_folder(args.model)
     boot = boot_config(args)
+    boot = dataclasses.replace(boot, settings=with_cors(boot.settings, args.cors_allow_origins,
+                                                         args.cors_allow_origins_regex))
     settings = boot.settings
     if settings.runtime.allow_cpu:
         log.warning("profile %s allows the CPU: this server is NOT accelerated (accelerated: false)",

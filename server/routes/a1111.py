@@ -8,15 +8,21 @@ import secrets
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from engines.errors import InvalidRequestError
-from engines.protocol import ModelInfo
+from engines.protocol import Batch, ModelInfo
+from server.a1111_lax import lax_extra, lax_number, number_type
 from server.a1111_options import OptionsStore
+from server.hires import HiresPlan, make_plan, run_hires
+from server.images import embed_infotext
 from server.middleware import api_key_id
+from server.provenance_stage import stamp_a1111
+from server.request_rules import resolve_size
 from server.routes.a1111_infotext import generation_info
 from server.schemas import ImageGenerationRequest, Prompt, Text, error_responses
 from server.service import b64
+from server.settings import Settings
 
 router = APIRouter(prefix="/sdapi/v1", tags=["automatic1111"])
 
@@ -60,9 +66,10 @@ _A1111_SCHEDULES = ("Polyexponential", "KL Optimal", "Align Your Steps", "Simple
 
 
 class Txt2ImgRequest(BaseModel):
-    """The A1111 txt2img fields sdserve honours. Other fields A1111 clients send (denoising_strength, hr_scale, ...)
-    are accepted so those clients work, and named in the response (``info.warnings`` and the
-    ``x-sdserve-ignored-fields`` header), never silently ignored; features that would change the image are refused."""
+    """The A1111 txt2img fields sdserve honours. Other fields A1111 clients send (save_images, hr fields with
+    enable_hr off, ...) are accepted so those clients work, and named in the response (``info.warnings`` and the
+    ``x-sdserve-ignored-fields`` header), never silently ignored; features that would change the image are refused.
+    Numbers sent as strings are read as A1111's lax pydantic models read them (server/a1111_lax.py)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -80,16 +87,31 @@ class Txt2ImgRequest(BaseModel):
     sampler_index: str | None = Field(None, description="legacy alias of sampler_name")
     scheduler: str | None = Field(None, description="A1111 schedule type: Automatic (the sampler's A1111 default), "
                                   "Uniform, Karras, Exponential or SGM Uniform; DDIM and PLMS take Automatic only")
-    # Features sdserve does not implement: accepted only when off, refused (422) rather than silently ignored.
+    # Hires fix (A1111's StableDiffusionProcessingTxt2Img fields and defaults; server/hires.py runs it).
     enable_hr: bool = False
+    denoising_strength: float | None = Field(None, ge=0, le=1, description="Hires fix's second pass (A1111's "
+                                             "default 0.75); without enable_hr it is named as ignored")
+    hr_scale: float = Field(2.0, gt=0, le=8)
+    hr_upscaler: str | None = Field(None, description="GET /sdapi/v1/upscalers; A1111's default is Latent")
+    hr_second_pass_steps: int = Field(0, ge=0, le=200, description="0: the first pass's steps")
+    hr_resize_x: int = Field(0, ge=0, le=4096)
+    hr_resize_y: int = Field(0, ge=0, le=4096)
+    # Features sdserve does not implement: accepted only when off, refused (422) rather than silently ignored.
     restore_faces: bool = False
     tiling: bool = False
     script_name: str | None = None
     alwayson_scripts: dict[str, Any] = Field(default_factory=dict)
-    styles: list[str] = Field(default_factory=list, description="sdserve has no styles: any style is a 422")
+    styles: list[str] = Field(default_factory=list, description="sdserve has no styles: a style is a 422; "
+                              "\"None\" and \"\" (a UI's no-style choice) are named as ignored")
     override_settings: dict[str, Any] = Field(default_factory=dict, description="only what sdserve already does "
                                               "(e.g. sd_model_checkpoint naming the served model); else 422")
     override_settings_restore_afterwards: bool = True
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _lax_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        field = cls.model_fields.get(info.field_name or "")
+        return lax_number(number_type(field.annotation) if field else None, value)
 
     def refuse_unsupported(self) -> None:
         """Rule 1 (server/request_rules.py): a feature whose ignoring would return an image the client did not ask
@@ -97,24 +119,48 @@ class Txt2ImgRequest(BaseModel):
         for name, why in REFUSED.items():
             if getattr(self, name):
                 raise InvalidRequestError(f"{name} is not supported by sdserve: {why}", param=name)
-        if self.styles:
-            raise InvalidRequestError(f"unknown style {self.styles[0][:64]!r}: sdserve has no styles "
+        real = [s for s in self.styles if s not in NO_STYLE]
+        if real:
+            raise InvalidRequestError(f"unknown style {real[0][:64]!r}: sdserve has no styles "
                                       "(GET /sdapi/v1/prompt-styles lists none)", param="styles")
         for name, neutral in NEUTRAL.items():
-            value = (self.model_extra or {}).get(name)
+            value = lax_extra((self.model_extra or {}).get(name))
             if value is not None and (type(value) is bool or value not in neutral):
                 raise InvalidRequestError(f"{name} {value!r} is not supported by sdserve (only {neutral[0]!r}): "
                                           "ignoring it would change the image", param=name)
 
+    def ignored(self) -> dict[str, str]:
+        """The fields accepted without being honoured, each with why (rule 2)."""
+        found = dict.fromkeys(self.model_extra or {}, "not used by sdserve")
+        if self.styles:
+            found["styles"] = f"{self.styles[:4]!r} is the no-style choice"
+        if not self.enable_hr:
+            found |= dict.fromkeys(sorted(HIRES_FIELDS & self.model_fields_set), "enable_hr is off")
+        return found
 
-REFUSED = {"enable_hr": "no hires fix (the image would come back at the first-pass size)",
-           "restore_faces": "no face restoration model", "tiling": "no seamless tiling (the image would not tile)",
+
+REFUSED = {"restore_faces": "no face restoration model", "tiling": "no seamless tiling (the image would not tile)",
            "script_name": "no scripts", "alwayson_scripts": "no extensions"}
 """Features sdserve does not implement, refused when on, and why."""
+NO_STYLE = ("None", "")
+"""Style entries that mean no style: a UI's "None" choice, an empty entry."""
+HIRES_FIELDS = frozenset({"denoising_strength", "hr_scale", "hr_upscaler", "hr_second_pass_steps", "hr_resize_x",
+                          "hr_resize_y"})
+"""The Hires fix settings, named as ignored when enable_hr is off (A1111 ignores them then)."""
 NEUTRAL: dict[str, tuple[object, ...]] = {"subseed_strength": (0, 0.0), "clip_skip": (1, 0),
                                           "seed_resize_from_w": (-1, 0), "seed_resize_from_h": (-1, 0)}
 """Undeclared A1111 fields accepted (and named as ignored) only at values that leave the image as sdserve makes
 it: webuiapi's and SillyTavern's defaults."""
+
+
+def ignored_headers(response: Response, ignored: dict[str, str]) -> list[str]:
+    """``x-sdserve-ignored-fields`` (printable ASCII names; the info JSON has every name) and the warning line."""
+    if not ignored:
+        return []
+    names = sorted(ignored)
+    response.headers["x-sdserve-ignored-fields"] = ",".join(
+        n if n.isascii() and n.isprintable() else "?" for n in names)[:1000]
+    return [f"ignored A1111 fields: {', '.join(names)}"]
 
 
 class Txt2ImgResponse(BaseModel):
@@ -202,7 +248,8 @@ def _check(req: Txt2ImgRequest, request: Request) -> None:
 @router.post("/txt2img", response_model=Txt2ImgResponse,
              responses=error_responses(400, 401, 413, 422, 429, 500, 503, 504, validation=True))
 async def txt2img(req: Txt2ImgRequest, request: Request, response: Response) -> Txt2ImgResponse:
-    """batch_size images per iteration, n_iter iterations; image i uses seed + i."""
+    """batch_size images per iteration, n_iter iterations; image i uses seed + i. With enable_hr, Hires fix
+    (server/hires.py): the images come back at the target size, ``info`` names the first pass's size."""
     service = request.app.state.service
     service.require_ready()
     _check(req, request)
@@ -211,26 +258,72 @@ async def txt2img(req: Txt2ImgRequest, request: Request, response: Response) -> 
     seed = req.seed if req.seed >= 0 else secrets.randbelow(2**32 - 1024)
     batches = [service.to_batch(_openai_request(req, seed + i * req.batch_size, scheduler))
                for i in range(req.n_iter)]
+    info_model = request.app.state.engine.info
+    plan = _hires_plan(req, batches[0], info_model, request.app.state.settings) if req.enable_hr else None
     timeout = request.headers.get("x-sdserve-timeout-s")
     owner = api_key_id(request.scope)
-    outs = await service.run_all(batches, timeout, request.is_disconnected, owner)  # n_iter: one after another
+    if plan is not None:
+        outs = await run_hires(service, batches, plan, timeout, request.is_disconnected, owner)
+    else:
+        outs = await service.run_all(batches, timeout, request.is_disconnected, owner)  # n_iter: in turn
     outs[-1].trace_headers(response)
-    ignored = sorted(req.model_extra or {})
-    warnings = outs[0].warnings + notes + ([f"ignored A1111 fields: {', '.join(ignored)}"] if ignored else [])
-    if ignored:  # a header carries printable ASCII only; the info JSON has every name
-        response.headers["x-sdserve-ignored-fields"] = ",".join(
-            n if n.isascii() and n.isprintable() else "?" for n in ignored)[:1000]
+    warnings = outs[0].warnings + notes + ignored_headers(response, req.ignored())
     if notes:
         response.headers["x-sdserve-warnings"] = "; ".join(warnings)
     interrupted = any(out.result.interrupted for out in outs)
     steps_done = min(out.result.steps_done or batches[0].steps for out in outs)
-    info = generation_info(req.prompt, req.negative_prompt, batches, outs, request.app.state.engine.info,
-                           sampler_label(batches[0].scheduler), {"warnings": warnings, "interrupted": interrupted,
-                                                                 "steps_done": steps_done})
+    extra = {"warnings": warnings, "interrupted": interrupted, "steps_done": steps_done}
+    if plan is not None:  # "hires": sdserve's key, the size the second pass made (absent when it was skipped)
+        second = outs[0].result.images[0].image.size == plan.size  # an interrupted first pass skips the second
+        extra |= {"denoising_strength": plan.denoising_strength} | ({"hires": plan.size} if second else {})
+    info = generation_info(req.prompt, req.negative_prompt, batches, outs, info_model,
+                           sampler_label(batches[0].scheduler), extra, plan.infotext if plan else None)
     if interrupted:
         response.headers["x-sdserve-interrupted"] = f"{steps_done}/{batches[0].steps}"
-    return Txt2ImgResponse(images=[b64(p) for out in outs for p in out.pngs],
-                           parameters=req.model_dump(exclude=set(ignored)), info=json.dumps(info))
+    pngs = with_infotexts([p for out in outs for p in out.pngs], info["infotexts"], request.app.state.settings)
+    pngs = await stamp_a1111(request, response, outs, batches, pngs)  # provenance: last, it signs the final bytes
+    return Txt2ImgResponse(images=[b64(p) for p in pngs],
+                           parameters=req.model_dump(exclude=set(req.ignored()) - {"styles"}), info=json.dumps(info))
+
+
+def _hires_plan(req: Txt2ImgRequest, first: Batch, info: ModelInfo, settings: Settings) -> HiresPlan:
+    """The Hires fix plan; its target must be a size this server serves (422 naming the field that set it)."""
+    _same_second_pass(req, first)
+    plan = make_plan(first, info, scale=req.hr_scale, resize=(req.hr_resize_x, req.hr_resize_y),
+                     upscaler=req.hr_upscaler, steps=req.hr_second_pass_steps,
+                     denoising_strength=req.denoising_strength)
+    if plan.steps > settings.limits.max_steps:
+        raise InvalidRequestError(f"hr_second_pass_steps must be at most {settings.limits.max_steps} (this server's "
+                                  f"limits.max_steps), got {plan.steps}", param="hr_second_pass_steps")
+    try:
+        resolve_size("{}x{}".format(*plan.size), settings, info)
+    except InvalidRequestError as exc:
+        field = "hr_resize_x" if req.hr_resize_x or req.hr_resize_y else "hr_scale"
+        raise InvalidRequestError(f"Hires fix target: {exc.message}", param=field) from None
+    return plan
+
+
+def _same_second_pass(req: Txt2ImgRequest, first: Batch) -> None:
+    """A1111's hr_prompt, hr_negative_prompt, hr_sampler_name and hr_checkpoint_name change the second pass; sdserve
+    runs it with the first pass's, so they are accepted (and named as ignored) only when they say the same."""
+    extra = req.model_extra or {}
+    same: dict[str, tuple[object, ...]] = {
+        "hr_prompt": ("", req.prompt), "hr_negative_prompt": ("", req.negative_prompt),
+        "hr_sampler_name": ("", "Use same sampler", sampler_label(first.scheduler)),
+        "hr_scheduler": ("", "Use same scheduler"), "hr_checkpoint_name": ("", "Use same checkpoint")}
+    for name, allowed in same.items():
+        value = extra.get(name)
+        if value is not None and value not in allowed:
+            raise InvalidRequestError(f"{name} {str(value)[:64]!r} is not supported by sdserve: its Hires fix second "
+                                      f"pass uses the first pass's settings (send {allowed[0]!r} or leave it out)",
+                                      param=name)
+
+
+def with_infotexts(images: list[bytes], texts: list[str], settings: Settings) -> list[bytes]:
+    """Each image with its infotext embedded (server/images.py), unless the profile's ``[api] infotext`` is off."""
+    if not settings.api.infotext:
+        return images
+    return [embed_infotext(data, text) for data, text in zip(images, texts, strict=True)]
 
 
 @router.get("/samplers")

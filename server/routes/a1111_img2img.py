@@ -4,12 +4,14 @@
 ``denoising_strength``, ``mask`` (white repaints; an RGBA mask with transparency: its opaque pixels repaint, as
 A1111's create_binary_mask), ``resize_mode`` 0 just resize / 1 crop and resize / 2 resize and fill (3, latent
 upscale, is refused), ``mask_blur`` (a Gaussian blur of the mask), ``inpainting_mask_invert``, ``inpainting_fill``
-0 fill / 1 original (2 latent noise and 3 latent nothing are refused), ``inpaint_full_res`` + padding ("only
-masked": the mask's region, padded and grown to the output's aspect, is inpainted at the output size and pasted
-back into the whole image, which keeps its size), ``include_init_images``. ``image_cfg_scale`` is an
-instruct-pix2pix setting: its A1111 default (1.5, unused by A1111 for other models) is accepted, any other value
-refused. Progress and interrupt work as for txt2img (same queue and batcher). Errors are 422 like the other A1111
-routes.
+0 fill / 1 original / 2 latent noise / 3 latent nothing (the masked init latents start from the image's seeded
+noise or from zeros, as A1111's StableDiffusionProcessingImg2Img.init; what openOutpaint's outpainting sends),
+``inpaint_full_res`` + padding ("only masked": the mask's region, padded and grown to the output's aspect, is
+inpainted at the output size and pasted back into the whole image, which keeps its size),
+``include_init_images``. ``image_cfg_scale`` is an instruct-pix2pix setting A1111 ignores for every other model:
+any value is accepted and named as ignored (x-sdserve-ignored-fields), as are the Hires fix fields (A1111's img2img
+has none). Each PNG carries its infotext (server/images.py). Progress and interrupt work as for txt2img (same
+queue and batcher). Errors are 422 like the other A1111 routes.
 """
 
 from __future__ import annotations
@@ -26,17 +28,30 @@ from pydantic import Field
 from starlette.concurrency import run_in_threadpool
 
 from engines.errors import InvalidRequestError
+from engines.protocol import LatentFill, ModelInfo
 from server.a1111_options import OptionsStore
 from server.edits import EditInput, edit_batch, require_edits
-from server.images_in import blur_mask, fill_masked, from_base64, resize
+from server.images_in import blur_mask, check_pixel_budget, fill_masked, from_base64, resize
 from server.middleware import api_key_id
-from server.routes.a1111 import Txt2ImgRequest, Txt2ImgResponse, resolve_sampler, sampler_label
+from server.provenance_stage import stamp_a1111
+from server.routes.a1111 import (
+    HIRES_FIELDS,
+    Txt2ImgRequest,
+    Txt2ImgResponse,
+    ignored_headers,
+    resolve_sampler,
+    sampler_label,
+    with_infotexts,
+)
+from server.routes.a1111_infotext import image_params, infotext
 from server.schemas import ImageGenerationRequest, Text, error_responses
 from server.service import b64, encode_png
 
 router = APIRouter(prefix="/sdapi/v1", tags=["automatic1111"])
-IMAGE_CFG_DEFAULT = 1.5
-"""A1111's image_cfg_scale default (instruct-pix2pix only): webuiapi always sends it."""
+FILLS: dict[int, tuple[LatentFill, str]] = {0: ("original", "fill"), 1: ("original", "original"),
+                                            2: ("noise", "latent noise"), 3: ("nothing", "latent nothing")}
+"""inpainting_fill -> (what the masked init latents start from, A1111's "Masked content" infotext label); 0 also
+fills the masked pixels before encoding (server/images_in.py fill_masked)."""
 
 
 class Img2ImgRequest(Txt2ImgRequest):
@@ -60,16 +75,19 @@ class Img2ImgRequest(Txt2ImgRequest):
         if self.resize_mode == 3:
             raise InvalidRequestError("resize_mode 3 (just resize, latent upscale) is not supported: use 0, 1 or 2",
                                       param="resize_mode")
-        if self.mask is not None and self.inpainting_fill in (2, 3):
-            raise InvalidRequestError(f"inpainting_fill {self.inpainting_fill} (latent "
-                                      f"{'noise' if self.inpainting_fill == 2 else 'nothing'}) is not supported: use "
-                                      "0 (fill) or 1 (original)", param="inpainting_fill")
-        if self.image_cfg_scale not in (None, IMAGE_CFG_DEFAULT):
-            raise InvalidRequestError("image_cfg_scale applies to instruct-pix2pix models, which sdserve does not "
-                                      "serve", param="image_cfg_scale")
         if self.initial_noise_multiplier not in (None, 1.0):
             raise InvalidRequestError("initial_noise_multiplier other than 1 is not supported",
                                       param="initial_noise_multiplier")
+
+    def ignored(self) -> dict[str, str]:
+        found = dict.fromkeys(self.model_extra or {}, "not used by sdserve")
+        if self.styles:
+            found["styles"] = f"{self.styles[:4]!r} is the no-style choice"
+        found |= dict.fromkeys(sorted((HIRES_FIELDS - {"denoising_strength"} | {"enable_hr"}) & self.model_fields_set),
+                               "A1111's img2img has no Hires fix")
+        if self.image_cfg_scale is not None:
+            found["image_cfg_scale"] = "applies to instruct-pix2pix models only (A1111 ignores it for others)"
+        return found
 
 
 def _a1111_mask(image: Image.Image, invert: int, blur: int) -> Image.Image:
@@ -117,7 +135,7 @@ def _decode(req: Img2ImgRequest, limit: int) -> tuple[list[Image.Image], Image.I
     mask = _a1111_mask(from_base64(req.mask, "mask", limit), req.inpainting_mask_invert, req.mask_blur)
     if mask.size != images[0].size:  # A1111 resizes the mask like the image
         mask = mask.resize(images[0].size, Image.Resampling.LANCZOS)
-    if req.inpainting_fill == 0:
+    if req.inpainting_fill == 0:  # fill: the masked pixels painted over before encoding (2 and 3 act on latents)
         images = [fill_masked(im, resize(mask, *im.size, 0)) for im in images]
     return images, mask
 
@@ -155,46 +173,65 @@ async def img2img(req: Img2ImgRequest, request: Request, response: Response) -> 
     for name, value in (("batch_size", req.batch_size), ("n_iter", req.n_iter)):
         if value > settings.limits.max_n:
             raise InvalidRequestError(f"{name} must be at most {settings.limits.max_n}, got {value}", param=name)
-    images, mask = await run_in_threadpool(_decode, req, settings.limits.max_image_pixels)
     if (req.width is None) != (req.height is None):
         raise InvalidRequestError("give both width and height, or neither", param="width")
     seed = req.seed if req.seed >= 0 else secrets.randbelow(2**32 - 1024)
     batches = [service.to_batch(_openai_request(req, seed + i * req.batch_size)) for i in range(req.n_iter)]
+    uploads = [*((f"init_images.{i}", t) for i, t in enumerate(req.init_images)), ("mask", req.mask)]
+    await run_in_threadpool(check_pixel_budget, uploads, settings.limits.max_image_pixels,
+                            settings.limits.max_request_pixels)  # headers only, before any pixel is decoded
+    images, mask = await run_in_threadpool(_decode, req, settings.limits.max_image_pixels)
     first = batches[0]
     box = crop_region(mask, req.inpaint_full_res_padding, first.width, first.height) \
         if mask is not None and req.inpaint_full_res else None
     crops = [im.crop(box) for im in images] if box else images
     edit = EditInput(tuple(crops), mask.crop(box) if box and mask else mask, req.denoising_strength,
-                     2 if box else req.resize_mode, overlay=True)  # type: ignore[arg-type]
+                     2 if box else req.resize_mode, overlay=True,  # type: ignore[arg-type]
+                     fill=FILLS[req.inpainting_fill][0])
     batches = [edit_batch(b, edit, info, req.denoising_strength) for b in batches]
     outs = await asyncio.gather(*(service.run(b, request.headers.get("x-sdserve-timeout-s"),
                                               request.is_disconnected, api_key_id(request.scope)) for b in batches))
     outs[-1].trace_headers(response)
     response.headers["x-sdserve-mode"] = batches[0].mode
+    warnings = outs[0].warnings + ignored_headers(response, req.ignored())
     pngs = [p for out in outs for p in out.pngs]
     if box is not None and mask is not None:
         pngs = [await run_in_threadpool(_paste_full_res, p, images[k % len(images)], mask, box)
                 for k, p in enumerate(pngs)]
     request.app.state.metrics.images_by_mode.labels(request.url.path, batches[0].mode).inc(len(pngs))
-    return Txt2ImgResponse(images=[b64(p) for p in pngs], parameters=_parameters(req),
-                           info=json.dumps(_info(req, batches, outs, info.name)))
+    body = _info(req, batches, outs, info, warnings)
+    pngs = with_infotexts(pngs, body["infotexts"], settings)
+    pngs = await stamp_a1111(request, response, list(outs), batches, pngs)  # provenance: last, signs final bytes
+    return Txt2ImgResponse(images=[b64(p) for p in pngs], parameters=_parameters(req), info=json.dumps(body))
 
 
 def _parameters(req: Img2ImgRequest) -> dict[str, Any]:
     """The request echoed as A1111 does: without the images unless include_init_images."""
-    ignored = set(req.model_extra or {})
+    ignored = set(req.ignored()) - {"styles", "image_cfg_scale"}
     drop = ignored | (set() if req.include_init_images else {"init_images", "mask"})
     return req.model_dump(exclude=drop)
 
 
-def _info(req: Img2ImgRequest, batches: list[Any], outs: list[Any], model: str) -> dict[str, Any]:
+def _info(req: Img2ImgRequest, batches: list[Any], outs: list[Any], model: ModelInfo,
+          warnings: list[str]) -> dict[str, Any]:
     first = batches[0]
     seeds = [g.seed for out in outs for g in out.result.images]
-    ignored = sorted(req.model_extra or {})
-    warnings = outs[0].warnings + ([f"ignored A1111 fields: {', '.join(ignored)}"] if ignored else [])
+    sampler = sampler_label(first.scheduler)
+    texts = [infotext(req.prompt, req.negative_prompt, image_params(first, seed, model, sampler, _extra(req)))
+             for seed in seeds]
     return {"prompt": req.prompt, "negative_prompt": req.negative_prompt, "seed": seeds[0], "all_seeds": seeds,
             "all_prompts": [req.prompt] * len(seeds), "width": first.width, "height": first.height,
-            "sampler_name": sampler_label(first.scheduler), "cfg_scale": first.images[0].guidance_scale,
+            "sampler_name": sampler, "cfg_scale": first.images[0].guidance_scale,
             "steps": first.steps, "denoising_strength": first.strength, "batch_size": req.batch_size,
-            "n_iter": req.n_iter, "sd_model_name": model, "mode": first.mode, "warnings": warnings,
-            "interrupted": any(out.result.interrupted for out in outs)}
+            "n_iter": req.n_iter, "sd_model_name": model.name, "mode": first.mode, "warnings": warnings,
+            "infotexts": texts, "interrupted": any(out.result.interrupted for out in outs)}
+
+
+def _extra(req: Img2ImgRequest) -> dict[str, Any]:
+    """img2img's infotext parameters (create_infotext's Denoising strength; the inpainting ones with a mask)."""
+    extra: dict[str, Any] = {"Denoising strength": f"{req.denoising_strength:g}"}
+    if req.mask is not None:
+        extra |= {"Mask blur": req.mask_blur, "Masked content": FILLS[req.inpainting_fill][1]}
+        if req.inpaint_full_res:
+            extra |= {"Inpaint area": "Only masked", "Masked area padding": req.inpaint_full_res_padding}
+    return extra

@@ -8,9 +8,10 @@ PromptStyleItem, EmbeddingsResponse, MemoryResponse, ScriptInfo, ExtensionItem),
 ``modules/shared_state.py``. ``/sdapi/v1/loras`` is A1111's built-in Lora extension's route and
 ``/sdapi/v1/sd-modules`` is Forge's (SillyTavern asks both); they answer empty lists here.
 
-What is listed is what sdserve has: no upscalers but A1111's "None" entry (``modules/upscaler.py`` UpscalerNone,
-which SillyTavern expects first), the one "Automatic" schedule (``modules/sd_schedulers.py``), no VAEs, hypernetworks,
-face restorers, styles, embeddings or LoRAs.
+What is listed is what sdserve has: the Hires fix upscalers None, Lanczos and Nearest (``modules/upscaler.py``;
+"None" first, which SillyTavern expects), the schedules it serves (``modules/sd_schedulers.py``), no VAEs,
+hypernetworks, face restorers, styles, embeddings or LoRAs. ``POST /sdapi/v1/png-info`` reads an image's infotext
+back as A1111's ``pnginfoapi`` does.
 
 Progress comes from the engine's step hook (engines.protocol.StepHook): ``sampling_step``/``sampling_steps`` of the
 executing batch, ``progress`` = steps done / steps (at least 0.01 once started, A1111's floor), ``eta_relative`` from
@@ -37,7 +38,11 @@ from starlette.concurrency import run_in_threadpool
 
 from server.a1111_options import OptionsStore, model_title
 from server.batcher import Progress
+from server.hires import UPSCALERS, served_latent_modes
+from server.images_in import from_base64
 from server.routes.a1111 import SCHEDULES
+from server.routes.a1111_infotext import parse_infotext, read_infotext
+from server.schemas import error_responses
 
 router = APIRouter(prefix="/sdapi/v1", tags=["automatic1111"])
 
@@ -173,11 +178,40 @@ async def schedulers() -> list[dict[str, Any]]:
 
 @router.get("/upscalers")
 async def upscalers() -> list[dict[str, Any]]:
-    """A1111's "None" upscaler only: sdserve has no upscalers (enable_hr is refused)."""
-    return [{"name": "None", "model_name": None, "model_path": None, "model_url": None, "scale": 4.0}]
+    """The Hires fix upscalers sdserve offers (server/hires.py), as A1111 lists its built-in ones
+    (modules/upscaler.py UpscalerNone, UpscalerLanczos, UpscalerNearest: no model files, scale 4); "None" first,
+    which SillyTavern expects."""
+    return [{"name": name, "model_name": None, "model_path": None, "model_url": None, "scale": 4.0}
+            for name in UPSCALERS]
 
 
 @router.get("/latent-upscale-modes")
+async def latent_upscale_modes() -> list[dict[str, str]]:
+    """A1111's latent upscale modes sdserve serves for Hires fix (server/hires.py; the antialiased ones are not)."""
+    return [{"name": name} for name in served_latent_modes()]
+
+
+class PngInfoRequest(BaseModel):
+    image: str = Field(description="A base64 image (with or without a data: prefix): PNG, JPEG or WebP")
+
+
+class PngInfoResponse(BaseModel):
+    info: str = Field(description="The image's infotext: its PNG parameters text or EXIF UserComment; \"\" if none")
+    items: dict[str, Any] = Field(description="The image's other text items")
+    parameters: dict[str, Any] = Field(description="The infotext parsed as A1111's parse_generation_parameters")
+
+
+@router.post("/png-info", response_model=PngInfoResponse,
+             responses=error_responses(401, 413, 422, 500, validation=True))
+async def png_info(req: PngInfoRequest, request: Request) -> PngInfoResponse:
+    """The generation parameters written into an image (by sdserve or A1111), as A1111's pnginfoapi reads them:
+    decoded under the upload limits (an image that is not one is a 422 naming ``image``)."""
+    limit = request.app.state.settings.limits.max_image_pixels
+    image = await run_in_threadpool(from_base64, req.image.strip(), "image", limit)
+    text, items = read_infotext(image)
+    return PngInfoResponse(info=text, items=items, parameters=parse_infotext(text) if text else {})
+
+
 @router.get("/sd-vae")
 @router.get("/sd-modules")
 @router.get("/hypernetworks")
@@ -188,8 +222,8 @@ async def upscalers() -> list[dict[str, Any]]:
 @router.get("/script-info")
 @router.get("/extensions")
 async def empty_listing() -> list[dict[str, Any]]:
-    """Nothing of this kind exists in sdserve: the served model's own VAE is the only one, and there are no latent
-    upscalers, modules, hypernetworks, face restorers, ESRGAN models, styles, LoRAs, scripts or extensions."""
+    """Nothing of this kind exists in sdserve: the served model's own VAE is the only one, and there are no
+    modules, hypernetworks, face restorers, ESRGAN models, styles, LoRAs, scripts or extensions."""
     return []
 
 

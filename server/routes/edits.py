@@ -24,13 +24,13 @@ from starlette.datastructures import FormData, UploadFile
 
 from engines.errors import InvalidRequestError
 from server.edits import EditInput, edit_batch, require_edits
-from server.images_in import alpha_mask, decode, mask_image
+from server.images_in import alpha_mask, check_pixel_budget, decode, mask_image
 from server.request_rules import FieldNotes, openai_notes
 from server.routes.openai_images import run_and_answer
 from server.schemas import ImageGenerationRequest, ImagesResponse, error_responses
 
 router = APIRouter(tags=["openai"])
-EDIT_PATHS = ("/v1/images/edits", "/v1/images/variations", "/sdapi/v1/img2img")
+EDIT_PATHS = ("/v1/images/edits", "/v1/images/variations", "/sdapi/v1/img2img", "/sdapi/v1/png-info")
 """Routes whose bodies carry images: limits.max_upload_bytes applies to them (server/app.py)."""
 NUMBERS: dict[str, type[int] | type[float]] = {"n": int, "seed": int, "steps": int, "guidance_scale": float,
                                                 "strength": float, "output_compression": int}
@@ -126,14 +126,16 @@ async def edit_images(request: Request, response: Response) -> ImagesResponse:
     strength = fields.pop("strength", None)
     if len(images) != 1 or len(masks) > 1:
         raise InvalidRequestError(f"send one image (got {len(images)}) and at most one mask", param="image")
-    limit = service.settings.limits.max_image_pixels
+    req, limit = _request(fields), service.settings.limits.max_image_pixels  # cheap checks before the decodes
+    await run_in_threadpool(check_pixel_budget, [("image", images[0]), *(("mask", m) for m in masks)], limit,
+                            service.settings.limits.max_request_pixels)
     image = await run_in_threadpool(decode, images[0], "image", limit)
     mask = await run_in_threadpool(decode, masks[0], "mask", limit) if masks else None
     if mask is not None and mask.size != image.size:
         raise InvalidRequestError(f"mask is {mask.width}x{mask.height} but image is {image.width}x{image.height}: "
                                   "they must have the same dimensions", param="mask")
     edit = EditInput((image,), mask_image(mask) if mask is not None else alpha_mask(image), strength)
-    return await _respond(request, response, _request(fields), edit, service.settings.limits.edit_strength, notes)
+    return await _respond(request, response, req, edit, service.settings.limits.edit_strength, notes)
 
 
 @router.post("/v1/images/variations", response_model=ImagesResponse, response_model_exclude_none=True,

@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import HTMLResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from server.schemas import error_responses
 
@@ -21,8 +21,8 @@ router = APIRouter(tags=["observability"])
 @router.get("/metrics", response_class=Response,
             responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}})
 async def metrics(request: Request) -> Response:
-    """Prometheus exposition."""
-    return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    """Prometheus exposition, rendered off the event loop at most once per ``server.metrics_cache_s``."""
+    return Response(await request.app.state.exposition.text(), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/performance", responses=error_responses(401))

@@ -3,18 +3,26 @@ and GET /v1/models (the served model with its family)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request, Response
 
-from engines.protocol import Batch
+from engines.config import parse_size
+from engines.protocol import Batch, ModelInfo
 from server.encoding import ImageFormat, media_type_of
+from server.hires import HiresPlan, make_plan, run_hires
+from server.images import embed_infotext
 from server.links import image_link, link_base
 from server.middleware import api_key_id
-from server.request_rules import FieldNotes, alias_models, openai_notes, response_format
+from server.provenance_stage import stamp
+from server.request_rules import FieldNotes, alias_models, hires_base, openai_notes, response_format
+from server.routes.a1111 import sampler_label
+from server.routes.a1111_infotext import image_params, infotext
 from server.schemas import ImageData, ImageGenerationRequest, ImagesResponse, error_responses
 from server.service import Generated, b64
+from server.settings import Settings
 
 router = APIRouter(tags=["openai"])
 __all__ = ["image_link", "link_base", "router"]
@@ -27,25 +35,43 @@ async def generate_images(req: ImageGenerationRequest, request: Request, respons
     """Generate ``n`` images for ``prompt``; same seed, same request -> byte-identical images."""
     service = request.app.state.service
     service.require_ready()
-    batch = service.to_batch(req)
-    answer, out = await run_and_answer(request, response, req, batch, openai_notes(req))
+    notes = openai_notes(req)
+    plan = None
+    base = hires_base(req.size, service.settings, service.engine.info)
+    if base is not None:  # an OpenAI size on a smaller-trained model, served through Hires fix
+        batch = service.to_batch(req.model_copy(update={"size": f"{base[0]}x{base[1]}"}))
+        plan = make_plan(batch, service.engine.info, resize=parse_size(req.size or ""), upscaler="Lanczos",
+                         denoising_strength=service.settings.limits.edit_strength)
+        notes.warnings.append(f"size {req.size} served through Hires fix ([serving] openai_sizes_hires): a first "
+                              f"pass at {base[0]}x{base[1]}, a Lanczos upscale, then a second pass at {req.size} "
+                              f"at strength {plan.denoising_strength:g}")
+    else:
+        batch = service.to_batch(req)
+    answer, out = await run_and_answer(request, response, req, batch, notes, plan)
     if out.result.interrupted:  # POST /sdapi/v1/interrupt by the same caller: decoded from the latents so far
         response.headers["x-sdserve-interrupted"] = f"{out.result.steps_done}/{batch.steps}"
     return answer
 
 
 async def run_and_answer(request: Request, response: Response, req: ImageGenerationRequest, batch: Batch,
-                         notes: FieldNotes) -> tuple[ImagesResponse, Generated]:
+                         notes: FieldNotes, hires: HiresPlan | None = None) -> tuple[ImagesResponse, Generated]:
     """Run ``batch`` for an OpenAI images route (generations, edits, variations) and answer as OpenAI does: images
-    as b64 or absolute links in the requested format, trace headers, the fields noted as ignored, warnings."""
+    as b64 or absolute links in the requested format, trace headers, the fields noted as ignored, warnings. With
+    ``hires``, ``batch`` is the first pass of a Hires fix (server/hires.py). Each image carries its infotext
+    (``[api] infotext``), written before provenance signs the bytes."""
     service = request.app.state.service
     as_url = response_format(req) == "url"
     if as_url:
         link_base(request, request.app.state.settings.server)  # refuse a Host we cannot link to before computing
     fmt = ImageFormat(req.output_format or "png", 100 if req.output_compression is None else req.output_compression)
-    out = await service.run(batch, request.headers.get("x-sdserve-timeout-s"), request.is_disconnected,
-                            api_key_id(request.scope), fmt.encode)
+    timeout, owner = request.headers.get("x-sdserve-timeout-s"), api_key_id(request.scope)
+    if hires is None:
+        out = await service.run(batch, timeout, request.is_disconnected, owner, fmt.encode)
+    else:
+        out = (await run_hires(service, [batch], hires, timeout, request.is_disconnected, owner, fmt.encode))[0]
+    out = _with_infotexts(out, batch, service.engine.info, request.app.state.settings, hires)
     out.trace_headers(response)
+    out = await stamp(request, response, out, batch)  # provenance: the last stage, it signs the final bytes
     warnings = out.warnings + notes.warnings
     response.headers.update(notes.headers())
     if warnings:
@@ -55,9 +81,25 @@ async def run_and_answer(request: Request, response: Response, req: ImageGenerat
         data = [ImageData(url=image_link(request, store.put(p, fmt.name))) for p in out.pngs]
     else:
         data = [ImageData(b64_json=b64(p)) for p in out.pngs]
+    width, height = hires.size if hires is not None and not out.result.interrupted else (batch.width, batch.height)
     answer = ImagesResponse(created=int(time.time()), data=data, output_format=fmt.name,
-                            size=f"{batch.width}x{batch.height}", background="opaque", warnings=warnings or None)
+                            size=f"{width}x{height}", background="opaque", warnings=warnings or None)
     return answer, out
+
+
+def _with_infotexts(out: Generated, batch: Batch, info: ModelInfo, settings: Settings,
+                    hires: HiresPlan | None) -> Generated:
+    """The images with A1111's infotext embedded (server/images.py), as the A1111 routes write it."""
+    if not settings.api.infotext:
+        return out
+    try:
+        sampler = sampler_label(batch.scheduler)
+    except StopIteration:  # a scheduler without an A1111 name: the infotext names ours
+        sampler = batch.scheduler
+    prompt, negative = batch.images[0].prompt, batch.images[0].negative_prompt
+    extra = hires.infotext if hires is not None else None
+    texts = [infotext(prompt, negative, image_params(batch, g.seed, info, sampler, extra)) for g in out.result.images]
+    return dataclasses.replace(out, pngs=[embed_infotext(p, t) for p, t in zip(out.pngs, texts, strict=True)])
 
 
 @router.get("/v1/images/files/{image_id}", name="image_file", response_class=Response,

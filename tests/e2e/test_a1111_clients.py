@@ -181,6 +181,7 @@ ITEM_KEYS: dict[str, set[str]] = {
     "samplers": {"name", "aliases", "options"},
     "schedulers": {"name", "label", "aliases", "default_rho", "need_inner_model"},
     "upscalers": {"name", "model_name", "model_path", "model_url", "scale"},
+    "latent-upscale-modes": {"name"},
     "sd-models": {"title", "model_name", "hash", "sha256", "filename", "config"},
 }
 LISTS = ["samplers", "schedulers", "upscalers", "latent-upscale-modes", "sd-models", "sd-vae", "sd-modules",
@@ -209,3 +210,22 @@ def test_dict_routes_answer_in_a1111_shapes(client: httpx.Client) -> None:
     assert set(progress) == {"progress", "eta_relative", "state", "current_image", "textinfo"}
     assert set(progress["state"]) == {"skipped", "interrupted", "stopping_generation", "job", "job_count",
                                       "job_timestamp", "job_no", "sampling_step", "sampling_steps"}
+
+
+def test_serve_takes_a1111s_cors_flags(tiny_model: Any) -> None:
+    """`sdserve serve --cors-allow-origins ... --cors-allow-origins-regex ...`, spelled as A1111's flags (what
+    openOutpaint's CORS message tells its users to pass): a browser origin in the list or matching the regex gets
+    CORS headers on /health while the model is still booting; another does not."""
+    from tests.e2e.conftest import ServerProcess
+
+    server = ServerProcess("--profile", "dev", "--model", str(tiny_model), "--cors-allow-origins",
+                           "https://zero01101.github.io,http://127.0.0.1:3456", "--cors-allow-origins-regex",
+                           r"https://.*\.photopea\.example")
+    try:
+        assert server._found.wait(120), server.log
+        for origin, allowed in (("https://zero01101.github.io", True), ("https://a.photopea.example", True),
+                                ("https://evil.example", False)):
+            answer = httpx.get(f"{server.url}/health", headers={"origin": origin}, timeout=30)
+            assert (answer.headers.get("access-control-allow-origin") == origin) is allowed, origin
+    finally:
+        assert server.stop() == 0, server.log

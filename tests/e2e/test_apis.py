@@ -59,7 +59,7 @@ def test_webuiapi_client_txt2img(dev_server: str) -> None:
 @pytest.mark.parametrize(("body", "field", "fragment"), [
     ({"prompt": "x", "width": 65, "height": 64}, "size", "multiple of 16"),
     ({"prompt": "x", "sampler_name": "DPM2 Karras"}, "sampler_name", "does not implement it"),
-    ({"prompt": "x", "enable_hr": True}, "enable_hr", "not supported"),
+    ({"prompt": "x", "enable_hr": True, "hr_upscaler": "Latent (antialiased)"}, "hr_upscaler", "antialiased"),
     ({"prompt": "x", "batch_size": 9}, "batch_size", "at most 4"),
     ({"prompt": "x", "steps": 0}, "steps", "greater than or equal to 1"),
     ({"negative_prompt": "x"}, "prompt", "field required"),

@@ -159,6 +159,22 @@ def test_sillytavern_fresh_install_defaults(mode: str, dev_server: str) -> None:
     assert "save_images" in answer.headers["x-sdserve-ignored-fields"].split(",")
 
 
+def test_sillytavern_with_hires_fix_ticked(dev_server: str) -> None:
+    """The same defaultSettings with SillyTavern's "Hires. Fix" ticked: enable_hr with its hr_upscaler "Latent"
+    (A1111's default latent upscale), hr_scale 2.0, denoising_strength 0.7, hr_second_pass_steps 0 (the first
+    pass's steps). The second pass runs at 128x128 here (1024x1024 at the client's 512, over the dev limits)."""
+    body = sized("lean", {
+        "prompt": "a castle", "negative_prompt": "lowres", "sampler_name": "Euler", "steps": 6, "cfg_scale": 7,
+        "width": 512, "height": 512, "seed": 3, "restore_faces": False, "enable_hr": True, "hr_upscaler": "Latent",
+        "hr_scale": 2.0, "denoising_strength": 0.7, "hr_second_pass_steps": 0, "clip_skip": 1})
+    answer = httpx.post(f"{dev_server}{SDAPI}/txt2img", json=body, timeout=600)
+    assert answer.status_code == 200, answer.text
+    assert _image(base64.b64decode(answer.json()["images"][0])).size == (128, 128)
+    info = json.loads(answer.json()["info"])
+    assert (info["width"], info["hires"], info["denoising_strength"]) == (64, [128, 128], 0.7)
+    assert "Hires upscale: 2, Hires upscaler: Latent" in info["infotexts"][0]
+
+
 def test_text_generation_webui_sd_api_pictures(mode: str, dev_server: str) -> None:
     """oobabooga/text-generation-webui extensions/sd_api_pictures/script.py (commit 1dcde41): SD_api_address_update
     (GET sd-models), get_checkpoints (sd-models, options), get_samplers, then with manage_VRAM on
@@ -231,3 +247,180 @@ def test_chainner_settings_sdserve_cannot_serve_are_422_naming_why(dev_server: s
     assert answer.status_code == 422
     detail = answer.json()["detail"][0]
     assert detail["loc"][-1] == loc and fragment in detail["msg"], detail
+
+
+# openOutpaint and the Photoshop plugin (clients, third pass): numbers as strings, outpainting with latent noise,
+# image_cfg_scale, Hires fix, and the png-info read-back.
+
+OPENOUTPAINT = {
+    # zero01101/openOutpaint js/index.js (commit 006aa60) stableDiffusionData, with the sliders' defaults (CFG 7.0,
+    # batch size 2, iterations 2, steps 30; makeSlider writes each into it, hr_denoising_strength 0.7 and
+    # hr_fix_lock_px 0 included) and changeSeed(): the seed field's .value, the string "-1".
+    "prompt": "a cabin in the woods", "negative_prompt": "", "seed": "-1", "cfg_scale": 7.0, "sampler_index": "DDIM",
+    "steps": 30, "denoising_strength": 1, "mask_blur": 0, "batch_size": 2, "width": 512, "height": 512,
+    "n_iter": 2, "mask": "", "init_images": [], "inpaint_full_res": False, "inpainting_fill": 1,
+    "outpainting_fill": 2, "enable_hr": False, "restore_faces": False, "hr_scale": 2.0, "hr_upscaler": "None",
+    "hr_second_pass_steps": 0, "hr_resize_x": 0, "hr_resize_y": 0, "hr_square_aspect": False, "styles": [],
+    "hr_denoising_strength": 0.7, "hr_fix_lock_px": 0}
+
+
+def _data_url(image: Image.Image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def _canvas(size: int) -> tuple[Image.Image, Image.Image]:
+    """openOutpaint's outpaint inputs for a reticle half over a picture: the init image (the canvas over black,
+    initCtx.fillRect) and the mask (white where the canvas is empty, black over the picture)."""
+    init = Image.new("RGB", (size, size), (0, 0, 0))
+    init.paste(Image.effect_mandelbrot((size // 2, size), (-2, -1, 1, 1), 40).convert("RGB"), (0, 0))
+    mask = Image.new("RGB", (size, size), (0, 0, 0))
+    mask.paste((255, 255, 255), (size // 2, 0, size, size))
+    return init, mask
+
+
+def test_openoutpaint_dream_on_an_empty_canvas(mode: str, dev_server: str) -> None:
+    """js/ui/tool/dream.js (commit e5f2802) dream_generate_callback on a blank canvas: the whole
+    stableDiffusionData to /sdapi/v1/txt2img, denoising_strength 1 (HRfix off); _generate reads images and
+    info.all_seeds."""
+    body = sized(mode, OPENOUTPAINT)
+    answer = httpx.post(f"{dev_server}{SDAPI}/txt2img", json=body, timeout=1200)
+    assert answer.status_code == 200, answer.text
+    images, info = answer.json()["images"], json.loads(answer.json()["info"])
+    assert len(images) == len(info["all_seeds"]) == 4  # batch_size 2 x n_iter 2
+    assert {_image(base64.b64decode(i)).size for i in images} == {(body["width"], body["height"])}
+    assert {"outpainting_fill", "hr_square_aspect"} <= set(answer.headers["x-sdserve-ignored-fields"].split(","))
+
+
+def test_openoutpaint_outpaint_with_latent_noise(mode: str, dev_server: str) -> None:
+    """dream.js dream_generate_callback over a half-filled canvas: img2img with the canvas and mask as data URLs,
+    inpainting_fill = outpainting_fill (2, "latent noise (suggested)") and image_cfg_scale from its slider."""
+    size = 64 if mode == "lean" else 512
+    init, mask = _canvas(size)
+    body = {**sized(mode, OPENOUTPAINT), "init_images": [_data_url(init)], "mask": _data_url(mask),
+            "inpainting_fill": 2, "image_cfg_scale": 0.7, "steps": 12}
+    answer = httpx.post(f"{dev_server}{SDAPI}/img2img", json=body, timeout=1200)
+    assert answer.status_code == 200, answer.text
+    assert "image_cfg_scale" in answer.headers["x-sdserve-ignored-fields"].split(",")
+    out = _image(base64.b64decode(answer.json()["images"][0])).convert("RGB")
+    assert out.size == (size, size)
+    kept = out.crop((0, 0, size // 2 - 8, size))  # outside the mask (and its blur) the canvas comes back as it was
+    assert kept.tobytes() == init.crop((0, 0, size // 2 - 8, size)).tobytes()
+    painted = out.crop((size // 2 + 8, 0, size, size))
+    assert painted.getextrema() != ((0, 0), (0, 0), (0, 0))  # the empty half was painted, not left black
+    assert "Masked content: latent noise" in json.loads(answer.json()["info"])["infotexts"][0]
+
+
+def test_openoutpaint_img2img_tool(mode: str, dev_server: str) -> None:
+    """dream.js img2img_generate_callback: the selection as init image, its mask, inpainting_fill from
+    stableDiffusionData (1, original), the tool's denoising strength, image_cfg_scale 0.5, inpaint_full_res from
+    the tool's full-resolution box (off)."""
+    size = 64 if mode == "lean" else 512
+    init, _ = _canvas(size)
+    mask = Image.new("RGB", (size, size), (255, 255, 255))
+    body = {**sized(mode, OPENOUTPAINT), "init_images": [_data_url(init)], "mask": _data_url(mask),
+            "denoising_strength": 0.7, "image_cfg_scale": 0.5, "inpaint_full_res": False, "steps": 12}
+    answer = httpx.post(f"{dev_server}{SDAPI}/img2img", json=body, timeout=1200)
+    assert answer.status_code == 200, answer.text
+    assert len(answer.json()["images"]) == 4
+    assert json.loads(answer.json()["info"])["denoising_strength"] == 0.7
+
+
+def test_openoutpaint_dream_with_hrfix(dev_server: str) -> None:
+    """dream.js with HRfix ticked (new HRfix path, lock px 0, not the liar): width/height stay the reticle's,
+    hr_resize_x/y = reticle x hr_scale, denoising_strength = hr_denoising_strength (0.7), hr_upscaler "None".
+    The second pass runs at 128x128 here (1024x1024 at the client's size, over the dev profile's limits)."""
+    body = {**sized("lean", OPENOUTPAINT), "enable_hr": True, "hr_resize_x": 128, "hr_resize_y": 128,
+            "denoising_strength": 0.7, "batch_size": 1, "n_iter": 1, "seed": "7"}
+    answer = httpx.post(f"{dev_server}{SDAPI}/txt2img", json=body, timeout=600)
+    assert answer.status_code == 200, answer.text
+    assert _image(base64.b64decode(answer.json()["images"][0])).size == (128, 128)
+    info = json.loads(answer.json()["info"])
+    assert (info["width"], info["seed"], info["hires"]) == (64, 7, [128, 128])
+    assert "Hires resize: 128x128" in info["infotexts"][0] and "Hires upscaler: None" in info["infotexts"][0]
+
+
+PHOTOSHOP = {
+    # AbdullahAlfaraj/Auto-Photoshop-StableDiffusion-Plugin index.js (commit e0aecb1) getSettings(): input
+    # fields' .value strings for steps, cfg_scale and seed, the plugin's bookkeeping fields, forwarded as they are by
+    # utility/sdapi/python_replacement.js txt2ImgRequest / img2ImgRequest.
+    "prompt": "a red fox", "negative_prompt": "blurry", "original_prompt": "a red fox",
+    "original_negative_prompt": "blurry", "steps": "20", "sampler_index": "Euler a", "width": 512,
+    "height": 512, "denoising_strength": 0.7, "batch_size": 1, "cfg_scale": "7", "seed": "-1", "mask_blur": 8,
+    "use_sharp_mask": False, "use_prompt_shortcut": False, "prompt_shortcut_ui_dict": {},
+    "uniqueDocumentId": "a24a6ea4-ce75-4665-a070-57453082c256", "mode": "txt2img", "restore_faces": False,
+    "selection_info": {"left": 0, "top": 0, "width": 512, "height": 512}}
+
+
+def _png_info(base: str, image: str) -> dict[str, Any]:
+    """The plugin keeps each image's A1111 metadata (auto_metadata) read back through /sdapi/v1/png-info."""
+    answer = httpx.post(f"{base}{SDAPI}/png-info", json={"image": image}, timeout=60)
+    assert answer.status_code == 200, answer.text
+    return dict(answer.json())
+
+
+def test_photoshop_plugin_txt2img_and_its_metadata(mode: str, dev_server: str) -> None:
+    body = sized(mode, PHOTOSHOP)
+    answer = httpx.post(f"{dev_server}{SDAPI}/txt2img", json=body, timeout=1200)
+    assert answer.status_code == 200, answer.text
+    info = json.loads(answer.json()["info"])
+    read = _png_info(dev_server, answer.json()["images"][0])
+    assert read["info"] == info["infotexts"][0]  # the PNG round-trips to the same infotext
+    assert read["parameters"]["Seed"] == str(info["seed"]) and read["parameters"]["Steps"] == "20"
+    assert read["parameters"]["Size-1"] == str(body["width"]) and read["parameters"]["Prompt"] == "a red fox"
+
+
+@pytest.mark.parametrize("fill", [1, 2])
+def test_photoshop_plugin_img2img_and_inpaint(mode: str, dev_server: str, fill: int) -> None:
+    """getSettings in img2img mode (init_images, denoising_strength) and inpaint/outpaint mode (mask as bare
+    base64, inpaint_full_res from its checkbox, padding slider x 4, inpainting_fill from getMaskContent,
+    mask_expansion and init_image_mask_name bookkeeping)."""
+    size = 64 if mode == "lean" else 512
+    init, mask = _canvas(size)
+    body = {**sized(mode, PHOTOSHOP), "mode": "inpaint", "init_images": [_data_url(init).split(",", 1)[1]],
+            "init_image_name": "init.png", "mask": _data_url(mask).split(",", 1)[1], "inpaint_full_res": False,
+            "inpaint_full_res_padding": 32, "init_image_mask_name": "mask.png", "inpainting_fill": fill,
+            "mask_expansion": 0}
+    answer = httpx.post(f"{dev_server}{SDAPI}/img2img", json=body, timeout=1200)
+    assert answer.status_code == 200, answer.text
+    assert _image(base64.b64decode(answer.json()["images"][0])).size == (size, size)
+    assert _png_info(dev_server, answer.json()["images"][0])["parameters"]["Denoising strength"] == "0.7"
+    plain = {k: v for k, v in body.items() if k not in ("mask", "inpainting_fill", "init_image_mask_name")}
+    again = httpx.post(f"{dev_server}{SDAPI}/img2img", json={**plain, "mode": "img2img"}, timeout=1200)
+    assert again.status_code == 200, again.text
+
+
+@pytest.fixture(scope="module")
+def hires_openai_server(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The tiny SD 1.x model with [serving] openai_sizes_hires on: OpenAI's 1024 sizes through Hires fix."""
+    tmp = tmp_path_factory.mktemp("hires")
+    profile = dev_config(tmp, replace={"openai_sizes = false": "openai_sizes = false\nopenai_sizes_hires = true"})
+    server = ServerProcess("--config", str(profile), "--model", str(tiny_model))
+    try:
+        yield server.wait_ready(timeout=300)
+    finally:
+        assert server.stop() == 0, server.log
+
+
+@pytest.mark.client_defaults
+def test_openai_1024_on_sd1_answers_through_hires_fix_under_the_option(hires_openai_server: str) -> None:
+    """A client that can only ask 1024x1024 (the openai SDK, as a home-automation integration's schema allows):
+    200 through Hires fix on the tiny SD 1.x model with the option. Under ``client_defaults``: the tiny VAE's
+    mid-block attention at 1024x1024 takes ~40 s on 2 CPU cores (the unit test
+    tests/unit/test_clients_third_pass.py runs the same path on the fake engine in make test)."""
+    client = openai.OpenAI(base_url=f"{hires_openai_server}/v1", api_key="x", max_retries=0)
+    raw = client.images.with_raw_response.generate(prompt="a lighthouse", size="1024x1024",
+                                                   extra_body={"steps": 1})
+    image = _image(base64.b64decode(raw.parse().data[0].b64_json or ""))
+    assert image.size == (1024, 1024) and "through Hires fix" in raw.headers["x-sdserve-warnings"]
+    assert image.info["parameters"].startswith("a lighthouse\nSteps: 1") and "Hires resize: 1024x1024" in \
+        image.info["parameters"]
+
+
+def test_openai_1024_on_sd1_is_400_naming_the_option_without_it(dev_server: str) -> None:
+    """The same request on the dev profile (option off): a 400 that names the option."""
+    without = openai.OpenAI(base_url=f"{dev_server}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as refused:
+        without.images.generate(prompt="a lighthouse", size="1024x1024")
+    assert "openai_sizes_hires" in str(refused.value) and refused.value.status_code == 400

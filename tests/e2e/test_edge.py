@@ -22,6 +22,7 @@ from tests.e2e.conftest import ServerProcess, dev_config
 
 KEY = "sk-edge-test-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+AUTH_HEADER = f"Authorization: Bearer {KEY}\r\n"
 CAP = 64
 BODY_TIMEOUT_S = 3.0
 EDGE = {"max_connections = 1000": f"max_connections = {CAP}",
@@ -82,6 +83,43 @@ def test_slow_bodies_over_the_cap_never_starve_the_probes(edge: ServerProcess) -
     finally:
         for sock in flood:
             sock.close()
+
+
+def _unread_reply(host: str, port: int) -> socket.socket:
+    """A client with a tiny window that asks for /openapi.json (~60 KB, keys on) with Connection: close and never
+    reads: once answered, its connection is closing with the reply buffered in the server, neither idle nor
+    sending (so not evictable) until server.write_timeout_s cuts it off."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)  # the server sizes its send buffer from it
+    sock.settimeout(30)
+    sock.connect((host, port))
+    sock.sendall(f"GET /openapi.json HTTP/1.1\r\nHost: x\r\nconnection: close\r\n{AUTH_HEADER}\r\n".encode())
+    assert sock.recv(1, socket.MSG_PEEK) == b"H"  # the reply has begun
+    return sock
+
+
+def test_probe_slots_answer_probes_when_every_connection_is_busy_and_serve_nothing_else(edge: ServerProcess) -> None:
+    """Issue 32: with every connection busy (replies its clients never read), new connections got a plain 503 "too
+    many connections" or a reset, probes included (212/212 failed). Beyond the cap, server.probe_slots take a
+    probe each (GET/HEAD /health or /ready, one request, then closed) and refuse anything else."""
+    host, port = _addr(edge)
+    busy = [_unread_reply(host, port) for _ in range(CAP)]
+    try:
+        for path in ("/health", "/ready") * 10:
+            with socket.create_connection((host, port), timeout=10) as probe:
+                probe.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+                answer = _read_response(probe, 10)
+                assert answer.startswith(b"HTTP/1.1 200"), (path, answer)
+                while probe.recv(65536):  # the slot closes after its one answer (a kept-alive one would time out)
+                    pass
+        with socket.create_connection((host, port), timeout=10) as other:
+            other.sendall(f"GET /capabilities HTTP/1.1\r\nHost: x\r\n{AUTH_HEADER}\r\n".encode())
+            assert _read_response(other, 10).startswith(b"HTTP/1.1 503"), "a probe slot served a non-probe"
+    finally:
+        for sock in busy:
+            sock.close()
+    assert httpx.get(f"{edge.url}/capabilities", headers=AUTH, timeout=10).status_code == 200
 
 
 def test_a_body_that_never_completes_gets_a_json_408_at_the_body_deadline(edge: ServerProcess) -> None:

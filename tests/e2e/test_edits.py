@@ -173,7 +173,7 @@ def test_a1111_img2img_whole_picture_inpainting_and_refusals(http: httpx.Client)
     r = http.post("/sdapi/v1/img2img", json=body)
     assert r.status_code == 200, r.text
     assert r.json()["parameters"]["init_images"]  # echoed when asked
-    for field, value in (("resize_mode", 3), ("inpainting_fill", 2), ("image_cfg_scale", 3.0)):
+    for field, value in (("resize_mode", 3), ("initial_noise_multiplier", 0.5)):
         refused = http.post("/sdapi/v1/img2img", json={**body, field: value})
         assert refused.status_code == 422 and field in refused.text
     bad = http.post("/sdapi/v1/img2img", json={**body, "init_images": ["bm90IGFuIGltYWdl"]})

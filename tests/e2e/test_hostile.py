@@ -4,6 +4,9 @@ degrades /ready, forged Host headers are ignored, and each startup failure has i
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import io
 import json
 import os
 import select
@@ -20,15 +23,18 @@ from typing import Any
 
 import httpx
 import pytest
+from PIL import Image
 
 from tests.e2e.conftest import FAST_WATCHDOG, ServerProcess, dev_config
+from tests.unit.test_images_in import raw_png, scan_bomb
 
 GEN, A1111 = "/v1/images/generations", "/sdapi/v1/txt2img"
 OK_BODY = {"prompt": "a kite", "size": "64x64", "steps": 2}
 HEADER_TIMEOUT_S = 1.5
+WRITE_TIMEOUT_S = 3.0
 CAP = 64
 BOUNDS = {"max_connections = 1000": f"max_connections = {CAP}",
-          "header_timeout_s = 10.0": f"header_timeout_s = {HEADER_TIMEOUT_S}"}
+          "header_timeout_s = 10.0": f"header_timeout_s = {HEADER_TIMEOUT_S}\nwrite_timeout_s = {WRITE_TIMEOUT_S}"}
 
 
 def _wait_ready_body(url: str, predicate: Callable[[dict[str, Any]], bool], timeout: float = 30) -> dict[str, Any]:
@@ -151,6 +157,133 @@ def test_connections_over_the_cap_evict_the_oldest_slow_body_so_probes_answer(bo
         for sock in slow:
             sock.close()
     _wait_ready_body(bounded.url or "", lambda b: b["state"] == "ready")
+
+
+TCP_ESTABLISHED, TCP_CLOSE = 1, 7
+"""Linux's TCP states (tcp_info.tcpi_state): CLOSE after a reset (an aborted connection), not a graceful FIN."""
+
+
+def _tcp_state(sock: socket.socket) -> int:
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0]
+
+
+def _slow_reader(host: str, port: int, request: bytes) -> socket.socket:
+    """A client with a tiny receive window that sends ``request`` and never reads."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)  # before connect: the window it advertises
+    # and a small segment size: the server's send buffer is sized from it (on loopback, 64 KiB segments would let
+    # the kernel take megabytes, as a remote client's would not)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
+    sock.settimeout(30)
+    sock.connect((host, port))
+    sock.sendall(request)
+    return sock
+
+
+def _probe(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=10) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            return sock.recv(64).startswith(b"HTTP/1.1 200")
+    except OSError:
+        return False
+
+
+def test_slow_readers_cannot_take_the_connection_cap_and_are_cut_off(bounded: ServerProcess) -> None:
+    """Issue 32, break 1: clients with a tiny receive window ask for a large reply (/openapi.json, pipelined 3 per
+    connection, or with Connection: close) and never read. On main the replies stayed buffered, the slots were
+    not released or evictable and 100% of probes failed. Now probes answer (evictions, probe slots) and every
+    stuck reply is cut off at server.write_timeout_s with its buffer dropped (a reset, not a FIN after the data)."""
+    host, port = (bounded.url or "").removeprefix("http://").split(":")
+    assert len(httpx.get(f"{bounded.url}/openapi.json").content) > 20_000  # more than the socket buffers take
+    get = b"GET /openapi.json HTTP/1.1\r\nHost: x\r\n"
+    requests = (get + b"\r\n") * 3, get + b"connection: close\r\n\r\n"
+    readers = [_slow_reader(host, int(port), requests[i % 2]) for i in range(CAP + 16)]
+    try:
+        for sock in readers:  # the server has begun each reply (or cut the connection off already)
+            with contextlib.suppress(OSError):
+                sock.recv(1, socket.MSG_PEEK)
+        answered = sum(_probe(host, int(port)) for _ in range(100))
+        assert answered >= 99, f"{answered}/100 probes answered while slow readers held the connections"
+        deadline = time.monotonic() + WRITE_TIMEOUT_S + 30
+        while any(_tcp_state(s) == TCP_ESTABLISHED for s in readers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        states = [_tcp_state(s) for s in readers]
+        assert states.count(TCP_ESTABLISHED) == 0, f"{states.count(TCP_ESTABLISHED)} slow readers still connected"
+        assert states.count(TCP_CLOSE) >= CAP, f"only {states.count(TCP_CLOSE)} replies were dropped: {states}"
+    finally:
+        for sock in readers:
+            sock.close()
+    assert _probe(host, int(port))
+
+
+def _solid_png(side: int) -> bytes:
+    """A valid side x side PNG of ~50 KB at 4096 (one colour compresses well): cheap to send, costly to decode."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (side, side), (90, 120, 150)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+EDIT = {"prompt": "a", "size": "64x64", "steps": "2"}
+IMG2IMG = {"prompt": "a", "width": 64, "height": 64, "steps": 2}
+
+
+def test_a_progressive_jpeg_scan_bomb_is_refused_by_name(bounded: ServerProcess) -> None:
+    """Issue 32, break 3: a progressive JPEG of 30,000 tiny scans (26 s of CPU at 4096x4096) was decoded on main,
+    then answered 200; its scans are now counted in its bytes and it is refused before decoding."""
+    bomb = scan_bomb(30_000)
+    refused = httpx.post(f"{bounded.url}/v1/images/edits", files={"image": ("bomb.jpg", bomb, "image/jpeg")},
+                         data=EDIT, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "image", refused.text
+    assert "JPEG of 30" in refused.json()["error"]["message"]
+    refused = httpx.post(f"{bounded.url}/sdapi/v1/img2img", json={**IMG2IMG, "init_images": [_b64(bomb)]},
+                         timeout=60)
+    assert refused.status_code == 422 and "init_images.0" in refused.text and "scans" in refused.text
+
+
+def test_sixteen_init_images_of_4096_are_refused_from_their_headers(bounded: ServerProcess) -> None:
+    """Issue 32, break 4: img2img with 16 init_images of 4096x4096 (49 KB PNGs) peaked at 1.28 GB on main, then
+    answered 200; the per-request pixel budget now refuses it from the headers, naming the image that crossed it."""
+    big = _b64(_solid_png(4096))
+    refused = httpx.post(f"{bounded.url}/sdapi/v1/img2img", json={**IMG2IMG, "init_images": [big] * 16}, timeout=60)
+    assert refused.status_code == 422 and "per-request budget" in refused.text, refused.text[:300]
+    assert "init_images.2" in refused.text  # two images of 4096x4096 fit the default budget, the third does not
+
+
+def test_a_png_cut_short_or_without_iend_is_refused(bounded: ServerProcess) -> None:
+    """Issue 32 (lesser): a PNG whose data ends after 10 of 2,048 rows answered 200 with black rows on main, and
+    one without IEND was accepted; both are 400 naming the image now, a whole one is still served."""
+    for name, data in (("rows", raw_png(64, 2048, 10)), ("iend", raw_png(64, 64, 64, iend=False)),
+                       ("whole", raw_png(64, 64, 64))):
+        answer = httpx.post(f"{bounded.url}/v1/images/edits", files={"image": ("x.png", data, "image/png")},
+                            data=EDIT, timeout=60)
+        if name == "whole":
+            assert answer.status_code == 200, answer.text
+        else:
+            assert answer.status_code == 400 and "truncated PNG" in answer.text, (name, answer.text[:300])
+            assert answer.json()["error"]["param"] == "image"
+
+
+def test_content_length_with_transfer_encoding_is_an_error_that_closes_the_connection(bounded: ServerProcess) -> None:
+    """RFC 9112 6.3 (issue 32): both framings on one request were served, chunked winning, on a kept-alive
+    connection (a request-smuggling shape behind a proxy that uses the length). Now: 400 and the connection closes,
+    so the request pipelined behind it is never served."""
+    host, port = (bounded.url or "").removeprefix("http://").split(":")
+    body = json.dumps(OK_BODY).encode()
+    head = (f"POST {GEN} HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            "transfer-encoding: chunked\r\n\r\n").encode()
+    chunked = f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n"
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head + chunked + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 400") and b"transfer-encoding" in answer, answer[:300]
+    assert answer.count(b"HTTP/1.1 ") == 1, answer
 
 
 def test_forged_host_gets_no_link_and_no_server_header(bounded: ServerProcess) -> None:

@@ -61,8 +61,16 @@ def test_accept_help_documents_the_report_and_its_options() -> None:
         assert f"\n  {section} " in done.stdout, section
     for text in ("accept_report.json", "accept_report.md", "accept_report.schema.json", "--baseline", "--compare",
                  "--changed", "--band", "--skip-torch-reference", "--jobs", "jobs_per_hour", "pip freeze",
-                 "20 no usable NVIDIA GPU"):
+                 "20 no usable NVIDIA GPU", "--step-budget", "not applicable", "--model DIR accepts an exported",
+                 "relocation 1800"):
         assert text in done.stdout, text
+
+
+def test_a_step_budget_must_name_a_step_and_positive_seconds(tmp_path: Path) -> None:
+    done, _ = _accept("--out", str(tmp_path), "--step-budget", "relocaton=60")
+    assert done.returncode == 2 and "STEP one of model, relocation" in done.stderr
+    done, _ = _accept("--out", str(tmp_path), "--step-budget", "relocation=0")
+    assert done.returncode == 2 and "SECONDS > 0" in done.stderr
 
 
 def test_bad_options_are_a_usage_error_before_the_gate(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """Mutation check: apply each mutation of tests/mutation/mutations.toml to a temporary COPY of the repository, run
 its tests there, and report killed / survived. The working tree is never modified (others may be editing it).
 
-    python tests/mutation/run.py [--only ID_PREFIX ...] [--markdown OUT.md] [--write-readme README.md]
+    python tests/mutation/run.py [--only ID_PREFIX ...] [--markdown OUT.md] [--write-readme docs/testing.md]
 
 A mutant is *killed* when its tests fail, *survived* when they pass, *stale* when its original snippet is not found
 exactly once (the code moved on), *baseline-failing* when the same tests already fail on the unmutated copy (so a
@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="*", default=None, help="run only mutants whose id starts with one of these")
     p.add_argument("--markdown", type=Path, default=None, help="also write the result table here")
-    p.add_argument("--write-readme", type=Path, default=None, help="put the table between the README's markers")
+    p.add_argument("--write-readme", type=Path, default=None,
+                   help="put the table between the page's markers (make mutate: docs/testing.md)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per test run")
     args = p.parse_args(argv)
     mutations = [m for m in load() if not args.only or any(m.id.startswith(o) for o in args.only)]

@@ -17,6 +17,7 @@ from engines.errors import InvalidRequestError, NotReadyError
 from engines.protocol import Batch, BatchResult, ModelInfo, StepHook
 from server.a1111_options import OptionsStore
 from server.app import create_app
+from server.hires import UPSCALERS, served_latent_modes
 from server.settings import load_settings
 from tests.unit.fakes import GPU_MISSING, FakeEngine
 
@@ -220,6 +221,7 @@ def test_interrupt_drops_queued_requests_and_skip_does_not(client: TestClient, e
 LIST_KEYS: dict[str, set[str]] = {
     "schedulers": {"name", "label", "aliases", "default_rho", "need_inner_model"},
     "upscalers": {"name", "model_name", "model_path", "model_url", "scale"},
+    "latent-upscale-modes": {"name"},
 }
 
 
@@ -236,7 +238,9 @@ def test_listings_are_lists_in_a1111_item_shapes(client: TestClient, route: str)
     if route in LIST_KEYS:
         assert items  # the one truthful entry: Automatic, and A1111's "None" upscaler first
     names = [i["name"] for i in items]
-    assert names in ([], ["None"], ["automatic", "uniform", "karras", "exponential", "sgm_uniform"])
+    assert names in ([], ["None", *list(UPSCALERS)[1:]], served_latent_modes(),
+                     ["automatic", "uniform", "karras", "exponential", "sgm_uniform"])
+    assert route != "upscalers" or names[0] == "None"  # SillyTavern expects A1111's "None" first
 
 
 def test_embeddings_memory_flags_and_refresh(client: TestClient) -> None:

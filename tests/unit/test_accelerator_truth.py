@@ -23,7 +23,7 @@ from engines.health import accept_run
 from engines.health.preflight import Observations, decode_version, evaluate, library_or_pip, tensorrt_install
 from engines.health.telemetry import DeviceInfo, NvmlReport
 from engines.runtime import enginecheck, ortlog
-from engines.runtime.plugins import PluginReport
+from engines.runtime.plugins import PluginReport, no_device_message
 from engines.runtime.sessions import Runtime
 
 OV = PluginEp(name="OpenVINOExecutionProvider", package="onnxruntime-ep-openvino")
@@ -237,3 +237,29 @@ def test_the_copy_count_says_what_it_cannot_see() -> None:
     events = [{"cat": "Node", "name": "conv_kernel_time", "args": {"op_name": "Conv"}}]
     summary = count_copies(events, unet_runs=2).summary()
     assert "feed copy" in summary and "per-step uploads" in summary and "trivially true" in summary
+
+
+# A plugin EP that loads but offers no device (issue 26): the message says why, never "reinstall"
+
+AMD_CPU = [("CPU", 0x1022, "AMD")]
+
+
+def test_no_device_on_an_amd_cpu_names_openvinos_vendor_rule() -> None:
+    text = no_device_message(OV, [], AMD_CPU)
+    assert "ONNX Runtime found: CPU AMD (vendor id 0x1022)" in text
+    assert "the plugin offered: nothing" in text
+    assert "vendor rule" in text and "ov_factory.cc" in text and "0x8086 (Intel)" in text
+    assert "reinstall" not in text
+
+
+def test_no_device_on_an_intel_cpu_does_not_blame_the_vendor_rule() -> None:
+    text = no_device_message(OV, ["OpenVINOExecutionProvider.AUTO on CPU"], [("CPU", 0x8086, "Intel")])
+    assert "vendor rule" not in text and "reinstall" not in text
+    assert "OpenVINOExecutionProvider.AUTO on CPU" in text and "device_type" in text
+
+
+def test_no_device_of_the_wanted_type_says_so_for_any_plugin() -> None:
+    gpu_plugin = PluginEp(name="NvTensorRTRTXExecutionProvider", package="onnxruntime-ep-nv-tensorrt-rtx",
+                          device_type="GPU")
+    text = no_device_message(gpu_plugin, [], AMD_CPU)
+    assert "found no GPU device at all" in text and "vendor rule" not in text

@@ -131,7 +131,7 @@ def test_an_openai_size_on_sd1_is_refused_naming_served_and_native_sizes(engine:
         error = client.post(GEN, json={"prompt": "a", "size": "1024x1024"}).json()["error"]
         assert error["param"] == "size" and "multiple of 16" not in error["message"].split(";")[0]
         assert "up to 512x512" in error["message"] and "native size is 64x64" in error["message"]
-        assert "this model is sd1, and sdserve never resizes" in error["message"]
+        assert "this model is sd1" in error["message"] and "enable [serving] openai_sizes_hires" in error["message"]
 
 
 @pytest.mark.parametrize(("sampler", "scheduler", "ran"), [
@@ -165,7 +165,8 @@ def test_info_carries_a1111_infotexts_per_image(client: TestClient) -> None:
 
 @pytest.mark.parametrize(("extra", "loc", "fragment"), [
     ({"tiling": True}, "tiling", "would not tile"),
-    ({"enable_hr": True}, "enable_hr", "first-pass size"),
+    ({"enable_hr": True, "hr_upscaler": "Lanczos"}, "enable_hr", "second pass"),  # the fake serves txt2img only
+    ({"enable_hr": True, "hr_upscaler": "Latent (antialiased)"}, "hr_upscaler", "antialiased"),
     ({"subseed_strength": 0.5}, "subseed_strength", "would change the image"),
     ({"clip_skip": 2}, "clip_skip", "only 1"),
 ])

@@ -4,6 +4,8 @@ unauthenticated bodies; the bounded URL store, the log rate limit, the model-fil
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
 import logging
 import time
@@ -23,9 +25,10 @@ from server.errors import BindError
 from server.exitcodes import ExitCode, exit_code_for
 from server.images import ImageStore
 from server.launcher import RepeatFilter, bind
-from server.middleware import strict_loads
+from server.middleware import Message, Receive, Scope, Send
 from server.settings import Settings, load_settings
 from server.state import public_reason
+from server.strict_json import MAX_OBJECT_KEYS, OFF_LOOP_BYTES, StrictJsonMiddleware, strict_loads
 from tests.unit.fakes import FakeEngine
 
 GEN, A1111 = "/v1/images/generations", "/sdapi/v1/txt2img"
@@ -335,3 +338,42 @@ def test_watchdog_degrades_on_a_changed_file_then_recovers() -> None:
         for _ in range(load_settings("dev").watchdog.recover_after):
             asyncio.run(watchdog.check())
         assert c.get("/ready").json()["state"] == "ready"
+
+
+def _post_through_strict_json(body: bytes) -> int:
+    """One POST through StrictJsonMiddleware alone (no TestClient: its portal thread makes garbage of its own)."""
+    statuses: list[int] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        raise AssertionError("a refused body must not reach the app")
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            statuses.append(int(message["status"]))
+
+    scope: Scope = {"type": "http", "method": "POST", "path": GEN, "headers": [(b"content-type", b"application/json")],
+                    "state": {}}
+    asyncio.run(StrictJsonMiddleware(app)(scope, receive, send))
+    return statuses[0]
+
+
+def test_refused_many_key_bodies_leave_nothing_for_the_cyclic_gc() -> None:
+    """Issue 32's leak: a >64 KiB body (parsed in the threadpool) with over MAX_OBJECT_KEYS keys was refused with
+    its key pairs held in a reference cycle (traceback -> parser frames), ~14 MB a request until a full collection.
+    With collection off, what the collector finds afterwards must be far below one body's worth of pairs."""
+    keys = MAX_OBJECT_KEYS + 500
+    body = json.dumps({f"k{i}": "x" * 60 for i in range(keys)}).encode()
+    assert len(body) >= OFF_LOOP_BYTES  # the threadpool path, where the cycle formed
+    assert _post_through_strict_json(body) == 400  # warm-up: imports, the threadpool
+    gc.collect()
+    gc.disable()
+    try:
+        statuses = [_post_through_strict_json(body) for _ in range(20)]
+        found = gc.collect()
+    finally:
+        gc.enable()
+    assert statuses == [400] * 20
+    assert found < keys, f"{found} objects were left for the cyclic GC after 20 refused bodies of {keys} keys"

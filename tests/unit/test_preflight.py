@@ -13,6 +13,7 @@ from engines.health.telemetry import DeviceInfo, NvmlReport
 from engines.runtime.libdeps import Closure
 
 GPU = RuntimeSettings()  # production policy: TensorRT + CUDA
+BUS = "00000000:3B:00.0"
 
 
 def healthy() -> Observations:
@@ -22,8 +23,8 @@ def healthy() -> Observations:
                                           {"libcudart.so.13": "/x"}),
          "TensorrtExecutionProvider": Closure("TensorrtExecutionProvider", "libonnxruntime_providers_tensorrt.so",
                                               {"libnvinfer.so.10": "/x"})},
-        NvmlReport(True, "", "580.95.05", "13.0", [DeviceInfo(0, "NVIDIA H200", "9.0", 141 << 30, 1 << 30)]),
-        "9.14.0", "pip nvidia-cudnn-cu13", "10.13.3", "pip tensorrt-cu13")
+        NvmlReport(True, "", "580.95.05", "13.0", [DeviceInfo(0, "NVIDIA H200", "9.0", 141 << 30, 1 << 30, BUS)]),
+        "9.14.0", "pip nvidia-cudnn-cu13", "10.13.3", "pip tensorrt-cu13", cuda_bus_ids=["0000:3b:00.0"])
 
 
 def by_name(checks: list[Check]) -> dict[str, Check]:
@@ -45,7 +46,7 @@ def test_tensorrt_11_is_named_as_a_version_mismatch() -> None:
 
 
 def test_old_driver_and_unsupported_gpu() -> None:
-    nvml = NvmlReport(True, "", "550.54.15", "12.4", [DeviceInfo(0, "Tesla T4", "7.5", 16 << 30, 0)])
+    nvml = NvmlReport(True, "", "550.54.15", "12.4", [DeviceInfo(0, "Tesla T4", "7.5", 16 << 30, 0, BUS)])
     checks = by_name(evaluate(replace(healthy(), nvml=nvml), Matrix(), GPU))
     assert checks["driver_version"].status == "fail" and checks["driver_version"].expected == ">= 580.65"
     assert checks["cuda_driver"].status == "fail"
@@ -68,6 +69,13 @@ def test_device_count_and_device_id() -> None:
     checks = by_name(evaluate(healthy(), Matrix(), settings))
     count = checks["device_count"]
     assert count.status == "fail" and "serving ordinal 1: no NVML match" in count.observed
+
+
+def test_without_cudas_bus_ids_the_device_is_not_guessed_by_ordinal() -> None:
+    """NVML index 0 is not CUDA ordinal 0 under CUDA_VISIBLE_DEVICES: no bus ids from CUDA, no device."""
+    checks = by_name(evaluate(replace(healthy(), cuda_bus_ids=None), Matrix(), GPU))
+    assert checks["device_count"].status == "fail" and "no NVML match" in checks["device_count"].observed
+    assert "compute_capability" not in checks
 
 
 def test_cpu_policy_reports_but_requires_nothing() -> None:

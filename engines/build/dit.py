@@ -1,0 +1,157 @@
+"""Tiny faithful flow-matching DiT models (Flux.1 dev/schnell, SD 3 / 3.5), built offline from a fixed seed, exported
+to ONNX and saved as diffusers folders with the same weights. Build-time only: imports torch, diffusers and
+transformers.
+
+The transformer configs are the tiny ones diffusers' own tests use (tests/pipelines/flux, stable_diffusion_3 and
+tests/models/transformers/test_models_transformer_sd3.py for SD 3.5's ``qk_norm`` and dual attention layers), with
+the widths tied together the way the real models tie them: the VAE has 4 levels (scale factor 8) and 16 latent
+channels with the real ``shift_factor``/``scaling_factor`` (Flux packs 2×2 of them into 64 transformer channels);
+CLIP uses the real 49,408-token vocabulary (engines/build/clip_vocab.py); SD 3's CLIP-G is wider than CLIP-L and
+the T5 wider than both, so the pipeline's zero-padding of the CLIP states to the T5 width is exercised; the T5 is a
+v1.1-style gated-gelu encoder with an offline Unigram tokenizer (engines/build/t5_vocab.py).
+
+engines/build/dit_export.py exports them (its docstring has the ONNX layout and the transformer's inputs).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engines.build.clip_vocab import clip_vocab, find_bpe_source, write_tokenizer
+from engines.build.dit_export import export_dit, write_json
+from engines.build.t5_vocab import t5_pieces, write_t5_tokenizer
+
+log = logging.getLogger(__name__)
+SEED = 0
+FAMILIES = ("flux", "flux-schnell", "sd3", "sd35")
+CLIP_L = dict(hidden_size=32, intermediate_size=37, num_attention_heads=4, num_hidden_layers=5, vocab_size=49408,
+              max_position_embeddings=77, hidden_act="quick_gelu", bos_token_id=49406, eos_token_id=49407,
+              pad_token_id=49407, projection_dim=32)
+CLIP_G = {**CLIP_L, "hidden_size": 48, "intermediate_size": 64, "hidden_act": "gelu", "projection_dim": 48,
+          "pad_token_id": 0}
+"""SD 3's OpenCLIP bigG stand-in: wider than CLIP-L, gelu, its tokenizer pads with ``!`` (id 0)."""
+T5_WIDTH = 96
+T5 = dict(d_model=T5_WIDTH, d_kv=8, d_ff=64, num_layers=2, num_heads=4, relative_attention_num_buckets=8,
+          relative_attention_max_distance=16, feed_forward_proj="gated-gelu", dropout_rate=0.0,
+          pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, is_encoder_decoder=False, use_cache=False)
+VAE16 = dict(block_out_channels=(32, 64, 64, 64), in_channels=3, out_channels=3, latent_channels=16,
+             down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+             sample_size=64, norm_num_groups=32, use_quant_conv=False, use_post_quant_conv=False)
+VAE_SCALING = {"flux": (0.3611, 0.1159), "sd3": (1.5035, 0.0609)}
+"""(scaling_factor, shift_factor) of the real FLUX.1 and SD 3/3.5 VAEs."""
+FLUX = dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=T5_WIDTH, pooled_projection_dim=32, axes_dims_rope=(4, 4, 8))
+SD3 = dict(sample_size=32, patch_size=2, in_channels=16, out_channels=16, num_layers=1, attention_head_dim=8,
+           num_attention_heads=4, caption_projection_dim=32, joint_attention_dim=T5_WIDTH,
+           pooled_projection_dim=CLIP_L["projection_dim"] + CLIP_G["projection_dim"], pos_embed_max_size=96)
+SD35 = {**SD3, "num_layers": 2, "dual_attention_layers": (0,), "qk_norm": "rms_norm"}
+FLOW = dict(num_train_timesteps=1000, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
+SCHEDULERS: dict[str, dict[str, Any]] = {
+    "flux": {**FLOW, "shift": 3.0, "use_dynamic_shifting": True},
+    "flux-schnell": {**FLOW, "shift": 1.0, "use_dynamic_shifting": False},
+    "sd3": {**FLOW, "shift": 3.0, "use_dynamic_shifting": False},
+}
+"""As the released models' scheduler configs: dev shifts by resolution (mu), schnell not at all, SD 3/3.5 by 3.0."""
+
+
+def _seeded(seed: int, make: Any) -> Any:
+    torch.manual_seed(seed)
+    return make().eval()
+
+
+def make_dit_components(family: str, seed: int = SEED, bpe: Path | None = None) -> dict[str, Any]:
+    """Networks and scheduler of the tiny ``family`` (one of FAMILIES), each module from its own seed; ``bpe``: the
+    CLIP merges source the T5 vocabulary is derived from (its size is the T5 embedding's)."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel, SD3Transformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown DiT family {family!r}; expected one of {FAMILIES}")
+    flux = family.startswith("flux")
+    base = "flux" if flux else "sd3"
+    scaling, shift = VAE_SCALING[base]
+    t5 = _seeded(seed + 2, lambda: T5EncoderModel(T5Config(vocab_size=t5_vocab_size(bpe), **T5)))
+    parts: dict[str, Any] = {
+        "vae": _seeded(seed + 3, lambda: AutoencoderKL(**VAE16, scaling_factor=scaling, shift_factor=shift)),
+        "scheduler": FlowMatchEulerDiscreteScheduler(**SCHEDULERS["sd3" if not flux else family]),
+    }
+    if flux:
+        parts["text_encoder"] = _seeded(seed, lambda: CLIPTextModel(CLIPTextConfig(**CLIP_L)))
+        parts["text_encoder_2"] = t5
+        parts["transformer"] = _seeded(seed + 4, lambda: FluxTransformer2DModel(
+            **FLUX, guidance_embeds=family == "flux"))
+        return parts
+    parts["text_encoder"] = _seeded(seed, lambda: CLIPTextModelWithProjection(CLIPTextConfig(**CLIP_L)))
+    parts["text_encoder_2"] = _seeded(seed + 1, lambda: CLIPTextModelWithProjection(CLIPTextConfig(**CLIP_G)))
+    parts["text_encoder_3"] = t5
+    parts["transformer"] = _seeded(seed + 4, lambda: SD3Transformer2DModel(**(SD35 if family == "sd35" else SD3)))
+    return parts
+
+
+@functools.lru_cache(maxsize=2)
+def _clip_vocab(source: Path) -> dict[str, int]:
+    return clip_vocab(source)[0]
+
+
+def t5_vocab_size(bpe: Path | None = None) -> int:
+    """The offline T5 tokenizer's size (the T5 embedding table's rows), from the CLIP merges it derives from."""
+    return len(t5_pieces(_clip_vocab(find_bpe_source(bpe))))
+
+
+def write_tokenizers(family: str, out: Path, bpe: Path | None = None) -> dict[str, Path]:
+    """The family's tokenizer folders under ``out``: CLIP-L (pads with the end token), SD 3's CLIP-G (the same
+    vocabulary, pads with ``!``) and the T5 (tokenizer_2 for Flux, tokenizer_3 for SD 3)."""
+    source = find_bpe_source(bpe)
+    dirs = {"tokenizer": out / "tokenizer"}
+    write_tokenizer(source, dirs["tokenizer"])
+    flux = family.startswith("flux")
+    if not flux:
+        dirs["tokenizer_2"] = out / "tokenizer_2"
+        shutil.copytree(dirs["tokenizer"], dirs["tokenizer_2"])
+        for name in ("special_tokens_map.json", "tokenizer_config.json"):
+            path = dirs["tokenizer_2"] / name
+            path.write_text(json.dumps({**json.loads(path.read_text(encoding="utf-8")), "pad_token": "!"},
+                                       indent=2), encoding="utf-8")
+    t5_name = "tokenizer_2" if flux else "tokenizer_3"
+    dirs[t5_name] = out / t5_name
+    write_t5_tokenizer(_clip_vocab(source), dirs[t5_name], max_length=512)
+    return dirs
+
+
+def save_dit_diffusers(family: str, components: dict[str, Any], tokenizer_dirs: dict[str, Path], out: Path) -> Path:
+    """The same weights as a diffusers folder (FluxPipeline / StableDiffusion3Pipeline) for parity and export. The
+    tokenizer folders are copied in as written (transformers' CLIPTokenizer and T5Tokenizer read them), which
+    spares loading the 49,408-entry vocabulary into transformers only to save it again."""
+    from diffusers import FluxPipeline, StableDiffusion3Pipeline
+
+    kind: Any = FluxPipeline if family.startswith("flux") else StableDiffusion3Pipeline
+    kind(**components, **dict.fromkeys(tokenizer_dirs)).save_pretrained(out)
+    index = json.loads((out / "model_index.json").read_text(encoding="utf-8"))
+    for name, folder in tokenizer_dirs.items():
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        shutil.copytree(folder, out / name, dirs_exist_ok=True)
+        index[name] = ["transformers", config["tokenizer_class"]]
+    write_json(out / "model_index.json", index)
+    return out
+
+
+def build_tiny_dit(family: str, out: Path, bpe: Path | None = None, diffusers_out: Path | None = None,
+                   vae_encoder: bool = True) -> Path:
+    """Build the tiny ``family`` model and export it to ``out``; ``diffusers_out``: the same weights as a diffusers
+    folder too; ``vae_encoder``: export the VAE encoder (edits) as well."""
+    components = make_dit_components(family, bpe=bpe)
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer_dirs = write_tokenizers(family, Path(tmp), bpe)
+        export_dit(components, tokenizer_dirs, out, {"kind": "tiny", "family": family, "seed": SEED}, vae_encoder)
+        if diffusers_out is not None:
+            save_dit_diffusers(family, components, tokenizer_dirs, diffusers_out)
+    log.info("tiny %s model in %s", family, out)
+    return out

@@ -1,0 +1,108 @@
+"""The flow-matching DiT families: Flux.1 (dev-like and schnell-like) and Stable Diffusion 3 / 3.5, told from a
+folder's ``model_index.json`` and component configs before any session runs.
+
+- ``flux``: FLUX.1 [dev]-like: CLIP-L pooled output + T5 states, a guidance-distilled transformer
+  (``guidance_embeds``: the guidance scale is an input of the network, no CFG), resolution-dependent shift (``mu``).
+- ``flux-schnell``: FLUX.1 [schnell]-like: no guidance embedding, few steps, no shift.
+- ``sd3``: SD 3: CLIP-L + CLIP-G (penultimate states and pooled projections) + T5, CFG with a negative prompt,
+  static shift.
+- ``sd35``: SD 3.5: the same with ``qk_norm`` (and, for 3.5 Medium, dual attention layers).
+
+Refused by name: Flux.1 Kontext (image-conditioned editing: reference-image tokens in the sequence), Flux.2
+(another transformer, text encoder and VAE), the Flux tools (Fill, Canny/Depth control, Redux) and ControlNets: a
+folder of one of them raises ModelLoadError saying what it is and what is served.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engines.diffusion.family import read_json
+from engines.errors import ModelLoadError
+
+DIT_FAMILIES = ("flux", "flux-schnell", "sd3", "sd35")
+SERVED = "sdserve serves Flux.1 dev/schnell (FluxPipeline) and SD 3 / 3.5 (StableDiffusion3Pipeline) DiT folders"
+FLUX_CLASSES = frozenset({"FluxPipeline", "OnnxFluxPipeline", "ORTFluxPipeline"})
+SD3_CLASSES = frozenset({"StableDiffusion3Pipeline", "OnnxStableDiffusion3Pipeline", "ORTStableDiffusion3Pipeline"})
+REFUSED: dict[str, str] = {
+    "FluxKontext": "Flux.1 Kontext (image-conditioned editing)",
+    "Flux2": "Flux.2 (a different transformer, text encoder and VAE)",
+    "FluxFill": "Flux.1 Fill (inpainting/outpainting tool)",
+    "FluxControl": "Flux.1 Canny/Depth control",
+    "FluxPriorRedux": "Flux.1 Redux (image variation)",
+    "StableDiffusion3ControlNet": "an SD 3 ControlNet pipeline",
+}
+"""Class-name prefixes of folders recognised and refused, with what they are (longest prefix first when matching)."""
+DEFAULTS: dict[str, tuple[int, float]] = {"flux": (28, 3.5), "flux-schnell": (4, 0.0), "sd3": (28, 7.0),
+                                          "sd35": (28, 4.5)}
+"""(steps, guidance) per family: diffusers' and the model cards' recommendations."""
+T5_MAX_LENGTH = {"flux": 512, "flux-schnell": 256, "sd3": 256, "sd35": 256}
+"""T5 ``max_sequence_length``: dev 512, schnell 256 (its model card), SD 3 256 (the pipeline's default)."""
+
+
+@dataclass(frozen=True)
+class DitFamily:
+    """What a DiT folder is: the family name, its base architecture and the facts the pipeline branches on."""
+
+    name: str
+    base: str
+    """``flux`` or ``sd3``."""
+    guidance_embeds: bool
+    """Flux dev: the guidance scale is a transformer input; no classifier-free guidance."""
+    steps: int
+    guidance: float
+    max_sequence_length: int
+
+    @property
+    def cfg(self) -> bool:
+        """Classifier-free guidance with a negative prompt (SD 3 / 3.5); Flux never doubles the batch."""
+        return self.base == "sd3"
+
+
+def refused_reason(class_name: str) -> str | None:
+    """What a recognised but unsupported pipeline class is, or None."""
+    for prefix in sorted(REFUSED, key=len, reverse=True):
+        if class_name.startswith(prefix) or class_name.startswith(f"Onnx{prefix}"):
+            return REFUSED[prefix]
+    return None
+
+
+def _transformer_config(folder: Path) -> dict[str, Any]:
+    config = read_json(folder / "transformer" / "config.json")
+    if not config:
+        raise ModelLoadError(f"{folder} has no transformer/config.json: not a DiT folder ({SERVED})")
+    return config
+
+
+def _make(name: str, base: str, guidance_embeds: bool) -> DitFamily:
+    steps, guidance = DEFAULTS[name]
+    return DitFamily(name, base, guidance_embeds, steps, guidance, T5_MAX_LENGTH[name])
+
+
+def is_dit_folder(folder: Path) -> bool:
+    """Whether the folder's model_index.json names a DiT pipeline (served or refused), so the UNet detection
+    should not try it."""
+    class_name = str(read_json(folder / "model_index.json").get("_class_name", ""))
+    return class_name in FLUX_CLASSES | SD3_CLASSES or refused_reason(class_name) is not None
+
+
+def detect_dit(folder: Path) -> DitFamily:
+    """The DiT family of a diffusers or exported folder; ModelLoadError naming what was found when unsupported."""
+    index = read_json(folder / "model_index.json")
+    class_name = str(index.get("_class_name", ""))
+    reason = refused_reason(class_name)
+    if reason is not None:
+        raise ModelLoadError(f"{folder} is {reason} ({class_name}): not supported; {SERVED}")
+    if class_name in FLUX_CLASSES:
+        config = _transformer_config(folder)
+        if str(config.get("_class_name", "FluxTransformer2DModel")) != "FluxTransformer2DModel":
+            raise ModelLoadError(f"{folder}: transformer {config.get('_class_name')} is not Flux.1's; {SERVED}")
+        guided = bool(config.get("guidance_embeds", False))
+        return _make("flux" if guided else "flux-schnell", "flux", guided)
+    if class_name in SD3_CLASSES:
+        config = _transformer_config(folder)
+        sd35 = bool(config.get("qk_norm")) or bool(config.get("dual_attention_layers"))
+        return _make("sd35" if sd35 else "sd3", "sd3", False)
+    raise ModelLoadError(f"{folder}: pipeline class {class_name or '(none)'} is not a DiT family; {SERVED}")

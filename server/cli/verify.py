@@ -1,0 +1,80 @@
+"""`sdserve verify IMAGE...`: what each image's C2PA manifest says, and whether it validates against a trust list.
+
+Exit codes (the worst image decides): 0 every image's manifest validates and its signer chains to ``--trust``;
+40 (VERIFY_UNTRUSTED) a manifest validates but its signer is not in the trust list, or no ``--trust`` was given;
+42 (VERIFY_NO_MANIFEST) an image has no manifest (never signed, or stripped); 41 (VERIFY_INVALID) an image or its
+manifest changed after signing; 2 (USAGE) an image or the trust list cannot be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from engines.errors import InvalidRequestError
+from server.exitcodes import ExitCode
+from server.provenance_verify import Verification, verify_bytes
+
+CODES = {"trusted": ExitCode.OK, "untrusted": ExitCode.VERIFY_UNTRUSTED, "no_manifest": ExitCode.VERIFY_NO_MANIFEST,
+         "invalid": ExitCode.VERIFY_INVALID}
+RANK = ("trusted", "untrusted", "no_manifest", "invalid")
+"""Verdicts from best to worst: the exit code is the worst image's."""
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("verify", help="print an image's C2PA manifest and whether it validates (exit 0 trusted, "
+                                      "40 untrusted, 41 invalid, 42 no manifest)")
+    p.add_argument("images", nargs="+", type=Path, metavar="IMAGE", help="PNG, JPEG or WebP files")
+    p.add_argument("--trust", type=Path, default=None, metavar="CA.pem",
+                   help="PEM trust anchors (the operator's CA); without it a valid signature is 'untrusted'")
+    p.add_argument("--json", action="store_true", help="one JSON object per image instead of text")
+    p.set_defaults(run=run)
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise InvalidRequestError(f"cannot read {what} {path}: {exc.strerror or exc}", param=what) from None
+
+
+def render(path: Path, v: Verification) -> str:
+    """The text report of one image."""
+    lines = [f"{path}: {v.verdict.upper().replace('_', ' ')}"]
+    lines += [f"  problem: {p}" for p in v.problems]
+    if v.signer:
+        lines.append(f"  signed by: {v.signer.get('common_name', '?')} (issuer {v.signer.get('issuer', '?')}, "
+                     f"{v.signer.get('alg', '?')}{', at ' + str(v.signer['time']) if v.signer.get('time') else ''})")
+    for agent in v.generator:
+        lines.append(f"  generator: {agent.get('name', '?')} {agent.get('version', '')}".rstrip())
+    for action in v.actions:
+        lines.append(f"  action: {action.get('action')} ({action.get('digitalSourceType', 'no source type')})")
+    if v.generation is not None:
+        lines.append("  org.sdserve.generation: " + json.dumps(v.generation, indent=2, sort_keys=True)
+                     .replace("\n", "\n  "))
+    return "\n".join(lines)
+
+
+def _trust(path: Path) -> str:
+    """The trust list's PEM text; a file holding no PEM certificate is a usage error, not an 'invalid' image."""
+    from cryptography import x509
+
+    data = _read(path, "--trust")
+    try:
+        x509.load_pem_x509_certificates(data)
+    except ValueError:
+        raise InvalidRequestError(f"--trust {path} holds no PEM certificates (the CA that issued the signer's "
+                                  "chain)", param="--trust") from None
+    return data.decode("ascii", "replace")
+
+
+def run(args: argparse.Namespace) -> int:
+    trust = _trust(args.trust) if args.trust else None
+    worst = "trusted"
+    for path in args.images:
+        result = verify_bytes(_read(path, "image"), trust)
+        print(json.dumps({"image": str(path), **result.as_dict()}) if args.json else render(path, result))
+        worst = max(worst, result.verdict, key=RANK.index)
+    return int(CODES[worst])

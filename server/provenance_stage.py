@@ -1,0 +1,134 @@
+"""The provenance stage of a response: what the server knows about each image, signed into it (server/provenance.py).
+
+Every fact comes from where /capabilities and the response headers take it, never recomputed from a guess: the
+model (``ModelInfo``: id, family, UNet sha256), the model folder's and the engine artifacts' manifest digests (the
+files boot verified), the provider each component's session runs on, the runtime and library versions preflight
+observed, the GPU, the provider that ran this batch (``x-sdserve-provider``), the seed (``x-sdserve-seeds``), the
+request id (``x-request-id``) and the readiness state. The prompt only when ``[provenance] include_prompt``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request, Response
+from starlette.concurrency import run_in_threadpool
+
+from engines.factory import manifest_name
+from engines.protocol import Batch, Capabilities, ImageSpec
+from server.errors import request_id_of
+from server.provenance import HEADER, Provenance, digest_of
+from server.service import Generated
+
+MANIFEST = manifest_name()
+
+
+@cache
+def sdserve_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sdserve")
+    except PackageNotFoundError:  # a checkout that was never installed
+        return "unknown"
+
+
+@cache
+def _digest(path: str) -> str | None:
+    """A manifest's sha256, read once: boot verified these files and the watchdog flips /ready if they change."""
+    return digest_of(Path(path))
+
+
+def _gpu(caps: Capabilities) -> str | None:
+    if caps.device != "cuda" or caps.observations is None:
+        return None
+    devices = caps.observations.nvml.devices
+    return next((d.name for d in devices if d.index == caps.device_id), devices[0].name if devices else None)
+
+
+def _versions(caps: Capabilities) -> dict[str, str | None]:
+    obs = caps.observations
+    if obs is None:
+        return {}
+    return {"onnxruntime": obs.onnxruntime, "onnxruntime_cuda_build": obs.onnxruntime_cuda_build or None,
+            "cuda_driver": obs.nvml.cuda_driver_version or None, "driver": obs.nvml.driver_version or None,
+            "cudnn": obs.cudnn.version, "tensorrt": obs.tensorrt.version,
+            **({"plugin": f"{obs.plugin.package} {obs.plugin.package_version}"} if obs.plugin else {})}
+
+
+def server_facts(request: Request) -> dict[str, Any]:
+    """The facts every image of this request shares."""
+    app = request.app
+    caps: Capabilities = app.state.engine.capabilities()
+    info = app.state.engine.info
+    engines = caps.artifacts.engines
+    return {"sdserve_version": sdserve_version(), "request_id": request_id_of(request.scope),
+            "readiness": app.state.server_state.state, "accelerated": caps.accelerated,
+            "model": {"id": info.name, "family": info.family, "unet_sha256": info.digest or None,
+                      "folder_manifest_sha256": _digest(str(Path(caps.model) / MANIFEST)),
+                      "verification": caps.artifacts.model_manifest},
+            "artifacts": {"manifest_sha256": _digest(str(Path(engines.path) / MANIFEST)) if engines else None,
+                          "profiles": len(engines.profiles) if engines else 0},
+            "providers": {name: (s.providers_used or ("none",))[0] for name, s in caps.sessions.items()},
+            "versions": _versions(caps), "device": caps.device, "gpu": _gpu(caps)}
+
+
+def image_facts(batch: Batch, out: Generated, index: int, include_prompt: bool) -> dict[str, Any]:
+    """One image's own facts: how it was sampled, and (when the profile opts in) what was asked for."""
+    spec: ImageSpec = batch.images[index] if index < len(batch.images) else batch.images[0]
+    result = out.result
+    width, height = result.images[index].image.size  # the returned size (Hires fix: the second pass's)
+    facts: dict[str, Any] = {
+        "model_served": out.model, "provider": result.provider, "index": index, "seed": result.images[index].seed,
+        "mode": batch.mode, "width": width, "height": height, "steps": batch.steps,
+        "steps_done": result.steps_done or batch.steps, "interrupted": result.interrupted,
+        "sampler": batch.scheduler, "guidance_scale": spec.guidance_scale, "batch_images": result.executed}
+    if batch.mode != "txt2img":
+        facts["strength"] = batch.strength
+    if include_prompt:
+        facts["prompt"], facts["negative_prompt"] = spec.prompt, spec.negative_prompt
+    return facts
+
+
+async def sign_images(request: Request, response: Response, runs: list[tuple[Batch, Generated]],
+                      images: list[bytes] | None = None) -> tuple[list[bytes], str]:
+    """The final bytes of every image of ``runs`` (default: their encoded images, in order), signed off the event
+    loop, and the warning to give when they could not be (else ""). Sets x-sdserve-provenance and adds
+    ``sign;dur=`` to Server-Timing. require mode: SigningError (500) when an image cannot be signed."""
+    provenance: Provenance = request.app.state.service.provenance
+    items = [(batch, out, i) for batch, out in runs for i in range(len(out.pngs))]
+    final = images if images is not None else [p for _, out in runs for p in out.pngs]
+    if provenance.mode == "off":
+        stamped = provenance.stamp(final, [], "")
+    else:
+        shared = server_facts(request)
+        include = provenance.settings.include_prompt
+        facts = [{**shared, **image_facts(batch, out, i, include)} for batch, out, i in items]
+        stamped = await run_in_threadpool(provenance.stamp, final, facts, sdserve_version())
+    response.headers[HEADER] = stamped.status
+    if stamped.seconds:
+        timing = response.headers.get("Server-Timing")
+        sign = f"sign;dur={stamped.seconds * 1000:.1f}"
+        response.headers["Server-Timing"] = f"{timing}, {sign}" if timing else sign
+    return stamped.images, stamped.warning
+
+
+async def stamp(request: Request, response: Response, out: Generated, batch: Batch) -> Generated:
+    """``out`` with its images signed (OpenAI routes: after the trace headers, which it extends; a warning joins
+    ``out.warnings``). The last step before answering, so the signature covers the bytes the client gets."""
+    images, warning = await sign_images(request, response, [(batch, out)])
+    return dataclasses.replace(out, pngs=images, warnings=out.warnings + ([warning] if warning else []))
+
+
+async def stamp_a1111(request: Request, response: Response, outs: list[Generated], batches: list[Batch],
+                      images: list[bytes] | None = None) -> list[bytes]:
+    """A1111 routes: the final images (default: every out's, in order; after any infotext or paste-back) signed;
+    a warning is appended to x-sdserve-warnings."""
+    signed, warning = await sign_images(request, response, list(zip(batches, outs, strict=True)), images)
+    if warning:
+        current = response.headers.get("x-sdserve-warnings")
+        response.headers["x-sdserve-warnings"] = f"{current}; {warning}" if current else warning
+    return signed
