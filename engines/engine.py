@@ -26,6 +26,8 @@ from engines.config import (
     Shape,
     SignatureThresholds,
 )
+from engines.diffusion.dit_family import is_dit_folder
+from engines.diffusion.dit_pipeline import DitOnnx
 from engines.diffusion.pipeline import StableDiffusionOnnx
 from engines.diffusion.schedulers import EDIT_SCHEDULERS, SCHEDULERS
 from engines.errors import (
@@ -99,7 +101,7 @@ class OrtEngine:
         self.faults = faults
         self._report: SelfTestReport | None = None
         self._boot_fingerprint: np.ndarray | None = None
-        self._pipelines: dict[str, StableDiffusionOnnx] = {}
+        self._pipelines: dict[str, StableDiffusionOnnx | DitOnnx] = {}
         """Per served size ("512x512") with prebuilt TensorRT engines (one engine per size); else one, under ANY."""
         self._runtime: Runtime | None = None
         self._lock = threading.Lock()
@@ -138,23 +140,44 @@ class OrtEngine:
             sources = self._verify_artifacts()
             self._integrity = IntegrityWatcher(self.model_dir)  # what was just verified, watched after boot
             self._runtime = Runtime(self.settings, self.model_dir, self._device_total())
-            self._pipelines = {size: StableDiffusionOnnx(self.model_dir, self._runtime, parts,
-                                                         "" if size == ANY else f"@{size}")
-                               for size, parts in sources.items()}
-            p = self.pipeline
-            f = p.family
-            self._info = ModelInfo(self.model_dir.name, p.size_multiple, p.default_size, tuple(SCHEDULERS),
-                                   p.tokenizer.max_length, _unet_digest(self.model_dir), f.name,
-                                   f.prediction_type, f.text_encoders, f.vae_scaling_factor, f.cfg_default,
-                                   f.default_steps, f.default_guidance, *_edit_info(p))
-            log.info("model %s: %s", self.model_dir.name, f.describe())
+            if is_dit_folder(self.model_dir):
+                self._load_dit(sources)
+            else:
+                self._load_unet(sources)
             if self.plan is not None:  # the family's canary set (configs/canaries.toml [family.<name>])
-                self.plan = dataclasses.replace(self.plan, suite=self.plan.suite.for_family(f.name))
+                self.plan = dataclasses.replace(self.plan, suite=self.plan.suite.for_family(self.info.family))
         except NotReadyError as exc:
             self._errors.append(str(exc))
             raise
         if self.settings.allow_cpu:
             log.warning("CPU execution allowed by the profile: this server is NOT accelerated")
+
+    def _load_unet(self, sources: dict[str, dict[str, Path]]) -> None:
+        assert self._runtime is not None
+        pipelines = {size: StableDiffusionOnnx(self.model_dir, self._runtime, parts, "" if size == ANY else f"@{size}")
+                     for size, parts in sources.items()}
+        self._pipelines = dict(pipelines)
+        p = next(iter(pipelines.values()))
+        f = p.family
+        self._info = ModelInfo(self.model_dir.name, p.size_multiple, p.default_size, tuple(SCHEDULERS),
+                               p.tokenizer.max_length, _digest(self.model_dir, "unet"), f.name,
+                               f.prediction_type, f.text_encoders, f.vae_scaling_factor, f.cfg_default,
+                               f.default_steps, f.default_guidance, *_edit_info(p))
+        log.info("model %s: %s", self.model_dir.name, f.describe())
+
+    def _load_dit(self, sources: dict[str, dict[str, Path]]) -> None:
+        """A Flux or SD 3 folder: one flow-matching pipeline for every size. Prebuilt EP-context or TensorRT
+        artifacts are built for UNet models only so far: a profile that requires them refuses the folder."""
+        assert self._runtime is not None
+        if set(sources) != {ANY} or any(sources.values()):
+            raise ArtifactError(f"{self.model_dir.name}: prebuilt engine artifacts are not built for the DiT "
+                                "families yet; serve this model with a profile that runs the plain ONNX files")
+        pipe = DitOnnx(self.model_dir, self._runtime)
+        self._pipelines = {ANY: pipe}
+        self._info = pipe.model_info(self.model_dir.name, _digest(self.model_dir, "transformer"))
+        log.info("model %s: %s (flow matching, %s)", self.model_dir.name, pipe.family.name,
+                 "guidance embedded" if pipe.family.guidance_embeds else
+                 "classifier-free guidance" if pipe.family.cfg else "no guidance")
 
     def nvml_index(self) -> int:
         """The NVML index of the served CUDA ordinal, matched by PCI bus id (CUDA_VISIBLE_DEVICES renumbers CUDA
@@ -224,13 +247,13 @@ class OrtEngine:
         return per_size
 
     @property
-    def pipeline(self) -> StableDiffusionOnnx:
+    def pipeline(self) -> StableDiffusionOnnx | DitOnnx:
         """The first loaded pipeline (all share the model's configs and tokenizer)."""
         if not self._pipelines:
             raise NotReadyError("model not loaded")
         return next(iter(self._pipelines.values()))
 
-    def _pipeline_for(self, batch: Batch) -> StableDiffusionOnnx:
+    def _pipeline_for(self, batch: Batch) -> StableDiffusionOnnx | DitOnnx:
         if not self._pipelines:
             raise NotReadyError("model not loaded")
         size = f"{batch.width}x{batch.height}"
@@ -283,9 +306,12 @@ class OrtEngine:
             y, x = np.mgrid[0:shape.height, 0:shape.width]
             image = np.stack([x * 255 // max(1, shape.width - 1), y * 255 // max(1, shape.height - 1),
                               np.full_like(x, 128)], axis=-1).astype(np.uint8)
-            mask = np.zeros((shape.height, shape.width), np.uint8)
-            mask[:, shape.width // 2:] = 255
-            scheduler = base.scheduler if base.scheduler in EDIT_SCHEDULERS else "euler"
+            mask: np.ndarray | None = np.zeros((shape.height, shape.width), np.uint8)
+            if "inpaint" in self.info.modes:
+                mask[:, shape.width // 2:] = 255  # type: ignore[index]
+            else:  # the DiT families serve img2img only
+                mask = None
+            scheduler = base.scheduler if base.scheduler in self.info.edit_schedulers else "euler"
             batch = dataclasses.replace(base, images=tuple(dataclasses.replace(s, edit=EditImage(image, mask))
                                                            for s in base.images), strength=0.5, scheduler=scheduler)
             problem = selftest.sanity(np.asarray(self.generate(batch).images[0].image))
@@ -354,7 +380,9 @@ class OrtEngine:
     def provider(self) -> str:
         if self.faults is not None and self.faults.provider:
             return self.faults.provider
-        return str(self.pipeline.unet.session.get_providers()[0])
+        p = self.pipeline
+        denoiser = p.transformer if isinstance(p, DitOnnx) else p.unet
+        return str(denoiser.session.get_providers()[0])
 
     def check_health(self) -> None:
         """NotReadyError when not loaded, or naming each model file that changed on disk since load (the
@@ -460,10 +488,11 @@ def _attention(reports: dict[str, SessionReport]) -> Attention:
     return Attention(fused=bool(fused), on_gpu=on_gpu, by_session=fused)
 
 
-def _unet_digest(model_dir: Path) -> str:
-    """sha256 of the UNet from the model's manifest, read once at load ("" without a manifest)."""
+def _digest(model_dir: Path, denoiser: str) -> str:
+    """sha256 of the denoiser (unet or transformer) from the model's manifest, read once at load ("" without a
+    manifest)."""
     manifest = model_dir / "manifest.json"
     if not manifest.is_file():
         return ""
-    entry = json.loads(manifest.read_text(encoding="utf-8")).get("files", {}).get("unet/model.onnx", "")
+    entry = json.loads(manifest.read_text(encoding="utf-8")).get("files", {}).get(f"{denoiser}/model.onnx", "")
     return str(entry.get("sha256", "") if isinstance(entry, dict) else entry)

@@ -191,11 +191,17 @@ class Defaults(BaseModel):
         return self
 
 
-FAMILIES = ("sd1", "sd2", "sdxl", "turbo")
-"""Model families the engine reports (engines/diffusion/family.py)."""
-FAMILY_DEFAULTS = {"turbo": Defaults(steps=1, guidance_scale=0.0, scheduler="euler")}
+FAMILIES = ("sd1", "sd2", "sdxl", "turbo", "flux", "flux-schnell", "sd3", "sd35")
+"""Model families the engine reports (engines/diffusion/family.py, engines/diffusion/dit_family.py)."""
+FAMILY_DEFAULTS = {"turbo": Defaults(steps=1, guidance_scale=0.0, scheduler="euler"),
+                   "flux": Defaults(steps=28, guidance_scale=3.5, scheduler="euler"),
+                   "flux-schnell": Defaults(steps=4, guidance_scale=0.0, scheduler="euler"),
+                   "sd3": Defaults(steps=28, guidance_scale=7.0, scheduler="euler"),
+                   "sd35": Defaults(steps=28, guidance_scale=4.5, scheduler="euler")}
 """Built-in request defaults where the profile's [defaults] would be wrong for the family: few-step (Turbo)
-models are distilled for 1-4 steps without CFG (their model cards: 1 step, guidance 0)."""
+models are distilled for 1-4 steps without CFG (their model cards: 1 step, guidance 0); the flow-matching DiT
+families sample with Euler at their model cards' steps and guidance (Flux dev 28 / 3.5 embedded, schnell 4 / none,
+SD 3 28 / 7.0, SD 3.5 28 / 4.5; engines/diffusion/dit_family.py DEFAULTS)."""
 
 
 class Serving(BaseModel):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -62,3 +63,23 @@ def openvino_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -
     from tests.plugin_ep import build_artifacts
 
     return build_artifacts(tiny_model, tmp_path_factory.mktemp("openvino") / "model")
+
+
+@pytest.fixture(scope="session")
+def dit_build(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, Path]]:
+    """(ONNX folder, diffusers folder) of a tiny DiT family (flux, flux-schnell, sd3, sd35), built once per test
+    session on first use: parity tests and served-model tests share them. Every family but flux-schnell has its VAE
+    encoder (img2img); flux-schnell's folder is the txt2img-only one (tests/integration/test_dit_parity.py)."""
+    from engines.build.dit import build_tiny_dit
+
+    built: dict[str, tuple[Path, Path]] = {}
+
+    def build(family: str) -> tuple[Path, Path]:
+        if family not in built:
+            root = tmp_path_factory.mktemp(family)
+            build_tiny_dit(family, root / "onnx", diffusers_out=root / "diffusers",
+                           vae_encoder=family != "flux-schnell")
+            built[family] = (root / "onnx", root / "diffusers")
+        return built[family]
+
+    return build

@@ -143,6 +143,10 @@ def save_dit_diffusers(family: str, components: dict[str, Any], tokenizer_dirs: 
     return out
 
 
+TINY_NATIVE_SIZE = 64
+"""The tiny models' native size: canaries and the self-test run at 64x64 (seconds on a CPU), as for the tiny UNet."""
+
+
 def build_tiny_dit(family: str, out: Path, bpe: Path | None = None, diffusers_out: Path | None = None,
                    vae_encoder: bool = True) -> Path:
     """Build the tiny ``family`` model and export it to ``out``; ``diffusers_out``: the same weights as a diffusers
@@ -150,7 +154,8 @@ def build_tiny_dit(family: str, out: Path, bpe: Path | None = None, diffusers_ou
     components = make_dit_components(family, bpe=bpe)
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer_dirs = write_tokenizers(family, Path(tmp), bpe)
-        export_dit(components, tokenizer_dirs, out, {"kind": "tiny", "family": family, "seed": SEED}, vae_encoder)
+        export_dit(components, tokenizer_dirs, out, {"kind": "tiny", "family": family, "seed": SEED}, vae_encoder,
+                   native_size=TINY_NATIVE_SIZE)
         if diffusers_out is not None:
             save_dit_diffusers(family, components, tokenizer_dirs, diffusers_out)
     log.info("tiny %s model in %s", family, out)

@@ -242,7 +242,7 @@ def _config(model: Any) -> dict[str, Any]:
 
 
 def export_dit(components: dict[str, Any], tokenizer_dirs: dict[str, Path], out: Path,
-               source: dict[str, Any], vae_encoder: bool = True) -> Path:
+               source: dict[str, Any], vae_encoder: bool = True, native_size: int | None = None) -> Path:
     """Export a Flux or SD 3 model's networks (fp32), copy tokenizers and scheduler config, write model_index.json
     (``OnnxFluxPipeline`` / ``OnnxStableDiffusion3Pipeline``) and the manifest. ``vae_encoder``: also the VAE
     encoder (for edits; txt2img does not need it)."""
@@ -271,6 +271,8 @@ def export_dit(components: dict[str, Any], tokenizer_dirs: dict[str, Path], out:
                              "scheduler": ["diffusers", type(scheduler).__name__],
                              **{n: onnx for n in [*names, *vaes]},
                              **{n: ["tokenizers", "Tokenizer"] for n in tokenizer_dirs}}
+    if native_size is not None:  # engines/diffusion/dit_pipeline.py NATIVE_SIZE_KEY
+        index["_sdserve_native_size"] = native_size
     write_json(out / "model_index.json", index)
     write_manifest(out, source)
     return out

@@ -47,10 +47,13 @@ from engines.diffusion.pipeline import Feed, OrtModel, PipelineOutput, image_rng
 from engines.diffusion.t5_tokenizer import T5Tokenizer
 from engines.diffusion.tokenizer import ClipTokenizer
 from engines.errors import InferenceError, InvalidRequestError, ModelLoadError
-from engines.protocol import Batch, ModelInfo, Timings
+from engines.protocol import Batch, ModelInfo, StepHook, Timings
 from engines.runtime.sessions import Runtime
 
 log = logging.getLogger(__name__)
+NATIVE_SIZE_KEY = "_sdserve_native_size"
+"""model_index.json key of a model's native size in pixels where its configs do not say it (the tiny models: a
+self-test at 64x64, not Flux's 1024)."""
 SAMPLERS = ("euler",)
 """Flow matching samples with Euler on the flow schedule (what Forge and ComfyUI serve Flux with: Euler, "Simple")."""
 ROPE_THETA = 10000.0
@@ -159,7 +162,9 @@ class DitOnnx:
         self.axes_dim = tuple(int(a) for a in read_json(folder / "transformer" / "config.json").get(
             "axes_dims_rope", (16, 56, 56)))
         sample = read_json(folder / "transformer" / "config.json").get("sample_size")
-        self._native = int(sample) * self.geometry.vae_scale_factor if sample and not flux else 1024
+        native = read_json(folder / "model_index.json").get(NATIVE_SIZE_KEY)
+        self._native = int(native) if native else (
+            int(sample) * self.geometry.vae_scale_factor if sample and not flux else 1024)
         self.guidance_input = "guidance" in self.transformer.inputs
         if flux and self.guidance_input != self.family.guidance_embeds:
             raise ModelLoadError(f"{folder}: the transformer's inputs {sorted(self.transformer.inputs)} do not match "
@@ -229,10 +234,11 @@ class DitOnnx:
             raise InvalidRequestError("prompt must not be empty", param="prompt")
 
     def __call__(self, batch: Batch, latents: np.ndarray | None = None,
-                 max_sequence_length: int | None = None) -> PipelineOutput:
+                 max_sequence_length: int | None = None, on_step: StepHook | None = None) -> PipelineOutput:
         """Generate ``batch``: uint8 images [B, H, W, 3], per-image truncation, timings. ``latents`` (float32
         [B, C, h, w], unit noise, unpacked) replaces the seeded noise (parity tests); ``max_sequence_length``
-        replaces the family's T5 length."""
+        replaces the family's T5 length; ``on_step(done, total)`` runs after every step, False stops there and the
+        latents so far are decoded (A1111's interrupt, a drain)."""
         self.check_inputs(batch)
         t0 = time.perf_counter()
         length = max_sequence_length or self.max_sequence_length
@@ -256,15 +262,14 @@ class DitOnnx:
         t2 = time.perf_counter()
         # 3. Denoise on the device: Flux on 2×2-packed tokens, SD 3 on [negatives; prompts] rows under CFG.
         feeds = self._transformer_feeds(cond, guidance, h, w, len(batch.images))
-        final = self._denoise(start, model_in, feeds, guidance, schedule, cfg)
+        final, done = self._denoise(start, model_in, feeds, guidance, schedule, cfg, on_step)
         t3 = time.perf_counter()
         # 4. Decode: latents / scaling + shift through the VAE; the image comes down as uint8.
         images = self._decode(final, len(batch.images), h, w)
         t4 = time.perf_counter()
         timings = Timings(text_encoder=t1 - t0, denoise=t3 - t2, vae_decode=t4 - t3, total=t4 - t0,
                           vae_encode=t2 - t1)
-        return PipelineOutput(images, cond.truncated, cond.negative_truncated, timings, len(schedule),
-                              len(schedule))
+        return PipelineOutput(images, cond.truncated, cond.negative_truncated, timings, done, len(schedule))
 
     def _schedule(self, steps: int, h: int, w: int) -> FlowSchedule:
         """Flux: its evenly spaced sigmas, shifted by ``mu`` of the packed token count when the config says;
@@ -356,9 +361,10 @@ class DitOnnx:
                 self.runtime.upload("dit_in", np.concatenate([x] * copies).astype(in_dtype)))
 
     def _denoise(self, start: ort.OrtValue, model_in: ort.OrtValue, feeds: dict[str, Feed], guidance: np.ndarray,
-                 schedule: FlowSchedule, cfg: bool) -> ort.OrtValue:
+                 schedule: FlowSchedule, cfg: bool, on_step: StepHook | None = None) -> tuple[ort.OrtValue, int]:
         """Every step on the device: the transformer on [x; x] (CFG) or [x], then the step graph writes the next
-        latents and the next transformer input. Returns the device buffer of the float32 latents."""
+        latents and the next transformer input. Returns the device buffer of the float32 latents and the steps
+        that ran (fewer when ``on_step`` stopped the loop)."""
         rt, shape = self.runtime, tuple(start.shape())
         n, copies = shape[0], 2 if cfg else 1
         lat = [start, rt.buffer("dit_latents1", shape, np.float32)]
@@ -377,7 +383,9 @@ class DitOnnx:
             step.run({"sample": lat[0], "model_out": model_out, "coeffs": coeffs[i]},
                      {"next": lat[1], "model_in": model_in})
             lat.reverse()
-        return lat[0]
+            if on_step is not None and not on_step(i + 1, len(schedule)) and i + 1 < len(schedule):
+                return lat[0], i + 1
+        return lat[0], len(schedule)
 
     def _decode(self, latents: ort.OrtValue, n: int, h: int, w: int) -> np.ndarray:
         """latents / scaling + shift (Flux: unpacked first) on the device, the VAE, and the image down once."""

@@ -41,28 +41,11 @@ CASES = [("flux", 64, 64), ("flux", 48, 32), ("flux-schnell", 64, 64), ("sd3", 6
          ("sd35", 32, 48)]
 """(family, width, height)."""
 EDITS = {"flux": (64, 48, 0.6), "sd35": (64, 64, 0.7)}
-"""img2img parity cases: family -> (width, height, strength); these builds export the VAE encoder too."""
+"""img2img parity cases: family -> (width, height, strength)."""
 MIN_MATCH = 0.999
 """Fraction of uint8 channel values that must be within 1/255 of diffusers'."""
 
 Builder = Callable[[str], tuple[Path, Path]]
-
-
-@pytest.fixture(scope="module")
-def dit_build(tmp_path_factory: pytest.TempPathFactory) -> Builder:
-    """(ONNX folder, diffusers folder) of a tiny DiT family, built once per module on first use."""
-    from engines.build.dit import build_tiny_dit
-
-    built: dict[str, tuple[Path, Path]] = {}
-
-    def build(family: str) -> tuple[Path, Path]:
-        if family not in built:
-            root = tmp_path_factory.mktemp(family)
-            build_tiny_dit(family, root / "onnx", diffusers_out=root / "diffusers", vae_encoder=family in EDITS)
-            built[family] = (root / "onnx", root / "diffusers")
-        return built[family]
-
-    return build
 
 
 def _runtime() -> Runtime:
