@@ -7,14 +7,21 @@ scheduler, limits); this adds what makes it an edit and validates it against wha
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import numpy as np
 from PIL import Image
 
 from engines.errors import InvalidRequestError
 from engines.protocol import Batch, EditImage, LatentFill, ModelInfo
+from server.errors import DeadlineExceededError
 from server.images_in import ResizeMode, resize
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -61,3 +68,19 @@ def edit_batch(batch: Batch, edit: EditInput, info: ModelInfo, default_strength:
     specs = tuple(replace(spec, edit=EditImage(np.ascontiguousarray(pixels[i % len(pixels)]), mask, fill))
                   for i, spec in enumerate(batch.images))
     return replace(batch, images=specs, strength=strength, overlay=edit.overlay)
+
+
+async def within_deadline(deadline: float, call: Callable[..., T], *args: object) -> T:
+    """``call(*args)`` (decoding uploads) in the threadpool under the request's deadline: 504 when it passes
+    first, so a client that set a deadline is answered on time. The thread finishes the image it holds (bounded by
+    the pixel, scan and per-request budgets) and its result is dropped."""
+    from starlette.concurrency import run_in_threadpool
+
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise DeadlineExceededError("the request's deadline passed before its images were decoded")
+    try:
+        return await asyncio.wait_for(run_in_threadpool(call, *args), remaining)
+    except TimeoutError:
+        raise DeadlineExceededError(f"the request's deadline passed while its images were decoded "
+                                    f"({remaining:.1f}s were left)") from None

@@ -117,6 +117,20 @@ class ImageService:
         Refused at admission (4xx / 429) when its estimated cost cannot finish before the deadline."""
         return (await self.run_all([batch], timeout_header, disconnected, owner, encode))[0]
 
+    def preadmit(self, batches: list[Batch], timeout_header: str | None) -> float:
+        """Admission before any uploaded image is decoded (the edit routes): the request's estimated cost against
+        its deadline, the same rule as ``run_all`` (which checks again once the images are ready). Returns the
+        deadline, which bounds the decoding too."""
+        deadline = self.deadline(timeout_header)
+        source = "x-sdserve-timeout-s" if timeout_header is not None else "queue.request_timeout_s"
+        try:
+            admit(self.cost, [_cost(b) for b in batches], self.batcher.ahead_seconds(), deadline - time.monotonic(),
+                  source)
+        except (InvalidRequestError, QueueFullError):
+            self.metrics.refused.labels("over_deadline").inc()
+            raise
+        return deadline
+
     async def run_all(self, batches: list[Batch], timeout_header: str | None, disconnected: Disconnected,
                       owner: str | None = None, encode: Encoder = encode_png) -> list[Generated]:
         """Several batches of one request under one deadline (A1111's n_iter), admitted on their total cost and

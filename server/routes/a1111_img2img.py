@@ -30,7 +30,7 @@ from starlette.concurrency import run_in_threadpool
 from engines.errors import InvalidRequestError
 from engines.protocol import LatentFill, ModelInfo
 from server.a1111_options import OptionsStore
-from server.edits import EditInput, edit_batch, require_edits
+from server.edits import EditInput, edit_batch, require_edits, within_deadline
 from server.images_in import blur_mask, check_pixel_budget, fill_masked, from_base64, resize
 from server.middleware import api_key_id
 from server.provenance_stage import stamp_a1111
@@ -180,7 +180,9 @@ async def img2img(req: Img2ImgRequest, request: Request, response: Response) -> 
     uploads = [*((f"init_images.{i}", t) for i, t in enumerate(req.init_images)), ("mask", req.mask)]
     await run_in_threadpool(check_pixel_budget, uploads, settings.limits.max_image_pixels,
                             settings.limits.max_request_pixels)  # headers only, before any pixel is decoded
-    images, mask = await run_in_threadpool(_decode, req, settings.limits.max_image_pixels)
+    # admitted on the batches' estimated cost before any pixel is decoded; decoding runs under the deadline
+    deadline = service.preadmit(batches, request.headers.get("x-sdserve-timeout-s"))
+    images, mask = await within_deadline(deadline, _decode, req, settings.limits.max_image_pixels)
     first = batches[0]
     box = crop_region(mask, req.inpaint_full_res_padding, first.width, first.height) \
         if mask is not None and req.inpaint_full_res else None

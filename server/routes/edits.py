@@ -23,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData, UploadFile
 
 from engines.errors import InvalidRequestError
-from server.edits import EditInput, edit_batch, require_edits
+from server.edits import EditInput, edit_batch, require_edits, within_deadline
 from server.images_in import alpha_mask, check_pixel_budget, decode, mask_image
 from server.request_rules import FieldNotes, openai_notes
 from server.routes.openai_images import run_and_answer
@@ -129,8 +129,10 @@ async def edit_images(request: Request, response: Response) -> ImagesResponse:
     req, limit = _request(fields), service.settings.limits.max_image_pixels  # cheap checks before the decodes
     await run_in_threadpool(check_pixel_budget, [("image", images[0]), *(("mask", m) for m in masks)], limit,
                             service.settings.limits.max_request_pixels)
-    image = await run_in_threadpool(decode, images[0], "image", limit)
-    mask = await run_in_threadpool(decode, masks[0], "mask", limit) if masks else None
+    # admitted on its estimated cost before any pixel is decoded; the decodes run under the request's deadline
+    deadline = service.preadmit([service.to_batch(req)], request.headers.get("x-sdserve-timeout-s"))
+    image = await within_deadline(deadline, decode, images[0], "image", limit)
+    mask = await within_deadline(deadline, decode, masks[0], "mask", limit) if masks else None
     if mask is not None and mask.size != image.size:
         raise InvalidRequestError(f"mask is {mask.width}x{mask.height} but image is {image.width}x{image.height}: "
                                   "they must have the same dimensions", param="mask")
@@ -150,7 +152,8 @@ async def image_variations(request: Request, response: Response) -> ImagesRespon
                                                   "strength"))
     if len(images) != 1 or masks:
         raise InvalidRequestError(f"send one image (got {len(images)})", param="image")
-    image = await run_in_threadpool(decode, images[0], "image", service.settings.limits.max_image_pixels)
     strength = fields.pop("strength", service.settings.limits.variation_strength)
     req = _request({**fields, "prompt": "variation"}).model_copy(update={"prompt": ""})
+    deadline = service.preadmit([service.to_batch(req)], request.headers.get("x-sdserve-timeout-s"))
+    image = await within_deadline(deadline, decode, images[0], "image", service.settings.limits.max_image_pixels)
     return await _respond(request, response, req, EditInput((image,), None, strength), strength, FieldNotes())

@@ -436,3 +436,19 @@ def test_port_in_use_exits_12(tiny_model: Path) -> None:
         result = _serve("--model", str(tiny_model), "--port", str(port))
     assert result.returncode == 12, result.stderr
     assert len(_reason_lines(result.stderr)) == 1 and f"cannot bind 127.0.0.1:{port}" in result.stderr
+
+
+def test_an_edit_that_cannot_meet_its_deadline_is_refused_before_its_image_is_decoded(bounded: ServerProcess) -> None:
+    """Issue 32, break 3: admission ran after decoding, so a request refused for its cost had paid for the decode
+    first. Now the estimate comes first: an image that would fail to decode (cut short) with a deadline its cost
+    cannot meet gets the admission refusal (naming the deadline), never the decode error; with a generous deadline
+    the same upload reaches the decoder and is refused as truncated. Both edit routes."""
+    cut = raw_png(64, 2048, 10)
+    tight = {"x-sdserve-timeout-s": "0.001"}
+    for headers, expected in ((tight, "exceeds the request deadline"), ({}, "truncated PNG")):
+        openai_edit = httpx.post(f"{bounded.url}/v1/images/edits", files={"image": ("x.png", cut, "image/png")},
+                                 data=EDIT, headers=headers, timeout=60)
+        a1111 = httpx.post(f"{bounded.url}/sdapi/v1/img2img", json={**IMG2IMG, "init_images": [_b64(cut)]},
+                           headers=headers, timeout=60)
+        for answer in (openai_edit, a1111):
+            assert answer.status_code in (400, 422) and expected in answer.text, (headers, answer.text[:300])
