@@ -166,14 +166,14 @@ class OrtEngine:
         log.info("model %s: %s", self.model_dir.name, f.describe())
 
     def _load_dit(self, sources: dict[str, dict[str, Path]]) -> None:
-        """A Flux or SD 3 folder: one flow-matching pipeline for every size. Prebuilt EP-context or TensorRT
-        artifacts are built for UNet models only so far: a profile that requires them refuses the folder."""
+        """A Flux or SD 3 folder: the flow-matching pipeline, per served size on its prebuilt EP-context models
+        (a plugin EP's `sdserve engines build`), else one for every size. TensorRT plans are built for the UNet
+        families only so far (engines/build/trtplan.py): a TensorRT profile finds no engines and refuses."""
         assert self._runtime is not None
-        if set(sources) != {ANY} or any(sources.values()):
-            raise ArtifactError(f"{self.model_dir.name}: prebuilt engine artifacts are not built for the DiT "
-                                "families yet; serve this model with a profile that runs the plain ONNX files")
-        pipe = DitOnnx(self.model_dir, self._runtime)
-        self._pipelines = {ANY: pipe}
+        pipelines = {size: DitOnnx(self.model_dir, self._runtime, "" if size == ANY else f"@{size}", parts)
+                     for size, parts in sources.items()}
+        self._pipelines = dict(pipelines)
+        pipe = next(iter(pipelines.values()))
         self._info = pipe.model_info(self.model_dir.name, _digest(self.model_dir, "transformer"))
         log.info("model %s: %s (flow matching, %s)", self.model_dir.name, pipe.family.name,
                  "guidance embedded" if pipe.family.guidance_embeds else

@@ -38,7 +38,15 @@ log = logging.getLogger(__name__)
 OPTIONAL_COMPONENTS = ("text_encoder_2", "vae_encoder")  # when the folder has them
 
 
+DIT_COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "transformer", "vae_decoder", "vae_encoder")
+"""A Flux or SD 3 folder's networks (the ones it has: Flux has no text_encoder_3)."""
+
+
 def components(model_dir: Path) -> list[str]:
+    from engines.diffusion.dit_family import is_dit_folder
+
+    if is_dit_folder(model_dir):
+        return [c for c in DIT_COMPONENTS if (model_dir / c / "model.onnx").is_file()]
     return [*COMPONENTS, *(c for c in OPTIONAL_COMPONENTS if (model_dir / c / "model.onnx").is_file())]
 
 

@@ -139,8 +139,10 @@ def _geometry(folder: Path, family: DitFamily) -> _Geometry:
 class DitOnnx:
     """Loads an exported Flux or SD 3 folder and runs txt2img and img2img batches (engines.protocol.Batch)."""
 
-    def __init__(self, folder: Path, runtime: Runtime, label: str = "") -> None:
-        """ModelLoadError (exit 11) when the folder is no served DiT family or misses a component."""
+    def __init__(self, folder: Path, runtime: Runtime, label: str = "", sources: dict[str, Path] | None = None) -> None:
+        """ModelLoadError (exit 11) when the folder is no served DiT family or misses a component. ``sources``:
+        per component, the model to load instead of ``<component>/model.onnx`` (prebuilt EP-context models)."""
+        given = sources or {}
         self.family = detect_dit(folder)
         flux = self.family.base == "flux"
         t5 = "text_encoder_2" if flux else "text_encoder_3"
@@ -150,7 +152,8 @@ class DitOnnx:
                 raise ModelLoadError(f"{folder} has no {part}/model.onnx (the ONNX layout of a {self.family.name} "
                                      "model: `sdserve engines export`)")
         self.runtime = runtime
-        models = {part: OrtModel(runtime, folder / part / "model.onnx", part + label) for part in parts}
+        models = {part: OrtModel(runtime, given.get(part, folder / part / "model.onnx"), part + label)
+                  for part in parts}
         self.t5, self.transformer, self.vae_decoder = models[t5], models["transformer"], models["vae_decoder"]
         self.clips = [(ClipTokenizer(folder / "tokenizer"), models["text_encoder"])]
         """CLIP-L (Flux: its pooled output), and SD 3's CLIP-G second."""
@@ -180,7 +183,7 @@ class DitOnnx:
                                                                       self.vae_decoder.input_dtype(vae_in), flux),
                                      "flow_decode" + label)
         encoder = folder / "vae_encoder" / "model.onnx"
-        self.editor = DitEditor(runtime, OrtModel(runtime, encoder, "vae_encoder" + label),
+        self.editor = DitEditor(runtime, OrtModel(runtime, given.get("vae_encoder", encoder), "vae_encoder" + label),
                                 lambda model, name: OrtModel(runtime, model, name + label), g.scaling_factor,
                                 g.shift_factor, in_dtype, flux) if encoder.is_file() else None
         self.edits_unavailable = "" if self.editor else (

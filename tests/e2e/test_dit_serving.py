@@ -99,3 +99,30 @@ def test_a_sampler_other_than_euler_is_refused_naming_it(servers: dict[str, str]
         "prompt": "a fox", "width": 64, "height": 64, "steps": 4, "sampler_name": "DPM++ 2M"}, timeout=60)
     assert response.status_code == 422, response.text
     assert "scheduler" in response.text and "euler" in response.text
+
+
+@pytest.mark.plugin_ep
+def test_flux_on_openvino_from_ep_context_artifacts(dit_build: Builder, tmp_path: Path) -> None:
+    """The accelerator proof on a DiT: `sdserve engines build --profile openvino` compiles every Flux network to an
+    EP-context model, the openvino profile (CPU provider refused, placement audit on) boots from them, and every
+    node of every session, the flow-step graphs included, runs on OpenVINO."""
+    from tests.plugin_ep import EP, build_artifacts, profile
+
+    model = build_artifacts(dit_build("flux")[0], tmp_path / "flux")
+    built = sorted(p.name for p in (model / "ep" / EP / "64x64").glob("*_ctx.onnx"))
+    assert built == ["text_encoder_2_ctx.onnx", "text_encoder_ctx.onnx", "transformer_ctx.onnx",
+                     "vae_decoder_ctx.onnx", "vae_encoder_ctx.onnx"]
+    process = ServerProcess("--config", str(profile(tmp_path)), "--model", str(model))
+    try:
+        url = process.wait_ready(timeout=300)
+        answer = httpx.post(f"{url}/v1/images/generations", json={"prompt": "a lighthouse", "size": "64x64",
+                                                                 "steps": 4}, timeout=120)
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["x-sdserve-provider"] == EP
+        caps = httpx.get(f"{url}/capabilities", timeout=30).json()
+        assert caps["accelerated"] is True and caps["family"]["family"] == "flux"
+        placement = caps["placement_summary"]
+        assert {"transformer@64x64", "text_encoder_2@64x64", "flow_step@64x64"} <= set(placement)
+        assert all(set(p["nodes_by_provider"]) == {EP} and p["ok"] for p in placement.values()), placement
+    finally:
+        assert process.stop() == 0, process.log
