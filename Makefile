@@ -74,6 +74,7 @@ bench: $(STAMP) $(MODEL)/manifest.json
 	$(PY) benchmarks/bench_readiness.py --model $(MODEL) --write-readme docs/benchmarks.md
 	$(PY) benchmarks/bench_server.py --model $(MODEL) --write-readme docs/benchmarks.md
 	$(PY) benchmarks/bench_families.py --out benchmarks/results/families_cpu.json
+	$(PY) benchmarks/bench_dit.py --out benchmarks/results/dit_cpu.json
 
 # Mutation check: each mutant of tests/mutation/mutations.toml runs its tests in a temporary copy of the repo.
 mutate: $(STAMP) $(BPE_WHEEL)

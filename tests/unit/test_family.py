@@ -115,8 +115,10 @@ def test_family_defaults_from_profile_builtin_or_general() -> None:
     assert (settings.defaults_for("sdxl").steps, settings.defaults_for("sdxl").guidance_scale) == (30, 5.0)
     assert (settings.defaults_for("turbo").steps, settings.defaults_for("turbo").guidance_scale) == (1, 0.0)
     assert settings.defaults_for("sd1") == settings.defaults
-    with pytest.raises(ValueError, match="family_defaults.sd3: unknown family"):
-        Settings.model_validate({"family_defaults": {"sd3": {}}})
+    flux, sd35 = settings.defaults_for("flux"), settings.defaults_for("sd35")  # the DiT families' model cards
+    assert (flux.steps, flux.guidance_scale, sd35.steps, sd35.guidance_scale) == (28, 3.5, 28, 4.5)
+    with pytest.raises(ValueError, match="family_defaults.pixart: unknown family"):
+        Settings.model_validate({"family_defaults": {"pixart": {}}})
 
 
 def _run(model: bytes, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
