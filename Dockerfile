@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1
-# sdserve image (`make image`; README "The image"). Stages, cheapest to change last:
+# sdserve image (`make image`; docs/deployment.md "The image"). Stages, cheapest to change last:
 #   tools:   pip/setuptools/wheel from deploy/image/tools.lock, in a venv that is never shipped;
 #   deps:    the runtime closure from deploy/image/runtime.lock (--require-hashes, --no-deps, wheels only), then
 #            pruned to what the ORT providers load (engines/runtime/libdeps.py walks their ELF closure);

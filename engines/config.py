@@ -146,7 +146,7 @@ class RuntimeSettings(BaseModel):
     intra_op_spinning: bool = False
     """session.intra_op.allow_spinning: idle ORT threads busy-wait for the next op. Off by default: on a machine
     shared with other processes spinning steals the cores they (and our own next op) need; measured no slower on
-    the CPU path (README, Benchmarks). Turn on for a dedicated CPU host."""
+    the CPU path (docs/benchmarks.md). Turn on for a dedicated CPU host."""
     placement_audit: bool = True
     """Record per-node provider assignment and refuse sessions with a CPU node on an activation's path (GPU
     policies); CPU nodes that compute only on shape values are allowed and counted (engines/runtime/dataflow.py)."""

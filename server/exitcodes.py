@@ -1,4 +1,5 @@
-"""Process exit codes: one table, documented in the README. Orchestrators reschedule on non-zero."""
+"""Process exit codes: one table (docs/reference/exit-codes.md, generated; docs/gpu-path.md). Orchestrators
+reschedule on non-zero."""
 
 from __future__ import annotations
 

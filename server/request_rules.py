@@ -1,6 +1,6 @@
 """Request -> engine batch: the served model and sizes, quality, and the rule for the fields clients always send.
 
-The rule (README "Fields clients always send"), on both APIs:
+The rule (docs/api.md "Fields clients always send"), on both APIs:
 
 1. A field that changes the image and that sdserve can honour is honoured (``size``, ``quality`` through
    ``[api] quality_steps``, ``output_format`` with ``output_compression``, ``background: opaque``).

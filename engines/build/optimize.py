@@ -52,7 +52,7 @@ ATTENTION_OPS = ("Attention", "MultiHeadAttention", "PackedAttention", "PackedMu
                  "GroupQueryAttention")
 CPU_FUSED_ATTENTION = True
 """Fuse attention for the CPU target too: MultiHeadAttention has a CPU kernel (MLAS flash attention without a mask)
-and measured faster than the unfused graph at 256x256 and up (README, Benchmarks)."""
+and measured faster than the unfused graph at 256x256 and up (docs/benchmarks.md)."""
 
 
 CUDA_WIDTHS: dict[str, tuple[str, frozenset[int]]] = {

@@ -26,7 +26,7 @@ class ReadyResponse(BaseModel):
     """Machine-readable reasons: the watchdog's (latency_drift, model_files, ...) or a failed boot's exit code."""
     reasons: list[str]
     load: dict[str, Any] | None = None
-    """Slowness and the contention observed on the node (reported; a flip needs evidence, see the README)."""
+    """Slowness and the contention observed on the node (reported; a flip needs evidence, see docs/operating.md)."""
 
 
 @router.get("/health", response_model=HealthResponse)
