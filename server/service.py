@@ -118,9 +118,9 @@ class ImageService:
         return (await self.run_all([batch], timeout_header, disconnected, owner, encode))[0]
 
     def preadmit(self, batches: list[Batch], timeout_header: str | None) -> float:
-        """Admission before any uploaded image is decoded (the edit routes): the request's estimated cost against
-        its deadline, the same rule as ``run_all`` (which checks again once the images are ready). Returns the
-        deadline, which bounds the decoding too."""
+        """Admission: the request's estimated cost against its deadline (4xx when it cannot finish alone, 429
+        behind the work ahead). The edit routes call it before decoding any upload, and ``run_all`` again once the
+        images are ready. Returns the deadline, which bounds the decoding too."""
         deadline = self.deadline(timeout_header)
         source = "x-sdserve-timeout-s" if timeout_header is not None else "queue.request_timeout_s"
         try:
@@ -135,14 +135,7 @@ class ImageService:
                       owner: str | None = None, encode: Encoder = encode_png) -> list[Generated]:
         """Several batches of one request under one deadline (A1111's n_iter), admitted on their total cost and
         queued one after another, so other callers' requests interleave between them."""
-        deadline = self.deadline(timeout_header)
-        source = "x-sdserve-timeout-s" if timeout_header is not None else "queue.request_timeout_s"
-        try:
-            admit(self.cost, [_cost(b) for b in batches], self.batcher.ahead_seconds(), deadline - time.monotonic(),
-                  source)
-        except (InvalidRequestError, QueueFullError):
-            self.metrics.refused.labels("over_deadline").inc()
-            raise
+        deadline = self.preadmit(batches, timeout_header)
         return [await self._run(b, deadline, disconnected, owner, encode) for b in batches]
 
     async def _run(self, batch: Batch, deadline: float, disconnected: Disconnected, owner: str | None,

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from engines.build.export import OPSET, write_manifest
+from engines.build.export import OPSET, VaeDecoderExport, VaeEncoderExport, write_manifest
 
 log = logging.getLogger(__name__)
 
@@ -117,26 +117,6 @@ class _SD3(torch.nn.Module):
                           pooled_projections=pooled, timestep=timestep, return_dict=False)[0]
 
 
-class _VaeDecoder(torch.nn.Module):
-    def __init__(self, model: Any) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, latent_sample: torch.Tensor) -> torch.Tensor:
-        return self.model.decode(latent_sample, return_dict=False)[0]
-
-
-class _VaeEncoder(torch.nn.Module):
-    """Image in [-1, 1] -> the latent distribution's moments (mean and log-variance), as engines/build/export.py."""
-
-    def __init__(self, model: Any) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, sample: torch.Tensor) -> torch.Tensor:
-        return self.model.encode(sample, return_dict=False)[0].parameters
-
-
 def _rms_norm_symbolic(g: Any, x: Any, normalized_shape: Any, weight: Any, eps: Any) -> Any:
     """``aten::rms_norm`` (torch.nn.RMSNorm: Flux's and SD 3.5's q/k norms) as opset-17 ops: the legacy exporter
     has no symbolic for it. x * 1/sqrt(mean(x², last dims) + eps) * weight, in torch's order."""
@@ -219,12 +199,12 @@ def _export_transformer(transformer: Any, flux: bool, out: Path) -> None:
 
 def _export_vae(vae: Any, out: Path, encoder: bool) -> None:
     spatial = {0: "batch", 2: "height", 3: "width"}
-    _export(_VaeDecoder(vae), (torch.randn(1, int(vae.config.latent_channels), 4, 4),),  # small: a fast trace
+    _export(VaeDecoderExport(vae), (torch.randn(1, int(vae.config.latent_channels), 4, 4),),  # small: a fast trace
             out / "vae_decoder" / "model.onnx", ["latent_sample"], ["sample"],
             {"latent_sample": spatial, "sample": spatial})
     if not encoder:
         return
-    _export(_VaeEncoder(vae), (torch.randn(1, int(vae.config.in_channels), 32, 32),),
+    _export(VaeEncoderExport(vae), (torch.randn(1, int(vae.config.in_channels), 32, 32),),
             out / "vae_encoder" / "model.onnx", ["sample"], ["latent_parameters"],
             {"sample": spatial, "latent_parameters": spatial})
 

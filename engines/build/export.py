@@ -76,7 +76,9 @@ class _UNetXL(torch.nn.Module):
         return self.model(sample, timestep, hidden, added_cond_kwargs=added, return_dict=False)[0]
 
 
-class _VaeDecoder(torch.nn.Module):
+class VaeDecoderExport(torch.nn.Module):
+    """Latents (already divided by the scaling factor) -> the decoded image in [-1, 1] (every family's VAE)."""
+
     def __init__(self, model: Any) -> None:
         super().__init__()
         self.model = model
@@ -85,7 +87,7 @@ class _VaeDecoder(torch.nn.Module):
         return self.model.decode(latent_sample, return_dict=False)[0]
 
 
-class _VaeEncoder(torch.nn.Module):
+class VaeEncoderExport(torch.nn.Module):
     """Image in [-1, 1] -> the latent distribution's moments (``AutoencoderKL.encode(x).latent_dist.parameters``)."""
 
     def __init__(self, model: Any) -> None:
@@ -154,11 +156,11 @@ def export_components(text_encoder: Any, unet: Any, vae: Any, scheduler_config: 
     sample = int(unet.config.sample_size) if isinstance(unet.config.sample_size, int) else 8
     _export_text_encoders(text_encoder, text_encoder_2, out)
     _export_unet(unet, hidden, out, int(text_encoder_2.config.projection_dim) if xl else None)
-    _export(_VaeDecoder(vae), (torch.randn(1, latent_channels, sample, sample),),
+    _export(VaeDecoderExport(vae), (torch.randn(1, latent_channels, sample, sample),),
             out / "vae_decoder" / "model.onnx", ["latent_sample"], ["sample"],
             {"latent_sample": {0: "batch", 2: "height", 3: "width"}, "sample": {0: "batch", 2: "height", 3: "width"}})
     pixels = sample * 2 ** (len(vae.config.block_out_channels) - 1)
-    _export(_VaeEncoder(vae), (torch.randn(1, int(vae.config.in_channels), pixels, pixels),),
+    _export(VaeEncoderExport(vae), (torch.randn(1, int(vae.config.in_channels), pixels, pixels),),
             out / "vae_encoder" / "model.onnx", ["sample"], ["latent_parameters"],
             {"sample": {0: "batch", 2: "height", 3: "width"},
              "latent_parameters": {0: "batch", 2: "height", 3: "width"}})
