@@ -23,6 +23,7 @@ import tomllib
 import types
 import typing
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
@@ -57,6 +58,23 @@ def one_line(text: str | None) -> str:
     return " ".join((text or "").split()).replace("|", "\\|")
 
 
+def _class_tree(klass: type) -> ast.Module | None:
+    """The class's source parsed (None without source). inspect.getsource parses the whole module with ast; on
+    CPython 3.11 that can raise a spurious "AST constructor recursion depth mismatch" SystemError when this thread's
+    recursion counter is off after an earlier deep recursion (seen in a clean-clone CI run): a fresh thread, with a
+    fresh counter, parses the same source."""
+    def parse() -> ast.Module:
+        return ast.parse(textwrap.dedent(inspect.getsource(klass)))
+
+    try:
+        return parse()
+    except (OSError, TypeError):
+        return None
+    except SystemError:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            return pool.submit(parse).result()
+
+
 def attribute_docs(cls: type) -> dict[str, str]:
     """Attribute docstrings (a string literal right after a class-level assignment), the convention this code base
     documents fields with; a subclass's override the base's. Read from the source with ast, nothing executed."""
@@ -64,11 +82,9 @@ def attribute_docs(cls: type) -> dict[str, str]:
     for klass in reversed(cls.__mro__):
         if klass.__module__ in ("builtins", "enum") or klass.__module__.startswith(("pydantic", "typing")):
             continue
-        try:
-            source = textwrap.dedent(inspect.getsource(klass))
-        except (OSError, TypeError):
+        tree = _class_tree(klass)
+        if tree is None:
             continue
-        tree = ast.parse(source)
         body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
         for node, after in zip(body, [*body[1:], None], strict=True):
             target = node.target if isinstance(node, ast.AnnAssign) else (

@@ -169,3 +169,26 @@ def test_support_matrix_is_the_same_on_the_readme_and_the_docs_home() -> None:
         return text[text.index("<!-- support-matrix:start -->"):text.index("<!-- support-matrix:end -->")]
 
     assert block(ROOT / "README.md").replace("](docs/", "](") == block(ROOT / "docs" / "index.md")
+
+
+def test_a_spurious_parser_systemerror_is_parsed_again_in_a_fresh_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPython 3.11's "AST constructor recursion depth mismatch" (a clean-clone CI run hit it inside
+    inspect.getsource) is this thread's counter, not the source: the generator parses again in a new thread."""
+    import ast
+    import threading
+
+    from server.cli import refs
+    from server.settings import Settings
+
+    parse = ast.parse
+    calls: list[str] = []
+
+    def flaky(*args: object, **kwargs: object) -> ast.Module:
+        calls.append(threading.current_thread().name)
+        if threading.current_thread() is threading.main_thread():
+            raise SystemError("AST constructor recursion depth mismatch (before=165, after=216)")
+        return parse(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ast, "parse", flaky)
+    docs = refs.attribute_docs(Settings)
+    assert docs and len(calls) >= 2 and calls[0] == threading.main_thread().name != calls[-1]

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import ast
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -26,13 +27,15 @@ CLI_REFS = "server/cli/refs.py"
 
 
 def _parse(path: Path) -> ast.Module:
-    """ast.parse, once more on CPython 3.11's spurious "AST constructor recursion depth mismatch" SystemError (seen
-    once in a clean-clone CI run; the same file parses on the next call): a parser bug, not a layout finding."""
+    """ast.parse, once more in a fresh thread on CPython 3.11's spurious "AST constructor recursion depth mismatch"
+    SystemError (seen in clean-clone CI runs: this thread's recursion counter is off after an earlier deep
+    recursion; a new thread starts with its own): a parser bug, not a layout finding."""
     source = path.read_text(encoding="utf-8")
     try:
         return ast.parse(source)
     except SystemError:
-        return ast.parse(source)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            return pool.submit(ast.parse, source).result()
 
 
 def _module(path: Path) -> str:
