@@ -126,6 +126,29 @@ class PluginEp(BaseModel):
         return f"sdserve_{self.name}"
 
 
+class LoraSettings(BaseModel):
+    """LoRA per request (engines/lora/): the adapter library and the merged-set cache. Off while ``dir`` is empty."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dir: str = ""
+    """Folder of ``.safetensors`` LoRA files (A1111's ``--lora-dir``; ``sdserve serve --lora-dir``,
+    ``SDSERVE_LORA_DIR``). Empty: no LoRA; requests naming one get a 400."""
+    cache_mb: int = Field(2048, ge=1, le=1_048_576)
+    """Device memory for merged adapter sets (each holds one copy of every weight it changes), LRU-evicted."""
+    max_file_mb: int = Field(2048, ge=1, le=65_536)
+    """Larger files are refused (listed with the reason), never read."""
+    max_header_kb: int = Field(1024, ge=1, le=102_400)
+    """A safetensors header (JSON) larger than this is refused before it is parsed."""
+    max_per_request: int = Field(8, ge=1, le=64)
+    """LoRAs one request may name (prompt tags and the ``loras`` field together)."""
+    max_multiplier: float = Field(10.0, gt=0, le=100)
+    """Bound on each multiplier's absolute value."""
+    targets: Literal["all", "blocks"] = "all"
+    """Weights a LoRA may change: every Linear and Conv of the text encoders and the denoiser (``all``), or those
+    inside attention/transformer blocks only (``blocks``: fewer overridable weights in the LoRA sessions)."""
+
+
 class RuntimeSettings(BaseModel):
     """How sessions are built and which providers may run them."""
 
@@ -167,6 +190,7 @@ class RuntimeSettings(BaseModel):
     """ORT log level during session creation (0 verbose .. 4 fatal); captured lines are classified."""
     cuda: CudaOptions = CudaOptions()
     tensorrt: TensorrtOptions = TensorrtOptions()
+    lora: LoraSettings = LoraSettings()
 
     @field_validator("providers", mode="before")
     @classmethod

@@ -11,6 +11,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from PIL import Image
@@ -28,7 +29,7 @@ from engines.config import (
 )
 from engines.diffusion.dit_family import is_dit_folder
 from engines.diffusion.dit_pipeline import DitOnnx
-from engines.diffusion.pipeline import StableDiffusionOnnx
+from engines.diffusion.pipeline import OrtModel, StableDiffusionOnnx
 from engines.diffusion.schedulers import EDIT_SCHEDULERS, SCHEDULERS
 from engines.errors import (
     ArtifactError,
@@ -42,6 +43,7 @@ from engines.errors import (
 from engines.health import selftest, signature
 from engines.health.integrity import IntegrityWatcher
 from engines.health.preflight import Check, Observations, evaluate, failures, gather
+from engines.lora.active import ACTIVE
 from engines.protocol import (
     Artifacts,
     Attention,
@@ -56,6 +58,8 @@ from engines.protocol import (
     GeneratedImage,
     GpuSample,
     IoInfo,
+    LoraInfo,
+    LoraUse,
     Mode,
     ModelInfo,
     OrtEvent,
@@ -71,6 +75,9 @@ from engines.protocol import (
 from engines.runtime.libdeps import preload
 from engines.runtime.ortlog import StderrTee
 from engines.runtime.sessions import Runtime, SessionReport, gpu_mem_limit, provider_options
+
+if TYPE_CHECKING:
+    from engines.lora.manager import LoraManager
 
 log = logging.getLogger(__name__)
 GPU_MEM_LIMIT_SCOPE = (
@@ -112,6 +119,7 @@ class OrtEngine:
         self._info: ModelInfo | None = None
         self._thresholds = signature_thresholds or SignatureThresholds()
         self._tee = StderrTee() if watch_ort_log else None
+        self._lora: LoraManager | None = None
 
     def preflight(self) -> tuple[CheckResult, ...]:
         """Check versions, provider libraries and the device against the matrix. With a GPU policy, any failure
@@ -146,6 +154,8 @@ class OrtEngine:
                 self._load_unet(sources)
             if self.plan is not None:  # the family's canary set (configs/canaries.toml [family.<name>])
                 self.plan = dataclasses.replace(self.plan, suite=self.plan.suite.for_family(self.info.family))
+            if self.settings.lora.dir:
+                self._load_lora()
         except NotReadyError as exc:
             self._errors.append(str(exc))
             raise
@@ -164,6 +174,21 @@ class OrtEngine:
                                f.prediction_type, f.text_encoders, f.vae_scaling_factor, f.cfg_default,
                                f.default_steps, f.default_guidance, *_edit_info(p))
         log.info("model %s: %s", self.model_dir.name, f.describe())
+
+    def _load_lora(self) -> None:
+        """The adapter library and one LoRA variant session per adaptable component, shared by every size's
+        pipeline. The variants load the plain ONNX files (a prebuilt engine's weights are compiled in): under a
+        TensorRT policy they run on CUDA (in-process graphs get CUDA only, engines/runtime/sessions.py
+        session_providers), under a plugin EP on that EP; never on the CPU where the policy forbids it (the same
+        Runtime.session checks as every session)."""
+        from engines.lora.manager import LoraManager
+
+        assert self._runtime is not None
+        self._lora = LoraManager(self.settings.lora, self.model_dir, self.info.family, self._runtime, OrtModel)
+        for pipe in self._pipelines.values():
+            for model in _adaptable(pipe):
+                found = self._lora.components.get(model.component)
+                model.variant = found.variant if found is not None else None
 
     def _load_dit(self, sources: dict[str, dict[str, Path]]) -> None:
         """A Flux or SD 3 folder: the flow-matching pipeline, per served size on its prebuilt EP-context models
@@ -360,8 +385,16 @@ class OrtEngine:
         """Run ``batch``; an all-black image (or NaN/inf from the VAE) is refused with InferenceError, never
         returned as a picture."""
         pipeline = self._pipeline_for(batch)
+        if batch.loras and self._lora is None:
+            raise InvalidRequestError("this server has no LoRA library ([runtime.lora] dir, --lora-dir)",
+                                      param="loras")
         with self._lock:
-            out = pipeline(batch, on_step=on_step)
+            weights = self._lora.weights(batch.loras) if self._lora is not None else {}
+            token = ACTIVE.set(weights)
+            try:
+                out = pipeline(batch, on_step=on_step)
+            finally:
+                ACTIVE.reset(token)
             if self.faults is not None and self.faults.latency_s > 0:
                 time.sleep(self.faults.latency_s)
         for index, image in enumerate(out.images):
@@ -457,7 +490,34 @@ class OrtEngine:
                    "device_memory_budget_enforced": False, "gpu_mem_limit_scope": GPU_MEM_LIMIT_SCOPE},
             artifacts=self._artifacts, attention=_attention(reports),
             self_test=self._report, family=self._info.family_summary() if self._info else {},
-            image=image_labels())
+            lora=self._lora_summary(), image=image_labels())
+
+    def loras(self) -> tuple[LoraInfo, ...]:
+        return self._lora.listing() if self._lora is not None else ()
+
+    def refresh_loras(self) -> tuple[LoraInfo, ...]:
+        if self._lora is None:
+            return ()
+        self._lora.refresh()
+        return self._lora.listing()
+
+    def lora_cost_s(self, uses: tuple[LoraUse, ...]) -> float:
+        return self._lora.merge_estimate_s(uses) if self._lora is not None else 0.0
+
+    def _lora_summary(self) -> dict[str, object]:
+        """/capabilities' ``lora``: the library (no server paths), the variant sessions, the cache, recent sets."""
+        if self._lora is None:
+            return {}
+        m = self._lora
+        return {"files": len(m.files), "usable": sum(1 for f in m.files.values() if not f.problem),
+                "refused": {f.file: f.problem for f in m.files.values() if f.problem},
+                "targets": m.settings.targets,
+                "adaptable_weights": {name: len(c.targets) for name, c in m.components.items()},
+                "sessions": {name: c.variant.name for name, c in m.components.items()},
+                "cache": dataclasses.asdict(m.stats) | {"budget_bytes": m.settings.cache_mb * 1024 * 1024},
+                "recent_sets": dict(m.history),
+                "serving": "merged weights bound to LoRA variant sessions of the plain ONNX components (IO "
+                           "binding); requests without LoRA run the base sessions unchanged"}
 
     def close(self) -> None:
         if self._runtime is not None:
@@ -466,6 +526,13 @@ class OrtEngine:
             self._tee.stop()
         self._pipelines = {}
         self._runtime = None
+
+
+def _adaptable(pipe: StableDiffusionOnnx | DitOnnx) -> list[OrtModel]:
+    """The sessions a LoRA can change: the text encoders and the denoiser."""
+    if isinstance(pipe, DitOnnx):
+        return [pipe.transformer, pipe.t5, *(model for _, model in pipe.clips)]
+    return [pipe.text_encoder, pipe.unet, *([pipe.second.model] if pipe.second is not None else [])]
 
 
 def _edit_info(p: StableDiffusionOnnx) -> tuple[tuple[Mode, ...], str, bool, tuple[str, ...]]:

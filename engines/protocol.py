@@ -73,6 +73,54 @@ Mode = Literal["txt2img", "img2img", "inpaint"]
 
 
 @dataclass(frozen=True)
+class LoraUse:
+    """One LoRA of a request's adapter set, resolved against the library (the server checks names first)."""
+
+    name: str
+    sha256: str
+    te: float = 1.0
+    """Multiplier on the text encoders (A1111's te_multiplier)."""
+    unet: float = 1.0
+    """Multiplier on the denoiser, UNet or DiT transformer (A1111's unet_multiplier)."""
+
+    def label(self) -> str:
+        """``name:te:unet`` (``name:mult`` when both are equal), as ``<lora:...>`` writes it."""
+        return f"{self.name}:{self.te:g}" + ("" if self.te == self.unet else f":{self.unet:g}")
+
+
+@dataclass(frozen=True)
+class LoraInfo:
+    """One file of the adapter library, usable or not (``problem`` says why not)."""
+
+    name: str
+    alias: str
+    path: str
+    """Relative to the library folder (the server's own paths are not shown)."""
+    sha256: str
+    size: int
+    metadata: dict[str, str]
+    problem: str
+    components: dict[str, int]
+    """Per session (unet, text_encoder...), how many of its weights the file changes."""
+
+
+@dataclass(frozen=True)
+class LoraStats:
+    """The merged-set cache, for /metrics and /capabilities."""
+
+    hits: int = 0
+    misses: int = 0
+    """Sets merged (not found in the cache)."""
+    evictions: int = 0
+    uncacheable: int = 0
+    """Sets larger than the whole budget: merged for their batch, never kept."""
+    cached_sets: int = 0
+    cached_bytes: int = 0
+    merge_seconds_total: float = 0.0
+    last_merge_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
 class Batch:
     """Images that share shape, step count and scheduler, so they run as one batch."""
 
@@ -93,6 +141,13 @@ class Batch:
     overlay: bool = True
     """Inpainting: paste the init image back outside the mask (as A1111 does; diffusers does not): pixels the
     mask leaves (mask 0) come back exactly as sent."""
+    loras: tuple[LoraUse, ...] = ()
+    """The adapter set: requests batch together only with the same set (engines/lora/manager.py set_key)."""
+
+    @property
+    def lora_key(self) -> tuple[tuple[str, float, float], ...]:
+        """Sorted (sha256, te, unet): what makes two requests' LoRA weights the same."""
+        return tuple(sorted((u.sha256, u.te, u.unet) for u in self.loras))
 
     @property
     def mode(self) -> Mode:
@@ -465,6 +520,9 @@ class Capabilities(_Frozen):
     self_test: SelfTestReport | None
     family: dict[str, str | int | float | bool] = {}
     """The served model's family (ModelInfo.family_summary); empty before the model loads."""
+    lora: dict[str, object] = {}
+    """The adapter library and the merged-set cache (engines/lora/manager.py): folder, files, recent sets; empty
+    when no [runtime.lora] dir is configured."""
     image: dict[str, str] = {}
     """The container image this server runs in, from the ``SDSERVE_IMAGE_*`` environment the image sets (``variant``:
     ``trt``, or ``notrt`` for an image built without the TensorRT libraries); empty outside an image."""
@@ -510,6 +568,15 @@ class Engine(Protocol):
     @property
     def info(self) -> ModelInfo:
         """The loaded model's serving limits."""
+
+    def loras(self) -> tuple[LoraInfo, ...]:
+        """The adapter library's files (empty without [runtime.lora] dir)."""
+
+    def refresh_loras(self) -> tuple[LoraInfo, ...]:
+        """Scan the adapter library again (new, changed and removed files)."""
+
+    def lora_cost_s(self, uses: tuple[LoraUse, ...]) -> float:
+        """Seconds an adapter set costs before its batch's first step: 0 when cached (or none), else its merge."""
 
     def close(self) -> None:
         """Release sessions and device buffers."""

@@ -41,6 +41,7 @@ from engines.diffusion.step_graph import (
 )
 from engines.diffusion.tokenizer import ClipTokenizer
 from engines.errors import InferenceError, InvalidRequestError, ModelLoadError
+from engines.lora.active import ACTIVE
 from engines.protocol import Batch, StepHook, Timings
 from engines.runtime.sessions import Runtime, numpy_dtype
 
@@ -51,13 +52,20 @@ log = logging.getLogger(__name__)
 class OrtModel:
     """One component session; IO names, ranks and dtypes come from the session, never hard-coded."""
 
-    def __init__(self, runtime: Runtime, model: Path | bytes, name: str, fp32: bool = False) -> None:
-        """``fp32``: TensorRT may not pick fp16 kernels for this component (Runtime.session)."""
+    def __init__(self, runtime: Runtime, model: Path | bytes, name: str, fp32: bool = False,
+                 extra: dict[str, str] | None = None) -> None:
+        """``fp32``: TensorRT may not pick fp16 kernels for this component (Runtime.session); ``extra``: more
+        session config entries."""
         self.name = name
+        self.component = name.split("@")[0]
+        """The name without a size label (``unet@512x512`` -> ``unet``): the key of a batch's LoRA weights."""
         self.runtime = runtime
         self.source = model
         """The model file (or in-process graph) the session loaded: what placement is judged against."""
-        self.session = runtime.session(model, name, fp32=fp32)
+        self.session = runtime.session(model, name, extra=extra, fp32=fp32)
+        self.variant: OrtModel | None = None
+        """The LoRA variant (engines/lora/targets.py): the same graph with its adaptable weights overridable. A
+        batch with LoRA weights for this component runs on it with them bound; every other batch on ``session``."""
         self.inputs = {i.name: i for i in self.session.get_inputs()}
         self.outputs = [o.name for o in self.session.get_outputs()]
         self.output_types = {o.name: o.type for o in self.session.get_outputs()}
@@ -69,7 +77,11 @@ class OrtModel:
         return numpy_dtype(self.session.get_outputs()[index].type)
 
     def run(self, feeds: dict[str, Feed], outputs: dict[str, ort.OrtValue]) -> None:
-        binding = self.session.io_binding()
+        weights = ACTIVE.get().get(self.component) if self.variant is not None else None
+        session = self.variant.session if weights and self.variant is not None else self.session
+        binding = session.io_binding()
+        for name, weight in (weights or {}).items():  # this batch's merged LoRA weights, never the base's
+            binding.bind_ortvalue_input(name, weight)
         for name, value in feeds.items():
             if isinstance(value, ort.OrtValue):
                 binding.bind_ortvalue_input(name, value)
@@ -80,7 +92,7 @@ class OrtModel:
         for name, value in outputs.items():
             check_output_type(self.name, name, value.data_type(), self.output_types.get(name, ""))
             binding.bind_ortvalue_output(name, value)
-        self.session.run_with_iobinding(binding)
+        session.run_with_iobinding(binding)
 
 
 def check_output_type(component: str, name: str, bound: str, declared: str) -> None:

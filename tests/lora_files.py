@@ -1,0 +1,88 @@
+"""LoRA files for the tests, made from the tiny models' own modules with peft (random factors, fixed seed).
+
+``peft_lora`` adds a LoRA adapter with random A and B (``init_lora_weights=False``, so B is not zero) to the
+diffusers components, and writes it as diffusers' ``save_lora_weights`` does (PEFT names with component prefixes,
+``unet.<module>.lora_A.weight``); ``kohya_lora`` writes the same factors under kohya/A1111 names
+(``lora_unet_<module with _>.lora_down.weight``, ``.lora_up.weight``, ``.alpha``). Hostile files are written byte by
+byte. Torch and peft are test-only; the server reads these files with numpy alone.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+UNET_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2"]
+TE_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
+DIT_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+               "ff.net.0.proj", "ff.net.2", "proj_mlp", "proj_out"]
+
+
+def lora_factors(module: torch.nn.Module, targets: list[str], rank: int, seed: int,
+                 scale: float = 0.2) -> dict[str, torch.Tensor]:
+    """Random LoRA factors for ``module`` in PEFT names (no component prefix), made by peft itself."""
+    from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=rank, lora_alpha=rank, target_modules=targets, init_lora_weights=False)
+    copy = _clone(module)
+    inject_adapter_in_model(config, copy)
+    state = get_peft_model_state_dict(copy)
+    return {k: (v * scale).contiguous() for k, v in state.items()}
+
+
+def _clone(module: torch.nn.Module) -> torch.nn.Module:
+    import copy
+
+    return copy.deepcopy(module)
+
+
+def save_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> Path:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
+    return path
+
+
+def peft_file(path: Path, parts: dict[str, dict[str, torch.Tensor]]) -> Path:
+    """``{component: factors}`` (unet/transformer/text_encoder/text_encoder_2) in diffusers' saved layout."""
+    return save_safetensors(path, {f"{component}.{k}": v for component, factors in parts.items()
+                                   for k, v in factors.items()})
+
+
+KOHYA = {"unet": "lora_unet_", "text_encoder": "lora_te_", "text_encoder_2": "lora_te2_"}
+
+
+def kohya_file(path: Path, parts: dict[str, dict[str, torch.Tensor]], alpha: float, xl: bool = False) -> Path:
+    """The same factors under kohya names, with an ``alpha`` per module (A1111 scales by alpha / rank)."""
+    out: dict[str, torch.Tensor] = {}
+    prefixes = {**KOHYA, "text_encoder": "lora_te1_"} if xl else KOHYA
+    for component, factors in parts.items():
+        for key, value in factors.items():
+            module, _, kind = key.rpartition(".lora_")
+            name = prefixes[component] + module.replace(".", "_")
+            role = {"A.weight": "lora_down.weight", "B.weight": "lora_up.weight"}[kind]
+            out[f"{name}.{role}"] = value
+            out[f"{name}.alpha"] = torch.tensor(float(alpha))
+    return save_safetensors(path, out, {"ss_output_name": path.stem, "ss_network_dim": "4"})
+
+
+def raw_safetensors(path: Path, header: dict[str, Any] | bytes, data: bytes = b"",
+                    declared: int | None = None) -> Path:
+    """A file written byte by byte: ``declared`` overrides the header length field (a huge or lying header)."""
+    body = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(body) if declared is None else declared) + body + data)
+    return path
+
+
+def numpy_delta(factors: dict[str, torch.Tensor], module: str) -> np.ndarray:
+    """B @ A of one module (PEFT names), for checks by hand."""
+    a = factors[f"{module}.lora_A.weight"].numpy()
+    b = factors[f"{module}.lora_B.weight"].numpy()
+    return np.asarray(b.reshape(b.shape[0], -1) @ a.reshape(a.shape[0], -1))
