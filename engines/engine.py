@@ -59,6 +59,7 @@ from engines.protocol import (
     GpuSample,
     IoInfo,
     LoraInfo,
+    LoraStats,
     LoraUse,
     Mode,
     ModelInfo,
@@ -504,6 +505,9 @@ class OrtEngine:
     def lora_cost_s(self, uses: tuple[LoraUse, ...]) -> float:
         return self._lora.merge_estimate_s(uses) if self._lora is not None else 0.0
 
+    def lora_stats(self) -> LoraStats:
+        return self._lora.stats if self._lora is not None else LoraStats()
+
     def _lora_summary(self) -> dict[str, object]:
         """/capabilities' ``lora``: the library (no server paths), the variant sessions, the cache, recent sets."""
         if self._lora is None:
@@ -514,6 +518,8 @@ class OrtEngine:
                 "targets": m.settings.targets,
                 "adaptable_weights": {name: len(c.targets) for name, c in m.components.items()},
                 "sessions": {name: c.variant.name for name, c in m.components.items()},
+                "library": [{"name": f.name, "file": f.file, "sha256": f.sha256, "components": f.components,
+                             "problem": f.problem} for f in m.files.values()],
                 "cache": dataclasses.asdict(m.stats) | {"budget_bytes": m.settings.cache_mb * 1024 * 1024},
                 "recent_sets": dict(m.history),
                 "serving": "merged weights bound to LoRA variant sessions of the plain ONNX components (IO "

@@ -578,5 +578,8 @@ class Engine(Protocol):
     def lora_cost_s(self, uses: tuple[LoraUse, ...]) -> float:
         """Seconds an adapter set costs before its batch's first step: 0 when cached (or none), else its merge."""
 
+    def lora_stats(self) -> LoraStats:
+        """The merged-set cache's cumulative figures (all zero without a LoRA library)."""
+
     def close(self) -> None:
         """Release sessions and device buffers."""

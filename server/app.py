@@ -20,7 +20,17 @@ from server.exitcodes import ExitCode, exit_code_for
 from server.images import ImageStore
 from server.metrics import Exposition, Metrics
 from server.middleware import AuthMiddleware, BodyLimitMiddleware, GuardMiddleware, MetricsMiddleware
-from server.routes import a1111, a1111_img2img, a1111_info, debug, edits, health, observability, openai_images
+from server.routes import (
+    a1111,
+    a1111_img2img,
+    a1111_info,
+    a1111_loras,
+    debug,
+    edits,
+    health,
+    observability,
+    openai_images,
+)
 from server.schemas import document_openapi
 from server.service import ImageService
 from server.settings import Settings
@@ -129,7 +139,7 @@ def create_app(engine: Engine, settings: Settings, on_fatal: OnFatal | None = No
     errors.install(app)
     _add_middleware(app, settings, metrics)
     for router in (health.router, observability.router, openai_images.router, a1111.router, a1111_info.router,
-                   edits.router, a1111_img2img.router):
+                   a1111_loras.router, edits.router, a1111_img2img.router):
         app.include_router(router)
     if settings.debug.fault_injection and faults is not None:
         app.include_router(debug.router)

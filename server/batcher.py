@@ -2,8 +2,8 @@
 
 One executing batch per model at a time. Requests wait in a bounded queue (full -> 429 at once, with Retry-After
 estimated from the queue and recent batch times). The batcher takes the oldest request and, within
-``max_queue_delay_ms``, every compatible one behind it (same size, steps, sampler, and for edits the same mode --
-img2img or inpainting -- and strength; prompts, seeds, guidance, images and masks are per image) up to
+``max_queue_delay_ms``, every compatible one behind it (same size, steps, sampler, LoRA adapter set, and for edits
+the same mode -- img2img or inpainting -- and strength; prompts, seeds, guidance, images and masks are per image) up to
 ``max_batch`` images, runs them as one batch and splits the result back per request. A request whose deadline
 passes before it starts is dropped (504); a cancelled request (client gone) is dropped likewise.
 """
@@ -53,7 +53,7 @@ class Job:
         """Requests merge into one batch only when everything but the per-image settings is equal."""
         b = self.batch
         return (b.width, b.height, b.steps, b.scheduler, b.truncate_prompts, b.original_size, b.crops_coords_top_left,
-                b.mode, b.strength, b.overlay)
+                b.mode, b.strength, b.overlay, b.lora_key)
 
 
 @dataclass

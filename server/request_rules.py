@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from engines.config import parse_size
 from engines.errors import InvalidRequestError
-from engines.protocol import Batch, ImageSpec, ModelInfo
+from engines.protocol import Batch, ImageSpec, LoraInfo, LoraUse, ModelInfo
+from server import lora_prompt
 from server.a1111_options import checkpoint_names
 from server.schemas import ImageGenerationRequest
 from server.settings import Settings
@@ -179,8 +181,10 @@ def _openai_hint(size: str, settings: Settings, info: ModelInfo) -> str:
     return "" if settings.serving.openai_sizes else " (enable [serving] openai_sizes to serve OpenAI's sizes)"
 
 
-def build_batch(req: ImageGenerationRequest, settings: Settings, info: ModelInfo) -> Batch:
-    """Validate a request against the profile's limits and the model; fill defaults; expand per-image seeds."""
+def build_batch(req: ImageGenerationRequest, settings: Settings, info: ModelInfo,
+                library: Mapping[str, LoraInfo] | None = None) -> Batch:
+    """Validate a request against the profile's limits and the model; fill defaults; expand per-image seeds;
+    resolve its LoRAs (prompt tags and the ``loras`` field) against ``library`` (server/lora_prompt.py)."""
     limits, defaults = settings.limits, settings.defaults_for(info.family)
     if not 1 <= req.n <= limits.max_n:
         raise InvalidRequestError(f"n must be between 1 and {limits.max_n}, got {req.n}", param="n")
@@ -201,11 +205,23 @@ def build_batch(req: ImageGenerationRequest, settings: Settings, info: ModelInfo
                                       param=name)
     seed = req.seed if req.seed is not None else secrets.randbelow(2**32)
     guidance = req.guidance_scale if req.guidance_scale is not None else defaults.guidance_scale
-    images = tuple(ImageSpec(req.prompt, req.negative_prompt, (seed + i) % 2**32, guidance)
+    prompt, loras = _loras(req, settings, library or {})
+    images = tuple(ImageSpec(prompt, req.negative_prompt, (seed + i) % 2**32, guidance)
                    for i in range(req.n))
     original, crops = _micro_conditioning(req, info)
     return Batch(images, width, height, steps, scheduler, settings.limits.prompt_overflow == "truncate", original,
-                 crops)
+                 crops, loras=loras)
+
+
+def _loras(req: ImageGenerationRequest, settings: Settings,
+           library: Mapping[str, LoraInfo]) -> tuple[str, tuple[LoraUse, ...]]:
+    """The prompt the encoder sees (LoRA tags removed) and the request's adapter set."""
+    prompt, wanted = lora_prompt.parse_prompt(req.prompt)  # tags only: an empty text, as A1111 encodes it
+    for i, item in enumerate(req.loras or []):
+        unet = item.unet_weight if item.unet_weight is not None else item.weight
+        wanted.append(lora_prompt.Wanted(item.name, item.weight, unet, f"loras.{i}.name"))
+    limits = settings.runtime.lora
+    return prompt, lora_prompt.resolve(wanted, library, limits.max_per_request, limits.max_multiplier)
 
 
 def _micro_conditioning(req: ImageGenerationRequest, info: ModelInfo) -> tuple[tuple[int, int] | None,

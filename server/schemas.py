@@ -36,6 +36,18 @@ STRICT = ConfigDict(extra="forbid", strict=True)
 """Public request models: booleans are not numbers, numbers are not strings, unknown fields are refused."""
 
 
+class LoraRequest(BaseModel):
+    """Extension: one LoRA of the request's adapter set (the same as ``<lora:name:weight>`` in the prompt)."""
+
+    model_config = STRICT
+
+    name: str = Field(..., min_length=1, max_length=256, description="A LoRA of GET /sdapi/v1/loras, by name.")
+    weight: float = Field(1.0, description="Multiplier on the text encoders and the denoiser (A1111's "
+                          "<lora:name:weight>); bounded by [runtime.lora] max_multiplier.")
+    unet_weight: float | None = Field(None, description="Multiplier on the denoiser (UNet or DiT transformer) "
+                                      "instead of weight (A1111's <lora:name:te:unet>).")
+
+
 class ImageGenerationRequest(BaseModel):
     """OpenAI Images API ``POST /v1/images/generations``, with sdserve extensions."""
 
@@ -81,6 +93,9 @@ class ImageGenerationRequest(BaseModel):
     crops_coords_top_left: list[Annotated[int, Field(ge=0, le=16384)]] | None = Field(
         None, min_length=2, max_length=2, description="Extension, SDXL only: [top, left] of the claimed crop "
                                                       "(micro-conditioning); default [0, 0].")
+    loras: list[LoraRequest] | None = Field(None, max_length=64, description="Extension: LoRAs applied to every "
+                                            "image of the request (with any <lora:name:weight> tags of the prompt; "
+                                            "the response's x-sdserve-loras names the set that ran).")
 
     @field_validator("original_size")
     @classmethod

@@ -18,10 +18,11 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from engines.errors import InvalidRequestError, NotReadyError
-from engines.protocol import Batch, BatchResult, Engine
+from engines.protocol import Batch, BatchResult, Engine, LoraUse
 from server.admission import Cost, CostModel, admit
 from server.batcher import Batcher
 from server.errors import ClientGoneError, QueueFullError
+from server.lora_prompt import header_value
 from server.metrics import Metrics
 from server.provenance import Provenance
 from server.request_rules import build_batch
@@ -54,6 +55,8 @@ class Generated:
     warnings: list[str]
     model: str = ""
     """The served model id that ran (x-sdserve-model: an alias in the request still names the real model)."""
+    loras: tuple[LoraUse, ...] = ()
+    """The adapter set that ran (x-sdserve-loras)."""
 
     def trace_headers(self, response: Response) -> None:
         """Server-Timing, provider, seeds, executed batch size and warnings of one request."""
@@ -63,6 +66,7 @@ class Generated:
         response.headers["x-sdserve-provider"] = self.result.provider
         response.headers["x-sdserve-seeds"] = ",".join(str(g.seed) for g in self.result.images)
         response.headers["x-sdserve-batch-size"] = str(self.result.executed)
+        response.headers["x-sdserve-loras"] = header_value(self.loras)
         if self.warnings:
             response.headers["x-sdserve-warnings"] = "; ".join(self.warnings)
         if self.model:
@@ -108,7 +112,7 @@ class ImageService:
         raise NotReadyError(message, permanent=self.state.state == "failed")
 
     def to_batch(self, req: ImageGenerationRequest) -> Batch:
-        return build_batch(req, self.settings, self.engine.info)
+        return build_batch(req, self.settings, self.engine.info, {f.name: f for f in self.engine.loras()})
 
     async def run(self, batch: Batch, timeout_header: str | None, disconnected: Disconnected,
                   owner: str | None = None, encode: Encoder = encode_png) -> Generated:
@@ -124,8 +128,11 @@ class ImageService:
         deadline = self.deadline(timeout_header)
         source = "x-sdserve-timeout-s" if timeout_header is not None else "queue.request_timeout_s"
         try:
-            admit(self.cost, [_cost(b) for b in batches], self.batcher.ahead_seconds(), deadline - time.monotonic(),
-                  source)
+            merges = sum(self.engine.lora_cost_s(b.loras) for b in {b.lora_key: b for b in batches}.values())
+            if merges:  # an adapter set not cached is merged before its first step
+                source += f", less {merges:.2f}s to merge a LoRA set not yet cached"
+            admit(self.cost, [_cost(b) for b in batches], self.batcher.ahead_seconds(),
+                  deadline - time.monotonic() - merges, source)
         except (InvalidRequestError, QueueFullError):
             self.metrics.refused.labels("over_deadline").inc()
             raise
@@ -223,13 +230,14 @@ class ImageService:
             result = await self.batcher.submit(batch, deadline, owner)
         finally:
             self._last_done = time.monotonic()
+            self.metrics.observe_lora(self.engine.lora_stats())
         t = time.perf_counter()
         pngs = await run_in_threadpool(lambda: [encode(g.image) for g in result.images])
         compute = result.timings.total
         self.recent.append(Sample(time.time(), f"{batch.width}x{batch.height}x{result.executed}", compute,
                                   len(result.images)))
         return Generated(pngs, result, max(0.0, t - start - compute), time.perf_counter() - t,
-                         self._warnings(result), self.engine.info.name)
+                         self._warnings(result), self.engine.info.name, batch.loras)
 
     def _warnings(self, result: BatchResult) -> list[str]:
         """What the pipeline truncated (it tokenized each prompt once)."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 from functools import cache
 
 import numpy as np
-import onnx
 from onnx import TensorProto, helper
 
 from engines.lora.targets import Layout

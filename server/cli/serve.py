@@ -28,7 +28,19 @@ def register(sub: Any) -> None:
     p.add_argument("--cors-allow-origins-regex", default=None, metavar="REGEX",
                    help="browser origins allowed, one regular expression matching the whole origin (A1111's flag); "
                    "replaces [server] cors_origin_regex")
+    p.add_argument("--lora-dir", type=Path, default=None, metavar="DIR",
+                   help="folder of .safetensors LoRA files (A1111's flag); replaces [runtime.lora] dir")
     p.set_defaults(run=run)
+
+
+def with_lora_dir(settings: Settings, folder: Path | None) -> Settings:
+    """The profile with ``--lora-dir`` applied (ConfigError, exit 10, when it is not a folder)."""
+    if folder is None:
+        return settings
+    if not folder.is_dir():
+        raise ConfigError(f"--lora-dir {folder}: not a folder")
+    lora = settings.runtime.lora.model_copy(update={"dir": str(folder.resolve())})
+    return settings.model_copy(update={"runtime": settings.runtime.model_copy(update={"lora": lora})})
 
 
 def with_cors(settings: Settings, origins: str | None, regex: str | None) -> Settings:
@@ -61,8 +73,9 @@ def run(args: argparse.Namespace) -> int:
 
     check_model_folder(args.model)
     boot = boot_config(args)
-    boot = dataclasses.replace(boot, settings=with_cors(boot.settings, args.cors_allow_origins,
-                                                         args.cors_allow_origins_regex))
+    boot = dataclasses.replace(boot, settings=with_lora_dir(with_cors(boot.settings, args.cors_allow_origins,
+                                                                       args.cors_allow_origins_regex),
+                                                             args.lora_dir))
     settings = boot.settings
     if settings.runtime.allow_cpu:
         log.warning("profile %s allows the CPU: this server is NOT accelerated (accelerated: false)",

@@ -5,12 +5,13 @@ SchedulerItem, UpscalerItem, LatentUpscalerModeItem, SDVaeItem, HypernetworkItem
 PromptStyleItem, EmbeddingsResponse, MemoryResponse, ScriptInfo, ExtensionItem), the handlers in
 ``modules/api/api.py`` (``progressapi``, ``interruptapi`` -> ``{}``, ``skip``, ``get_config``/``set_config``,
 ``get_schedulers``, ``get_memory``, ``refresh_checkpoints`` -> null) and ``State.dict()`` in
-``modules/shared_state.py``. ``/sdapi/v1/loras`` is A1111's built-in Lora extension's route and
-``/sdapi/v1/sd-modules`` is Forge's (SillyTavern asks both); they answer empty lists here.
+``modules/shared_state.py``. ``/sdapi/v1/sd-modules`` is Forge's (SillyTavern asks it); it answers an empty list
+here. ``/sdapi/v1/loras`` (A1111's built-in Lora extension's route) lists the adapter library:
+server/routes/a1111_loras.py.
 
 What is listed is what sdserve has: the Hires fix upscalers None, Lanczos and Nearest (``modules/upscaler.py``;
 "None" first, which SillyTavern expects), the schedules it serves (``modules/sd_schedulers.py``), no VAEs,
-hypernetworks, face restorers, styles, embeddings or LoRAs. ``POST /sdapi/v1/png-info`` reads an image's infotext
+hypernetworks, face restorers, styles or embeddings. ``POST /sdapi/v1/png-info`` reads an image's infotext
 back as A1111's ``pnginfoapi`` does.
 
 Progress comes from the engine's step hook (engines.protocol.StepHook): ``sampling_step``/``sampling_steps`` of the
@@ -218,12 +219,12 @@ async def png_info(req: PngInfoRequest, request: Request) -> PngInfoResponse:
 @router.get("/face-restorers")
 @router.get("/realesrgan-models")
 @router.get("/prompt-styles")
-@router.get("/loras")
 @router.get("/script-info")
 @router.get("/extensions")
 async def empty_listing() -> list[dict[str, Any]]:
     """Nothing of this kind exists in sdserve: the served model's own VAE is the only one, and there are no
-    modules, hypernetworks, face restorers, ESRGAN models, styles, LoRAs, scripts or extensions."""
+    modules, hypernetworks, face restorers, ESRGAN models, styles, scripts or extensions (LoRAs:
+    server/routes/a1111_loras.py)."""
     return []
 
 
@@ -236,7 +237,6 @@ async def embeddings() -> dict[str, dict[str, Any]]:
 @router.post("/refresh-checkpoints")
 @router.post("/refresh-vae")
 @router.post("/refresh-embeddings")
-@router.post("/refresh-loras")
 async def refresh() -> None:
     """A no-op, answered as A1111 does (null): one model is served per process, fixed at boot."""
 

@@ -47,10 +47,12 @@ def image_params(batch: Batch, seed: int, model: ModelInfo, sampler: str,
                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """The parameters of one image, in create_infotext's order (``extra``: e.g. the Hires fix's, before Version)."""
     short = model.digest[:10]
+    # A1111's Lora extension adds "Lora hashes" (name: short hash); here the first 12 hex of the file's sha256.
+    loras = {"Lora hashes": ", ".join(f"{u.name}: {u.sha256[:12]}" for u in batch.loras)} if batch.loras else {}
     return {"Steps": batch.steps, "Sampler": sampler, "Schedule type": schedule_label(batch.scheduler),
             "CFG scale": f"{batch.images[0].guidance_scale:g}", "Seed": seed,
             "Size": f"{batch.width}x{batch.height}", **({"Model hash": short} if short else {}),
-            "Model": model.name, **(extra or {}), "Version": VERSION}
+            "Model": model.name, **loras, **(extra or {}), "Version": VERSION}
 
 
 def generation_info(prompt: str, negative: str, batches: list[Batch], outs: list[Generated], model: ModelInfo,

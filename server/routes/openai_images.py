@@ -97,6 +97,7 @@ def _with_infotexts(out: Generated, batch: Batch, info: ModelInfo, settings: Set
     except StopIteration:  # a scheduler without an A1111 name: the infotext names ours
         sampler = batch.scheduler
     prompt, negative = batch.images[0].prompt, batch.images[0].negative_prompt
+    prompt += "".join(f" <lora:{u.label()}>" for u in batch.loras)  # as A1111 writes it: the tags in the prompt
     extra = hires.infotext if hires is not None else None
     texts = [infotext(prompt, negative, image_params(batch, g.seed, info, sampler, extra)) for g in out.result.images]
     return dataclasses.replace(out, pngs=[embed_infotext(p, t) for p, t in zip(out.pngs, texts, strict=True)])

@@ -23,6 +23,9 @@ from engines.protocol import (
     GpuSample,
     ImageSpec,
     IoInfo,
+    LoraInfo,
+    LoraStats,
+    LoraUse,
     ModelInfo,
     OrtEvent,
     Policy,
@@ -52,6 +55,11 @@ class FakeEngine:
         """ORT log events the next ``ort_events()`` call returns (then forgets, like the engine's tee)."""
         self.provider = "FakeExecutionProvider"
         """The provider the fake says ran each batch."""
+        self.library: tuple[LoraInfo, ...] = ()
+        """The LoRA files the fake lists (the server resolves request names against them)."""
+        self.merge_s = 0.0
+        """What an adapter set not in ``cached`` costs at admission."""
+        self.cached: set[tuple[tuple[str, float, float], ...]] = set()
 
     def preflight(self) -> tuple[CheckResult, ...]:
         return ()
@@ -120,6 +128,19 @@ class FakeEngine:
     @property
     def info(self) -> ModelInfo:
         return ModelInfo("fake", 16, 64, SCHEDULER_NAMES, 77)
+
+    def loras(self) -> tuple[LoraInfo, ...]:
+        return self.library
+
+    def refresh_loras(self) -> tuple[LoraInfo, ...]:
+        return self.library
+
+    def lora_cost_s(self, uses: tuple[LoraUse, ...]) -> float:
+        key = tuple(sorted((u.sha256, u.te, u.unet) for u in uses))
+        return 0.0 if not uses or key in self.cached else self.merge_s
+
+    def lora_stats(self) -> LoraStats:
+        return LoraStats()
 
     def close(self) -> None:
         self.closed = True

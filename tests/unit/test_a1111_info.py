@@ -251,9 +251,11 @@ def test_embeddings_memory_flags_and_refresh(client: TestClient) -> None:
     assert memory["cuda"] == {"error": "unavailable"}  # the fake engine has no GPU telemetry, as A1111 on a CPU
     flags = client.get("/sdapi/v1/cmd-flags").json()
     assert flags["api"] is True and flags["sdserve_profile"] == "dev"
-    for route in ("refresh-checkpoints", "refresh-vae", "refresh-embeddings", "refresh-loras"):
+    for route in ("refresh-checkpoints", "refresh-vae", "refresh-embeddings"):
         response = client.post(f"/sdapi/v1/{route}")
         assert response.status_code == 200 and response.json() is None
+    refreshed = client.post("/sdapi/v1/refresh-loras")  # the new listing (the fake has no LoRA library)
+    assert refreshed.status_code == 200 and refreshed.json() == []
 
 
 def test_override_settings_check_names_the_served_model() -> None:
