@@ -4,7 +4,8 @@
 A1111's syntax (extensions-builtin/Lora/extra_networks_lora.py and modules/extra_networks.py): a tag is
 ``<lora:NAME>``, ``<lora:NAME:TE>`` or ``<lora:NAME:TE:UNET>`` with named ``te=`` / ``unet=`` overriding the
 positions; the denoiser multiplier defaults to the text encoders', which defaults to 1.0. Tags are removed from the
-text the encoder sees, nothing else (A1111 removes every ``<kind:...>`` extra-network tag the same way); ``lyco`` is A1111's alias of ``lora``.
+text the encoder sees, nothing else (A1111 removes every ``<kind:...>`` extra-network tag the same way); ``lyco``
+is A1111's alias of ``lora``.
 A hypernetwork tag is refused (sdserve has none), never silently dropped. Unknown names, refused files and bad
 multipliers are 400 (OpenAI) / 422 (A1111) naming the field, before admission.
 """
