@@ -40,6 +40,9 @@ class ExitCode(IntEnum):
     """`sdserve verify`: the manifest does not validate (pixels or manifest changed after signing)."""
     VERIFY_NO_MANIFEST = 42
     """`sdserve verify`: no C2PA manifest (never signed, or stripped)."""
+    VERIFY_WATERMARK_ONLY = 43
+    """`sdserve verify`: no C2PA manifest, but an sdserve watermark: the image came from an sdserve server and its
+    manifest was stripped (re-encoded, metadata removed); the payload names the request in that server's log."""
 
 
 _TABLE: tuple[tuple[type[BaseException], ExitCode], ...] = (

@@ -9,6 +9,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.platform_collector import PlatformCollector
 
+from engines.protocol import LoraStats
+
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 DEGRADED_REASONS = ("boot_failed", "latency_drift", "output_drift", "canary_invalid", "livelock",
                     "fallback_suspected", "ort_event", "provider_changed", "model_files")
@@ -77,8 +79,12 @@ class Metrics:
         self.provenance_bytes = Histogram("sdserve_provenance_added_bytes", "Bytes the signed C2PA manifest adds "
                                           "per image", buckets=(1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072),
                                           registry=r)
+        self.watermark_images = Counter("sdserve_watermark_images_total", "Images returned with [provenance] "
+                                        "watermark on, by outcome (marked, skipped) and reason (too_small, "
+                                        "unsupported_image, unreadable)", ["outcome", "reason"], registry=r)
         self.provenance_expiry = Gauge("sdserve_provenance_certificate_expiry_timestamp_seconds", "Unix time the "
                                        "signing certificate expires (NaN without one)", registry=r)
+        self._lora_metrics(r)
         for gauge in (self.slowdown, self.cpu_pressure, self.cpu_steal, self.load_per_cpu):
             gauge.set(math.nan)  # unknown until the watchdog's first window
         self.gpu_others.labels(self.gpu).set(math.nan)
@@ -93,6 +99,33 @@ class Metrics:
         self.gpu_mem.labels(self.gpu).set(mem)
         self.gpu_power.labels(self.gpu).set(power_w)
         self.gpu_mem_used.labels(self.gpu).set(used_bytes)
+
+    def _lora_metrics(self, r: CollectorRegistry) -> None:
+        self.lora_merges = Counter("sdserve_lora_merges_total", "LoRA adapter sets merged on the device (not found "
+                                   "in the merged-set cache)", registry=r)
+        self.lora_hits = Counter("sdserve_lora_cache_hits_total", "Batches whose LoRA adapter set was already "
+                                 "merged", registry=r)
+        self.lora_evictions = Counter("sdserve_lora_cache_evictions_total", "Merged LoRA sets evicted to stay "
+                                      "under [runtime.lora] cache_mb", registry=r)
+        self.lora_uncacheable = Counter("sdserve_lora_uncacheable_total", "Merged LoRA sets larger than the whole "
+                                        "cache budget (merged for their batch only)", registry=r)
+        self.lora_merge_seconds = Counter("sdserve_lora_merge_seconds_total", "Seconds spent merging LoRA sets",
+                                          registry=r)
+        self.lora_cache_bytes = Gauge("sdserve_lora_cache_bytes", "Device bytes held by merged LoRA sets",
+                                      registry=r)
+        self.lora_cache_sets = Gauge("sdserve_lora_cache_sets", "Merged LoRA sets in the cache", registry=r)
+        self._lora_seen = LoraStats()
+
+    def observe_lora(self, stats: LoraStats) -> None:
+        """The engine's cumulative merged-set figures, as counters (increments since the last call) and gauges."""
+        seen, self._lora_seen = self._lora_seen, stats
+        self.lora_merges.inc(max(0, stats.misses - seen.misses))
+        self.lora_hits.inc(max(0, stats.hits - seen.hits))
+        self.lora_evictions.inc(max(0, stats.evictions - seen.evictions))
+        self.lora_uncacheable.inc(max(0, stats.uncacheable - seen.uncacheable))
+        self.lora_merge_seconds.inc(max(0.0, stats.merge_seconds_total - seen.merge_seconds_total))
+        self.lora_cache_bytes.set(stats.cached_bytes)
+        self.lora_cache_sets.set(stats.cached_sets)
 
     def set_degraded(self, active: set[str]) -> None:
         for reason in DEGRADED_REASONS:

@@ -31,6 +31,7 @@ from typing import Any, Literal
 from engines.errors import SdserveError
 from server.metrics import Metrics
 from server.settings import ProvenanceSettings
+from server.watermark import MIN_PIXELS, PAYLOAD_BITS, SCHEME, SKIP_REASONS, Marked, mark_bytes, payload_for
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,8 @@ GENERATION_LABEL = "org.sdserve.generation"
 DIGITAL_SOURCE_TYPE = "http://cv.iptc.org/newscodes/digitalsourcetype/trainedAlgorithmicMedia"
 HEADER = "x-sdserve-provenance"
 """Response header: ``c2pa`` (every image signed), ``off``, or ``unsigned; reason=<reason>``."""
+WATERMARK_HEADER = "x-sdserve-watermark"
+"""With [provenance] watermark on: each image's payload in hex, or ``skipped:<reason>``, comma-separated in order."""
 UnsignedReason = Literal["off", "no_credential", "signing_failed"]
 UNSIGNED_REASONS: tuple[UnsignedReason, ...] = ("off", "no_credential", "signing_failed")
 MEDIA_TYPES = {b"\x89PNG\r\n\x1a\n": "image/png", b"\xff\xd8\xff": "image/jpeg"}
@@ -209,6 +212,10 @@ class Provenance:
         self.metrics.provenance_images.labels("signed", "")
         for reason in UNSIGNED_REASONS:
             self.metrics.provenance_images.labels("unsigned", reason)
+        if settings.watermark:
+            self.metrics.watermark_images.labels("marked", "")
+            for skipped in SKIP_REASONS:
+                self.metrics.watermark_images.labels("skipped", skipped)
 
     @classmethod
     def create(cls, settings: ProvenanceSettings, metrics: Metrics | None = None) -> Provenance:
@@ -237,7 +244,23 @@ class Provenance:
         return {"mode": self.mode, "signing": self.credential is not None, "manifest": "c2pa",
                 "assertion": GENERATION_LABEL, "include_prompt": self.settings.include_prompt,
                 "certificate": self.credential.public() if self.credential else None,
+                "watermark": {"scheme": SCHEME, "payload_bits": PAYLOAD_BITS, "min_pixels": MIN_PIXELS}
+                if self.settings.watermark else None,
                 **({"problem": self.problem} if self.problem else {})}
+
+    def mark(self, images: list[bytes], request_id: str) -> list[Marked]:
+        """Each image watermarked with its payload, ``payload_for(request_id, position in the response)``
+        (blocking: call it off the event loop). An image that cannot carry a mark comes back unchanged with the
+        reason; each payload is logged with its request, so the log maps a mark back without the manifest."""
+        marks = [mark_bytes(image, payload_for(request_id, i)) for i, image in enumerate(images)]
+        for i, mark in enumerate(marks):
+            self.metrics.watermark_images.labels("marked" if mark.payload else "skipped", mark.skipped).inc()
+            if mark.payload is not None:
+                log.info("watermark %s: request %s image %d", mark.payload.hex(), request_id, i)
+            else:  # too_small is every image of a small-size profile: the header, manifest and metric say it
+                (log.debug if mark.skipped == "too_small" else log.warning)(
+                    "watermark skipped (%s): request %s image %d", mark.skipped, request_id, i)
+        return marks
 
     def stamp(self, images: list[bytes], facts: list[dict[str, Any]], version: str) -> Stamped:
         """Sign each image with its facts (blocking: call it off the event loop). In require mode a failure

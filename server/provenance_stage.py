@@ -5,11 +5,15 @@ model (``ModelInfo``: id, family, UNet sha256), the model folder's and the engin
 files boot verified), the provider each component's session runs on, the runtime and library versions preflight
 observed, the GPU, the provider that ran this batch (``x-sdserve-provider``), the seed (``x-sdserve-seeds``), the
 request id (``x-request-id``) and the readiness state. The prompt only when ``[provenance] include_prompt``.
+
+With ``[provenance] watermark`` the pixels are marked first (server/watermark.py), so the signature covers the
+marked image and the manifest records each image's payload (or why it has none).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -20,8 +24,9 @@ from starlette.concurrency import run_in_threadpool
 from engines.factory import manifest_name
 from engines.protocol import Batch, Capabilities, ImageSpec
 from server.errors import request_id_of
-from server.provenance import HEADER, Provenance, digest_of
+from server.provenance import HEADER, WATERMARK_HEADER, Provenance, digest_of
 from server.service import Generated
+from server.watermark import Marked
 
 MANIFEST = manifest_name()
 
@@ -85,7 +90,10 @@ def image_facts(batch: Batch, out: Generated, index: int, include_prompt: bool) 
         "model_served": out.model, "provider": result.provider, "index": index, "seed": result.images[index].seed,
         "mode": batch.mode, "width": width, "height": height, "steps": batch.steps,
         "steps_done": result.steps_done or batch.steps, "interrupted": result.interrupted,
-        "sampler": batch.scheduler, "guidance_scale": spec.guidance_scale, "batch_images": result.executed}
+        "sampler": batch.scheduler, "guidance_scale": spec.guidance_scale, "batch_images": result.executed,
+        # the adapter set that ran (x-sdserve-loras): file hashes and multipliers, names only as the library had them
+        "loras": [{"name": u.name, "sha256": u.sha256, "te_multiplier": u.te, "unet_multiplier": u.unet}
+                  for u in batch.loras]}
     if batch.mode != "txt2img":
         facts["strength"] = batch.strength
     if include_prompt:
@@ -95,25 +103,39 @@ def image_facts(batch: Batch, out: Generated, index: int, include_prompt: bool) 
 
 async def sign_images(request: Request, response: Response, runs: list[tuple[Batch, Generated]],
                       images: list[bytes] | None = None) -> tuple[list[bytes], str]:
-    """The final bytes of every image of ``runs`` (default: their encoded images, in order), signed off the event
-    loop, and the warning to give when they could not be (else ""). Sets x-sdserve-provenance and adds
-    ``sign;dur=`` to Server-Timing. require mode: SigningError (500) when an image cannot be signed."""
+    """The final bytes of every image of ``runs`` (default: their encoded images, in order), watermarked when the
+    profile asks and signed, off the event loop, and the warning to give when they could not be signed (else "").
+    Sets x-sdserve-provenance (and x-sdserve-watermark) and adds ``watermark;dur=`` and ``sign;dur=`` to
+    Server-Timing. require mode: SigningError (500) when an image cannot be signed."""
     provenance: Provenance = request.app.state.service.provenance
     items = [(batch, out, i) for batch, out in runs for i in range(len(out.pngs))]
     final = images if images is not None else [p for _, out in runs for p in out.pngs]
+    marks: list[Marked] = []
+    if provenance.settings.watermark:
+        start = time.perf_counter()
+        marks = await run_in_threadpool(provenance.mark, final, request_id_of(request.scope))
+        final = [mark.data for mark in marks]
+        response.headers[WATERMARK_HEADER] = ",".join(mark.header for mark in marks)
+        _timing(response, "watermark", time.perf_counter() - start)
     if provenance.mode == "off":
         stamped = provenance.stamp(final, [], "")
     else:
         shared = server_facts(request)
         include = provenance.settings.include_prompt
         facts = [{**shared, **image_facts(batch, out, i, include)} for batch, out, i in items]
+        for n, mark in enumerate(marks):
+            facts[n]["watermark"] = mark.record(n)
         stamped = await run_in_threadpool(provenance.stamp, final, facts, sdserve_version())
     response.headers[HEADER] = stamped.status
     if stamped.seconds:
-        timing = response.headers.get("Server-Timing")
-        sign = f"sign;dur={stamped.seconds * 1000:.1f}"
-        response.headers["Server-Timing"] = f"{timing}, {sign}" if timing else sign
+        _timing(response, "sign", stamped.seconds)
     return stamped.images, stamped.warning
+
+
+def _timing(response: Response, name: str, seconds: float) -> None:
+    timing = response.headers.get("Server-Timing")
+    entry = f"{name};dur={seconds * 1000:.1f}"
+    response.headers["Server-Timing"] = f"{timing}, {entry}" if timing else entry
 
 
 async def stamp(request: Request, response: Response, out: Generated, batch: Batch) -> Generated:

@@ -1,5 +1,6 @@
 """Reading and validating an image's C2PA manifest (``sdserve verify``): what it says, whether its signature and
-hashes hold, whether its signer chains to the operator's trust list, and what no longer matches."""
+hashes hold, whether its signer chains to the operator's trust list, and what no longer matches; and the invisible
+watermark its pixels carry (server/watermark.py), which outlives a stripped manifest."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from server import watermark
 from server.provenance import GENERATION_LABEL, media_type
 
-Verdict = Literal["trusted", "untrusted", "invalid", "no_manifest"]
+Verdict = Literal["trusted", "untrusted", "invalid", "watermark_only", "no_manifest"]
 EXPLAINED = {
     "assertion.dataHash.mismatch": "the image's bytes changed after signing (pixels edited or re-encoded)",
     "assertion.boxesHash.mismatch": "the image's bytes changed after signing",
@@ -39,11 +41,13 @@ class Verification:
     generation: dict[str, Any] | None = None
     """The org.sdserve.generation assertion, when present."""
     generator: list[dict[str, Any]] = field(default_factory=list)
+    watermark: dict[str, Any] | None = None
+    """What the pixels' watermark says (``read_watermark``); None when the image could not be decoded."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"verdict": self.verdict, "problems": self.problems, "media_type": self.media_type,
                 "signer": self.signer, "claim_generator": self.generator, "actions": self.actions,
-                "generation": self.generation}
+                "generation": self.generation, "watermark": self.watermark}
 
 
 def _explain(code: str, explanation: str = "") -> str:
@@ -67,7 +71,17 @@ def read_store(data: bytes, kind: str, trust_pem: str | None) -> dict[str, Any]:
 def verify_bytes(data: bytes, trust_pem: str | None = None) -> Verification:
     """Validate one image: ``trusted`` (signature and hashes hold, the signer chains to ``trust_pem``),
     ``untrusted`` (they hold, the signer is not in the trust list, or none was given), ``invalid`` (something
-    changed after signing: each problem named) or ``no_manifest`` (never signed, or stripped)."""
+    changed after signing: each problem named), ``watermark_only`` (no manifest, but the pixels carry an sdserve
+    watermark) or ``no_manifest`` (never signed, or stripped, and no watermark)."""
+    result = _manifest(data, trust_pem)
+    if result.media_type is not None:
+        result.watermark = read_watermark(data, result.generation)
+        if result.verdict == "no_manifest" and result.watermark and result.watermark.get("payload"):
+            result.verdict = "watermark_only"
+    return result
+
+
+def _manifest(data: bytes, trust_pem: str | None) -> Verification:
     import c2pa
 
     kind = media_type(data)
@@ -82,6 +96,31 @@ def verify_bytes(data: bytes, trust_pem: str | None = None) -> Verification:
                                                 "metadata removed)"], kind)
         return Verification("invalid", [f"the manifest cannot be read: {text}"], kind)
     return _verdict(store, kind, trust_pem is not None)
+
+
+def read_watermark(data: bytes, generation: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The watermark of an encoded image: its payload (hex) when one reads with a valid check, else None, the
+    share of blocks that agree, and, when the manifest records a payload, whether the pixels carry it (and how
+    many of its 64 bits they do). None when the image cannot be decoded."""
+    try:
+        reading = watermark.read_bytes(data)
+    except (OSError, ValueError):
+        return None
+    recorded = (generation or {}).get("watermark") or {}
+    claimed = recorded.get("payload") if isinstance(recorded, dict) else None
+    if reading is None:
+        return {"scheme": watermark.SCHEME, "payload": None, "skipped": "too_small", "manifest_payload": claimed}
+    out: dict[str, Any] = {"scheme": watermark.SCHEME, "payload": reading.payload.hex() if reading.payload else None,
+                           "agreement": round(reading.agreement, 3), "manifest_payload": claimed}
+    if isinstance(claimed, str):
+        try:
+            expected = bytes.fromhex(claimed)
+        except ValueError:
+            expected = b""
+        out["matches_manifest"] = reading.payload == expected
+        if len(expected) == len(reading.bits):
+            out["bits_matching_manifest"] = reading.matches(expected)
+    return out
 
 
 def _verdict(store: dict[str, Any], kind: str, trust_given: bool) -> Verification:

@@ -366,6 +366,11 @@ class ProvenanceSettings(BaseModel):
     include_prompt: bool = False
     """Write the prompt and negative prompt into the signed manifest. Off (privacy): the manifest says how the
     image was made, not what was asked for."""
+    watermark: bool = False
+    """Mark every returned image of at least 256x256 pixels with an invisible DWT-DCT watermark (the scheme of
+    ``invisible-watermark``'s ``dwtDct``, server/watermark.py) carrying a 64-bit id of the request and image,
+    before it is signed, so the mark outlives a stripped manifest. Smaller images are served unmarked and say so
+    (``x-sdserve-watermark: skipped:too_small``, the manifest, the metric). Independent of ``mode``."""
 
 
 PROVENANCE_MODES = ("off", "sign", "require")
@@ -435,6 +440,8 @@ def _env_overrides(data: dict[str, object]) -> dict[str, object]:
         server["port"] = os.environ[f"{ENV_PREFIX}PORT"]
     if f"{ENV_PREFIX}DEVICE_ID" in os.environ:
         runtime["device_id"] = os.environ[f"{ENV_PREFIX}DEVICE_ID"]
+    if os.environ.get(f"{ENV_PREFIX}LORA_DIR"):
+        runtime["lora"] = {**runtime.get("lora", {}), "dir": os.environ[f"{ENV_PREFIX}LORA_DIR"]}
     auth = dict(data.get("auth", {}))  # type: ignore[call-overload]
     if os.environ.get(f"{ENV_PREFIX}API_KEYS_SHA256"):
         extra = [d.strip() for d in os.environ[f"{ENV_PREFIX}API_KEYS_SHA256"].split(",") if d.strip()]

@@ -36,6 +36,13 @@ class SigningCredential:
         paths[0].chmod(0o600)
         return paths
 
+    def require_env(self, folder: Path) -> dict[str, str]:
+        """The environment of a server that signs every image with this credential ([provenance] mode require),
+        its key and chain written into ``folder``."""
+        key, chain, _ = self.write(folder)
+        return {"SDSERVE_PROVENANCE_MODE": "require", "SDSERVE_PROVENANCE_KEY_FILE": str(key),
+                "SDSERVE_PROVENANCE_CHAIN_FILE": str(chain)}
+
 
 def _name(common_name: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name),

@@ -49,6 +49,9 @@ class Component:
     targets: dict[str, targets.Target]
     base: dict[str, np.ndarray]
     variant: OrtModel
+    required: dict[str, ort.OrtValue] = field(default_factory=dict)
+    """Plugin EPs only (the targets are plain inputs there): every target's base value on the device, bound
+    under the set's merged tensors."""
 
 
 @dataclass
@@ -77,11 +80,11 @@ class LoraManager:
             raise ModelLoadError(f"[runtime.lora] dir {self.folder} is not a folder (--lora-dir or "
                                  "SDSERVE_LORA_DIR)")
         self.components = self._load_components(model_dir, make_model)
-        kinds = {(t.layout, t.dtype) for c in self.components.values() for t in c.targets.values()}
-        self._merge: dict[tuple[str, type[np.generic]], OrtModel] = {
-            (layout, dt): make_model(runtime, merge.merge_graph(layout, np.dtype(dt)),
-                                     f"lora_merge_{layout}_{np.dtype(dt).name}") for layout, dt in sorted(
-                kinds, key=str)}
+        kinds = {(t.layout, t.dtype, len(t.shape)) for c in self.components.values() for t in c.targets.values()}
+        self._merge: dict[tuple[str, type[np.generic], int], OrtModel] = {
+            (layout, dt, rank): make_model(runtime, merge.merge_graph(layout, np.dtype(dt), rank),
+                                           f"lora_merge_{layout}_{np.dtype(dt).name}_{rank}d")
+            for layout, dt, rank in sorted(kinds, key=str)}
         self._cache: OrderedDict[tuple[tuple[str, float, float], ...], MergedSet] = OrderedDict()
         self._lock = threading.Lock()
         self.files: dict[str, LoraFile] = {}
@@ -103,10 +106,19 @@ class LoraManager:
             if external:  # the variant's protobuf without weights; ORT reads them beside the model file
                 model = onnx.load(str(path), load_external_data=False)
             extra = {"session.model_external_initializers_file_folder_path": str(path.parent)} if external else None
-            variant = make_model(self.runtime, targets.with_overridable(model, found), f"{name}:lora", extra=extra)
-            out[name] = Component(name, found, base, variant)
+            as_inputs = self.runtime.settings.plugin is not None
+            variant = make_model(self.runtime, targets.with_overridable(model, found, as_inputs), f"{name}:lora",
+                                 extra=extra)
+            required = {k: self._device(v) for k, v in base.items()} if as_inputs else {}
+            out[name] = Component(name, found, base, variant, required)
             log.info("LoRA: %s has %d adaptable weights (%s)", name, len(found), self.settings.targets)
         return out
+
+    def _device(self, array: np.ndarray) -> ort.OrtValue:
+        value = ort.OrtValue.ortvalue_from_shape_and_type(list(array.shape), array.dtype.type, self.runtime.device,
+                                                          self.runtime.device_id)
+        value.update_inplace(np.ascontiguousarray(array))
+        return value
 
     def refresh(self) -> list[LoraFile]:
         """Scan the folder again (POST /sdapi/v1/refresh-loras); the merged-set cache keeps sets whose files
@@ -189,7 +201,7 @@ class LoraManager:
         for (component, initializer), factors in per_weight.items():
             comp = self.components[component]
             target = next(t for t in comp.targets.values() if t.initializer == initializer)
-            weights.setdefault(component, {})[initializer] = self._merge_one(comp, target, factors)
+            weights.setdefault(component, dict(comp.required))[initializer] = self._merge_one(comp, target, factors)
             nbytes += target.nbytes
         return MergedSet(weights, nbytes, time.perf_counter() - start)
 
@@ -216,7 +228,7 @@ class LoraManager:
                    factors: list[tuple[float, np.ndarray, np.ndarray]]) -> ort.OrtValue:
         out_features, in_features = target.out_in
         b, a = merge.stack(factors, out_features, in_features)
-        graph = self._merge[(target.layout, target.dtype)]
+        graph = self._merge[(target.layout, target.dtype, len(target.shape))]
         result = ort.OrtValue.ortvalue_from_shape_and_type(list(target.shape), target.dtype, self.runtime.device,
                                                            self.runtime.device_id)
         graph.run({"W": comp.base[target.initializer], "B": b, "A": a}, {"merged": result})

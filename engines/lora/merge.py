@@ -21,10 +21,11 @@ ELEM = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorPro
 
 
 @cache
-def merge_graph(layout: Layout, dtype: np.dtype[np.generic]) -> bytes:
-    """Inputs ``W`` (the stored weight, any rank), ``B`` [out, R] and ``A`` [R, in] float32; output ``merged`` like
-    W. ``transposed``: W is [in, out] (a MatMul's weight), so the delta is transposed; ``direct``: the delta is
-    reshaped to W's shape ([out, in] or [out, in, kh, kw])."""
+def merge_graph(layout: Layout, dtype: np.dtype[np.generic], rank: int) -> bytes:
+    """Inputs ``W`` (the stored weight, of ``rank``: a plugin EP such as OpenVINO needs a known rank), ``B``
+    [out, R] and ``A`` [R, in] float32; output ``merged`` like W. ``transposed``: W is [in, out] (a MatMul's
+    weight), so the delta is transposed; ``direct``: the delta is reshaped to W's shape ([out, in] or
+    [out, in, kh, kw])."""
     elem = ELEM[np.dtype(dtype)]
     nodes = [helper.make_node("MatMul", ["B", "A"], ["delta"])]
     if layout == "transposed":
@@ -40,10 +41,10 @@ def merge_graph(layout: Layout, dtype: np.dtype[np.generic]) -> bytes:
                   helper.make_node("Cast", ["sum32"], ["merged"], to=elem)]
     graph = helper.make_graph(
         nodes, f"lora_merge_{layout}",
-        [helper.make_tensor_value_info("W", elem, None),
+        [helper.make_tensor_value_info("W", elem, [f"w{i}" for i in range(rank)]),
          helper.make_tensor_value_info("B", TensorProto.FLOAT, ["out", "rank"]),
          helper.make_tensor_value_info("A", TensorProto.FLOAT, ["rank", "in"])],
-        [helper.make_tensor_value_info("merged", elem, None)])
+        [helper.make_tensor_value_info("merged", elem, [f"w{i}" for i in range(rank)])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
     model.ir_version = 8
     return bytes(model.SerializeToString())

@@ -104,10 +104,18 @@ def _target(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> Target 
     return Target(module, init.name, layout, shape, dtype)
 
 
-def with_overridable(model: onnx.ModelProto, targets: dict[str, Target]) -> bytes:
-    """The graph serialized with every target's initializer also a graph input (overridable)."""
+def with_overridable(model: onnx.ModelProto, targets: dict[str, Target], as_inputs: bool = False) -> bytes:
+    """The graph serialized with every target's initializer also a graph input (overridable). ``as_inputs``: the
+    initializers removed, plain required inputs: OpenVINO's plugin EP refuses overridable initializers ("Input
+    names mismatch between OpenVINO and ONNX. OpenVINO input has no ONNX binding", its ov_compute.h), so on a
+    plugin EP every run binds every target, the base values for those a set does not change."""
     variant = onnx.ModelProto()
     variant.CopyFrom(model)
+    if as_inputs:
+        names = {t.initializer for t in targets.values()}
+        kept = [i for i in variant.graph.initializer if i.name not in names]
+        del variant.graph.initializer[:]
+        variant.graph.initializer.extend(kept)
     listed = {i.name for i in variant.graph.input}
     elem = {np.float16: onnx.TensorProto.FLOAT16, np.float32: onnx.TensorProto.FLOAT}
     for t in targets.values():

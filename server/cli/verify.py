@@ -2,8 +2,10 @@
 
 Exit codes (the worst image decides): 0 every image's manifest validates and its signer chains to ``--trust``;
 40 (VERIFY_UNTRUSTED) a manifest validates but its signer is not in the trust list, or no ``--trust`` was given;
-42 (VERIFY_NO_MANIFEST) an image has no manifest (never signed, or stripped); 41 (VERIFY_INVALID) an image or its
-manifest changed after signing; 2 (USAGE) an image or the trust list cannot be read.
+43 (VERIFY_WATERMARK_ONLY) an image has no manifest but carries an sdserve watermark (its manifest was stripped;
+the payload names the request in the server's log); 42 (VERIFY_NO_MANIFEST) an image has no manifest and no
+watermark; 41 (VERIFY_INVALID) an image or its manifest changed after signing; 2 (USAGE) an image or the trust
+list cannot be read.
 """
 
 from __future__ import annotations
@@ -18,14 +20,14 @@ from server.exitcodes import ExitCode
 from server.provenance_verify import Verification, verify_bytes
 
 CODES = {"trusted": ExitCode.OK, "untrusted": ExitCode.VERIFY_UNTRUSTED, "no_manifest": ExitCode.VERIFY_NO_MANIFEST,
-         "invalid": ExitCode.VERIFY_INVALID}
-RANK = ("trusted", "untrusted", "no_manifest", "invalid")
+         "invalid": ExitCode.VERIFY_INVALID, "watermark_only": ExitCode.VERIFY_WATERMARK_ONLY}
+RANK = ("trusted", "untrusted", "watermark_only", "no_manifest", "invalid")
 """Verdicts from best to worst: the exit code is the worst image's."""
 
 
 def register(sub: Any) -> None:
     p = sub.add_parser("verify", help="print an image's C2PA manifest and whether it validates (exit 0 trusted, "
-                                      "40 untrusted, 41 invalid, 42 no manifest)")
+                                      "40 untrusted, 41 invalid, 42 no manifest, 43 watermark only)")
     p.add_argument("images", nargs="+", type=Path, metavar="IMAGE", help="PNG, JPEG or WebP files")
     p.add_argument("--trust", type=Path, default=None, metavar="CA.pem",
                    help="PEM trust anchors (the operator's CA); without it a valid signature is 'untrusted'")
@@ -51,10 +53,29 @@ def render(path: Path, v: Verification) -> str:
         lines.append(f"  generator: {agent.get('name', '?')} {agent.get('version', '')}".rstrip())
     for action in v.actions:
         lines.append(f"  action: {action.get('action')} ({action.get('digitalSourceType', 'no source type')})")
+    if v.watermark is not None:
+        lines.append(f"  watermark: {_watermark_line(v.watermark)}")
     if v.generation is not None:
         lines.append("  org.sdserve.generation: " + json.dumps(v.generation, indent=2, sort_keys=True)
                      .replace("\n", "\n  "))
     return "\n".join(lines)
+
+
+def _watermark_line(mark: dict[str, Any]) -> str:
+    """One line on the pixels' watermark, and whether it is the one the manifest records."""
+    claimed = mark.get("manifest_payload")
+    if mark.get("skipped") == "too_small":
+        found = "none (image under 256x256 pixels, too small to carry one)"
+    elif mark.get("payload"):
+        found = f"{mark['scheme']} {mark['payload']} (blocks agreeing {mark['agreement']:.0%})"
+    else:
+        found = f"none found (blocks agreeing {mark['agreement']:.0%}, an unmarked image gives 50-60%)"
+    if claimed is None:
+        return found
+    if mark.get("matches_manifest"):
+        return f"{found}, the payload the manifest records"
+    bits = mark.get("bits_matching_manifest")
+    return f"{found}; the manifest records {claimed}" + (f" ({bits}/64 bits match)" if bits is not None else "")
 
 
 def _trust(path: Path) -> str:

@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.provenance_ca import SigningCredential, make_credential
+
 LISTENING = re.compile(r"listening on (http://\S+)")
 
 
@@ -63,6 +65,12 @@ class ServerProcess:
         if self.proc.stderr is not None:
             self.proc.stderr.close()
         return code
+
+
+@pytest.fixture(scope="module")
+def credential() -> SigningCredential:
+    """A signing credential from a test CA made here (tests/provenance_ca.py)."""
+    return make_credential()
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,10 @@ import pytest
 import webuiapi
 from PIL import Image
 
+from server.provenance_verify import verify_bytes
 from tests import lora_files as lf
 from tests.e2e.conftest import ServerProcess
+from tests.provenance_ca import SigningCredential
 
 pytestmark = pytest.mark.slow
 PROMPT = "a lighthouse at dusk"
@@ -67,8 +69,11 @@ def _hostile(root: Path, outside: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model: Path, folder: Path) -> Iterator[str]:
-    process = ServerProcess("--profile", "dev", "--model", str(tiny_model), "--lora-dir", str(folder))
+def server(tiny_model: Path, folder: Path, credential: SigningCredential,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Signing every image (provenance require): the manifest must name the adapter set that ran."""
+    env = credential.require_env(tmp_path_factory.mktemp("secret"))
+    process = ServerProcess("--profile", "dev", "--model", str(tiny_model), "--lora-dir", str(folder), env=env)
     try:
         yield process.wait_ready(timeout=300)
     finally:
@@ -118,7 +123,8 @@ def test_webuiapi_with_a_lora_tag_in_the_prompt(server: str) -> None:
     assert np.array_equal(np.asarray(again.image), np.asarray(styled.image))  # tags come out wherever they are
 
 
-def test_openai_sdk_extension_field_and_prompt_tag_give_the_same_set_and_image(server: str) -> None:
+def test_openai_sdk_extension_field_and_prompt_tag_give_the_same_set_and_image(
+        server: str, credential: SigningCredential) -> None:
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="not-needed", max_retries=0)
     extra = {k: v for k, v in BODY.items() if k not in ("size", "response_format")}
     by_field = client.images.with_raw_response.generate(
@@ -129,6 +135,13 @@ def test_openai_sdk_extension_field_and_prompt_tag_give_the_same_set_and_image(s
     assert by_field.headers["x-sdserve-loras"] == by_tag.headers["x-sdserve-loras"]
     assert by_field.headers["x-sdserve-loras"].startswith("style:") and ":0.5:0.5" in by_field.headers[
         "x-sdserve-loras"]
+    signed = verify_bytes(base64.b64decode(by_field.parse().data[0].b64_json or ""),  # type: ignore[index]
+                          credential.ca_pem.decode())
+    assert signed.verdict == "trusted" and signed.generation is not None
+    (recorded,) = signed.generation["loras"]
+    name, short, te, unet = by_field.headers["x-sdserve-loras"].split(":")
+    assert (recorded["name"], recorded["sha256"][:12], recorded["te_multiplier"], recorded["unet_multiplier"]) == (
+        name, short, float(te), float(unet))
     field_px = _pixels(by_field.parse().data[0].b64_json or "")  # type: ignore[index]
     tag_px = _pixels(by_tag.parse().data[0].b64_json or "")  # type: ignore[index]
     assert np.array_equal(field_px, tag_px)

@@ -23,23 +23,16 @@ from PIL import Image
 from server.exitcodes import ExitCode
 from server.provenance_verify import Verification, verify_bytes
 from tests.e2e.conftest import ServerProcess
-from tests.provenance_ca import SigningCredential, make_credential
+from tests.provenance_ca import SigningCredential
 
 pytestmark = pytest.mark.slow
 GEN = "/v1/images/generations"
 
 
 @pytest.fixture(scope="module")
-def credential() -> SigningCredential:
-    return make_credential()
-
-
-@pytest.fixture(scope="module")
 def signing_server(tiny_model: Path, credential: SigningCredential,
                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    key, chain, _ = credential.write(tmp_path_factory.mktemp("secret"))
-    env = {"SDSERVE_PROVENANCE_MODE": "require", "SDSERVE_PROVENANCE_KEY_FILE": str(key),
-           "SDSERVE_PROVENANCE_CHAIN_FILE": str(chain)}
+    env = credential.require_env(tmp_path_factory.mktemp("secret"))
     server = ServerProcess("--profile", "dev", "--model", str(tiny_model), env=env)
     try:
         server.wait_ready()

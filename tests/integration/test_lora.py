@@ -419,3 +419,32 @@ def test_lora_variant_of_an_external_data_model_loads_its_weights_beside_it(sd1:
         _compare(_images(engine, _batch(use)), _images(sd1["engine"], _batch(use)), "external-data variant")
     finally:
         engine.close()
+
+
+@pytest.mark.plugin_ep
+def test_lora_on_the_openvino_profile_runs_every_node_on_the_accelerator(openvino_model: Path, sd1: dict[str, Any],
+                                                                       tmp_path: Path) -> None:
+    """The fail-closed path with LoRA: the base sessions load the EP-context artifacts; the LoRA variants load the
+    plain ONNX on the same plugin EP (the CPU provider refused, the placement audit on), and the adapted image
+    matches the CPU's within 1/255."""
+    from engines.config import load_matrix
+    from server.settings import CONFIG_DIR, load_settings
+    from tests.plugin_ep import EP, profile
+
+    settings = load_settings("openvino", profile(tmp_path)).runtime
+    engine = OrtEngine(openvino_model, settings.model_copy(update={"lora": LoraSettings(dir=str(sd1["folder"]))}),
+                       load_matrix(CONFIG_DIR / "matrix.toml"))
+    engine.preflight()
+    engine.load()
+    try:
+        use = (_use(engine, "style", 1.0),)
+        adapted = _images(engine, _batch(use))
+        _compare(adapted, _images(sd1["engine"], _batch(use)), "LoRA on OpenVINO vs the CPU")
+        caps = engine.capabilities()
+        assert caps.accelerated
+        for name in ("unet:lora", "text_encoder:lora"):
+            placement = caps.placement_summary[name]
+            assert set(placement.nodes_by_provider) == {EP} and placement.ok, placement
+        assert _changed(adapted, _images(engine, _batch())) > 0.3
+    finally:
+        engine.close()
