@@ -75,6 +75,8 @@ bench: $(STAMP) $(MODEL)/manifest.json
 	$(PY) benchmarks/bench_server.py --model $(MODEL) --write-readme docs/benchmarks.md
 	$(PY) benchmarks/bench_families.py --out benchmarks/results/families_cpu.json
 	$(PY) benchmarks/bench_dit.py --out benchmarks/results/dit_cpu.json
+	$(PY) benchmarks/bench_lora.py --out benchmarks/results/lora_cpu.json --write-readme docs/lora.md
+	$(PY) benchmarks/bench_watermark.py --write-readme docs/provenance.md
 
 # Mutation check: each mutant of tests/mutation/mutations.toml runs its tests in a temporary copy of the repo.
 mutate: $(STAMP) $(BPE_WHEEL)

@@ -367,6 +367,19 @@ def test_flux_transformer_lora_matches_diffusers(dit_build: Callable[[str], tupl
         engine.close()
 
 
+def test_under_a_tensorrt_policy_lora_variants_get_the_cuda_provider_only(sd1: dict[str, Any]) -> None:
+    """The base sessions load prebuilt engines (TensorRT); the LoRA variants are graphs built in process (bytes),
+    which a TensorRT policy gives the CUDA provider only (engines/runtime/sessions.py session_providers): no
+    engine is built on the node for them and no refit exists to leak one set's weights into the next."""
+    from engines.runtime.sessions import session_providers
+
+    lora = sd1["engine"]._lora
+    assert all(isinstance(c.variant.source, bytes) for c in lora.components.values())
+    trt = RuntimeSettings(providers=("TensorrtExecutionProvider", "CUDAExecutionProvider"))
+    assert [p for p, _ in session_providers(trt, in_process=True)] == ["CUDAExecutionProvider"]
+    assert [p for p, _ in session_providers(trt, in_process=False)][0] == "TensorrtExecutionProvider"
+
+
 def test_ort_adapters_have_no_effect_under_io_binding(tmp_path: Path) -> None:
     """Guard: RunOptions.add_active_adapter is ignored by run_with_iobinding (OrtApis::RunWithBinding only logs
     it, onnxruntime/core/session/onnxruntime_c_api.cc), while binding the overridable initializer works. If ORT
