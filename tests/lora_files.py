@@ -73,6 +73,32 @@ def kohya_file(path: Path, parts: dict[str, dict[str, torch.Tensor]], alpha: flo
     return save_safetensors(path, out, {"ss_output_name": path.stem, "ss_network_dim": "4"})
 
 
+def sgm_name(module: str, layers_per_block: int = 2) -> str:
+    """A diffusers UNet attention module path in kohya's SDXL naming, the original (SGM) block layout:
+    ``down_blocks.1.attentions.0.x`` -> ``input_blocks_4_1_x`` (the inverse of engines/lora/keys.py
+    sgm_to_diffusers, written out separately so the test does not check the code against itself)."""
+    parts = module.split(".")
+    rest = "_".join(parts[4:]) if parts[0] != "mid_block" else "_".join(parts[3:])
+    if parts[0] == "down_blocks" and parts[2] == "attentions":
+        return f"input_blocks_{1 + int(parts[1]) * (layers_per_block + 1) + int(parts[3])}_1_{rest}"
+    if parts[0] == "up_blocks" and parts[2] == "attentions":
+        return f"output_blocks_{int(parts[1]) * (layers_per_block + 1) + int(parts[3])}_1_{rest}"
+    if parts[0] == "mid_block" and parts[1] == "attentions":
+        return f"middle_block_1_{rest}"
+    raise ValueError(f"{module}: not an attention module of a UNet block")
+
+
+def kohya_sgm_file(path: Path, unet: dict[str, torch.Tensor], alpha: float) -> Path:
+    """An SDXL UNet LoRA under kohya's SGM names (as kohya's SDXL trainer writes them)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in unet.items():
+        module, _, kind = key.rpartition(".lora_")
+        name = "lora_unet_" + sgm_name(module)
+        out[f"{name}.{ {'A.weight': 'lora_down.weight', 'B.weight': 'lora_up.weight'}[kind]}"] = value
+        out[f"{name}.alpha"] = torch.tensor(float(alpha))
+    return save_safetensors(path, out)
+
+
 def raw_safetensors(path: Path, header: dict[str, Any] | bytes, data: bytes = b"",
                     declared: int | None = None) -> Path:
     """A file written byte by byte: ``declared`` overrides the header length field (a huge or lying header)."""

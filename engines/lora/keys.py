@@ -102,3 +102,36 @@ def kohya_name(path: str) -> str:
 
 def normalize_kohya(path: str) -> str:
     return path.removeprefix("text_model_")
+
+
+SGM_IN_OUT = re.compile(r"^(input_blocks|output_blocks)_(\d+)_(\d+)_(.+)$")
+SGM_MIDDLE = re.compile(r"^middle_block_(\d+)_(.+)$")
+INNER = ("resnets", "attentions", "upsamplers")
+
+
+def sgm_to_diffusers(path: str, layers_per_block: int) -> str:
+    """A kohya SDXL UNet name in the original (SGM) block layout, ``input_blocks_4_1_transformer_blocks_0_attn1_
+    to_q``, in diffusers' layout, ``down_blocks_1_attentions_0_...``, as diffusers' _maybe_map_sgm_blocks_to_diffusers
+    maps it (src/diffusers/loaders/lora_conversion_utils.py): input block i>0 is down block (i-1)//(L+1), layer
+    (i-1)%(L+1), its inner index 0 a resnet and 1 an attention, ``op`` its downsampler; middle block 0/1/2 are
+    resnet 0, attention 0, resnet 1; output block i is up block i//(L+1), layer i%(L+1), inner 0/1/2 resnet,
+    attention, upsampler. Names not in that layout come back unchanged."""
+    middle = SGM_MIDDLE.match(path)
+    if middle is not None:
+        inner = {0: "resnets_0", 1: "attentions_0", 2: "resnets_1"}.get(int(middle.group(1)))
+        return f"mid_block_{inner}_{middle.group(2)}" if inner else path
+    found = SGM_IN_OUT.match(path)
+    if found is None:
+        return path
+    kind, i, j, rest = found.group(1), int(found.group(2)), int(found.group(3)), found.group(4)
+    if kind == "input_blocks":
+        if i == 0 or j > 1:
+            return path
+        block, layer = divmod(i - 1, layers_per_block + 1)
+        if rest == "op" or rest.startswith("op_"):
+            return f"down_blocks_{block}_downsamplers_0_conv{rest[2:]}"
+        return f"down_blocks_{block}_{INNER[j]}_{layer}_{rest}"
+    block, layer = divmod(i, layers_per_block + 1)
+    if j > 2:
+        return path
+    return f"up_blocks_{block}_{INNER[j]}_{layer if j < 2 else 0}_{rest}"

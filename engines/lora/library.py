@@ -68,14 +68,14 @@ ModelTargets = dict[str, dict[str, Target]]
 
 
 def scan(folder: Path, targets: ModelTargets, family: str, max_header_bytes: int,
-         max_file_bytes: int) -> dict[str, LoraFile]:
+         max_file_bytes: int, layers_per_block: int = 2) -> dict[str, LoraFile]:
     """Every LoRA-looking file under ``folder``, by name (the first of two files with one name wins, the second
     is listed as refused)."""
     root = folder.resolve()
     found: dict[str, LoraFile] = {}
     files = sorted(p for p in root.rglob("*") if p.suffix.lower() in (".safetensors", *PICKLE_SUFFIXES))
     for path in files[:MAX_FILES]:
-        entry = _entry(root, path, targets, family, max_header_bytes, max_file_bytes)
+        entry = _entry(root, path, targets, family, max_header_bytes, max_file_bytes, layers_per_block)
         if entry.name in found:
             entry = LoraFile(entry.name, entry.file, entry.size, problem=(
                 f"another file has the same name ({found[entry.name].file}); rename one"))
@@ -88,7 +88,7 @@ def scan(folder: Path, targets: ModelTargets, family: str, max_header_bytes: int
 
 
 def _entry(root: Path, path: Path, targets: ModelTargets, family: str, max_header_bytes: int,
-           max_file_bytes: int) -> LoraFile:
+           max_file_bytes: int, layers_per_block: int) -> LoraFile:
     relative = path.relative_to(root).as_posix()
     name = path.stem
     real = path.resolve()
@@ -102,16 +102,17 @@ def _entry(root: Path, path: Path, targets: ModelTargets, family: str, max_heade
     try:
         header = read_header(real, max_header_bytes, max_file_bytes)
         modules = keys.parse(relative, list(header.tensors))
-        resolved = resolve(relative, modules, header, targets, family)
+        resolved = resolve(relative, modules, header, targets, family, layers_per_block)
     except LoraFileError as exc:
         return LoraFile(name, relative, size, problem=exc.message)
     return LoraFile(name, relative, size, _sha256(real), dict(header.metadata), "", resolved, header, real)
 
 
 def resolve(file: str, modules: list[LoraModule], header: Header, targets: ModelTargets,
-            family: str) -> tuple[Resolved, ...]:
+            family: str, layers_per_block: int = 2) -> tuple[Resolved, ...]:
     """Each module matched to a weight of the served model, shapes checked; LoraFileError names the first that
-    matches nothing (with the family, since that is the usual cause)."""
+    matches nothing (with the family, since that is the usual cause). kohya's SDXL names in the original block
+    layout (input_blocks/middle_block/output_blocks) are mapped with the UNet's ``layers_per_block``."""
     denoiser = "transformer" if "transformer" in targets else "unet"
     out = []
     for m in modules:
@@ -120,7 +121,7 @@ def resolve(file: str, modules: list[LoraModule], header: Header, targets: Model
         if weights is None:
             raise LoraFileError(f"LoRA file {file} adapts {component}, which this {family} model does not have "
                                 f"(its components: {', '.join(sorted(targets))}): a LoRA for another model family")
-        target = _match(m, weights)
+        target = _match(m, weights, layers_per_block if component == "unet" else None)
         if target is None:
             raise LoraFileError(f"LoRA file {file}: module {m.path} matches no weight of this {family} model's "
                                 f"{component} (a LoRA for another model family, or a module this server cannot "
@@ -130,10 +131,11 @@ def resolve(file: str, modules: list[LoraModule], header: Header, targets: Model
     return tuple(out)
 
 
-def _match(m: LoraModule, weights: dict[str, Target]) -> Target | None:
+def _match(m: LoraModule, weights: dict[str, Target], layers_per_block: int | None) -> Target | None:
     if m.kohya:
         index = {keys.kohya_name(path): path for path in weights}
-        dotted = index.get(keys.normalize_kohya(m.path))
+        name = keys.normalize_kohya(m.path)
+        dotted = index.get(keys.sgm_to_diffusers(name, layers_per_block) if layers_per_block else name)
         return weights.get(dotted) if dotted is not None else None
     return weights.get(keys.normalize(m.path))
 

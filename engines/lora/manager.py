@@ -11,6 +11,7 @@ batch ends (the batch holds the tensors); eviction only drops the cache's refere
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import threading
 import time
@@ -76,6 +77,10 @@ class LoraManager:
                  make_model: type[OrtModel]) -> None:
         self.settings, self.family, self.runtime = settings, family, runtime
         self.folder = Path(settings.dir)
+        unet_config = model_dir / "unet" / "config.json"
+        self.layers_per_block = int(json.loads(unet_config.read_text()).get("layers_per_block", 2)) \
+            if unet_config.is_file() else 2
+        """The UNet's, to map kohya's SDXL names in the original block layout (engines/lora/keys.py)."""
         if not self.folder.is_dir():
             raise ModelLoadError(f"[runtime.lora] dir {self.folder} is not a folder (--lora-dir or "
                                  "SDSERVE_LORA_DIR)")
@@ -124,7 +129,8 @@ class LoraManager:
         """Scan the folder again (POST /sdapi/v1/refresh-loras); the merged-set cache keeps sets whose files
         are still there with the same hash."""
         found = library.scan(self.folder, {n: c.targets for n, c in self.components.items()}, self.family,
-                             self.settings.max_header_kb * 1024, self.settings.max_file_mb * 1024 * 1024)
+                             self.settings.max_header_kb * 1024, self.settings.max_file_mb * 1024 * 1024,
+                             self.layers_per_block)
         with self._lock:
             self.files = found
             live = {f.sha256 for f in found.values() if not f.problem}
