@@ -50,6 +50,8 @@ class LoraFile:
     resolved: tuple[Resolved, ...] = ()
     header: Header | None = None
     path: Path | None = None
+    mtime_ns: int = 0
+    """When the scan read it: a file changed since (size or mtime) is refused until the next scan."""
 
     @property
     def alias(self) -> str:
@@ -105,7 +107,9 @@ def _entry(root: Path, path: Path, targets: ModelTargets, family: str, max_heade
         resolved = resolve(relative, modules, header, targets, family, layers_per_block)
     except LoraFileError as exc:
         return LoraFile(name, relative, size, problem=exc.message)
-    return LoraFile(name, relative, size, _sha256(real), dict(header.metadata), "", resolved, header, real)
+    stat = real.stat()
+    return LoraFile(name, relative, size, _sha256(real), dict(header.metadata), "", resolved, header, real,
+                    stat.st_mtime_ns)
 
 
 def resolve(file: str, modules: list[LoraModule], header: Header, targets: ModelTargets,

@@ -217,6 +217,10 @@ class LoraManager:
         assert file.path is not None
         wanted = [k for r in file.resolved for k in (r.module.down, r.module.up, r.module.alpha) if k]
         try:
+            stat = file.path.stat()
+            if (stat.st_size, stat.st_mtime_ns) != (file.size, file.mtime_ns):
+                raise LoraFileError(f"LoRA file {file.file} changed on disk since the library was scanned: POST "
+                                    "/sdapi/v1/refresh-loras to hash it again")
             tensors = read_tensors(file.path, file.header, wanted)
         except OSError as exc:
             raise LoraFileError(f"LoRA file {file.file} cannot be read: {exc.strerror}") from None

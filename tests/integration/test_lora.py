@@ -465,3 +465,24 @@ def test_lora_on_the_openvino_profile_runs_every_node_on_the_accelerator(openvin
         assert _changed(adapted, _images(engine, _batch())) > 0.3
     finally:
         engine.close()
+
+
+def test_a_file_changed_after_the_scan_is_refused_until_refreshed(sd1: dict[str, Any], tmp_path: Path) -> None:
+    """The set key is the sha256 the scan computed: bytes changed under it are refused, never merged under the
+    old hash; a refresh hashes them again."""
+    shutil.copy(sd1["folder"] / "other.safetensors", tmp_path / "mine.safetensors")
+    engine = _engine(sd1["onnx"], tmp_path)
+    try:
+        use = _use(engine, "mine", 1.0)
+        data = bytearray((tmp_path / "mine.safetensors").read_bytes())
+        data[-1] ^= 0xFF
+        (tmp_path / "mine.safetensors").write_bytes(bytes(data))
+        with pytest.raises(InvalidRequestError, match="changed on disk") as caught:
+            engine.generate(_batch((use,)))
+        assert caught.value.param == "loras"
+        engine.refresh_loras()
+        fresh = _use(engine, "mine", 1.0)
+        assert fresh.sha256 != use.sha256
+        engine.generate(_batch((fresh,), steps=2))
+    finally:
+        engine.close()
