@@ -123,6 +123,9 @@ class Txt2ImgRequest(BaseModel):
         if real:
             raise InvalidRequestError(f"unknown style {real[0][:64]!r}: sdserve has no styles "
                                       "(GET /sdapi/v1/prompt-styles lists none)", param="styles")
+        if (self.model_extra or {}).get("loras"):  # sdserve's OpenAI extension: on A1111 routes the prompt says it
+            raise InvalidRequestError("loras is an extension of the OpenAI routes; on A1111's routes name LoRAs in "
+                                      "the prompt as A1111 does: <lora:name:multiplier>", param="loras")
         for name, neutral in NEUTRAL.items():
             value = lax_extra((self.model_extra or {}).get(name))
             if value is not None and (type(value) is bool or value not in neutral):

@@ -138,6 +138,8 @@ def test_docs_build_strict_offline(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("page", "markers"), [
     ("docs/benchmarks.md", ("bench:pipeline", "bench:server", "bench:readiness")),
     ("docs/testing.md", ("mutation",)),
+    ("docs/lora.md", ("bench:lora",)),
+    ("docs/provenance.md", ("bench:watermark",)),
 ])
 def test_generated_blocks_keep_their_markers(page: str, markers: tuple[str, ...]) -> None:
     """`make bench` and `make mutate` write between these markers (they skip a page without them, silently)."""

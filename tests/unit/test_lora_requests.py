@@ -145,3 +145,11 @@ def test_admission_counts_the_merge_of_a_set_not_cached(lora_client: tuple[TestC
     engine.cached.add(((SHA_A, 1.0, 1.0),))
     admitted = client.post("/v1/images/generations", json=body, headers={"x-sdserve-timeout-s": "5"})
     assert admitted.status_code == 200, admitted.text
+
+
+def test_a_loras_field_on_an_a1111_route_is_refused_pointing_at_the_prompt_syntax(
+        lora_client: tuple[TestClient, FakeEngine]) -> None:
+    client, _ = lora_client
+    response = client.post("/sdapi/v1/txt2img", json={"prompt": "a cat", "width": 64, "height": 64,
+                                                      "loras": [{"name": "style"}]})
+    assert response.status_code == 422 and "<lora:name:multiplier>" in response.text
