@@ -316,6 +316,7 @@ class OrtEngine:
             self._errors.append(str(exc))
             raise
         self._warm_edits(plan)
+        self._warm_lora(plan)
         self.check_engine_builds("self-test warm-up at every served shape")
         first = plan.shapes[0]
         self._boot_fingerprint = fingerprint(np.asarray(self.generate(plan.suite.batch(
@@ -343,6 +344,25 @@ class OrtEngine:
             problem = selftest.sanity(np.asarray(self.generate(batch).images[0].image))
             if problem is not None:
                 error = SelfTestError(f"edit warm-up (inpainting canary) at {shape.key}: {problem}")
+                self._errors.append(str(error))
+                raise error
+
+    def _warm_lora(self, plan: SelfTestPlan) -> None:
+        """With a LoRA library: one canary through the LoRA variant sessions at every served shape (their stored
+        weights, nothing merged), so no variant meets its first input shape on a request; the output must be
+        sane."""
+        if self._lora is None:
+            return
+        for shape in plan.shapes:
+            token = ACTIVE.set(self._lora.warm_weights())
+            try:
+                with self._lock:
+                    out = self._pipeline_for(plan.suite.batch(shape))(plan.suite.batch(shape))
+            finally:
+                ACTIVE.reset(token)
+            problem = selftest.sanity(out.images[0])
+            if problem is not None:
+                error = SelfTestError(f"LoRA variant warm-up at {shape.key}: {problem}")
                 self._errors.append(str(error))
                 raise error
 

@@ -78,7 +78,7 @@ class OrtModel:
 
     def run(self, feeds: dict[str, Feed], outputs: dict[str, ort.OrtValue]) -> None:
         weights = ACTIVE.get().get(self.component) if self.variant is not None else None
-        session = self.variant.session if weights and self.variant is not None else self.session
+        session = self.variant.session if weights is not None and self.variant is not None else self.session
         binding = session.io_binding()
         for name, weight in (weights or {}).items():  # this batch's merged LoRA weights, never the base's
             binding.bind_ortvalue_input(name, weight)

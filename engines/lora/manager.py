@@ -244,6 +244,11 @@ class LoraManager:
         graph.run({"W": comp.base[target.initializer], "B": b, "A": a}, {"merged": result})
         return result
 
+    def warm_weights(self) -> Weights:
+        """Every variant with nothing merged (the stored weights; a plugin EP's required base values): what the
+        boot warm-up runs, so no variant meets its first input shape on a request."""
+        return {name: dict(c.required) for name, c in self.components.items()}
+
     def merge_estimate_s(self, uses: tuple[LoraUse, ...]) -> float:
         """Admission: seconds a set not cached costs before its first step (the mean merge so far; a first guess
         of 0.05 s per set before any merge ran)."""

@@ -486,3 +486,33 @@ def test_a_file_changed_after_the_scan_is_refused_until_refreshed(sd1: dict[str,
         engine.generate(_batch((fresh,), steps=2))
     finally:
         engine.close()
+
+
+class _Counting:
+    """A real session, its IO-binding runs counted (the warm-up's evidence)."""
+
+    def __init__(self, session: ort.InferenceSession) -> None:
+        self.session, self.runs = session, 0
+
+    def io_binding(self) -> Any:
+        return self.session.io_binding()
+
+    def run_with_iobinding(self, binding: Any, *args: Any) -> None:
+        self.runs += 1
+        self.session.run_with_iobinding(binding, *args)
+
+
+def test_the_boot_self_test_warms_every_lora_variant(sd1: dict[str, Any], tmp_path: Path) -> None:
+    """No variant meets its first input shape on a request: the self-test runs a canary through each (stored
+    weights, nothing merged; the engine checks the image is sane)."""
+    engine = _engine(sd1["onnx"], sd1["folder"])
+    try:
+        assert engine._lora is not None
+        counters = {}
+        for name, comp in engine._lora.components.items():
+            counters[name] = _Counting(comp.variant.session)
+            comp.variant.session = counters[name]  # type: ignore[assignment]
+        engine.self_test()
+        assert all(c.runs > 0 for c in counters.values()), {n: c.runs for n, c in counters.items()}
+    finally:
+        engine.close()
