@@ -229,4 +229,4 @@ def test_prompts_enter_the_manifest_only_when_the_profile_opts_in() -> None:
     assert private == {"model_served": "tiny", "provider": "CPUExecutionProvider", "index": 0, "seed": 5,
                        "mode": "img2img", "width": 48, "height": 64, "steps": 8, "steps_done": 3,
                        "interrupted": False, "sampler": "dpmpp_2m_karras", "guidance_scale": 6.0, "batch_images": 1,
-                       "strength": 0.4}
+                       "loras": [], "strength": 0.4}
