@@ -88,6 +88,11 @@ class LoraUse:
         return f"{self.name}:{self.te:g}" + ("" if self.te == self.unet else f":{self.unet:g}")
 
 
+def lora_key(uses: tuple[LoraUse, ...]) -> tuple[tuple[str, float, float], ...]:
+    """An adapter set's cache and batching key: sorted (file sha256, te multiplier, denoiser multiplier)."""
+    return tuple(sorted((u.sha256, u.te, u.unet) for u in uses))
+
+
 @dataclass(frozen=True)
 class LoraInfo:
     """One file of the adapter library, usable or not (``problem`` says why not)."""
@@ -146,8 +151,8 @@ class Batch:
 
     @property
     def lora_key(self) -> tuple[tuple[str, float, float], ...]:
-        """Sorted (sha256, te, unet): what makes two requests' LoRA weights the same."""
-        return tuple(sorted((u.sha256, u.te, u.unet) for u in self.loras))
+        """What makes two requests' LoRA weights the same (``lora_key``)."""
+        return lora_key(self.loras)
 
     @property
     def mode(self) -> Mode:

@@ -10,15 +10,16 @@ scanned index and never joined to a path, so ``../`` in a name finds nothing.
 
 from __future__ import annotations
 
-import hashlib
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engines.artifacts import sha256_file
 from engines.lora import keys
 from engines.lora.keys import DENOISER, LoraModule
 from engines.lora.safetensors import Header, LoraFileError, read_header
-from engines.lora.targets import Target
+from engines.lora.targets import Target, kohya_index
 
 log = logging.getLogger(__name__)
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
@@ -108,7 +109,7 @@ def _entry(root: Path, path: Path, targets: ModelTargets, family: str, max_heade
     except LoraFileError as exc:
         return LoraFile(name, relative, size, problem=exc.message)
     stat = real.stat()
-    return LoraFile(name, relative, size, _sha256(real), dict(header.metadata), "", resolved, header, real,
+    return LoraFile(name, relative, size, sha256_file(real), dict(header.metadata), "", resolved, header, real,
                     stat.st_mtime_ns)
 
 
@@ -118,6 +119,7 @@ def resolve(file: str, modules: list[LoraModule], header: Header, targets: Model
     matches nothing (with the family, since that is the usual cause). kohya's SDXL names in the original block
     layout (input_blocks/middle_block/output_blocks) are mapped with the UNet's ``layers_per_block``."""
     denoiser = "transformer" if "transformer" in targets else "unet"
+    indexes = {name: kohya_index(weights) for name, weights in targets.items()}
     out = []
     for m in modules:
         component = denoiser if m.component == DENOISER else m.component
@@ -125,7 +127,7 @@ def resolve(file: str, modules: list[LoraModule], header: Header, targets: Model
         if weights is None:
             raise LoraFileError(f"LoRA file {file} adapts {component}, which this {family} model does not have "
                                 f"(its components: {', '.join(sorted(targets))}): a LoRA for another model family")
-        target = _match(m, weights, layers_per_block if component == "unet" else None)
+        target = _match(m, weights, indexes[component], layers_per_block if component == "unet" else None)
         if target is None:
             raise LoraFileError(f"LoRA file {file}: module {m.path} matches no weight of this {family} model's "
                                 f"{component} (a LoRA for another model family, or a module this server cannot "
@@ -135,9 +137,9 @@ def resolve(file: str, modules: list[LoraModule], header: Header, targets: Model
     return tuple(out)
 
 
-def _match(m: LoraModule, weights: dict[str, Target], layers_per_block: int | None) -> Target | None:
+def _match(m: LoraModule, weights: dict[str, Target], index: dict[str, str],
+           layers_per_block: int | None) -> Target | None:
     if m.kohya:
-        index = {keys.kohya_name(path): path for path in weights}
         name = keys.normalize_kohya(m.path)
         dotted = index.get(keys.sgm_to_diffusers(name, layers_per_block) if layers_per_block else name)
         return weights.get(dotted) if dotted is not None else None
@@ -148,8 +150,8 @@ def _check_shapes(file: str, m: LoraModule, header: Header, target: Target, fami
     down, up = header.tensors[m.down].shape, header.tensors[m.up].shape
     out_features, in_features = target.out_in
     rank = down[0] if down else 0
-    flat_down = int(_prod(down[1:])) if len(down) > 1 else 0
-    ok = (len(up) >= 2 and up[0] == out_features and int(_prod(up[1:])) == rank and rank > 0
+    flat_down = math.prod(down[1:]) if len(down) > 1 else 0
+    ok = (len(up) >= 2 and up[0] == out_features and math.prod(up[1:]) == rank and rank > 0
           and flat_down == in_features)
     if not ok:
         raise LoraFileError(f"LoRA file {file}: module {m.path} has factors up {list(up)} x down {list(down)}, "
@@ -160,16 +162,3 @@ def _check_shapes(file: str, m: LoraModule, header: Header, target: Target, fami
                             f"{list(header.tensors[m.alpha].shape)}; alpha is one number")
 
 
-def _prod(dims: tuple[int, ...]) -> int:
-    total = 1
-    for d in dims:
-        total *= d
-    return total
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()

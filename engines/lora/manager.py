@@ -30,7 +30,7 @@ from engines.lora import library, merge, targets
 from engines.lora.active import Weights
 from engines.lora.library import LoraFile
 from engines.lora.safetensors import LoraFileError, read_tensors
-from engines.protocol import LoraInfo, LoraStats, LoraUse
+from engines.protocol import LoraInfo, LoraStats, LoraUse, lora_key
 
 if TYPE_CHECKING:
     from engines.diffusion.pipeline import OrtModel
@@ -64,11 +64,6 @@ class MergedSet:
     last_used: float = field(default_factory=time.time)
 
 
-def set_key(uses: tuple[LoraUse, ...]) -> tuple[tuple[str, float, float], ...]:
-    """The cache and batching key of an adapter set: sorted (sha256, te multiplier, denoiser multiplier), as
-    Batch.lora_key (the batcher's group)."""
-    return tuple(sorted((u.sha256, u.te, u.unet) for u in uses))
-
 
 class LoraManager:
     """The library, the adaptable components of one model, and the merged-set cache."""
@@ -93,6 +88,7 @@ class LoraManager:
         self._cache: OrderedDict[tuple[tuple[str, float, float], ...], MergedSet] = OrderedDict()
         self._lock = threading.Lock()
         self.files: dict[str, LoraFile] = {}
+        self._listing: tuple[LoraInfo, ...] = ()
         self.stats = LoraStats()
         self.history: OrderedDict[str, int] = OrderedDict()
         self.refresh()
@@ -133,18 +129,21 @@ class LoraManager:
                              self.layers_per_block)
         with self._lock:
             self.files = found
+            self._listing = tuple(LoraInfo(f.name, f.alias, f.file, f.sha256, f.size, dict(f.metadata), f.problem,
+                                           f.components) for f in found.values())
             live = {f.sha256 for f in found.values() if not f.problem}
             for key in [k for k in self._cache if any(sha not in live for sha, _, _ in k)]:
                 del self._cache[key]
         return list(found.values())
 
     def listing(self) -> tuple[LoraInfo, ...]:
-        return tuple(LoraInfo(f.name, f.alias, f.file, f.sha256, f.size, dict(f.metadata), f.problem,
-                              f.components) for f in self.files.values())
+        """The library as the last scan found it (built once per scan: every request's names are checked
+        against it)."""
+        return self._listing
 
     def is_cached(self, uses: tuple[LoraUse, ...]) -> bool:
         uses = tuple(u for u in uses if u.te or u.unet)
-        return not uses or set_key(uses) in self._cache
+        return not uses or lora_key(uses) in self._cache
 
     def weights(self, uses: tuple[LoraUse, ...]) -> Weights:
         """The set's merged tensors per component (merged now if not cached). InvalidRequestError when a file is
@@ -153,7 +152,7 @@ class LoraManager:
         uses = tuple(u for u in uses if u.te or u.unet)
         if not uses:
             return {}
-        key = set_key(uses)
+        key = lora_key(uses)
         with self._lock:
             found = self._cache.get(key)
             if found is not None:
@@ -195,7 +194,7 @@ class LoraManager:
     def _merge_set(self, uses: tuple[LoraUse, ...]) -> MergedSet:
         start = time.perf_counter()
         by_sha = {f.sha256: f for f in self.files.values() if not f.problem}
-        per_weight: dict[tuple[str, str], list[tuple[float, np.ndarray, np.ndarray]]] = {}
+        per_weight: dict[tuple[str, targets.Target], list[tuple[float, np.ndarray, np.ndarray]]] = {}
         for use in uses:
             file = by_sha.get(use.sha256)
             if file is None or file.header is None or file.path is None:
@@ -204,15 +203,15 @@ class LoraManager:
             self._factors(file, use, per_weight)
         weights: dict[str, dict[str, ort.OrtValue]] = {}
         nbytes = 0
-        for (component, initializer), factors in per_weight.items():
+        for (component, target), factors in per_weight.items():
             comp = self.components[component]
-            target = next(t for t in comp.targets.values() if t.initializer == initializer)
-            weights.setdefault(component, dict(comp.required))[initializer] = self._merge_one(comp, target, factors)
+            weights.setdefault(component, dict(comp.required))[target.initializer] = self._merge_one(comp, target,
+                                                                                                      factors)
             nbytes += target.nbytes
         return MergedSet(weights, nbytes, time.perf_counter() - start)
 
     def _factors(self, file: LoraFile, use: LoraUse,
-                 per_weight: dict[tuple[str, str], list[tuple[float, np.ndarray, np.ndarray]]]) -> None:
+                 per_weight: dict[tuple[str, targets.Target], list[tuple[float, np.ndarray, np.ndarray]]]) -> None:
         assert file.header is not None
         assert file.path is not None
         wanted = [k for r in file.resolved for k in (r.module.down, r.module.up, r.module.alpha) if k]
@@ -232,7 +231,7 @@ class LoraManager:
             rank = down.shape[0]
             alpha = float(tensors[r.module.alpha].reshape(-1)[0]) if r.module.alpha else None
             scale = multiplier * (alpha / rank if alpha is not None else 1.0)  # A1111 network.py calc_scale
-            per_weight.setdefault((r.component, r.target.initializer), []).append((scale, up, down))
+            per_weight.setdefault((r.component, r.target), []).append((scale, up, down))
 
     def _merge_one(self, comp: Component, target: targets.Target,
                    factors: list[tuple[float, np.ndarray, np.ndarray]]) -> ort.OrtValue:

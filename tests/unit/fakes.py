@@ -35,6 +35,7 @@ from engines.protocol import (
     TelemetrySource,
     Timings,
     Verdict,
+    lora_key,
 )
 
 
@@ -136,8 +137,7 @@ class FakeEngine:
         return self.library
 
     def lora_cost_s(self, uses: tuple[LoraUse, ...]) -> float:
-        key = tuple(sorted((u.sha256, u.te, u.unet) for u in uses))
-        return 0.0 if not uses or key in self.cached else self.merge_s
+        return 0.0 if not uses or lora_key(uses) in self.cached else self.merge_s
 
     def lora_stats(self) -> LoraStats:
         return LoraStats()
