@@ -122,6 +122,9 @@ def build(model_dir: Path, plan: dict[str, Any], observations: dict[str, Any], n
     finds none of the pip copies."""
     if TRT not in ort.get_available_providers():
         raise GpuUnavailableError("this onnxruntime has no TensorRT provider compiled in")
+    from engines.build.trtplan import parser_verdicts, require_parsed
+
+    require_parsed(parser_verdicts(model_dir, plan))  # a refused option is the plan's fault, not the node's
     for line in preload(tensorrt=True):
         log.info("preload: %s", line)
     trt = _fresh_trt(model_dir)

@@ -173,13 +173,12 @@ def _options(component: str, inputs: dict[str, list[int | str]], dims: dict[str,
     # opt and max: with CFG. One engine then serves both paths at every batch in range.
     shapes = {k: component_shapes(component, inputs, dims, p, b, cfg)
               for k, b, cfg in (("min", p.batch_min, False), ("opt", p.batch_opt, True), ("max", p.batch_max, True))}
-    # trt_load_user_initializer: the provider hands the weights to TensorRT's parser from memory instead of
-    # serializing the graph with its initializers into one ModelProto, which protobuf caps at 2 GB (the fp32 SD 1.5
-    # UNet is ~3.4 GB). An option of the 1.31.1 provider library (its option-name strings list it beside
-    # trt_onnx_model_folder_path; tensorrt_execution_provider_info.cc parses it); it needs TensorRT >= 10.13.
+    # Every key here must pass ORT's Python option parser (engines/runtime/optcheck.py; `engines build --dry-run`
+    # runs it on each set). `trt_load_user_initializer` is NOT one: only the provider library's C-API parser knows it,
+    # and onnxruntime_pybind_state.cc refuses it ("Invalid TensorRT EP option"), so no engine could be built with it.
     return {
         "device_id": str(device_id), "trt_fp16_enable": str(flags.fp16 and not fp32),
-        "trt_int8_enable": str(flags.int8), "trt_load_user_initializer": "True",
+        "trt_int8_enable": str(flags.int8),
         "trt_builder_optimization_level": str(flags.builder_optimization_level),
         "trt_engine_cache_enable": "True", "trt_engine_cache_path": ENGINE_CACHE,
         "trt_timing_cache_enable": str(flags.timing_cache), "trt_timing_cache_path": TIMING_CACHE,
@@ -195,6 +194,9 @@ def plan(model_dir: Path, profiles: list[ShapeProfile], flags: BuildFlags, devic
     path in it is relative (to the model folder, or for the engine cache to the context model's folder)."""
     if len({p.name for p in profiles}) != len(profiles):
         raise ArtifactError(f"the served sizes repeat: {[p.name for p in profiles]}")
+    if not (model_dir / "unet" / "model.onnx").is_file():
+        raise ArtifactError(f"{model_dir} has no unet/model.onnx: TensorRT plans cover the UNet families (SD 1.x/2.x, "
+                            "SDXL, Turbo); a DiT folder (Flux, SD 3.x: transformer/) has no TensorRT plan yet")
     dims = model_dims(model_dir)
     upcast = fp32_components(model_dir)
     present = [*COMPONENTS, *(c for c in OPTIONAL_COMPONENTS if (model_dir / c / "model.onnx").is_file())]
@@ -250,3 +252,26 @@ def refuse_unimportable(model_dir: Path) -> None:
                             f"({listed}); the engine would split between providers. Dynamic INT8 (`sdserve engines "
                             "quantize`) and the fused ops of `sdserve engines optimize` serve on the CUDA provider "
                             "only; build TensorRT engines from the plain exported model")
+
+
+def parser_verdicts(model_dir: Path, plan_: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every option set of the plan through ORT's real Python option parser (engines/runtime/optcheck.py), on a
+    probe model with each component's input names, types and ranks: ``"<size>/<component>" -> verdict``."""
+    from engines.build.trt_build import session_options
+    from engines.runtime import optcheck
+
+    out: dict[str, dict[str, Any]] = {}
+    for size, entry in plan_["sizes"].items():
+        for component, spec in entry["components"].items():
+            inputs = optcheck.graph_input_types(model_dir / spec["source"])
+            result = optcheck.parse(optcheck.TRT, session_options(model_dir, spec["provider_options"]), inputs)
+            out[f"{size}/{component}"] = result.as_dict()
+    return out
+
+
+def require_parsed(verdicts: dict[str, dict[str, Any]]) -> None:
+    """ArtifactError naming each option set ORT's parser refused: such a plan can build nothing, anywhere."""
+    refused = {k: v["detail"] for k, v in verdicts.items() if not v["accepted"]}
+    if refused:
+        raise ArtifactError("ONNX Runtime's option parser refuses the TensorRT plan: " + "; ".join(
+            f"{k}: {why}" for k, why in sorted(refused.items())))

@@ -31,6 +31,7 @@ graph. Unverified on a GPU: that the level-1 graph is the same with the CUDA pro
 from __future__ import annotations
 
 import math
+import os
 import tempfile
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
@@ -181,17 +182,33 @@ def cpu_node_names(session: ort.InferenceSession) -> list[str]:
             if subgraph.ep_name == CPU_PROVIDER for node in subgraph.get_nodes()]
 
 
-def partitioned_graph(model: str | Path | bytes, workdir: str | Path | None = None) -> onnx.GraphProto:
+DISCARD = "weights.discarded"
+"""File name ORT writes the dump's weights to: a link to the null device, so no weight reaches the disk."""
+
+
+def partitioned_graph(model: str | Path | bytes, workdir: str | Path | None = None,
+                      external_folder: str | Path | None = None) -> onnx.GraphProto:
     """The graph whose node names `get_provider_graph_assignment_info()` reports: the model after ORT's level-1
-    (basic) optimizations, written by a CPU-only session. Weights go to an external file and are not read back.
-    ``model`` may be serialized bytes (a graph built in process, like the scheduler step)."""
-    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+    (basic) optimizations, written by a CPU-only session. ``model`` may be serialized bytes (a graph built in
+    process, like the scheduler step, or a LoRA variant whose initializers point at external files: then
+    ``external_folder`` is the folder they are in, as the session that serves it was told with
+    ``session.model_external_initializers_file_folder_path``; without it ORT refuses the bytes, tensorprotoutils.cc
+    ValidateExternalDataPathFromDir, "External data path for model loaded from bytes escapes working directory").
+
+    No copy of the weights: ORT writes every initializer over 1024 bytes to
+    ``session.optimized_model_external_initializers_file_name``, which here is a symbolic link to the null device,
+    so the dump of a 3.4 GB UNet costs the graph's few MB on disk (ORT then removes the link, the written file
+    reading as empty), and the graph is read back without external data."""
+    with tempfile.TemporaryDirectory(dir=workdir, prefix="sdserve-audit-") as tmp:
         out = Path(tmp) / "partitioned.onnx"
+        (Path(tmp) / DISCARD).symlink_to(os.devnull)
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
         so.optimized_model_filepath = str(out)
-        so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "weights.bin")
+        so.add_session_config_entry("session.optimized_model_external_initializers_file_name", DISCARD)
         so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+        if external_folder is not None:
+            so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(external_folder))
         ort.InferenceSession(model if isinstance(model, bytes) else str(model), sess_options=so,
                              providers=[CPU_PROVIDER])
         return onnx.load(str(out), load_external_data=False).graph

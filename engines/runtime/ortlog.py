@@ -69,8 +69,9 @@ class Captured:
 
 
 @contextlib.contextmanager
-def capture_ort_output(source: str) -> Iterator[Captured]:
-    """Redirect fd 2 and sys.stdout for the duration; afterwards classify, re-emit, and fill the result.
+def capture_ort_output(source: str, reemit: bool = True) -> Iterator[Captured]:
+    """Redirect fd 2 and sys.stdout for the duration; afterwards classify, re-emit (unless ``reemit`` is False:
+    a probe whose failures are expected reports them itself), and fill the result.
     Process-wide, so callers keep the window to the session constructor (serialized by a lock)."""
     result = Captured()
     with _CAPTURE_LOCK, tempfile.TemporaryFile(mode="w+b") as sink:
@@ -89,7 +90,8 @@ def capture_ort_output(source: str) -> Iterator[Captured]:
             native = sink.read().decode("utf-8", "replace")
             result.lines = [ln for ln in (banner.getvalue() + native).splitlines() if ln.strip()]
             result.events = classify(result.lines)
-            _reemit(source, result)
+            if reemit:
+                _reemit(source, result)
 
 
 def _reemit(source: str, result: Captured) -> None:

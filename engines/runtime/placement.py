@@ -103,12 +103,14 @@ def _counts(session: ort.InferenceSession, name: str) -> PlacementReport:
     return report
 
 
-def audit(session: ort.InferenceSession, name: str, model: Path | bytes, *, classify: bool = True) -> PlacementReport:
+def audit(session: ort.InferenceSession, name: str, model: Path | bytes, *, classify: bool = True,
+          external_folder: Path | str | None = None) -> PlacementReport:
     """Read the recorded assignment (the session must be built with CONFIG_KEY=1) and classify its CPU nodes.
 
     Cost: only when some node is on the CPU, the model is opened once more by a CPU-only session at
     ORT_ENABLE_BASIC to write the graph the partitioner named (dataflow.partitioned_graph; weights go to a
-    temporary file, not back into memory). A healthy TensorRT EP-context component has no CPU node and pays
+    link to the null device, never to disk; ``external_folder``: where the initializers of a model given as bytes
+    are, as its session was told). A healthy TensorRT EP-context component has no CPU node and pays
     nothing. ``classify=False`` (CPU allowed by the profile) skips it: everything is on the CPU by design."""
     report = _counts(session, name)
     if not report.cpu_nodes:
@@ -117,7 +119,7 @@ def audit(session: ort.InferenceSession, name: str, model: Path | bytes, *, clas
         report.unclassified = "CPU allowed by the profile"
         return report
     try:
-        graph = partitioned_graph(model)
+        graph = partitioned_graph(model, external_folder=external_folder)
     except Exception as exc:  # e.g. EPContext nodes have no CPU kernel: fail closed, say why
         report.unclassified = f"cannot write the partitioned graph: {str(exc).strip()[:300]}"
         return report

@@ -226,7 +226,8 @@ class Runtime:
             report.events += enginecheck.cache_events(before, self._after_load, f"{name}: session creation")
         report.providers_used = list(sess.get_providers())
         if self.settings.placement_audit:
-            report.placement = placement.audit(sess, name, model, classify=not self.settings.allow_cpu)
+            report.placement = placement.audit(sess, name, model, classify=not self.settings.allow_cpu,
+                                               external_folder=external_folder(extra))
         enforce(report, self.settings)
         log.info("session %s on %s", name, report.providers_used)
         return sess
@@ -256,7 +257,8 @@ class Runtime:
                    audit_only: bool = False, extra: dict[str, str] | None = None) -> ort.InferenceSession:
         kwargs: dict[str, Any] = {} if self.settings.allow_cpu else {"enable_fallback": 0}
         source = model if isinstance(model, bytes) else str(model)
-        options = self._options(audit_only, None if audit_only else extra)
+        # The audit's rebuild keeps only where a bytes model's weights are (it cannot load without it).
+        options = self._options(audit_only, _external_only(extra) if audit_only else extra)
         if self.settings.plugin is not None:  # the EP is in the options (add_provider_for_devices), not providers=
             return ort.InferenceSession(source, sess_options=options, **kwargs)
         return ort.InferenceSession(source, sess_options=options, providers=[p for p, _ in providers],
@@ -268,7 +270,7 @@ class Runtime:
         try:
             with capture_ort_output("placement audit"):
                 sess = self._construct(model, providers, audit_only=True)
-            found = placement.audit(sess, "audit", model, classify=False)
+            found = placement.audit(sess, "audit", model, classify=False)  # names only: nothing to classify
         except Exception as exc:  # the second build can fail for its own reasons; say so, still refuse
             return f"{CPU_NODES_REFUSED} (the nodes could not be listed: {str(exc).strip()[:200]})"
         named = ", ".join(f"{op} {name}" for op, name in found.cpu_named[:8])
@@ -396,6 +398,20 @@ LOAD_FAILURES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("the GPU is out of memory", ("out of memory", "cudaErrorMemoryAllocation", "CUDA failure 2:",
                                   "Failed to allocate", "bad_alloc")),
 )
+
+
+EXTERNAL_FOLDER = "session.model_external_initializers_file_folder_path"
+"""Where ORT finds the external weights of a model given as bytes (tensorprotoutils.cc
+ValidateExternalDataPathFromDir); every session built from those bytes needs it, the audit's too."""
+
+
+def external_folder(extra: dict[str, str] | None) -> str | None:
+    return (extra or {}).get(EXTERNAL_FOLDER)
+
+
+def _external_only(extra: dict[str, str] | None) -> dict[str, str] | None:
+    folder = external_folder(extra)
+    return {EXTERNAL_FOLDER: folder} if folder else None
 
 
 def classify_load_failure(text: str) -> str:

@@ -155,8 +155,12 @@ def _build_engines(args: argparse.Namespace) -> int:
                                builder_optimization_level=args.opt_level)
     profiles = trtplan.profiles_from(sizes, batch_max, args.opt_batch or max(served))
     plan = trtplan.plan(args.model, profiles, flags, settings.runtime.device_id)
+    # Every option set through ORT's real parser, dry runs included: a key it refuses builds nothing anywhere.
+    verdicts = trtplan.parser_verdicts(args.model, plan)
     if args.dry_run:
-        print(json.dumps(plan, indent=2))
+        print(json.dumps(plan | {"option_parser": verdicts}, indent=2))
+    trtplan.require_parsed(verdicts)
+    if args.dry_run:
         return 0
     return _build_on_gpu(args, boot, plan)
 

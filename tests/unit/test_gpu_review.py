@@ -119,16 +119,6 @@ def test_the_pinned_check_passes_the_whole_struct_to_the_runtime() -> None:
     assert memory_type(Cudart(), 0x1000) == 1
 
 
-def test_tensorrt_options_keep_the_weights_out_of_the_serialized_graph(tmp_path: Path) -> None:
-    """trt_load_user_initializer (a string of the 1.31.1 TensorRT provider library, parsed by
-    tensorrt_execution_provider_info.cc): without it a > 2 GB fp32 UNet fails protobuf serialization in the EP."""
-    from engines.build import trtplan
-
-    options = trtplan._options("unet", {"sample": ["b", 4, "h", "w"]}, _dims(), trtplan.ShapeProfile(512, 512, 1, 1, 1),
-                               trtplan.BuildFlags(), 0)
-    assert options["trt_load_user_initializer"] == "True"
-
-
 def _dims() -> dict[str, int | None]:
     return {"tokens": 77, "unet_channels": 4, "latent_channels": 4, "hidden": 768, "pooled": None, "time_ids": 6,
             "image_channels": 3, "factor": 8}
@@ -171,35 +161,6 @@ def test_a_vae_session_on_tensorrt_fp16_is_recognised(tmp_path: Path) -> None:
     assert tensorrt_fp16(Session({TRT: {"trt_fp16_enable": "1"}}))  # type: ignore[arg-type]
     assert not tensorrt_fp16(Session({TRT: {"trt_fp16_enable": "0"}}))  # type: ignore[arg-type]
     assert not tensorrt_fp16(Session({"CUDAExecutionProvider": {}}))  # type: ignore[arg-type]
-
-
-def test_the_engine_build_preloads_before_it_builds_and_refuses_a_cpu_session(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """libonnxruntime_providers_tensorrt.so needs libnvonnxparser/libcublas/libcudnn (DT_NEEDED, no RUNPATH): the
-    preload must come first; a session ORT built on the CPU after a failed provider creation is refused."""
-    import onnxruntime as ort
-
-    from engines.build import trt_build
-    from engines.errors import GpuUnavailableError
-
-    order: list[str] = []
-    monkeypatch.setattr(trt_build, "preload", lambda tensorrt: order.append(f"preload tensorrt={tensorrt}") or [])
-
-    class CpuSession:
-        def __init__(self, *args: object, **kwargs: object) -> None:
-            order.append("session")
-
-        def get_providers(self) -> list[str]:
-            return ["CPUExecutionProvider"]
-
-    monkeypatch.setattr(ort, "InferenceSession", CpuSession)
-    monkeypatch.setattr(trt_build, "_fresh_trt", lambda model_dir: tmp_path / "trt")
-    spec = {"source": "unet/model.onnx", "provider_options": {"trt_ep_context_file_path": "trt/64x64/unet_ctx.onnx",
-                                                              "trt_engine_cache_path": "engines"}}
-    plan = {"sizes": {"64x64": {"profile": {}, "components": {"unet": spec}}}, "build_flags": {}}
-    with pytest.raises(GpuUnavailableError, match=r"TensorRT provider did not come up .*CPUExecutionProvider"):
-        trt_build.build(tmp_path, plan, {}, 0)
-    assert order == ["preload tensorrt=True", "session"]
 
 
 def test_a_failed_prebuilt_load_is_exit_23_only_for_an_artifact_fault() -> None:

@@ -1,0 +1,139 @@
+"""Every provider option set the production path can produce, through ONNX Runtime's real option parser.
+
+Nothing here replaces ``ort.InferenceSession`` or any part of ORT: ``engines/runtime/optcheck.py`` makes the two
+calls the Python wrapper makes (onnxruntime/python/onnxruntime_inference_collection.py,
+``_create_inference_session``), and ORT's binding parses the TensorRT options in
+onnxruntime/python/onnxruntime_pybind_state.cc (``CreateExecutionProviderFactoryInstance``) before it tries to load
+the provider library. On this CPU machine a good set is *accepted* and then fails to *load* (libcublas.so.13 is
+missing); a bad key or value is *refused*, and the test fails on it. The CUDA provider parses its options inside its
+own library (cuda_execution_provider_info.cc), which a machine without CUDA cannot load: its sets are checked against
+that file's option names (optcheck.CUDA_OPTION_KEYS) and then passed through the binding too.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engines.build import trtplan
+from engines.build.trt_build import session_options
+from engines.runtime import optcheck
+from engines.runtime.sessions import loading_prebuilt, provider_options, session_providers
+
+UNET_FAMILIES = ("sd1", "sd2", "sdxl", "turbo", "inpaint")
+
+
+@pytest.fixture(scope="module")
+def family_models(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from engines.build.tiny import build_tiny
+
+    root = tmp_path_factory.mktemp("families")
+    out = {"sd1": tiny_model}
+    for family in UNET_FAMILIES[1:]:
+        out[family] = build_tiny(root / family, family=family)
+    return out
+
+
+def _dry_run(model: Path) -> dict:
+    done = subprocess.run([sys.executable, "-m", "server.cli", "engines", "build", "--profile", "production",
+                           "--model", str(model), "--dry-run"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+def test_the_rejected_key_is_refused_by_the_real_parser_and_a_known_key_is_not() -> None:
+    """The control: the parser this suite relies on tells a bad option from a missing library on this CPU."""
+    bad = optcheck.parse(optcheck.TRT, {"trt_load_user_initializer": "True"})
+    assert not bad.accepted and "Invalid TensorRT EP option" in bad.detail
+    value = optcheck.parse(optcheck.TRT, {"trt_fp16_enable": "maybe"})
+    assert not value.accepted
+    good = optcheck.parse(optcheck.TRT, {"trt_fp16_enable": "True", "trt_bf16_enable": "False"})
+    assert good.accepted, good.detail
+    cuda = optcheck.parse(optcheck.CUDA, {"gpu_mem_limit": "1024", "arena_extend_strategy": "kSameAsRequested"})
+    assert cuda.accepted, cuda.detail
+    assert not optcheck.parse(optcheck.CUDA, {"gpu_mem_limimt": "1"}).accepted
+    assert not optcheck.parse(optcheck.CUDA, {"arena_extend_strategy": "kNever"}).accepted
+
+
+@pytest.mark.parametrize("family", UNET_FAMILIES)
+def test_every_build_plan_passes_the_parser(family: str, family_models: dict[str, Path]) -> None:
+    """`sdserve engines build --profile production --dry-run` prints the plan and each set's parser verdict."""
+    printed = _dry_run(family_models[family])
+    sets = [(size, c, spec["provider_options"]) for size, e in printed["sizes"].items()
+            for c, spec in e["components"].items()]
+    assert sets and set(printed["option_parser"]) == {f"{s}/{c}" for s, c, _ in sets}
+    refused = {k: v for k, v in printed["option_parser"].items() if not v["accepted"]}
+    assert not refused, refused
+    for _size, _component, options in sets:
+        assert "trt_load_user_initializer" not in options
+        # The prebuilt-loading set the builder reopens each context model with (trt_build.reopen).
+        keep = {k: v for k, v in loading_prebuilt(session_options(family_models[family], options)).items()
+                if not k.startswith(("trt_dump", "trt_ep_context"))}
+        assert optcheck.parse(optcheck.TRT, keep).accepted
+    if family == "sdxl":
+        assert {"text_encoder_2", "vae_decoder"} <= {c for _, c, _ in sets}
+
+
+def test_a_refused_option_stops_the_dry_run_naming_the_key(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan's own check, not this test's: a key the parser refuses makes `engines build` fail, dry run or not,
+    with the parser's words (before, a real build exited 20, "GPU path unavailable")."""
+    from engines.errors import ArtifactError
+
+    plan = trtplan.plan(tiny_model, trtplan.profiles_from([(64, 64)], 2, 1), trtplan.BuildFlags())
+    plan["sizes"]["64x64"]["components"]["unet"]["provider_options"]["trt_load_user_initializer"] = "True"
+    with pytest.raises(ArtifactError, match="trt_load_user_initializer"):
+        trtplan.require_parsed(trtplan.parser_verdicts(tiny_model, plan))
+
+
+def test_every_serving_option_set_passes_the_parser(tiny_model: Path) -> None:
+    """The sessions the production profile builds: TensorRT + CUDA for files, CUDA for graphs built in process
+    (LoRA variants, the step graph), prebuilt loading, the fp32 override, the arena cap."""
+    from server.settings import load_settings
+
+    runtime = load_settings("production").runtime
+    total = 141 * 1024**3
+    sets = {"policy": provider_options(runtime, tiny_model, total),
+            "file": session_providers(runtime, False, tiny_model, total),
+            "in process": session_providers(runtime, True, tiny_model, total)}
+    checked = 0
+    for label, providers in sets.items():
+        for provider, options in providers:
+            variants = [options]
+            if provider == optcheck.TRT:
+                variants += [loading_prebuilt(options), {**options, "trt_fp16_enable": "False"}]
+            for opts in variants:
+                result = optcheck.parse(provider, opts)
+                assert result.accepted, f"{label} {provider}: {result.detail}"
+                assert not result.loaded  # no GPU here: the parse is what this proves
+                checked += 1
+    cuda = dict(sets["policy"])[optcheck.CUDA]
+    assert cuda["gpu_mem_limit"].isdigit() and cuda["arena_extend_strategy"] in ("kNextPowerOfTwo", "kSameAsRequested")
+    assert checked >= 5
+
+
+def test_a_build_without_the_libraries_is_a_gpu_fault_after_the_preload(tiny_model: Path, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real build on this CPU, through the real ORT: the plan passes the parser (no ArtifactError), the CUDA
+    and TensorRT wheels' libraries are preloaded first (libonnxruntime_providers_tensorrt.so has no RUNPATH), and
+    the missing provider is exit 20's GpuUnavailableError: the TensorRT plugin registration raises "Please install
+    TensorRT libraries" (onnxruntime_inference_collection.py ``_register_ep_custom_ops``) or the provider fails to
+    create and ORT builds on the CPU (refused by trt_build.require_tensorrt)."""
+    import shutil
+
+    from engines.build import trt_build
+    from engines.errors import GpuUnavailableError
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    order: list[str] = []
+    real_preload = trt_build.preload
+    monkeypatch.setattr(trt_build, "preload", lambda tensorrt: order.append("preload") or real_preload(tensorrt))
+    plan = trtplan.plan(model, trtplan.profiles_from([(64, 64)], 2, 1), trtplan.BuildFlags())
+    with pytest.raises(GpuUnavailableError, match=r"TensorRT (build failed|provider did not come up)"):
+        trt_build.build(model, plan, {}, 0)
+    assert order == ["preload"]
+    assert not list((model / "trt").glob("*/*_ctx.onnx"))
