@@ -179,8 +179,30 @@ def compare_node(built: dict[str, Any], live: dict[str, Any], keys: tuple[str, .
             for key in keys if str(built.get(key)) != str(live.get(key))]
 
 
+def external_files(model: Path) -> list[str]:
+    """The external-data files an ONNX model's initializers point at (``location`` entries), relative to its
+    folder, read from the graph without loading a weight."""
+    import onnx
+
+    graph = onnx.load(str(model), load_external_data=False).graph
+    found = {entry.value for init in graph.initializer if init.data_location == onnx.TensorProto.EXTERNAL
+             for entry in init.external_data if entry.key == "location"}
+    return sorted(found)
+
+
+def source_files(folder: Path, source: str) -> dict[str, str]:
+    """``rel -> sha256`` of a component's model file and every external weight file it reads: what an engine is
+    built from. Hashing ``model.onnx`` alone misses a re-exported fine-tune, whose graph file is unchanged when
+    its weights are external."""
+    path = folder / source
+    rels = [source, *(f"{Path(source).parent.as_posix()}/{f}" for f in external_files(path))]
+    return {rel: sha256_file(folder / rel) for rel in rels}
+
+
 def compare_model(engines: dict[str, Any], folder: Path) -> list[str]:
-    """Each component whose engines were built from another model file than the one the model manifest lists."""
+    """Each component whose engines were built from other files than the ones the model manifest lists: the
+    graph (``model``, by component) and every file it was built from (``sources``, graph and external weights by
+    path; a weight file the model folder lists for a component but the engines were not built from counts too)."""
     path = folder / MANIFEST
     listed = json.loads(path.read_text(encoding="utf-8")).get("files", {}) if path.is_file() else {}
     problems = []
@@ -189,6 +211,12 @@ def compare_model(engines: dict[str, Any], folder: Path) -> list[str]:
         if entry is not None and expected(entry)[0] != digest:
             problems.append(f"{component}: engines built from sha256 {str(digest)[:12]}…, the model folder has "
                             f"{expected(entry)[0][:12]}…")
+    for rel, digest in sorted(engines.get("sources", {}).items()):
+        entry = listed.get(rel)
+        if entry is None or expected(entry)[0] != digest:
+            found = "no such file" if entry is None else f"{expected(entry)[0][:12]}…"
+            problems.append(f"{rel}: engines built from sha256 {str(digest)[:12]}…, the model folder has {found} "
+                            "(weights changed: rebuild the engines)")
     return problems
 
 
@@ -270,14 +298,17 @@ def verify_engines(folder: Path, live: dict[str, Any], mode: VerifyMode, sub: st
 
 def write_engine_manifest(trt: Path, node: dict[str, Any], sizes: dict[str, dict[str, Any]],
                           flags: dict[str, Any], model: dict[str, str],
-                          placement: dict[str, dict[str, int]] | None = None) -> Path:
+                          placement: dict[str, dict[str, int]] | None = None,
+                          sources: dict[str, str] | None = None) -> Path:
     """``trt/manifest.json``. ``sizes``: per size key, ``{"profile": {...}, "context_models": {component: rel}}``
     with paths relative to ``trt/`` (nothing absolute: the model folder may be moved or mounted elsewhere).
-    ``placement``: per component, the source graph's nodes by provider as the build compiled it."""
+    ``placement``: per component, the source graph's nodes by provider as the build compiled it. ``sources``:
+    ``rel -> sha256`` of every file the engines were built from, external weights included (source_files)."""
     path = trt / MANIFEST
     data = {"format": 2, "model": model, "node": node, "sizes": sizes,
             "profiles": [entry["profile"] for _, entry in sorted(sizes.items())], "build_flags": flags,
-            "files": file_table(trt), **({"placement": placement} if placement else {})}
+            "files": file_table(trt), **({"placement": placement} if placement else {}),
+            **({"sources": sources} if sources else {})}
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return path
 

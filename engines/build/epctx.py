@@ -28,6 +28,7 @@ from engines.artifacts import (
     ep_dir,
     plugin_identity,
     sha256_file,
+    source_files,
     write_engine_manifest,
 )
 from engines.config import PluginEp, RuntimeSettings
@@ -130,6 +131,8 @@ def build(model_dir: Path, runtime_settings: RuntimeSettings, sizes: list[str],
     finally:
         runtime.close()
     model = {c: sha256_file(model_dir / c / "model.onnx") for c in components(model_dir)}
+    sources = {rel: digest for c in components(model_dir)
+               for rel, digest in source_files(model_dir, f"{c}/model.onnx").items()}
     flags = {"ep_options": dict(plugin.options), "embed_mode": 0}
     return write_engine_manifest(root, plugin_identity(observations, plugin.device_type), entries, flags, model,
-                                 placement)
+                                 placement, sources)

@@ -12,7 +12,14 @@ from typing import Any
 
 import onnxruntime as ort
 
-from engines.artifacts import TRT_DIR, node_identity, read_manifest, sha256_file, write_engine_manifest
+from engines.artifacts import (
+    TRT_DIR,
+    node_identity,
+    read_manifest,
+    sha256_file,
+    source_files,
+    write_engine_manifest,
+)
 from engines.build.trtplan import ENGINE_CACHE, MODEL_RELATIVE, TIMING_CACHE
 from engines.errors import ArtifactError, GpuUnavailableError
 from engines.runtime.libdeps import preload
@@ -135,4 +142,7 @@ def build(model_dir: Path, plan: dict[str, Any], observations: dict[str, Any], n
                        "context_models": {c: ctx.relative_to(trt).as_posix() for c, ctx in built.items()}}
     first = next(iter(plan["sizes"].values()))["components"]
     model = {c: sha256_file(model_dir / spec["source"]) for c, spec in first.items()}
-    return write_engine_manifest(trt, node_identity(observations, nvml_index), sizes, plan["build_flags"], model)
+    sources = {rel: digest for spec in first.values()
+               for rel, digest in source_files(model_dir, spec["source"]).items()}
+    return write_engine_manifest(trt, node_identity(observations, nvml_index), sizes, plan["build_flags"], model,
+                                 sources=sources)

@@ -16,6 +16,7 @@ from server.exitcodes import ExitCode
 from tests.plugin_ep import (
     ARTIFACTS,
     EP,
+    build_artifacts,
     build_shim,
     cpu_facts,
     listed_devices,
@@ -167,3 +168,37 @@ def test_a_plugin_offering_no_device_exits_20_saying_why_not_reinstall(openvino_
         assert "reinstall" not in done.stdout + done.stderr
         if vendor_rule and library == libraries[-1]:
             assert "vendor rule" in done.stdout + done.stderr and "ov_factory.cc" in done.stdout + done.stderr
+
+
+def _external_unet(model: Path) -> None:
+    """The UNet's weights moved to external data beside it, and the model manifest rewritten, as an export of a
+    real-size model (over protobuf's 2 GB) lays them out."""
+    import onnx
+
+    from engines.artifacts import read_manifest, write_model_manifest
+
+    unet = model / "unet" / "model.onnx"
+    onnx.save(onnx.load(str(unet)), str(unet), save_as_external_data=True, location="model.onnx_data",
+              size_threshold=1024)
+    write_model_manifest(model, {k: v for k, v in read_manifest(model / "manifest.json").items() if k != "files"})
+
+
+def test_engines_are_bound_to_the_external_weights_they_were_built_from(tiny_model: Path, tmp_path: Path) -> None:
+    """A fine-tune re-exported with the same architecture changes only the weight file (the graph file of an
+    external-data model is the same bytes) and comes with a new, consistent model manifest: the engines built
+    from the old weights must be refused (exit 23), naming the weight file, not served."""
+    from engines.artifacts import read_manifest, write_model_manifest
+
+    source = tmp_path / "source"
+    shutil.copytree(tiny_model, source)
+    _external_unet(source)
+    model = build_artifacts(source, tmp_path / "built" / "model")
+    built = read_manifest(model / ARTIFACTS / "manifest.json")
+    assert "unet/model.onnx_data" in built["sources"]
+    assert_exit(doctor(model), ExitCode.OK, EP)
+    weights = model / "unet" / "model.onnx_data"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 3] ^= 0x01
+    weights.write_bytes(bytes(data))
+    write_model_manifest(model, {k: v for k, v in read_manifest(model / "manifest.json").items() if k != "files"})
+    assert_exit(doctor(model), ExitCode.ARTIFACT_INVALID, "unet/model.onnx_data: engines built from sha256")
