@@ -27,9 +27,12 @@ bound to the ONNX Runtime version, the plugin's package, its version (pip and lo
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -218,6 +221,47 @@ def compare_model(engines: dict[str, Any], folder: Path) -> list[str]:
             problems.append(f"{rel}: engines built from sha256 {str(digest)[:12]}…, the model folder has {found} "
                             "(weights changed: rebuild the engines)")
     return problems
+
+
+@dataclass(frozen=True)
+class LinkedTree:
+    """What :func:`link_tree` did: files hard-linked and files copied (another filesystem), with their bytes."""
+
+    linked: int
+    linked_bytes: int
+    copied: int
+    copied_bytes: int
+
+
+def link_tree(src: Path, dst: Path, skip: tuple[str, ...] = (TRT_DIR, EP_DIR),
+              copy: tuple[str, ...] = (MANIFEST, "selftest.json")) -> LinkedTree:
+    """``src`` reproduced at ``dst`` by hard links (no byte copied on one filesystem; a 67 GB fp32 Flux folder
+    costs inodes, not disk), falling back to a copy per file where a link is refused (EXDEV: another filesystem;
+    EPERM/EMLINK). Top-level ``skip`` folders (built artifacts) are left out: what is built next is written fresh,
+    never through a link into the source's files; top-level ``copy`` files (the ones a node may rewrite, such as
+    recorded fingerprints) are copied, so a write there never reaches the source."""
+    counts = [0, 0, 0, 0]
+    dst.mkdir(parents=True)
+    for path in sorted(src.rglob("*")):
+        rel = path.relative_to(src)
+        if rel.parts[0] in skip:
+            continue
+        target = dst / rel
+        if path.is_dir() and not path.is_symlink():
+            target.mkdir(exist_ok=True)
+            continue
+        size = path.stat().st_size
+        try:
+            if len(rel.parts) == 1 and rel.name in copy:
+                raise OSError(errno.EPERM, "copied, not linked")
+            os.link(path, target, follow_symlinks=True)
+            counts[0], counts[1] = counts[0] + 1, counts[1] + size
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                raise
+            shutil.copy2(path, target)
+            counts[2], counts[3] = counts[2] + 1, counts[3] + size
+    return LinkedTree(*counts)
 
 
 def _relative_inside(rel: str) -> bool:

@@ -175,7 +175,9 @@ def relocation_check(run: Run) -> rep.RelocationSection:
     built_at, moved_to = run.options.out / "work" / "built", run.options.out / "work" / "accepted"
     for folder in (built_at, moved_to):
         shutil.rmtree(folder, ignore_errors=True)
-    shutil.copytree(run.served(), built_at)
+    linked = artifacts.link_tree(run.served(), built_at)  # hard links: a 67 GB folder costs no copy
+    run.notes.append(f"relocation: {linked.linked} files hard-linked ({linked.linked_bytes / 1e9:.2f} GB), "
+                     f"{linked.copied} copied ({linked.copied_bytes / 1e9:.2f} GB)")
     shapes = run.options.plan.shapes
     sizes = sorted({(s.width, s.height) for s in shapes}) or [(run.options.size, run.options.size)]
     batch = max((s.batch for s in shapes), default=1)  # the served batches; the server's queue may merge more
@@ -230,10 +232,15 @@ def boot_engine(run: Run) -> tuple[rep.ShapeBoot, ...]:
     try:
         engine.preflight()
         engine.load()
-        if run.options.model is None:  # a model built minutes ago has no recorded canary outputs yet
+        fingerprints = run.served() / run.options.plan.fingerprints_file
+        if run.options.model is None or not fingerprints.is_file():
+            # A model built minutes ago, or a user's model never self-tested, has no recorded canary outputs: the
+            # production self-test would refuse it. They are recorded here (in the accept work folder after the
+            # relocation step, never the user's folder), and the report says so.
             engine.record_fingerprints()
-            run.notes.append("canary fingerprints recorded on this node (fresh model): the self-test checks "
-                             "sanity and latency here, not drift")
+            why = "fresh model" if run.options.model is None else f"{run.options.model} has no {fingerprints.name}"
+            run.notes.append(f"canary fingerprints recorded on this node ({why}): the self-test checks sanity and "
+                             "latency here, not drift against another node")
         return _shape_boots(engine.self_test())
     except SdserveError as exc:
         run.engine, run.engine_error = None, str(exc)

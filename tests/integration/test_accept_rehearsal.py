@@ -39,6 +39,14 @@ def test_accept_runs_end_to_end_on_the_openvino_profile(tiny_model: Path, tmp_pa
     for name in CUDA_ONLY:  # not this EP's: said so, with the reason, never ok
         assert sections[name] is None and report[name]["state"] == "not applicable" and report[name]["reason"]
     assert report["relocation"]["moved_to"].endswith("accepted") and not report["relocation"]["engine_built_on_load"]
+    # Relocation by hard links (no copy of the weights), and a user's model without fingerprints accepted by
+    # recording them in the accept work folder, said in the notes, the user's folder left as it was.
+    moved = Path(report["relocation"]["moved_to"])
+    assert (moved / "unet" / "model.onnx").stat().st_ino == (tiny_model / "unet" / "model.onnx").stat().st_ino
+    assert any(n.startswith("relocation: ") and "files hard-linked" in n and not n.startswith("relocation: 0 ")
+               for n in report["notes"]), report["notes"]
+    assert any("has no selftest.json" in n for n in report["notes"]), report["notes"]
+    assert (moved / "selftest.json").is_file() and not (tiny_model / "selftest.json").exists()
     assert all(p["gpu_nodes"] > 0 and EP in p["providers"] for p in report["placement"])
     assert report["protocol"]["stats"]["count"] == 10 and report["protocol"]["stats"]["all_ok"]
     steps = {s["step"]: s for s in report["steps"]}

@@ -151,3 +151,28 @@ def test_a_pinned_digest_needs_verification_on() -> None:
         RuntimeSettings(manifest_sha256=digest, verify="off")
     with pytest.raises(ValidationError, match="manifest_sha256"):
         RuntimeSettings(manifest_sha256="not-a-digest")
+
+
+def test_link_tree_links_weights_copies_what_a_node_rewrites_and_skips_artifacts(tmp_path: Path) -> None:
+    import os
+
+    from engines.artifacts import link_tree
+
+    src = tmp_path / "src"
+    (src / "unet").mkdir(parents=True)
+    (src / "trt" / "64x64").mkdir(parents=True)
+    (src / "unet" / "model.onnx_data").write_bytes(b"w" * 4096)
+    (src / "manifest.json").write_text("{}")
+    (src / "trt" / "64x64" / "unet_ctx.onnx").write_bytes(b"ctx")
+    done = link_tree(src, tmp_path / "dst")
+    dst = tmp_path / "dst"
+    assert os.stat(dst / "unet" / "model.onnx_data").st_ino == os.stat(src / "unet" / "model.onnx_data").st_ino
+    assert os.stat(dst / "manifest.json").st_ino != os.stat(src / "manifest.json").st_ino
+    assert not (dst / "trt").exists()
+    assert (done.linked, done.linked_bytes, done.copied) == (1, 4096, 1)
+    if os.stat("/dev/shm").st_dev != os.stat(tmp_path).st_dev:  # another filesystem: copied, not failed
+        import tempfile
+
+        with tempfile.TemporaryDirectory(dir="/dev/shm") as other:
+            across = link_tree(src, Path(other) / "dst")
+            assert (across.linked, across.copied) == (0, 2)
