@@ -66,6 +66,16 @@ def _fresh_trt(model_dir: Path) -> Path:
     return trt
 
 
+def build_session_options() -> ort.SessionOptions:
+    """The build session: from the model's path (never bytes: the provider passes the path to TensorRT's parser,
+    which reads external weights from it), with ORT's graph optimizations off, so no folded constant turns
+    external weights into inline tensors of a serialized graph over protobuf's 2 GB (trtplan.PROTOBUF_LIMIT);
+    TensorRT optimizes the graph itself."""
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return so
+
+
 def _build_one(model_dir: Path, size: str, component: str, spec: dict[str, Any]) -> Path:
     options = session_options(model_dir, spec["provider_options"])
     ctx = Path(options["trt_ep_context_file_path"])
@@ -74,8 +84,8 @@ def _build_one(model_dir: Path, size: str, component: str, spec: dict[str, Any])
     log.info("building the TensorRT engine for %s at %s; this takes minutes", component, size)
     with capture_ort_output(component) as captured:
         try:
-            session = ort.InferenceSession(str(model_dir / spec["source"]), providers=[TRT],
-                                           provider_options=[options], enable_fallback=0)
+            session = ort.InferenceSession(str(model_dir / spec["source"]), sess_options=build_session_options(),
+                                           providers=[TRT], provider_options=[options], enable_fallback=0)
         except Exception as exc:  # ORT raises plain exceptions; the captured lines say why
             raise GpuUnavailableError(f"{component} at {size}: TensorRT build failed: {str(exc).strip()}") from exc
     for event in captured.events:

@@ -55,6 +55,19 @@ NAMED_ROLES: dict[str, dict[str, tuple[str, ...]]] = {
 }
 """SDXL's extra UNet inputs (same rank, told apart by name): the pooled projection of the second text encoder and
 the six micro-conditioning time ids (original size, crop top-left, target size)."""
+BUILD_BUDGET_S = {"sd1": 900.0, "sd2": 900.0, "sdxl": 2700.0}
+"""Seconds `engines build` may take per served size, by architecture (fp16 engines, builder optimization level 3,
+one H200): estimates scaled from the UNet's FLOPs (SDXL's UNet ~3x SD 1.5's, plus a second text encoder and an
+fp32 VAE), not yet measured on a GPU. The plan carries the total; `sdserve accept` budgets its relocation step
+(which builds every size) with it."""
+PROTOBUF_LIMIT = 2**31 - 1
+"""Bytes one serialized ModelProto may hold. The TensorRT provider hands the parser a serialized graph
+(GraphViewer::ToProto + SerializeToString in tensorrt_execution_provider.cc, GetSupportedList and
+CreateNodeComputeInfoFromGraph) whose initializers stored on disk stay references to their external files
+(graph_proto_serializer.cc copies only in-memory data inline) and passes the model's path, so TensorRT's parser
+reads the weights from the model folder. A component over the limit therefore builds only from a file path, with
+its weights external and no ORT optimization folding them into new inline tensors: trt_build builds from the path
+at ORT_DISABLE_ALL. Unverified on a GPU so far (docs/gpu-path.md, the second device run)."""
 OPTIONAL_COMPONENTS = ("text_encoder_2", "vae_encoder")
 """Built when the model folder has them (SDXL's second text encoder; the VAE encoder that edits need)."""
 
@@ -189,6 +202,17 @@ def _options(component: str, inputs: dict[str, list[int | str]], dims: dict[str,
     }
 
 
+def weights(model_dir: Path, source: str) -> dict[str, Any]:
+    """How a component's weights reach TensorRT: bytes inline in the graph file, bytes in external files, and
+    whether the whole is over protobuf's limit (then the external layout is what makes the build possible)."""
+    from engines.artifacts import external_files
+
+    path = model_dir / source
+    external = sum((path.parent / f).stat().st_size for f in external_files(path))
+    inline = path.stat().st_size
+    return {"graph_bytes": inline, "external_bytes": external, "over_2gb": inline + external > PROTOBUF_LIMIT}
+
+
 def plan(model_dir: Path, profiles: list[ShapeProfile], flags: BuildFlags, device_id: int = 0) -> dict[str, Any]:
     """The artifact plan: per size, per component, the provider options and the files the build will write. Every
     path in it is relative (to the model folder, or for the engine cache to the context model's folder)."""
@@ -208,9 +232,22 @@ def plan(model_dir: Path, profiles: list[ShapeProfile], flags: BuildFlags, devic
                           "writes": [f"{TRT_DIR}/{p.name}/{c}_ctx.onnx", f"{TRT_DIR}/{p.name}/{ENGINE_CACHE}/*"]}
                       for c in present}
         sizes[p.name] = {"profile": asdict(p) | {"name": p.name}, "components": components}
-    return {"model": model_dir.name, "dims": dims,
+    base = _architecture(model_dir)
+    return {"model": model_dir.name, "dims": dims, "architecture": base,
+            "weights": {c: weights(model_dir, f"{c}/model.onnx") for c in present},
+            "budget_s": BUILD_BUDGET_S.get(base, max(BUILD_BUDGET_S.values())) * len(profiles),
             "build_flags": asdict(flags) | {"fp32_components": [c for c in present if c in upcast]}, "sizes": sizes,
             "manifest": f"{TRT_DIR}/manifest.json"}
+
+
+def _architecture(model_dir: Path) -> str:
+    from engines.diffusion.family import detect
+    from engines.errors import ModelLoadError
+
+    try:
+        return detect(model_dir).base
+    except ModelLoadError:
+        return "unknown"
 
 
 def profiles_from(sizes: list[tuple[int, int]], batch_max: int, batch_opt: int) -> list[ShapeProfile]:

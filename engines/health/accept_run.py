@@ -81,9 +81,10 @@ def step(run: Run, name: str, body: Callable[[], T]) -> T | rep.StepFailure:
     start = time.monotonic()
     try:
         result = body()
+        budget = run.step_budget(name)  # the step may have learnt its own (the family's build budget)
     except Exception as exc:  # a step's failure is its section's content; the report must still be written
         log.exception("accept step %s failed", name)
-        seconds = time.monotonic() - start
+        seconds, budget = time.monotonic() - start, run.step_budget(name)
         run.timings.append(rep.StepTiming(name, seconds, budget, "failed"))
         return rep.StepFailure(name, f"{type(exc).__name__}: {str(exc).strip()[:500]}", seconds)
     seconds = time.monotonic() - start
@@ -189,6 +190,7 @@ def relocation_check(run: Run) -> rep.RelocationSection:
     else:
         plan = trtplan.plan(built_at, trtplan.profiles_from(sizes, batch, batch), trtplan.BuildFlags(
             fp16=run.options.runtime.tensorrt.fp16), run.options.runtime.device_id)
+        run.budgets.setdefault("relocation", float(plan["budget_s"]) + 300.0)  # the builds, then one reload
         trt_build.build(built_at, plan, observed, nvml_index(run.observations, run.options.runtime.device_id))
     built_at.rename(moved_to)
     run.model = moved_to  # every later step serves the relocated folder

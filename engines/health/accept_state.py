@@ -69,6 +69,14 @@ class Run:
     """Why NVML readings failed during the protocol (reason -> count): the sampler records and goes on."""
     notes: list[str] = field(default_factory=list)
     timings: list[rep.StepTiming] = field(default_factory=list)
+    budgets: dict[str, float] = field(default_factory=dict)
+    """Budgets a step learns while it runs (relocation: the model family's build budget, trtplan.BUILD_BUDGET_S);
+    a --step-budget given by the operator wins."""
+
+    def step_budget(self, name: str) -> float:
+        if name in dict(self.options.step_budgets_s) or name not in self.budgets:
+            return self.options.step_budget(name)
+        return self.budgets[name]
 
     def booted(self) -> OrtEngine:
         if self.engine is None:

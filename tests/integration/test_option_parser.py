@@ -76,6 +76,11 @@ def test_every_build_plan_passes_the_parser(family: str, family_models: dict[str
         assert optcheck.parse(optcheck.TRT, keep).accepted
     if family == "sdxl":
         assert {"text_encoder_2", "vae_decoder"} <= {c for _, c, _ in sets}
+    # The build budget is the architecture's, per size; the weights' layout is in the plan.
+    assert printed["budget_s"] == trtplan.BUILD_BUDGET_S[printed["architecture"]] * len(printed["sizes"])
+    assert printed["architecture"] == {"sd1": "sd1", "sd2": "sd2", "sdxl": "sdxl", "turbo": "sd2",
+                                       "inpaint": "sd1"}[family]
+    assert all(not w["over_2gb"] and w["graph_bytes"] > 0 for w in printed["weights"].values())
 
 
 def test_a_refused_option_stops_the_dry_run_naming_the_key(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -87,6 +92,23 @@ def test_a_refused_option_stops_the_dry_run_naming_the_key(tiny_model: Path, mon
     plan["sizes"]["64x64"]["components"]["unet"]["provider_options"]["trt_load_user_initializer"] = "True"
     with pytest.raises(ArtifactError, match="trt_load_user_initializer"):
         trtplan.require_parsed(trtplan.parser_verdicts(tiny_model, plan))
+
+
+def test_the_plan_says_where_the_weights_are(tiny_model: Path, tmp_path: Path) -> None:
+    """An external-data component: its weight bytes are counted beside the graph file (the build reads them from
+    the folder: trtplan.PROTOBUF_LIMIT)."""
+    import shutil
+
+    import onnx
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    unet = model / "unet" / "model.onnx"
+    onnx.save(onnx.load(str(unet)), str(unet), save_as_external_data=True, location="w.bin", size_threshold=1024)
+    printed = trtplan.plan(model, trtplan.profiles_from([(64, 64), (128, 128)], 2, 1), trtplan.BuildFlags())
+    unet_weights = printed["weights"]["unet"]
+    assert unet_weights["external_bytes"] == (model / "unet" / "w.bin").stat().st_size > unet_weights["graph_bytes"]
+    assert printed["budget_s"] == 2 * trtplan.BUILD_BUDGET_S["sd1"]
 
 
 def test_every_serving_option_set_passes_the_parser(tiny_model: Path) -> None:
