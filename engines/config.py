@@ -47,6 +47,11 @@ class CudaOptions(BaseModel):
     """CUDA-provider arena cap as a fraction of the served device's total memory (read by preflight through NVML);
     the capability snapshot reports the byte limit and what it does not cover (arena gpu_mem_limit_scope): it is
     not a device-memory budget for the process (TensorRT engines and IO-binding buffers are outside it)."""
+    shared_arena: bool = True
+    """One capped CUDA arena for the whole process, registered with ORT's environment before the first device
+    tensor (create_and_register_allocator_v2, ``max_mem`` = the gpu_mem_limit above, this extend strategy) and
+    used by every session (``session.use_env_allocators``): IO-binding buffers, merged LoRA weights and the
+    sessions' own allocations then share one bound. Off: each session's arena and the binding's uncapped one."""
     cudnn_conv_algo_search: Literal["EXHAUSTIVE", "HEURISTIC", "DEFAULT"] = "HEURISTIC"
     """Conv algorithm search; EXHAUSTIVE benchmarks every shape on first use (slow first requests)."""
     do_copy_in_default_stream: bool = True

@@ -82,10 +82,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 GPU_MEM_LIMIT_SCOPE = (
-    "caps only the CUDA provider's arena in sessions whose first provider is CUDA (a session's device allocator is "
-    "its first registered provider's: TensorRT's own under a TensorRT policy); TensorRT engine memory sits outside "
-    "every ORT arena and IO-binding buffers come from the Python binding's CUDA allocator, which has no cap. No "
-    "device-memory budget for the process is enforced.")
+    "with the shared arena registered (shared_device_arena.registered), every session's device allocations, the "
+    "IO-binding buffers and merged LoRA weights come from one CUDA arena capped at gpu_mem_limit_bytes; without it "
+    "the cap covers only sessions whose first provider is CUDA, and the binding's own CUDA arena has none. "
+    "TensorRT engine memory sits outside every ORT arena in both cases.")
 """What gpu_mem_limit does and does not cover, stated in the capability snapshot instead of a budget claim."""
 ANY = "*"
 """The key of the one pipeline that serves every size (no per-size TensorRT engines)."""
@@ -427,16 +427,28 @@ class OrtEngine:
         images = tuple(GeneratedImage(Image.fromarray(img), spec.seed, trunc, neg, latents)
                        for img, spec, trunc, neg, latents in zip(out.images, batch.images, out.truncated,
                                                                  out.negative_truncated, kept, strict=True))
-        return BatchResult(images, self.provider, out.timings, len(images), out.steps_done,
+        return BatchResult(images, self._ran_on(pipeline), out.timings, len(images), out.steps_done,
                            out.steps_done < (out.steps_total or batch.steps))
+
+    def _arena_summary(self) -> dict[str, str | bool | float | int]:
+        s = self.settings
+        shared = self._runtime.arena if self._runtime else {}
+        limit = gpu_mem_limit(s, self._device_total()) or 0
+        return {**s.cuda.model_dump(), "gpu_mem_limit_bytes": limit,
+                "shared_device_arena": bool(shared.get("registered")),
+                "shared_device_arena_error": str(shared.get("error", "")),
+                "device_memory_budget_enforced": bool(shared.get("registered")) and limit > 0,
+                "gpu_mem_limit_scope": GPU_MEM_LIMIT_SCOPE}
 
     @property
     def provider(self) -> str:
+        return self._ran_on(self.pipeline)
+
+    def _ran_on(self, p: StableDiffusionOnnx | DitOnnx) -> str:
         if self.faults is not None and self.faults.provider:
             return self.faults.provider
-        p = self.pipeline
         denoiser = p.transformer if isinstance(p, DitOnnx) else p.unet
-        return str(denoiser.session.get_providers()[0])
+        return denoiser.ran_on  # the session the last batch's denoiser ran on (a LoRA variant's, if it did)
 
     def check_health(self) -> None:
         """NotReadyError when not loaded, or naming each model file that changed on disk since load (the
@@ -507,8 +519,7 @@ class OrtEngine:
             io=IoInfo(binding="iobinding", device=s.device,
                       host_staging=self._runtime.host.kind if self._runtime else "none",
                       buffers_reused_per_shape=True),
-            arena={**s.cuda.model_dump(), "gpu_mem_limit_bytes": gpu_mem_limit(s, self._device_total()) or 0,
-                   "device_memory_budget_enforced": False, "gpu_mem_limit_scope": GPU_MEM_LIMIT_SCOPE},
+            arena=self._arena_summary(),
             artifacts=self._artifacts, attention=_attention(reports),
             self_test=self._report, family=self._info.family_summary() if self._info else {},
             lora=self._lora_summary(), image=image_labels())

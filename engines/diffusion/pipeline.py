@@ -66,6 +66,12 @@ class OrtModel:
         self.variant: OrtModel | None = None
         """The LoRA variant (engines/lora/targets.py): the same graph with its adaptable weights overridable. A
         batch with LoRA weights for this component runs on it with them bound; every other batch on ``session``."""
+        self.provider = str(self.session.get_providers()[0])
+        """The provider this session runs on first (get_providers() after the policy's checks)."""
+        self.ran_on = self.provider
+        """The provider of the session the last run used: the variant's for a batch with LoRA weights (the variant
+        is built in process, so under a TensorRT policy it runs on CUDA: engines/runtime/sessions.session_providers),
+        which is what ``x-sdserve-provider`` must name."""
         self.inputs = {i.name: i for i in self.session.get_inputs()}
         self.outputs = [o.name for o in self.session.get_outputs()]
         self.output_types = {o.name: o.type for o in self.session.get_outputs()}
@@ -78,7 +84,9 @@ class OrtModel:
 
     def run(self, feeds: dict[str, Feed], outputs: dict[str, ort.OrtValue]) -> None:
         weights = ACTIVE.get().get(self.component) if self.variant is not None else None
-        session = self.variant.session if weights is not None and self.variant is not None else self.session
+        ran = self.variant if weights is not None and self.variant is not None else self
+        session = ran.session
+        self.ran_on = ran.provider
         binding = session.io_binding()
         for name, weight in (weights or {}).items():  # this batch's merged LoRA weights, never the base's
             binding.bind_ortvalue_input(name, weight)

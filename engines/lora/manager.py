@@ -240,7 +240,10 @@ class LoraManager:
         graph = self._merge[(target.layout, target.dtype, len(target.shape))]
         result = ort.OrtValue.ortvalue_from_shape_and_type(list(target.shape), target.dtype, self.runtime.device,
                                                            self.runtime.device_id)
-        graph.run({"W": comp.base[target.initializer], "B": b, "A": a}, {"merged": result})
+        # W goes up through the runtime's staging (pinned on a GPU) into a device buffer reused per shape, never
+        # from pageable memory; the result is allocated on the device (the shared, capped arena where registered).
+        base = self.runtime.upload("lora_base", comp.base[target.initializer])
+        graph.run({"W": base, "B": b, "A": a}, {"merged": result})
         return result
 
     def warm_weights(self) -> Weights:

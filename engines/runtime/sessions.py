@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +72,47 @@ def _cuda_options(settings: RuntimeSettings, total_memory: int | None) -> dict[s
     if limit:
         opts["gpu_mem_limit"] = str(limit)
     return opts
+
+
+ENV_ALLOCATORS = "session.use_env_allocators"
+STRATEGY = {"kNextPowerOfTwo": 0, "kSameAsRequested": 1}
+"""ArenaExtendStrategy's values (include/onnxruntime/core/framework/arena_extend_strategy.h)."""
+_DEVICE_ARENAS: dict[int, dict[str, Any]] = {}
+_ARENA_LOCK = threading.Lock()
+
+
+def device_arena(settings: RuntimeSettings, total_memory: int | None) -> dict[str, Any]:
+    """The process's one CUDA arena, registered once per device with ORT's environment (before any device
+    OrtValue exists): ``max_mem`` is gpu_mem_limit (0: ORT's "no limit", when NVML gave no total), the extend
+    strategy the profile's. Why: ``OrtValue.ortvalue_from_shape_and_type(..., "cuda")`` takes the environment's
+    shared allocator when one is registered and otherwise the binding's static per-device arena, created with no
+    cap and kNextPowerOfTwo (onnxruntime/python/onnxruntime_pybind_ortvalue.cc, GetCudaAllocator in
+    onnxruntime_pybind_state.cc); and a session's device allocations come from its first provider's arena unless
+    ``session.use_env_allocators`` swaps in the environment's (UpdateAllocatorsWithEnvAllocators,
+    session_state.cc). The result (registered or why not) is shown in /capabilities; TensorRT's engine memory
+    stays outside every ORT arena."""
+    c = settings.cuda
+    with _ARENA_LOCK:
+        found = _DEVICE_ARENAS.get(settings.device_id)
+        if found is not None:
+            return found
+        limit = gpu_mem_limit(settings, total_memory) or 0
+        state: dict[str, Any] = {"registered": False, "max_mem_bytes": limit,
+                                 "arena_extend_strategy": c.arena_extend_strategy, "error": ""}
+        if c.shared_arena:
+            cfg = ort.OrtArenaCfg({"max_mem": limit, "arena_extend_strategy": STRATEGY[c.arena_extend_strategy]})
+            info = ort.OrtMemoryInfo("Cuda", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, settings.device_id,
+                                     ort.OrtMemType.DEFAULT)
+            try:
+                ort.create_and_register_allocator_v2(CUDA, info, {}, cfg)
+                state["registered"] = True
+            except Exception as exc:  # no CUDA provider library here: the sessions will say so too
+                state["error"] = " ".join(str(exc).split())[-300:]
+                log.warning("the shared CUDA arena was not registered: %s", state["error"])
+        else:
+            state["error"] = "runtime.cuda.shared_arena is off"
+        _DEVICE_ARENAS[settings.device_id] = state
+        return state
 
 
 def engine_cache_dir(settings: RuntimeSettings, model_dir: Path | None) -> Path:
@@ -174,9 +216,13 @@ class Runtime:
         self._tables: OrderedDict[tuple[str, tuple[int, ...], str], list[ort.OrtValue]] = OrderedDict()
         self.host_reads: deque[HostRead] = deque(maxlen=MAX_HOST_READS)
         """The host memory each host->device copy read from, newest last (accept's staging check reads it)."""
+        self.arena: dict[str, Any] = {}
+        """The shared device arena's state (device_arena), empty off CUDA."""
         if self.device == "cuda":  # provider libraries have no RUNPATH: load the pip CUDA/TensorRT wheels first
             for line in preload(tensorrt=TRT in settings.providers):
                 log.info("preload: %s", line)
+            if settings.plugin is None and CUDA in settings.providers:
+                self.arena = device_arena(settings, total_memory)  # before the first device OrtValue
 
     def _options(self, audit_only: bool = False, extra: dict[str, str] | None = None) -> ort.SessionOptions:
         """Session options under the policy; ``audit_only``: without disable_cpu_ep_fallback, to name the nodes a
@@ -193,6 +239,8 @@ class Runtime:
             so.add_session_config_entry(placement.CONFIG_KEY, "1")
         if self.settings.disable_cpu_ep_fallback and not self.settings.allow_cpu and not audit_only:
             so.add_session_config_entry(NO_CPU_FALLBACK, "1")
+        if self.arena.get("registered"):
+            so.add_session_config_entry(ENV_ALLOCATORS, "1")
         if self.settings.plugin is not None:
             plugins.add_to(so, self.settings.plugin)
         return so

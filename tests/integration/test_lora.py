@@ -197,6 +197,37 @@ def test_a_batch_without_lora_runs_todays_graphs_bit_exactly(sd1: dict[str, Any]
         plain.close()
 
 
+def test_the_provider_reported_is_the_session_that_ran(sd1: dict[str, Any]) -> None:
+    """``x-sdserve-provider`` (BatchResult.provider) names the session the batch's denoiser ran on: under a
+    TensorRT policy a LoRA batch runs on the variant, which is built in process and gets CUDA only. On this CPU both
+    sessions are on the CPU provider, so the variant's label is marked here (a label, not an ORT object) to see
+    which session the report reads."""
+    engine = sd1["engine"]
+    unet = engine.pipeline.unet
+    assert unet.variant is not None
+    real = unet.variant.provider
+    unet.variant.provider = f"{real} (the LoRA variant)"
+    try:
+        with_lora = engine.generate(_batch((_use(engine, "style"),)))
+        without = engine.generate(_batch())
+    finally:
+        unet.variant.provider = real
+    assert with_lora.provider == f"{real} (the LoRA variant)"
+    assert without.provider == unet.provider == unet.session.get_providers()[0]
+
+
+def test_a_merge_reads_the_base_weights_through_the_staging_buffers(sd1: dict[str, Any]) -> None:
+    """Every base weight a merge reads goes up through Runtime.upload (pinned staging on a GPU, recorded in
+    host_reads under its tag): none is bound as a pageable host feed of the merge graph."""
+    engine = sd1["engine"]
+    runtime = engine._runtime
+    runtime.host_reads.clear()
+    engine.generate(_batch((_use(engine, "other", 0.37, 0.37),)))  # a set no other test merges
+    tags = [r.tag for r in runtime.host_reads]
+    assert "lora_base" in tags
+    assert not [t for t in tags if t.startswith("lora_merge") and t.endswith(":W")], tags
+
+
 def test_two_loras_add_linearly(sd1: dict[str, Any]) -> None:
     """{style, other} merges to the same weights as one file holding both factor pairs stacked (rank 8), and each
     merged delta is the sum of the single ones."""
