@@ -97,14 +97,14 @@ def unpack_latents(tokens: np.ndarray, h: int, w: int) -> np.ndarray:
 
 def run(model: OrtModel, feeds: dict[str, np.ndarray], outputs: Sequence[str]) -> list[np.ndarray]:
     """One session call through IO binding, host feeds cast to the session's input dtypes, outputs to the host."""
-    binding = model.session.io_binding()
+    session, binding = model.bound()  # the LoRA variant with this batch's weights, when it has some
     for name, value in feeds.items():
         host = np.ascontiguousarray(value.astype(model.input_dtype(name), copy=False))
         binding.bind_cpu_input(name, host)
         model.runtime.note_host_read(f"{model.name}:{name}", host)  # per request (text ids), never per step
     for name in outputs:
         binding.bind_output(name, model.runtime.device, model.runtime.device_id)
-    model.session.run_with_iobinding(binding)
+    session.run_with_iobinding(binding)
     return [np.asarray(out) for out in binding.copy_outputs_to_cpu()]
 
 

@@ -82,14 +82,21 @@ class OrtModel:
     def output_dtype(self, index: int = 0) -> type[np.generic]:
         return numpy_dtype(self.session.get_outputs()[index].type)
 
-    def run(self, feeds: dict[str, Feed], outputs: dict[str, ort.OrtValue]) -> None:
+    def bound(self) -> tuple[ort.InferenceSession, ort.IOBinding]:
+        """The session this batch runs on and a binding with its LoRA weights bound: the variant with the batch's
+        merged weights when the batch has some for this component (engines/lora/active.py), else the base session.
+        Every call site of every pipeline binds through here, so no component can run its base weights while the
+        response and the signed manifest say its LoRA applied."""
         weights = ACTIVE.get().get(self.component) if self.variant is not None else None
         ran = self.variant if weights is not None and self.variant is not None else self
-        session = ran.session
         self.ran_on = ran.provider
-        binding = session.io_binding()
+        binding = ran.session.io_binding()
         for name, weight in (weights or {}).items():  # this batch's merged LoRA weights, never the base's
             binding.bind_ortvalue_input(name, weight)
+        return ran.session, binding
+
+    def run(self, feeds: dict[str, Feed], outputs: dict[str, ort.OrtValue]) -> None:
+        session, binding = self.bound()
         for name, value in feeds.items():
             if isinstance(value, ort.OrtValue):
                 binding.bind_ortvalue_input(name, value)

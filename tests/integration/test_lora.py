@@ -370,6 +370,33 @@ def test_sdxl_images_match_diffusers_fuse_lora_with_both_text_encoders(sdxl: dic
     assert _changed(mine, _images(engine, _batch())) > 0.3
 
 
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+def test_a_dit_text_encoder_lora_changes_the_image_it_claims(family: str, dit_build: Callable[[str], tuple[Path, Path]],
+                                                             tmp_path: Path) -> None:
+    """A text-encoder-only LoRA on Flux (CLIP) and SD 3 (both CLIPs): before, the DiT pipeline bound the base
+    session of every text encoder, so the image was bit-identical to the base (max |diff| 0) while the header, the
+    infotext and the signed manifest said the LoRA applied."""
+    import diffusers
+
+    onnx_dir, diffusers_dir = dit_build(family)
+    kind = diffusers.FluxPipeline if family == "flux" else diffusers.StableDiffusion3Pipeline
+    pipe = kind.from_pretrained(diffusers_dir)
+    encoders = ["text_encoder"] if family == "flux" else ["text_encoder", "text_encoder_2"]
+    lf.peft_file(tmp_path / "te_only.safetensors", {name: lf.lora_factors(getattr(pipe, name), lf.TE_TARGETS, 4,
+                                                                           seed=11, scale=2.0) for name in encoders})
+    engine = _engine(onnx_dir, tmp_path)
+    try:
+        assert set({f.name: f for f in engine.loras()}["te_only"].components) == set(encoders)
+        images = tuple(ImageSpec(p, seed=s, guidance_scale=3.5) for p, s in zip(PROMPTS, SEEDS, strict=True))
+        result = engine.generate(Batch(images, 64, 64, 4, loras=(_use(engine, "te_only", 1.0, 0.0),)))
+        with_lora = np.stack([np.asarray(i.image) for i in result.images])
+        base = _images(engine, Batch(images, 64, 64, 4))
+        assert _changed(with_lora, base) > 0.0, "the text-encoder LoRA left the image unchanged"
+        assert result.provider == engine.pipeline.transformer.provider  # the denoiser ran its base session
+    finally:
+        engine.close()
+
+
 def test_flux_transformer_lora_matches_diffusers(dit_build: Callable[[str], tuple[Path, Path]],
                                                  tmp_path: Path) -> None:
     """A diffusers-format Flux LoRA (``transformer.<module>.lora_A.weight``) on attention and MLP."""
