@@ -193,8 +193,8 @@ class OrtEngine:
 
     def _load_dit(self, sources: dict[str, dict[str, Path]]) -> None:
         """A Flux or SD 3 folder: the flow-matching pipeline, per served size on its prebuilt EP-context models
-        (a plugin EP's `sdserve engines build`), else one for every size. TensorRT plans are built for the UNet
-        families only so far (engines/build/trtplan.py): a TensorRT profile finds no engines and refuses."""
+        (`sdserve engines build`: TensorRT plans in bf16 for T5, the transformer and the VAE, fp16 for CLIP,
+        engines/build/trtplan_dit.py; or a plugin EP's), else one for every size."""
         assert self._runtime is not None
         pipelines = {size: DitOnnx(self.model_dir, self._runtime, "" if size == ANY else f"@{size}", parts)
                      for size, parts in sources.items()}

@@ -139,7 +139,6 @@ def build(model_dir: Path, plan: dict[str, Any], observations: dict[str, Any], n
     finds none of the pip copies."""
     if TRT not in ort.get_available_providers():
         raise GpuUnavailableError("this onnxruntime has no TensorRT provider compiled in")
-    from engines.build.trtplan import parser_verdicts, require_parsed
 
     require_parsed(parser_verdicts(model_dir, plan))  # a refused option is the plan's fault, not the node's
     for line in preload(tensorrt=True):
@@ -156,3 +155,25 @@ def build(model_dir: Path, plan: dict[str, Any], observations: dict[str, Any], n
                for rel, digest in source_files(model_dir, spec["source"]).items()}
     return write_engine_manifest(trt, node_identity(observations, nvml_index), sizes, plan["build_flags"], model,
                                  sources=sources)
+
+
+def parser_verdicts(model_dir: Path, plan_: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every option set of the plan through ORT's real Python option parser (engines/runtime/optcheck.py), on a
+    probe model with each component's input names, types and ranks: ``"<size>/<component>" -> verdict``."""
+    from engines.runtime import optcheck
+
+    out: dict[str, dict[str, Any]] = {}
+    for size, entry in plan_["sizes"].items():
+        for component, spec in entry["components"].items():
+            inputs = optcheck.graph_input_types(model_dir / spec["source"])
+            result = optcheck.parse(optcheck.TRT, session_options(model_dir, spec["provider_options"]), inputs)
+            out[f"{size}/{component}"] = result.as_dict()
+    return out
+
+
+def require_parsed(verdicts: dict[str, dict[str, Any]]) -> None:
+    """ArtifactError naming each option set ORT's parser refused: such a plan can build nothing, anywhere."""
+    refused = {k: v["detail"] for k, v in verdicts.items() if not v["accepted"]}
+    if refused:
+        raise ArtifactError("ONNX Runtime's option parser refuses the TensorRT plan: " + "; ".join(
+            f"{k}: {why}" for k, why in sorted(refused.items())))

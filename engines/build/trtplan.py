@@ -27,6 +27,7 @@ from typing import Any
 import onnx
 
 from engines.artifacts import COMPONENTS, TRT_DIR
+from engines.diffusion.dit_family import DitFamily, detect_dit
 from engines.errors import ArtifactError
 
 ENGINE_CACHE = "engines"
@@ -55,11 +56,12 @@ NAMED_ROLES: dict[str, dict[str, tuple[str, ...]]] = {
 }
 """SDXL's extra UNet inputs (same rank, told apart by name): the pooled projection of the second text encoder and
 the six micro-conditioning time ids (original size, crop top-left, target size)."""
-BUILD_BUDGET_S = {"sd1": 900.0, "sd2": 900.0, "sdxl": 2700.0}
+BUILD_BUDGET_S = {"sd1": 900.0, "sd2": 900.0, "sdxl": 2700.0, "flux": 5400.0, "flux-schnell": 5400.0,
+                  "sd3": 2700.0, "sd35": 3600.0}
 """Seconds `engines build` may take per served size, by architecture (fp16 engines, builder optimization level 3,
-one H200): estimates scaled from the UNet's FLOPs (SDXL's UNet ~3x SD 1.5's, plus a second text encoder and an
-fp32 VAE), not yet measured on a GPU. The plan carries the total; `sdserve accept` budgets its relocation step
-(which builds every size) with it."""
+one H200): estimates scaled from the denoiser's FLOPs (SDXL's UNet ~3x SD 1.5's, plus a second text encoder and
+an fp32 VAE; Flux's 12B transformer and T5-XXL the largest), not yet measured on a GPU. The plan carries the
+total; `sdserve accept` budgets its relocation step (which builds every size) with it."""
 PROTOBUF_LIMIT = 2**31 - 1
 """Bytes one serialized ModelProto may hold. The TensorRT provider hands the parser a serialized graph
 (GraphViewer::ToProto + SerializeToString in tensorrt_execution_provider.cc, GetSupportedList and
@@ -130,10 +132,12 @@ def graph_inputs(path: Path) -> dict[str, list[int | str]]:
             for i in model.graph.input if i.name not in init}
 
 
-def resolve(component: str, name: str, declared: list[int | str], values: dict[str, int | None]) -> list[int]:
+def resolve(component: str, name: str, declared: list[int | str], values: dict[str, int | None],
+            roles: tuple[str, ...] | None = None) -> list[int]:
     """Concrete dims of one input; ArtifactError naming the input and dim when one cannot be resolved, or when a
-    fixed dim in the graph contradicts what the configs and profile need."""
-    roles = NAMED_ROLES.get(component, {}).get(name) or ROLES.get(component, {}).get(len(declared))
+    fixed dim in the graph contradicts what the configs and profile need. ``roles``: the input's dim roles when
+    the caller knows them (the DiT plan, engines/build/trtplan_dit.py); else the UNet families' tables."""
+    roles = roles or NAMED_ROLES.get(component, {}).get(name) or ROLES.get(component, {}).get(len(declared))
     dims = []
     for i, dim in enumerate(declared):
         role = roles[i] if roles else None
@@ -151,10 +155,17 @@ def resolve(component: str, name: str, declared: list[int | str], values: dict[s
 
 
 def component_shapes(component: str, inputs: dict[str, list[int | str]], dims: dict[str, int | None],
-                     p: ShapeProfile, batch: int, cfg: bool = True) -> str:
+                     p: ShapeProfile, batch: int, cfg: bool = True, dit: DitFamily | None = None) -> str:
     """``name:dims`` for every input of ``component`` at ``batch`` images of profile ``p``; ``cfg`` doubles the
     text-side batch (classifier-free guidance), without it the rows are the images (guidance <= 1: the UNet runs
-    the conditional half only)."""
+    the conditional half only). ``dit``: a Flux or SD 3 folder's family (roles and values from trtplan_dit)."""
+    if dit is not None:
+        from engines.build import trtplan_dit
+
+        found = trtplan_dit.values(dit, dims, p.width, p.height, batch, cfg)
+        return ",".join(f"{name}:" + "x".join(str(d) for d in resolve(
+            component, name, declared, found, trtplan_dit.roles(dit, component, name, len(declared))))
+            for name, declared in inputs.items())
     factor = dims["factor"] or 8
     values = {**dims, "batch": batch, "cfg_batch": 2 * batch if cfg else batch, "height": p.height // factor,
               "width": p.width // factor, "timesteps": 1,
@@ -181,17 +192,20 @@ def fp32_components(model_dir: Path) -> tuple[str, ...]:
 
 
 def _options(component: str, inputs: dict[str, list[int | str]], dims: dict[str, int | None], p: ShapeProfile,
-             flags: BuildFlags, device_id: int, fp32: bool = False) -> dict[str, str]:
+             flags: BuildFlags, device_id: int, fp32: bool = False, dit: DitFamily | None = None,
+             precision: str = "") -> dict[str, str]:
     # min: one image without CFG (a guidance <= 1 request runs the UNet on the conditional rows only);
     # opt and max: with CFG. One engine then serves both paths at every batch in range.
-    shapes = {k: component_shapes(component, inputs, dims, p, b, cfg)
+    shapes = {k: component_shapes(component, inputs, dims, p, b, cfg, dit)
               for k, b, cfg in (("min", p.batch_min, False), ("opt", p.batch_opt, True), ("max", p.batch_max, True))}
+    half = {"trt_fp16_enable": str(flags.fp16 and not fp32)} if not precision else {
+        "trt_fp16_enable": str(flags.fp16 and precision == "fp16"),
+        "trt_bf16_enable": str(flags.fp16 and precision == "bf16")}
     # Every key here must pass ORT's Python option parser (engines/runtime/optcheck.py; `engines build --dry-run`
     # runs it on each set). `trt_load_user_initializer` is NOT one: only the provider library's C-API parser knows it,
     # and onnxruntime_pybind_state.cc refuses it ("Invalid TensorRT EP option"), so no engine could be built with it.
     return {
-        "device_id": str(device_id), "trt_fp16_enable": str(flags.fp16 and not fp32),
-        "trt_int8_enable": str(flags.int8),
+        "device_id": str(device_id), **half, "trt_int8_enable": str(flags.int8),
         "trt_builder_optimization_level": str(flags.builder_optimization_level),
         "trt_engine_cache_enable": "True", "trt_engine_cache_path": ENGINE_CACHE,
         "trt_timing_cache_enable": str(flags.timing_cache), "trt_timing_cache_path": TIMING_CACHE,
@@ -218,26 +232,43 @@ def plan(model_dir: Path, profiles: list[ShapeProfile], flags: BuildFlags, devic
     path in it is relative (to the model folder, or for the engine cache to the context model's folder)."""
     if len({p.name for p in profiles}) != len(profiles):
         raise ArtifactError(f"the served sizes repeat: {[p.name for p in profiles]}")
-    if not (model_dir / "unet" / "model.onnx").is_file():
-        raise ArtifactError(f"{model_dir} has no unet/model.onnx: TensorRT plans cover the UNet families (SD 1.x/2.x, "
-                            "SDXL, Turbo); a DiT folder (Flux, SD 3.x: transformer/) has no TensorRT plan yet")
-    dims = model_dims(model_dir)
-    upcast = fp32_components(model_dir)
-    present = [*COMPONENTS, *(c for c in OPTIONAL_COMPONENTS if (model_dir / c / "model.onnx").is_file())]
+    dit = _dit_family(model_dir)
+    if dit is None and not (model_dir / "unet" / "model.onnx").is_file():
+        raise ArtifactError(f"{model_dir} has neither unet/model.onnx nor a Flux / SD 3 transformer: no TensorRT plan")
+    if dit is not None:
+        from engines.build import trtplan_dit
+
+        dims = trtplan_dit.dims(model_dir, dit)
+        upcast: tuple[str, ...] = ()
+        present = trtplan_dit.components(dit, model_dir)
+        precision = {c: trtplan_dit.precision(dit, c) for c in present}
+    else:
+        dims = model_dims(model_dir)
+        upcast = fp32_components(model_dir)
+        present = [*COMPONENTS, *(c for c in OPTIONAL_COMPONENTS if (model_dir / c / "model.onnx").is_file())]
+        precision = {}
     inputs = {c: graph_inputs(model_dir / c / "model.onnx") for c in present}
     sizes = {}
     for p in profiles:
         components = {c: {"source": f"{c}/model.onnx",
-                          "provider_options": _options(c, inputs[c], dims, p, flags, device_id, c in upcast),
+                          "provider_options": _options(c, inputs[c], dims, p, flags, device_id, c in upcast, dit,
+                                                       precision.get(c, "")),
                           "writes": [f"{TRT_DIR}/{p.name}/{c}_ctx.onnx", f"{TRT_DIR}/{p.name}/{ENGINE_CACHE}/*"]}
                       for c in present}
         sizes[p.name] = {"profile": asdict(p) | {"name": p.name}, "components": components}
-    base = _architecture(model_dir)
+    base = dit.name if dit is not None else _architecture(model_dir)
     return {"model": model_dir.name, "dims": dims, "architecture": base,
             "weights": {c: weights(model_dir, f"{c}/model.onnx") for c in present},
             "budget_s": BUILD_BUDGET_S.get(base, max(BUILD_BUDGET_S.values())) * len(profiles),
-            "build_flags": asdict(flags) | {"fp32_components": [c for c in present if c in upcast]}, "sizes": sizes,
+            "build_flags": asdict(flags) | {"fp32_components": [c for c in present if c in upcast],
+                                            **({"precision": precision} if precision else {})}, "sizes": sizes,
             "manifest": f"{TRT_DIR}/manifest.json"}
+
+
+def _dit_family(model_dir: Path) -> DitFamily | None:
+    from engines.diffusion.dit_family import is_dit_folder
+
+    return detect_dit(model_dir) if is_dit_folder(model_dir) else None
 
 
 def _architecture(model_dir: Path) -> str:
@@ -268,7 +299,8 @@ def trt_unimportable_ops(model_dir: Path) -> dict[str, dict[str, int]]:
     """Per component, the ops in its graph that TensorRT's ONNX parser does not import, with counts: the listed
     quantizer ops and every op in ORT's contrib domain (named ``com.microsoft.<op>``)."""
     found: dict[str, dict[str, int]] = {}
-    for component in COMPONENTS:
+    present = sorted(p.parent.name for p in model_dir.glob("*/model.onnx"))
+    for component in present:
         graph = onnx.load(str(model_dir / component / "model.onnx"), load_external_data=False).graph
         for node in graph.node:
             name = node.op_type if node.op_type in TRT_UNIMPORTABLE else (
@@ -289,26 +321,3 @@ def refuse_unimportable(model_dir: Path) -> None:
                             f"({listed}); the engine would split between providers. Dynamic INT8 (`sdserve engines "
                             "quantize`) and the fused ops of `sdserve engines optimize` serve on the CUDA provider "
                             "only; build TensorRT engines from the plain exported model")
-
-
-def parser_verdicts(model_dir: Path, plan_: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Every option set of the plan through ORT's real Python option parser (engines/runtime/optcheck.py), on a
-    probe model with each component's input names, types and ranks: ``"<size>/<component>" -> verdict``."""
-    from engines.build.trt_build import session_options
-    from engines.runtime import optcheck
-
-    out: dict[str, dict[str, Any]] = {}
-    for size, entry in plan_["sizes"].items():
-        for component, spec in entry["components"].items():
-            inputs = optcheck.graph_input_types(model_dir / spec["source"])
-            result = optcheck.parse(optcheck.TRT, session_options(model_dir, spec["provider_options"]), inputs)
-            out[f"{size}/{component}"] = result.as_dict()
-    return out
-
-
-def require_parsed(verdicts: dict[str, dict[str, Any]]) -> None:
-    """ArtifactError naming each option set ORT's parser refused: such a plan can build nothing, anywhere."""
-    refused = {k: v["detail"] for k, v in verdicts.items() if not v["accepted"]}
-    if refused:
-        raise ArtifactError("ONNX Runtime's option parser refuses the TensorRT plan: " + "; ".join(
-            f"{k}: {why}" for k, why in sorted(refused.items())))

@@ -134,7 +134,7 @@ def _native_size(model: Path) -> int:
 def _build_engines(args: argparse.Namespace) -> int:
     import json
 
-    from engines.build import trtplan
+    from engines.build import trt_build, trtplan
     from engines.config import parse_size
 
     boot = boot_config(args)
@@ -156,10 +156,10 @@ def _build_engines(args: argparse.Namespace) -> int:
     profiles = trtplan.profiles_from(sizes, batch_max, args.opt_batch or max(served))
     plan = trtplan.plan(args.model, profiles, flags, settings.runtime.device_id)
     # Every option set through ORT's real parser, dry runs included: a key it refuses builds nothing anywhere.
-    verdicts = trtplan.parser_verdicts(args.model, plan)
+    verdicts = trt_build.parser_verdicts(args.model, plan)
     if args.dry_run:
         print(json.dumps(plan | {"option_parser": verdicts}, indent=2))
-    trtplan.require_parsed(verdicts)
+    trt_build.require_parsed(verdicts)
     if args.dry_run:
         return 0
     return _build_on_gpu(args, boot, plan)

@@ -16,15 +16,17 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from engines.build import trtplan
+from engines.build import trt_build, trtplan
 from engines.build.trt_build import session_options
 from engines.runtime import optcheck
 from engines.runtime.sessions import loading_prebuilt, provider_options, session_providers
 
 UNET_FAMILIES = ("sd1", "sd2", "sdxl", "turbo", "inpaint")
+DIT_FAMILIES = ("flux", "flux-schnell", "sd3", "sd35")
 
 
 @pytest.fixture(scope="module")
@@ -76,11 +78,42 @@ def test_every_build_plan_passes_the_parser(family: str, family_models: dict[str
         assert optcheck.parse(optcheck.TRT, keep).accepted
     if family == "sdxl":
         assert {"text_encoder_2", "vae_decoder"} <= {c for _, c, _ in sets}
+    assert all(o["trt_fp16_enable"] == "True" or c in printed["build_flags"]["fp32_components"]
+               for _, c, o in sets)
     # The build budget is the architecture's, per size; the weights' layout is in the plan.
     assert printed["budget_s"] == trtplan.BUILD_BUDGET_S[printed["architecture"]] * len(printed["sizes"])
     assert printed["architecture"] == {"sd1": "sd1", "sd2": "sd2", "sdxl": "sdxl", "turbo": "sd2",
                                        "inpaint": "sd1"}[family]
     assert all(not w["over_2gb"] and w["graph_bytes"] > 0 for w in printed["weights"].values())
+
+
+@pytest.mark.parametrize("family", DIT_FAMILIES)
+def test_every_dit_build_plan_passes_the_parser(family: str, dit_build: Any) -> None:
+    """Flux and SD 3 plans (engines/build/trtplan_dit.py): every transformer input resolved from the folder (packed
+    image tokens, T5 + CLIP text tokens, rope tables over both), T5 and transformer in bf16, CLIP in fp16, and each
+    set through the real parser. Before, `engines build` exited 11 on a DiT folder (it opened unet/model.onnx)."""
+    model, _ = dit_build(family)
+    printed = _dry_run(model)
+    refused = {k: v for k, v in printed["option_parser"].items() if not v["accepted"]}
+    assert not refused, refused
+    components = printed["sizes"]["512x512"]["components"]
+    assert "transformer" in components and "unet" not in components
+    t5 = "text_encoder_2" if family.startswith("flux") else "text_encoder_3"
+    assert components[t5]["provider_options"]["trt_bf16_enable"] == "True"
+    assert components["text_encoder"]["provider_options"]["trt_fp16_enable"] == "True"
+    shapes = dict(item.split(":") for item in components["transformer"]["provider_options"][
+        "trt_profile_max_shapes"].split(","))
+    if family.startswith("flux"):  # 512x512: (512/16)^2 packed tokens; text = the T5 length; rope over both
+        text = 512 if family == "flux" else 256
+        assert shapes["hidden_states"].split("x")[1] == str(32 * 32)
+        assert shapes["encoder_hidden_states"].split("x")[1] == str(text)
+        assert shapes["rope_cos"].split("x")[0] == str(text + 32 * 32)
+        assert ("guidance" in shapes) == (family == "flux")
+    else:  # SD 3: latents [rows, 16, 64, 64], CLIP 77 + T5 256 text tokens, rows doubled for CFG
+        assert shapes["hidden_states"].split("x")[2:] == ["64", "64"]
+        assert shapes["encoder_hidden_states"].split("x")[1] == str(77 + 256)
+        assert int(shapes["hidden_states"].split("x")[0]) == 2 * printed["sizes"]["512x512"]["profile"]["batch_max"]
+    assert printed["budget_s"] == trtplan.BUILD_BUDGET_S[family]
 
 
 def test_a_refused_option_stops_the_dry_run_naming_the_key(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -91,7 +124,7 @@ def test_a_refused_option_stops_the_dry_run_naming_the_key(tiny_model: Path, mon
     plan = trtplan.plan(tiny_model, trtplan.profiles_from([(64, 64)], 2, 1), trtplan.BuildFlags())
     plan["sizes"]["64x64"]["components"]["unet"]["provider_options"]["trt_load_user_initializer"] = "True"
     with pytest.raises(ArtifactError, match="trt_load_user_initializer"):
-        trtplan.require_parsed(trtplan.parser_verdicts(tiny_model, plan))
+        trt_build.require_parsed(trt_build.parser_verdicts(tiny_model, plan))
 
 
 def test_the_plan_says_where_the_weights_are(tiny_model: Path, tmp_path: Path) -> None:

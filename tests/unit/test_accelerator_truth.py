@@ -226,8 +226,11 @@ def test_the_pinned_check_never_creates_the_buffer_it_checks() -> None:
     assert runtime.staged("image", (2, 3, 64, 64), np.float32) is None
 
 
-def test_gpu_mem_limit_claims_no_budget() -> None:
-    assert "No device-memory budget for the process is enforced" in GPU_MEM_LIMIT_SCOPE
+def test_gpu_mem_limit_claims_a_budget_only_with_the_shared_arena() -> None:
+    # The cap covers the process only when the one shared CUDA arena was registered; the statement names the
+    # condition (and what stays outside every arena) instead of claiming a budget unconditionally.
+    assert "shared_device_arena.registered" in GPU_MEM_LIMIT_SCOPE
+    assert "without it the cap covers only sessions whose first provider is CUDA" in GPU_MEM_LIMIT_SCOPE
     assert "TensorRT engine memory" in GPU_MEM_LIMIT_SCOPE and "IO-binding buffers" in GPU_MEM_LIMIT_SCOPE
 
 

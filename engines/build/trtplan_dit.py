@@ -1,0 +1,97 @@
+"""TensorRT build plan for the DiT families (Flux.1 dev/schnell, SD 3 / 3.5): per served size and component, the
+exact provider options of one engine, as engines/build/trtplan.py plans the UNet families.
+
+Every symbolic dim comes from the folder and the serving pipeline's own rules (engines/diffusion/dit_pipeline.py):
+rows are the images, doubled under classifier-free guidance (SD 3: negatives first; Flux never doubles); Flux's
+transformer takes the 2x2-packed latent tokens ``(H/16)*(W/16)`` and ``text_tokens`` = the T5 length, with rope
+tables over text + image tokens; SD 3's takes latents ``[rows, 16, H/8, W/8]`` and CLIP (77) + T5 tokens; the T5
+length is the family's ``max_sequence_length`` capped by the tokenizer's. A dim that is fixed in the graph is
+kept; one that is neither fixed nor known refuses the plan (trtplan.resolve).
+
+Precision per part (``PRECISION``): the T5 encoder and the transformer in bf16 (T5's activations overflow fp16,
+diffusers and NVIDIA's demos run both in bf16), the CLIP encoders in fp16, the VAE in bf16 (fp16 overflows in
+Flux's and SD 3's VAE at large sizes). TensorRT picks the kernels (``trt_bf16_enable``/``trt_fp16_enable`` on the
+fp32 export), so one export serves every precision. bf16 needs compute capability >= 8.0 (the matrix's H200 is
+9.0).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from engines.diffusion.dit_family import DitFamily
+
+PRECISION: dict[str, str] = {"text_encoder": "fp16", "text_encoder_2": "fp16", "text_encoder_3": "bf16",
+                             "transformer": "bf16", "vae_decoder": "bf16", "vae_encoder": "bf16"}
+"""Engine precision per component; Flux's text_encoder_2 is its T5 (see ``precision``)."""
+
+NAMED: dict[str, tuple[str, ...]] = {
+    "input_ids": ("rows", "clip_tokens"),
+    "hidden_states": ("rows", "image_tokens", "packed_channels"),
+    "encoder_hidden_states": ("rows", "text_tokens", "joint"),
+    "pooled_projections": ("rows", "pooled"),
+    "timestep": ("rows",), "guidance": ("rows",),
+    "rope_cos": ("rope_tokens", "rope_dim"), "rope_sin": ("rope_tokens", "rope_dim"),
+    "latent_sample": ("batch", "latent_channels", "height", "width"),
+    "sample": ("batch", "image_channels", "pixel_height", "pixel_width"),
+}
+"""Each input's dims by role; SD 3's 4-D ``hidden_states`` and the T5's ``input_ids`` are told apart in ``roles``."""
+
+
+def _json(path: Path) -> dict[str, Any]:
+    data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    return data if isinstance(data, dict) else {}
+
+
+def t5_component(family: DitFamily) -> str:
+    return "text_encoder_2" if family.base == "flux" else "text_encoder_3"
+
+
+def components(family: DitFamily, folder: Path) -> list[str]:
+    parts = ["text_encoder", t5_component(family), "transformer", "vae_decoder"]
+    parts += [] if family.base == "flux" else ["text_encoder_2"]
+    return [p for p in [*parts, "vae_encoder"] if (folder / p / "model.onnx").is_file()]
+
+
+def precision(family: DitFamily, component: str) -> str:
+    if component == t5_component(family):
+        return "bf16"
+    return PRECISION.get(component, "bf16")
+
+
+def dims(folder: Path, family: DitFamily) -> dict[str, int | None]:
+    """The values the roles take for every size (the size-dependent ones are added per profile)."""
+    vae = _json(folder / "vae_decoder" / "config.json")
+    t5_tok = _json(folder / ("tokenizer_2" if family.base == "flux" else "tokenizer_3") / "tokenizer_config.json")
+    clip_tok = _json(folder / "tokenizer" / "tokenizer_config.json")
+    cap = t5_tok.get("model_max_length")
+    t5 = min(family.max_sequence_length, cap) if isinstance(cap, int) and 0 < cap < 100_000 else \
+        family.max_sequence_length
+    clip = clip_tok.get("model_max_length")
+    clip = clip if isinstance(clip, int) and 0 < clip < 100_000 else 77
+    blocks = vae.get("block_out_channels")
+    return {"t5_tokens": t5, "clip_tokens": clip,
+            "text_tokens": t5 if family.base == "flux" else clip + t5,
+            "latent_channels": int(vae.get("latent_channels", 16)), "image_channels": 3,
+            "factor": 2 ** (len(blocks) - 1) if isinstance(blocks, list) and blocks else 8}
+
+
+def roles(family: DitFamily, component: str, name: str, rank: int) -> tuple[str, ...] | None:
+    if name == "input_ids":
+        return ("rows", "t5_tokens") if component == t5_component(family) else ("rows", "clip_tokens")
+    if component == "transformer" and name == "hidden_states" and rank == 4:
+        return ("rows", "latent_channels", "height", "width")
+    return NAMED.get(name)
+
+
+def values(family: DitFamily, base: dict[str, int | None], width: int, height: int, batch: int,
+           cfg: bool) -> dict[str, int | None]:
+    factor = base["factor"] or 8
+    h, w = height // factor, width // factor
+    image_tokens = (h // 2) * (w // 2)
+    text = base["text_tokens"] or 0
+    return {**base, "batch": batch, "rows": 2 * batch if cfg and family.cfg else batch, "height": h, "width": w,
+            "pixel_height": height, "pixel_width": width, "image_tokens": image_tokens,
+            "rope_tokens": text + image_tokens}
