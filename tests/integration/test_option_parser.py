@@ -116,6 +116,21 @@ def test_every_dit_build_plan_passes_the_parser(family: str, dit_build: Any) -> 
     assert printed["budget_s"] == trtplan.BUILD_BUDGET_S[family]
 
 
+@pytest.mark.parametrize("family", ["flux", "sd35"])
+def test_a_dit_build_on_this_cpu_fails_for_the_gpu_only_after_the_parser(family: str, dit_build: Any) -> None:
+    """The real `engines build --profile production` on a tiny Flux and SD 3.5 (not a dry run): every option set of
+    the plan passes ORT's parser first (logged, one per size and component), then preflight refuses the missing
+    TensorRT libraries with exit 20 naming them."""
+    model, _ = dit_build(family)
+    done = subprocess.run([sys.executable, "-m", "server.cli", "engines", "build", "--profile", "production",
+                           "--model", str(model)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 20, done.stderr[-2000:]
+    parsed = done.stderr.index("option parser: ")
+    assert "512x512/transformer" in done.stderr[parsed:].splitlines()[0]
+    refused = done.stderr.index("GPU path unavailable")
+    assert parsed < refused and "libnvinfer.so.10" in done.stderr[refused:]
+
+
 def test_a_refused_option_stops_the_dry_run_naming_the_key(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The plan's own check, not this test's: a key the parser refuses makes `engines build` fail, dry run or not,
     with the parser's words (before, a real build exited 20, "GPU path unavailable")."""
