@@ -43,7 +43,7 @@ from engines.errors import (
 from engines.health import selftest, signature
 from engines.health.integrity import IntegrityWatcher
 from engines.health.preflight import Check, Observations, evaluate, failures, gather
-from engines.lora.active import ACTIVE
+from engines.lora.active import ACTIVE, ADAPTED
 from engines.protocol import (
     Artifacts,
     Attention,
@@ -411,11 +411,17 @@ class OrtEngine:
                                       param="loras")
         with self._lock:
             weights = self._lora.weights(batch.loras) if self._lora is not None else {}
-            token = ACTIVE.set(weights)
+            token, ran = ACTIVE.set(weights), ADAPTED.set(set())
             try:
                 out = pipeline(batch, on_step=on_step)
+                adapted = ADAPTED.get() or set()
             finally:
                 ACTIVE.reset(token)
+                ADAPTED.reset(ran)
+        missed = sorted(c for c, w in weights.items() if w and c not in adapted)
+        if missed and out.steps_done:  # a stopped batch may not reach every component; it returns no claim
+            raise InferenceError(f"LoRA weights were merged for {', '.join(missed)} but the batch ran "
+                                 "their base weights: refused, not returned with a claim that the LoRA applied")
             if self.faults is not None and self.faults.latency_s > 0:
                 time.sleep(self.faults.latency_s)
         for index, image in enumerate(out.images):
@@ -428,7 +434,7 @@ class OrtEngine:
                        for img, spec, trunc, neg, latents in zip(out.images, batch.images, out.truncated,
                                                                  out.negative_truncated, kept, strict=True))
         return BatchResult(images, self._ran_on(pipeline), out.timings, len(images), out.steps_done,
-                           out.steps_done < (out.steps_total or batch.steps))
+                           out.steps_done < (out.steps_total or batch.steps), tuple(sorted(adapted)))
 
     def _arena_summary(self) -> dict[str, str | bool | float | int]:
         s = self.settings

@@ -199,6 +199,8 @@ class BatchResult:
     steps_done: int = 0
     """Denoising steps that ran; fewer than the batch's steps when a StepHook stopped it."""
     interrupted: bool = False
+    adapted: tuple[str, ...] = ()
+    """The components that ran with the batch's merged LoRA weights bound (sorted); empty without LoRA."""
 
     @property
     def executed(self) -> int:

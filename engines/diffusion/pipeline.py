@@ -41,7 +41,7 @@ from engines.diffusion.step_graph import (
 )
 from engines.diffusion.tokenizer import ClipTokenizer
 from engines.errors import InferenceError, InvalidRequestError, ModelLoadError
-from engines.lora.active import ACTIVE
+from engines.lora.active import ACTIVE, ADAPTED
 from engines.protocol import Batch, StepHook, Timings
 from engines.runtime.sessions import Runtime, numpy_dtype
 
@@ -90,6 +90,9 @@ class OrtModel:
         weights = ACTIVE.get().get(self.component) if self.variant is not None else None
         ran = self.variant if weights is not None and self.variant is not None else self
         self.ran_on = ran.provider
+        adapted = ADAPTED.get()
+        if weights and adapted is not None:
+            adapted.add(self.component)
         binding = ran.session.io_binding()
         for name, weight in (weights or {}).items():  # this batch's merged LoRA weights, never the base's
             binding.bind_ortvalue_input(name, weight)

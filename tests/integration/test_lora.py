@@ -371,12 +371,14 @@ def test_sdxl_images_match_diffusers_fuse_lora_with_both_text_encoders(sdxl: dic
 
 
 @pytest.mark.parametrize("family", ["flux", "sd3"])
-def test_a_dit_text_encoder_lora_changes_the_image_it_claims(family: str, dit_build: Callable[[str], tuple[Path, Path]],
-                                                             tmp_path: Path) -> None:
+def test_a_dit_text_encoder_lora_changes_the_image_it_claims_and_matches_diffusers(
+        family: str, dit_build: Callable[[str], tuple[Path, Path]], tmp_path: Path) -> None:
     """A text-encoder-only LoRA on Flux (CLIP) and SD 3 (both CLIPs): before, the DiT pipeline bound the base
     session of every text encoder, so the image was bit-identical to the base (max |diff| 0) while the header, the
     infotext and the signed manifest said the LoRA applied."""
     import diffusers
+
+    from engines.diffusion.dit_pipeline import pack_latents
 
     onnx_dir, diffusers_dir = dit_build(family)
     kind = diffusers.FluxPipeline if family == "flux" else diffusers.StableDiffusion3Pipeline
@@ -393,6 +395,16 @@ def test_a_dit_text_encoder_lora_changes_the_image_it_claims(family: str, dit_bu
         base = _images(engine, Batch(images, 64, 64, 4))
         assert _changed(with_lora, base) > 0.0, "the text-encoder LoRA left the image unchanged"
         assert result.provider == engine.pipeline.transformer.provider  # the denoiser ran its base session
+        assert result.adapted == tuple(sorted(encoders))  # every component the file adapts ran adapted weights
+        # Parity: diffusers' loader on the same file, fused into exactly the encoders it adapts (Flux's
+        # fuse_lora fuses only the transformer unless told: lora_pipeline.py FluxLoraLoaderMixin.fuse_lora).
+        pipe.load_lora_weights(str(tmp_path), weight_name="te_only.safetensors")
+        pipe.fuse_lora(components=encoders, lora_scale=1.0)
+        noise = np.stack([image_rng(s).standard_normal((16, 8, 8), dtype=np.float32) for s in SEEDS])
+        theirs = _diffusers_images(pipe, pack_latents(noise) if family == "flux" else noise, steps=4,
+                                   guidance=3.5, **({"max_sequence_length": 512} if family == "flux" else {}))
+        _compare(with_lora, theirs, f"{family} text-encoder LoRA")
+        assert _changed(base, theirs) > 0.1  # the reference moved too: the base image would fail the comparison
     finally:
         engine.close()
 
@@ -574,3 +586,24 @@ def test_the_boot_self_test_warms_every_lora_variant(sd1: dict[str, Any], tmp_pa
         assert all(c.runs > 0 for c in counters.values()), {n: c.runs for n, c in counters.items()}
     finally:
         engine.close()
+
+
+def test_a_component_that_misses_its_merged_weights_fails_the_batch_instead_of_claiming_them(
+        sd1: dict[str, Any]) -> None:
+    """The pre-fix Flux defect, reproduced on purpose: a text encoder whose variant is not attached runs its base
+    weights although the batch merged a LoRA for it. The engine compares the components it merged for with those
+    that bound the merged weights (OrtModel.bound) and refuses the batch; with the variant back it runs and says
+    which components ran adapted."""
+    from engines.errors import InferenceError
+
+    engine = sd1["engine"]
+    use = _use(engine, "style", 1.0)
+    encoder = engine.pipeline.text_encoder
+    variant, encoder.variant = encoder.variant, None
+    try:
+        with pytest.raises(InferenceError, match="merged for text_encoder but the batch ran their base weights"):
+            engine.generate(_batch((use,)))
+    finally:
+        encoder.variant = variant
+    assert engine.generate(_batch((use,))).adapted == ("text_encoder", "unet")
+    assert engine.generate(_batch()).adapted == ()
