@@ -186,6 +186,11 @@ class OrtEngine:
 
         assert self._runtime is not None
         self._lora = LoraManager(self.settings.lora, self.model_dir, self.info.family, self._runtime, OrtModel)
+        self._attach_variants()
+
+    def _attach_variants(self) -> None:
+        """Each adaptable session points at its component's variant (None while no file adapts it)."""
+        assert self._lora is not None
         for pipe in self._pipelines.values():
             for model in _adaptable(pipe):
                 found = self._lora.components.get(model.component)
@@ -537,6 +542,7 @@ class OrtEngine:
         if self._lora is None:
             return ()
         self._lora.refresh()
+        self._attach_variants()  # a file that adapts a component no file did before brought its variant
         return self._lora.listing()
 
     def lora_cost_s(self, uses: tuple[LoraUse, ...]) -> float:
@@ -554,7 +560,7 @@ class OrtEngine:
                 "refused": {f.file: f.problem for f in m.files.values() if f.problem},
                 "targets": m.settings.targets,
                 "adaptable_weights": {name: len(c.targets) for name, c in m.components.items()},
-                "sessions": {name: c.variant.name for name, c in m.components.items()},
+                "sessions": {name: c.variant.name for name, c in m.components.items() if c.variant is not None},
                 "library": [{"name": f.name, "file": f.file, "sha256": f.sha256, "components": f.components,
                              "problem": f.problem} for f in m.files.values()],
                 "cache": dataclasses.asdict(m.stats) | {"budget_bytes": m.settings.cache_mb * 1024 * 1024},

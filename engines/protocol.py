@@ -123,6 +123,8 @@ class LoraStats:
     cached_bytes: int = 0
     merge_seconds_total: float = 0.0
     last_merge_seconds: float = 0.0
+    merged_bytes_total: int = 0
+    """Bytes of weights the merges wrote: with ``merge_seconds_total``, the throughput admission prices a set by."""
 
 
 @dataclass(frozen=True)
@@ -583,7 +585,8 @@ class Engine(Protocol):
         """Scan the adapter library again (new, changed and removed files)."""
 
     def lora_cost_s(self, uses: tuple[LoraUse, ...]) -> float:
-        """Seconds an adapter set costs before its batch's first step: 0 when cached (or none), else its merge."""
+        """Seconds an adapter set costs before its batch's first step: 0 when cached (or none), else its merge,
+        priced by the bytes it writes. InvalidRequestError (param ``loras``) for a set over the LoRA budget."""
 
     def lora_stats(self) -> LoraStats:
         """The merged-set cache's cumulative figures (all zero without a LoRA library)."""

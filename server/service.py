@@ -127,8 +127,9 @@ class ImageService:
         images are ready. Returns the deadline, which bounds the decoding too."""
         deadline = self.deadline(timeout_header)
         source = "x-sdserve-timeout-s" if timeout_header is not None else "queue.request_timeout_s"
+        # A set over the LoRA budget is refused here by name (InvalidRequestError, param loras), not as a deadline.
+        merges = sum(self.engine.lora_cost_s(b.loras) for b in {b.lora_key: b for b in batches}.values())
         try:
-            merges = sum(self.engine.lora_cost_s(b.loras) for b in {b.lora_key: b for b in batches}.values())
             if merges:  # an adapter set not cached is merged before its first step
                 source += f", less {merges:.2f}s to merge a LoRA set not yet cached"
             admit(self.cost, [_cost(b) for b in batches], self.batcher.ahead_seconds(),

@@ -40,16 +40,24 @@ log = logging.getLogger(__name__)
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 DENOISERS = ("unet", "transformer")
 HISTORY = 32
+FIRST_MERGE_BYTES_PER_S = 1e9
+"""Admission's price of a merge before any ran on this server: 1 GB of weights written per second. A merge reads
+W and writes W + s*B@A once (a rank-r GEMM: memory-bound), so a device does tens of GB/s and a CPU core a few;
+1 GB/s errs towards refusing a deadline it might have met. Replaced by the measured rate after the first merge."""
 
 
 @dataclass
 class Component:
-    """One adaptable session: its targets, their stored values (host), and the variant session that binds them."""
+    """One adaptable session: its targets, their stored values (host; memory-mapped where the model keeps its
+    weights as external data), and the variant session that binds them, built only once a file of the library
+    adapts the component (no variant, no second copy of the weights, for a component nothing adapts)."""
 
     name: str
     targets: dict[str, targets.Target]
     base: dict[str, np.ndarray]
-    variant: OrtModel
+    path: Path
+    """The component's model.onnx: the variant is built from it when a file first adapts the component."""
+    variant: OrtModel | None = None
     required: dict[str, ort.OrtValue] = field(default_factory=dict)
     """Plugin EPs only (the targets are plain inputs there): every target's base value on the device, bound
     under the set's merged tensors."""
@@ -79,7 +87,8 @@ class LoraManager:
         if not self.folder.is_dir():
             raise ModelLoadError(f"[runtime.lora] dir {self.folder} is not a folder (--lora-dir or "
                                  "SDSERVE_LORA_DIR)")
-        self.components = self._load_components(model_dir, make_model)
+        self._make_model = make_model
+        self.components = self._load_components(model_dir)
         kinds = {(t.layout, t.dtype, len(t.shape)) for c in self.components.values() for t in c.targets.values()}
         self._merge: dict[tuple[str, type[np.generic], int], OrtModel] = {
             (layout, dt, rank): make_model(runtime, merge.merge_graph(layout, np.dtype(dt), rank),
@@ -93,27 +102,40 @@ class LoraManager:
         self.history: OrderedDict[str, int] = OrderedDict()
         self.refresh()
 
-    def _load_components(self, model_dir: Path, make_model: type[OrtModel]) -> dict[str, Component]:
+    def _load_components(self, model_dir: Path) -> dict[str, Component]:
+        """Each adaptable component's targets, from its graph read without external data (no weights are loaded
+        for a model that keeps them beside the graph; inline weights are read once and kept as the base)."""
         out = {}
         for name in (*TEXT_ENCODERS, *DENOISERS):
             path = model_dir / name / "model.onnx"
             if not path.is_file():
                 continue
-            model = onnx.load(str(path))
+            model = onnx.load(str(path), load_external_data=False)
             found = targets.find(model, self.settings.targets)
-            base = targets.base_weights(model, found)
-            external = any(i.data_location == onnx.TensorProto.EXTERNAL for i in
-                           onnx.load(str(path), load_external_data=False).graph.initializer)
-            if external:  # the variant's protobuf without weights; ORT reads them beside the model file
-                model = onnx.load(str(path), load_external_data=False)
-            extra = {"session.model_external_initializers_file_folder_path": str(path.parent)} if external else None
-            as_inputs = self.runtime.settings.plugin is not None
-            variant = make_model(self.runtime, targets.with_overridable(model, found, as_inputs), f"{name}:lora",
-                                 extra=extra)
-            required = {k: self._device(v) for k, v in base.items()} if as_inputs else {}
-            out[name] = Component(name, found, base, variant, required)
+            out[name] = Component(name, found, targets.base_weights(model, found, path.parent), path)
             log.info("LoRA: %s has %d adaptable weights (%s)", name, len(found), self.settings.targets)
         return out
+
+    def _ensure_variants(self) -> None:
+        """A variant session for every component a usable file of the library adapts, built the first time one
+        does (a refresh that adds a text-encoder LoRA builds that encoder's variant then)."""
+        wanted = {c for f in self.files.values() if not f.problem for c in f.components}
+        for name in sorted(wanted & set(self.components)):
+            comp = self.components[name]
+            if comp.variant is not None:
+                continue
+            model = onnx.load(str(comp.path), load_external_data=False)
+            external = any(i.data_location == onnx.TensorProto.EXTERNAL for i in model.graph.initializer)
+            if not external:
+                model = onnx.load(str(comp.path))
+            # the variant's protobuf without weights where they are external: ORT reads them beside the model
+            extra = {"session.model_external_initializers_file_folder_path": str(comp.path.parent)} \
+                if external else None
+            as_inputs = self.runtime.settings.plugin is not None
+            comp.variant = self._make_model(self.runtime, targets.with_overridable(model, comp.targets, as_inputs),
+                                            f"{name}:lora", extra=extra)
+            comp.required = {k: self._device(v) for k, v in comp.base.items()} if as_inputs else {}
+            log.info("LoRA: variant session for %s built (a file of the library adapts it)", name)
 
     def _device(self, array: np.ndarray) -> ort.OrtValue:
         value = ort.OrtValue.ortvalue_from_shape_and_type(list(array.shape), array.dtype.type, self.runtime.device,
@@ -134,6 +156,7 @@ class LoraManager:
             live = {f.sha256 for f in found.values() if not f.problem}
             for key in [k for k in self._cache if any(sha not in live for sha, _, _ in k)]:
                 del self._cache[key]
+            self._ensure_variants()
         return list(found.values())
 
     def listing(self) -> tuple[LoraInfo, ...]:
@@ -153,6 +176,8 @@ class LoraManager:
         if not uses:
             return {}
         key = lora_key(uses)
+        if key not in self._cache:
+            self.require_fits(uses)
         with self._lock:
             found = self._cache.get(key)
             if found is not None:
@@ -178,6 +203,7 @@ class LoraManager:
         budget = self.settings.cache_mb * 1024 * 1024
         self.stats = dataclasses.replace(self.stats, misses=self.stats.misses + 1,
                                          merge_seconds_total=self.stats.merge_seconds_total + merged.seconds,
+                                         merged_bytes_total=self.stats.merged_bytes_total + merged.nbytes,
                                          last_merge_seconds=merged.seconds)
         if merged.nbytes > budget:
             log.warning("LoRA set of %d bytes is over the cache budget of %d ([runtime.lora] cache_mb): used for "
@@ -249,12 +275,37 @@ class LoraManager:
     def warm_weights(self) -> Weights:
         """Every variant with nothing merged (the stored weights; a plugin EP's required base values): what the
         boot warm-up runs, so no variant meets its first input shape on a request."""
-        return {name: dict(c.required) for name, c in self.components.items()}
+        return {name: dict(c.required) for name, c in self.components.items() if c.variant is not None}
+
+    def set_bytes(self, uses: tuple[LoraUse, ...]) -> int:
+        """Bytes the set's merged tensors take on the device: every weight a non-zero multiplier touches, once."""
+        by_sha = {f.sha256: f for f in self.files.values() if not f.problem}
+        touched: dict[tuple[str, str], int] = {}
+        for use in uses:
+            file = by_sha.get(use.sha256)
+            for r in file.resolved if file is not None else ():
+                if (use.te if r.component in TEXT_ENCODERS else use.unet) != 0:
+                    touched[(r.component, r.target.initializer)] = r.target.nbytes
+        return sum(touched.values())
+
+    def require_fits(self, uses: tuple[LoraUse, ...]) -> None:
+        """InvalidRequestError (param ``loras``) for a set whose merged tensors exceed the whole cache budget: it
+        is refused before admission, never merged into an out-of-memory at batch time."""
+        need, budget = self.set_bytes(uses), self.settings.cache_mb * 1024 * 1024
+        if need > budget:
+            raise InvalidRequestError(
+                f"the LoRA set needs {need / 2**20:.0f} MiB of merged weights on the device, over this server's "
+                f"LoRA budget of {self.settings.cache_mb} MiB ([runtime.lora] cache_mb): use fewer or smaller "
+                "adapters, or a server with a larger budget", param="loras")
 
     def merge_estimate_s(self, uses: tuple[LoraUse, ...]) -> float:
-        """Admission: seconds a set not cached costs before its first step (the mean merge so far; a first guess
-        of 0.05 s per set before any merge ran)."""
+        """Admission: seconds a set not cached costs before its first step, priced by the bytes it writes at the
+        rate merges ran on this server (FIRST_MERGE_BYTES_PER_S before the first). Refuses a set over the budget."""
+        uses = tuple(u for u in uses if u.te or u.unet)
         if self.is_cached(uses):
             return 0.0
-        merges = self.stats.misses
-        return self.stats.merge_seconds_total / merges if merges else 0.05 * len(uses)
+        self.require_fits(uses)
+        s = self.stats
+        rate = s.merged_bytes_total / s.merge_seconds_total if s.merged_bytes_total and s.merge_seconds_total \
+            else FIRST_MERGE_BYTES_PER_S
+        return self.set_bytes(uses) / rate

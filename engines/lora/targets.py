@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -126,10 +127,38 @@ def with_overridable(model: onnx.ModelProto, targets: dict[str, Target], as_inpu
     return bytes(variant.SerializeToString())
 
 
-def base_weights(model: onnx.ModelProto, targets: dict[str, Target]) -> dict[str, np.ndarray]:
-    """The stored value of every target, by initializer name (the W of ``W + s * B @ A``)."""
+def base_weights(model: onnx.ModelProto, targets: dict[str, Target],
+                 folder: Path | None = None) -> dict[str, np.ndarray]:
+    """The stored value of every target, by initializer name (the W of ``W + s * B @ A``). An initializer kept as
+    external data (``model`` loaded without it) is a read-only memory map of its file beside the model, in
+    ``folder``: the host holds page cache the kernel can drop, never a second anonymous copy of the weights (a
+    Flux transformer's adaptable weights are tens of GB)."""
     wanted = {t.initializer for t in targets.values()}
-    return {i.name: numpy_helper.to_array(i) for i in model.graph.initializer if i.name in wanted}
+    out: dict[str, np.ndarray] = {}
+    for init in model.graph.initializer:
+        if init.name not in wanted:
+            continue
+        if init.data_location == onnx.TensorProto.EXTERNAL and not init.raw_data:
+            if folder is None:
+                raise ValueError(f"initializer {init.name} is external data: the model's folder is needed")
+            out[init.name] = _mapped(init, folder)
+        else:
+            out[init.name] = numpy_helper.to_array(init)
+    return out
+
+
+def _mapped(init: onnx.TensorProto, folder: Path) -> np.ndarray:
+    """An external initializer as a read-only memory map (onnx's external-data keys: location, offset, length)."""
+    where = {e.key: e.value for e in init.external_data}
+    dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(init.data_type))
+    shape = tuple(int(d) for d in init.dims)
+    count = int(np.prod(shape)) if shape else 1
+    length = int(where.get("length", count * dtype.itemsize))
+    if length != count * dtype.itemsize:
+        raise ValueError(f"initializer {init.name}: external length {length} is not {count} x {dtype}")
+    mapped = np.memmap(folder / where["location"], dtype=dtype, mode="r", offset=int(where.get("offset", 0)),
+                       shape=shape or (1,))
+    return mapped.reshape(shape)
 
 
 def kohya_index(targets: dict[str, Target]) -> dict[str, str]:
