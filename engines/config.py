@@ -454,6 +454,9 @@ class SloWindow(BaseModel):
     budget_s: float = Field(..., gt=0)
     """Bound on the p95 of the timed canary batches, seconds."""
     min_gpu_util_percent: float | None = Field(None, ge=0, le=100)
+    family: str | None = None
+    """The model family this window judges (engines/diffusion/family.py, dit_family.py); a window without one
+    judges the families that have no window of their own in the profile."""
 
 
 @dataclass(frozen=True)
@@ -506,7 +509,14 @@ class SelfTestPlan:
     fingerprints_file: str = "selftest.json"
     batch_sizes: tuple[int, ...] = (1,)
     """Used with the model's native size when ``shapes`` is empty."""
+    family: str = ""
+    """The loaded model's family (set by the engine after load): which SLO windows judge it."""
+
+    def windows(self) -> tuple[SloWindow, ...]:
+        """The family's own windows when the profile has any, else the windows without a family."""
+        own = tuple(w for w in self.slo if w.family is not None and w.family == self.family)
+        return own or tuple(w for w in self.slo if w.family is None)
 
     def window(self, shape: Shape) -> SloWindow | None:
-        return next((w for w in self.slo if (w.size, w.batch, w.steps) == (shape.size, shape.batch,
-                                                                            self.suite.steps)), None)
+        return next((w for w in self.windows() if (w.size, w.batch, w.steps) == (shape.size, shape.batch,
+                                                                                  self.suite.steps)), None)

@@ -154,7 +154,8 @@ class OrtEngine:
             else:
                 self._load_unet(sources)
             if self.plan is not None:  # the family's canary set (configs/canaries.toml [family.<name>])
-                self.plan = dataclasses.replace(self.plan, suite=self.plan.suite.for_family(self.info.family))
+                self.plan = dataclasses.replace(self.plan, suite=self.plan.suite.for_family(self.info.family),
+                                                family=self.info.family)
             if self.settings.lora.dir:
                 self._load_lora()
         except NotReadyError as exc:
@@ -205,7 +206,12 @@ class OrtEngine:
                      for size, parts in sources.items()}
         self._pipelines = dict(pipelines)
         pipe = next(iter(pipelines.values()))
-        self._info = pipe.model_info(self.model_dir.name, _digest(self.model_dir, "transformer"))
+        config = json.loads((self.model_dir / "transformer" / "config.json").read_text())
+        text = pipe.max_sequence_length + (0 if pipe.family.base == "flux" else pipe.clips[0][0].max_length)
+        self._info = dataclasses.replace(
+            pipe.model_info(self.model_dir.name, _digest(self.model_dir, "transformer")),
+            token_patch=pipe.size_multiple, text_tokens=text,
+            hidden_size=int(config.get("num_attention_heads", 24)) * int(config.get("attention_head_dim", 128)))
         log.info("model %s: %s (flow matching, %s)", self.model_dir.name, pipe.family.name,
                  "guidance embedded" if pipe.family.guidance_embeds else
                  "classifier-free guidance" if pipe.family.cfg else "no guidance")

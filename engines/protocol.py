@@ -238,6 +238,28 @@ class ModelInfo:
     """A 9-channel inpainting UNet (edits: inpainting only)."""
     edit_schedulers: tuple[str, ...] = ()
     """The schedulers that serve edits."""
+    token_patch: int = 0
+    """A DiT's pixels per image-token edge (VAE factor x patch: 16); 0 for a UNet (cost scaled by pixels)."""
+    text_tokens: int = 0
+    """A DiT's text tokens in its joint attention (Flux: T5's length; SD 3: 77 CLIP + T5's length)."""
+    hidden_size: int = 0
+    """A DiT's transformer width (heads x head dim)."""
+
+    def work(self, width: int, height: int) -> float:
+        """Relative compute of one denoising step at ``width`` x ``height``: what admission scales a measured
+        per-step cost by to a size it has not measured. A UNet: the pixel count (a lower bound: its attention
+        grows faster). A DiT: per block ``N * (12 d + 2 N)`` with N = image + text tokens (the QKV/out/MLP
+        projections are 12 N d^2 FLOPs, joint attention 2 N^2 d; divided by d): the text tokens make it grow slower
+        than pixels at small sizes and the attention faster at large ones."""
+        if not self.token_patch:
+            return float(width * height)
+        n = (width // self.token_patch) * (height // self.token_patch) + self.text_tokens
+        return float(n * (12 * self.hidden_size + 2 * n))
+
+    @property
+    def work_basis(self) -> str:
+        return "pixel count" if not self.token_patch else \
+            f"joint-attention tokens (N(12d+2N), d={self.hidden_size}, {self.text_tokens} text tokens)"
 
     def family_summary(self) -> dict[str, str | int | float | bool]:
         """The family fields as /v1/models, /sdapi/v1/sd-models and /capabilities report them."""

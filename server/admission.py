@@ -9,7 +9,7 @@ by their strength) go through the same door."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from engines.errors import InvalidRequestError
@@ -45,8 +45,16 @@ class CostModel:
     """Seconds per image-step by size: seeded from the self-test (p50 of its timed canaries over batch x steps,
     text encoding and decoding included, so conservative), then an EWMA of live batches at that size."""
 
-    def __init__(self) -> None:
+    def __init__(self, work: Callable[[int, int], float] | None = None, basis: str = "pixel count") -> None:
         self.per_image_step: dict[tuple[int, int], float] = {}
+        self.work = work or (lambda w, h: float(w * h))
+        """Relative compute of one step at a size (engines.protocol.ModelInfo.work): what an unmeasured size's
+        cost is scaled by from the nearest measured one."""
+        self.basis = basis
+
+    def scale_by(self, work: Callable[[int, int], float], basis: str) -> None:
+        """The loaded model's work per step (set once the engine is loaded: a DiT scales by its tokens)."""
+        self.work, self.basis = work, basis
 
     def seed(self, width: int, height: int, batch: int, steps: int, seconds: float) -> None:
         if seconds > 0 and batch > 0 and steps > 0 and (width, height) not in self.per_image_step:
@@ -70,10 +78,11 @@ class CostModel:
         if key in self.per_image_step:
             per = self.per_image_step[key]
             return Estimate(per * work, per, f"measured at {cost.size}")
-        pixels = cost.width * cost.height
-        (w, h), per = min(self.per_image_step.items(), key=lambda item: abs(math.log(item[0][0] * item[0][1] / pixels)))
-        scaled = per * pixels / (w * h)
-        return Estimate(scaled * work, scaled, f"scaled from {w}x{h} by pixel count")
+        target = self.work(cost.width, cost.height)
+        (w, h), per = min(self.per_image_step.items(),
+                          key=lambda item: abs(math.log(self.work(*item[0]) / target)))
+        scaled = per * target / self.work(w, h)
+        return Estimate(scaled * work, scaled, f"scaled from {w}x{h} by {self.basis}")
 
     def total(self, costs: Iterable[Cost]) -> float:
         return sum(e.seconds for e in map(self.estimate, costs) if e is not None)
