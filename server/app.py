@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.middleware.cors import CORSMiddleware
 
 from engines.protocol import Engine, Faults, SelfTestReport
-from server import errors, images_in
+from server import errors, headers, images_in
 from server.bootstrap import selftest_plan
 from server.exitcodes import ExitCode, exit_code_for
 from server.images import ImageStore
@@ -44,9 +44,8 @@ DRAIN_ANSWER_S = 2.0
 """After the drain deadline: how long the requests of a stopped batch get to send their 503 before uvicorn closes."""
 """At shutdown, how long to wait for an executing batch to return before closing the engine: closing ONNX Runtime
 sessions under a running batch can abort the process, so past this the engine is left to the process exit."""
-EXPOSED_HEADERS = ("x-request-id", "x-sdserve-model", "x-sdserve-provider", "x-sdserve-seeds",
-                   "x-sdserve-ignored-fields", "x-sdserve-batch-size", "x-sdserve-warnings", "x-sdserve-interrupted",
-                   "server-timing", "retry-after", "x-should-retry")
+EXPOSED_HEADERS = headers.RESPONSE
+"""What CORS lets a browser read: every header a response may carry (server/headers.py)."""
 
 OnFatal = Callable[[ExitCode, str], None]
 
@@ -166,7 +165,7 @@ def _add_middleware(app: FastAPI, settings: Settings, metrics: Metrics) -> None:
         app.add_middleware(CORSMiddleware, allow_origins=list(server.cors_origins), allow_credentials=False,
                            allow_origin_regex=server.cors_origin_regex or None,
                            allow_methods=["GET", "HEAD", "POST"], expose_headers=list(EXPOSED_HEADERS),
-                           allow_headers=["authorization", "content-type", "x-request-id", "x-sdserve-timeout-s"],
+                           allow_headers=list(headers.REQUEST),
                            max_age=600)
     app.add_middleware(GuardMiddleware, log_prompts=server.log_prompts)
 

@@ -35,6 +35,7 @@ from starlette.concurrency import run_in_threadpool
 
 from engines.errors import InvalidRequestError
 from engines.protocol import Batch, EditImage, ModelInfo
+from server import headers
 from server.admission import Cost, admit
 from server.edits import EditInput, edit_batch
 from server.service import Encoder, Generated, ImageService, encode_png
@@ -243,7 +244,7 @@ async def run_hires(service: ImageService, batches: list[Batch], plan: HiresPlan
     """Both passes under one deadline, admitted on their total cost before the first runs. An interrupted first
     pass answers with its images (A1111 skips the second pass then)."""
     deadline = service.deadline(timeout)
-    source = "x-sdserve-timeout-s" if timeout is not None else "queue.request_timeout_s"
+    source = headers.TIMEOUT if timeout is not None else "queue.request_timeout_s"
     try:
         admit(service.cost, costs(batches, plan), service.batcher.ahead_seconds(), deadline - time.monotonic(),
               source)

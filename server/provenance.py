@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from engines.errors import SdserveError
+from server import headers
 from server.metrics import Metrics
 from server.settings import ProvenanceSettings
 from server.watermark import MIN_PIXELS, PAYLOAD_BITS, SCHEME, SKIP_REASONS, Marked, mark_bytes, payload_for
@@ -38,9 +39,9 @@ log = logging.getLogger(__name__)
 GENERATION_LABEL = "org.sdserve.generation"
 """The assertion holding what the server knows about how the image was made."""
 DIGITAL_SOURCE_TYPE = "http://cv.iptc.org/newscodes/digitalsourcetype/trainedAlgorithmicMedia"
-HEADER = "x-sdserve-provenance"
+HEADER = headers.PROVENANCE
 """Response header: ``c2pa`` (every image signed), ``off``, or ``unsigned; reason=<reason>``."""
-WATERMARK_HEADER = "x-sdserve-watermark"
+WATERMARK_HEADER = headers.WATERMARK
 """With [provenance] watermark on: each image's payload in hex, or ``skipped:<reason>``, comma-separated in order."""
 UnsignedReason = Literal["off", "no_credential", "signing_failed"]
 UNSIGNED_REASONS: tuple[UnsignedReason, ...] = ("off", "no_credential", "signing_failed")

@@ -23,6 +23,7 @@ from starlette.concurrency import run_in_threadpool
 
 from engines.factory import manifest_name
 from engines.protocol import Batch, Capabilities, ImageSpec
+from server import headers
 from server.errors import request_id_of
 from server.provenance import HEADER, WATERMARK_HEADER, Provenance, digest_of
 from server.service import Generated
@@ -151,6 +152,6 @@ async def stamp_a1111(request: Request, response: Response, outs: list[Generated
     a warning is appended to x-sdserve-warnings."""
     signed, warning = await sign_images(request, response, list(zip(batches, outs, strict=True)), images)
     if warning:
-        current = response.headers.get("x-sdserve-warnings")
-        response.headers["x-sdserve-warnings"] = f"{current}; {warning}" if current else warning
+        current = response.headers.get(headers.WARNINGS)
+        response.headers[headers.WARNINGS] = f"{current}; {warning}" if current else warning
     return signed

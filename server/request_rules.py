@@ -22,7 +22,7 @@ from typing import Any
 from engines.config import parse_size
 from engines.errors import InvalidRequestError
 from engines.protocol import Batch, ImageSpec, LoraInfo, LoraUse, ModelInfo
-from server import lora_prompt
+from server import headers, lora_prompt
 from server.a1111_options import checkpoint_names
 from server.schemas import ImageGenerationRequest
 from server.settings import Settings
@@ -52,7 +52,7 @@ class FieldNotes:
         if not self.ignored:
             return {}
         names = ",".join(n if n.isascii() and n.isprintable() else "?" for n in sorted(self.ignored))
-        return {"x-sdserve-ignored-fields": names[:1000]}
+        return {headers.IGNORED_FIELDS: names[:1000]}
 
 
 def served_model(requested: str | None, settings: Settings, info: ModelInfo) -> str:

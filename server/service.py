@@ -19,6 +19,7 @@ from starlette.responses import Response
 
 from engines.errors import InvalidRequestError, NotReadyError
 from engines.protocol import Batch, BatchResult, Engine, LoraUse
+from server import headers
 from server.admission import Cost, CostModel, admit
 from server.batcher import Batcher
 from server.errors import ClientGoneError, QueueFullError
@@ -63,14 +64,14 @@ class Generated:
         response.headers["Server-Timing"] = (f"queue;dur={self.queue_seconds * 1000:.1f}, "
                                              f"compute;dur={self.result.timings.total * 1000:.1f}, "
                                              f"encode;dur={self.encode_seconds * 1000:.1f}")
-        response.headers["x-sdserve-provider"] = self.result.provider
-        response.headers["x-sdserve-seeds"] = ",".join(str(g.seed) for g in self.result.images)
-        response.headers["x-sdserve-batch-size"] = str(self.result.executed)
-        response.headers["x-sdserve-loras"] = header_value(self.loras)
+        response.headers[headers.PROVIDER] = self.result.provider
+        response.headers[headers.SEEDS] = ",".join(str(g.seed) for g in self.result.images)
+        response.headers[headers.BATCH_SIZE] = str(self.result.executed)
+        response.headers[headers.LORAS] = header_value(self.loras)
         if self.warnings:
-            response.headers["x-sdserve-warnings"] = "; ".join(self.warnings)
+            response.headers[headers.WARNINGS] = "; ".join(self.warnings)
         if self.model:
-            response.headers["x-sdserve-model"] = self.model
+            response.headers[headers.MODEL] = self.model
 
 
 Disconnected = Callable[[], Awaitable[bool]]
@@ -126,7 +127,7 @@ class ImageService:
         behind the work ahead). The edit routes call it before decoding any upload, and ``run_all`` again once the
         images are ready. Returns the deadline, which bounds the decoding too."""
         deadline = self.deadline(timeout_header)
-        source = "x-sdserve-timeout-s" if timeout_header is not None else "queue.request_timeout_s"
+        source = headers.TIMEOUT if timeout_header is not None else "queue.request_timeout_s"
         # A set over the LoRA budget is refused here by name (InvalidRequestError, param loras), not as a deadline.
         merges = sum(self.engine.lora_cost_s(b.loras) for b in {b.lora_key: b for b in batches}.values())
         try:
@@ -218,9 +219,9 @@ class ImageService:
                 asked = float(header)
             except ValueError:
                 raise InvalidRequestError(f"x-sdserve-timeout-s {header!r} is not a number of seconds",
-                                          param="x-sdserve-timeout-s") from None
+                                          param=headers.TIMEOUT) from None
             if not 0 < asked <= 3600:
-                raise InvalidRequestError("x-sdserve-timeout-s must be in (0, 3600]", param="x-sdserve-timeout-s")
+                raise InvalidRequestError("x-sdserve-timeout-s must be in (0, 3600]", param=headers.TIMEOUT)
             timeout = min(timeout, asked)
         return time.monotonic() + timeout
 

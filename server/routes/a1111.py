@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from engines.errors import InvalidRequestError
 from engines.protocol import Batch, ModelInfo
+from server import headers
 from server.a1111_lax import lax_extra, lax_number, number_type
 from server.a1111_options import OptionsStore
 from server.hires import HiresPlan, make_plan, run_hires
@@ -161,7 +162,7 @@ def ignored_headers(response: Response, ignored: dict[str, str]) -> list[str]:
     if not ignored:
         return []
     names = sorted(ignored)
-    response.headers["x-sdserve-ignored-fields"] = ",".join(
+    response.headers[headers.IGNORED_FIELDS] = ",".join(
         n if n.isascii() and n.isprintable() else "?" for n in names)[:1000]
     return [f"ignored A1111 fields: {', '.join(names)}"]
 
@@ -263,7 +264,7 @@ async def txt2img(req: Txt2ImgRequest, request: Request, response: Response) -> 
                for i in range(req.n_iter)]
     info_model = request.app.state.engine.info
     plan = _hires_plan(req, batches[0], info_model, request.app.state.settings) if req.enable_hr else None
-    timeout = request.headers.get("x-sdserve-timeout-s")
+    timeout = request.headers.get(headers.TIMEOUT)
     owner = api_key_id(request.scope)
     if plan is not None:
         outs = await run_hires(service, batches, plan, timeout, request.is_disconnected, owner)
@@ -272,7 +273,7 @@ async def txt2img(req: Txt2ImgRequest, request: Request, response: Response) -> 
     outs[-1].trace_headers(response)
     warnings = outs[0].warnings + notes + ignored_headers(response, req.ignored())
     if notes:
-        response.headers["x-sdserve-warnings"] = "; ".join(warnings)
+        response.headers[headers.WARNINGS] = "; ".join(warnings)
     interrupted = any(out.result.interrupted for out in outs)
     steps_done = min(out.result.steps_done or batches[0].steps for out in outs)
     extra = {"warnings": warnings, "interrupted": interrupted, "steps_done": steps_done}
@@ -282,7 +283,7 @@ async def txt2img(req: Txt2ImgRequest, request: Request, response: Response) -> 
     info = generation_info(req.prompt, req.negative_prompt, batches, outs, info_model,
                            sampler_label(batches[0].scheduler), extra, plan.infotext if plan else None)
     if interrupted:
-        response.headers["x-sdserve-interrupted"] = f"{steps_done}/{batches[0].steps}"
+        response.headers[headers.INTERRUPTED] = f"{steps_done}/{batches[0].steps}"
     pngs = with_infotexts([p for out in outs for p in out.pngs], info["infotexts"], request.app.state.settings)
     pngs = await stamp_a1111(request, response, outs, batches, pngs)  # provenance: last, it signs the final bytes
     return Txt2ImgResponse(images=[b64(p) for p in pngs],

@@ -29,6 +29,7 @@ from starlette.concurrency import run_in_threadpool
 
 from engines.errors import InvalidRequestError
 from engines.protocol import LatentFill, ModelInfo
+from server import headers
 from server.a1111_options import OptionsStore
 from server.edits import EditInput, edit_batch, require_edits, within_deadline
 from server.images_in import blur_mask, check_pixel_budget, fill_masked, from_base64, resize
@@ -181,7 +182,7 @@ async def img2img(req: Img2ImgRequest, request: Request, response: Response) -> 
     await run_in_threadpool(check_pixel_budget, uploads, settings.limits.max_image_pixels,
                             settings.limits.max_request_pixels)  # headers only, before any pixel is decoded
     # admitted on the batches' estimated cost before any pixel is decoded; decoding runs under the deadline
-    deadline = service.preadmit(batches, request.headers.get("x-sdserve-timeout-s"))
+    deadline = service.preadmit(batches, request.headers.get(headers.TIMEOUT))
     images, mask = await within_deadline(deadline, _decode, req, settings.limits.max_image_pixels)
     first = batches[0]
     box = crop_region(mask, req.inpaint_full_res_padding, first.width, first.height) \
@@ -191,10 +192,10 @@ async def img2img(req: Img2ImgRequest, request: Request, response: Response) -> 
                      2 if box else req.resize_mode, overlay=True,  # type: ignore[arg-type]
                      fill=FILLS[req.inpainting_fill][0])
     batches = [edit_batch(b, edit, info, req.denoising_strength) for b in batches]
-    outs = await asyncio.gather(*(service.run(b, request.headers.get("x-sdserve-timeout-s"),
+    outs = await asyncio.gather(*(service.run(b, request.headers.get(headers.TIMEOUT),
                                               request.is_disconnected, api_key_id(request.scope)) for b in batches))
     outs[-1].trace_headers(response)
-    response.headers["x-sdserve-mode"] = batches[0].mode
+    response.headers[headers.MODE] = batches[0].mode
     warnings = outs[0].warnings + ignored_headers(response, req.ignored())
     pngs = [p for out in outs for p in out.pngs]
     if box is not None and mask is not None:

@@ -37,6 +37,7 @@ from fastapi import APIRouter, FastAPI, Request, Response
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
+from server import headers
 from server.a1111_options import OptionsStore, model_title
 from server.batcher import Progress
 from server.hires import UPSCALERS, served_latent_modes
@@ -147,11 +148,11 @@ def _stop(request: Request, response: Response, queued_too: bool) -> InterruptRe
     batcher = request.app.state.service.batcher
     running, queued = batcher.interrupt(caller(request), queued_too)
     if running or queued:
-        response.headers["x-sdserve-interrupt"] = "stopping"
+        response.headers[headers.INTERRUPT] = "stopping"
         detail = (f"{running} running request(s) stop at the next step boundary; {queued} queued request(s) "
                   "dropped")
     else:
-        response.headers["x-sdserve-interrupt"] = "idle"
+        response.headers[headers.INTERRUPT] = "idle"
         detail = "nothing to stop: the caller has no request queued or running"
     return InterruptResponse(interrupted=bool(running or queued), queued=queued, running=running, detail=detail)
 
@@ -257,7 +258,7 @@ RESIDENT = ("sdserve keeps its one model resident for the life of the process: i
 async def unload_checkpoint(request: Request, response: Response) -> CheckpointAnswer:
     """A1111 frees the model's memory (text-generation-webui's sd_api_pictures asks before its LLM runs); sdserve
     does not, and says so: nothing is freed, the next generation needs no reload."""
-    response.headers["x-sdserve-resident"] = "true"
+    response.headers[headers.RESIDENT] = "true"
     return CheckpointAnswer(resident=True, model=model_title(request.app.state.engine.info),
                             detail=f"not unloaded: {RESIDENT}; no device memory was freed")
 
@@ -265,7 +266,7 @@ async def unload_checkpoint(request: Request, response: Response) -> CheckpointA
 @router.post("/reload-checkpoint", response_model=CheckpointAnswer)
 async def reload_checkpoint(request: Request, response: Response) -> CheckpointAnswer:
     """A1111 moves the model back to the device; sdserve's model never left it."""
-    response.headers["x-sdserve-resident"] = "true"
+    response.headers[headers.RESIDENT] = "true"
     return CheckpointAnswer(resident=True, model=model_title(request.app.state.engine.info),
                             detail=f"already loaded: {RESIDENT}")
 

@@ -23,6 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData, UploadFile
 
 from engines.errors import InvalidRequestError
+from server import headers
 from server.edits import EditInput, edit_batch, require_edits, within_deadline
 from server.images_in import alpha_mask, check_pixel_budget, decode, mask_image
 from server.request_rules import FieldNotes, openai_notes
@@ -108,8 +109,8 @@ async def _respond(request: Request, response: Response, req: ImageGenerationReq
     notes.warnings += more.warnings
     batch = edit_batch(service.to_batch(req), edit, service.engine.info, strength)
     answer, out = await run_and_answer(request, response, req, batch, notes)
-    response.headers["x-sdserve-mode"] = batch.mode
-    response.headers["x-sdserve-strength"] = f"{batch.strength:g}"
+    response.headers[headers.MODE] = batch.mode
+    response.headers[headers.STRENGTH] = f"{batch.strength:g}"
     request.app.state.metrics.images_by_mode.labels(request.url.path, batch.mode).inc(len(out.pngs))
     return answer
 
@@ -130,7 +131,7 @@ async def edit_images(request: Request, response: Response) -> ImagesResponse:
     await run_in_threadpool(check_pixel_budget, [("image", images[0]), *(("mask", m) for m in masks)], limit,
                             service.settings.limits.max_request_pixels)
     # admitted on its estimated cost before any pixel is decoded; the decodes run under the request's deadline
-    deadline = service.preadmit([service.to_batch(req)], request.headers.get("x-sdserve-timeout-s"))
+    deadline = service.preadmit([service.to_batch(req)], request.headers.get(headers.TIMEOUT))
     image = await within_deadline(deadline, decode, images[0], "image", limit)
     mask = await within_deadline(deadline, decode, masks[0], "mask", limit) if masks else None
     if mask is not None and mask.size != image.size:
@@ -154,6 +155,6 @@ async def image_variations(request: Request, response: Response) -> ImagesRespon
         raise InvalidRequestError(f"send one image (got {len(images)})", param="image")
     strength = fields.pop("strength", service.settings.limits.variation_strength)
     req = _request({**fields, "prompt": "variation"}).model_copy(update={"prompt": ""})
-    deadline = service.preadmit([service.to_batch(req)], request.headers.get("x-sdserve-timeout-s"))
+    deadline = service.preadmit([service.to_batch(req)], request.headers.get(headers.TIMEOUT))
     image = await within_deadline(deadline, decode, images[0], "image", service.settings.limits.max_image_pixels)
     return await _respond(request, response, req, EditInput((image,), None, strength), strength, FieldNotes())

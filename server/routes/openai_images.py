@@ -11,6 +11,7 @@ from fastapi import APIRouter, HTTPException, Request, Response
 
 from engines.config import parse_size
 from engines.protocol import Batch, ModelInfo
+from server import headers
 from server.encoding import ImageFormat, media_type_of
 from server.hires import HiresPlan, make_plan, run_hires
 from server.images import embed_infotext
@@ -49,7 +50,7 @@ async def generate_images(req: ImageGenerationRequest, request: Request, respons
         batch = service.to_batch(req)
     answer, out = await run_and_answer(request, response, req, batch, notes, plan)
     if out.result.interrupted:  # POST /sdapi/v1/interrupt by the same caller: decoded from the latents so far
-        response.headers["x-sdserve-interrupted"] = f"{out.result.steps_done}/{batch.steps}"
+        response.headers[headers.INTERRUPTED] = f"{out.result.steps_done}/{batch.steps}"
     return answer
 
 
@@ -64,7 +65,7 @@ async def run_and_answer(request: Request, response: Response, req: ImageGenerat
     if as_url:
         link_base(request, request.app.state.settings.server)  # refuse a Host we cannot link to before computing
     fmt = ImageFormat(req.output_format or "png", 100 if req.output_compression is None else req.output_compression)
-    timeout, owner = request.headers.get("x-sdserve-timeout-s"), api_key_id(request.scope)
+    timeout, owner = request.headers.get(headers.TIMEOUT), api_key_id(request.scope)
     if hires is None:
         out = await service.run(batch, timeout, request.is_disconnected, owner, fmt.encode)
     else:
@@ -75,7 +76,7 @@ async def run_and_answer(request: Request, response: Response, req: ImageGenerat
     warnings = out.warnings + notes.warnings
     response.headers.update(notes.headers())
     if warnings:
-        response.headers["x-sdserve-warnings"] = "; ".join(warnings)
+        response.headers[headers.WARNINGS] = "; ".join(warnings)
     if as_url:
         store = request.app.state.image_store
         data = [ImageData(url=image_link(request, store.put(p, fmt.name))) for p in out.pngs]

@@ -228,6 +228,22 @@ def test_cors_allows_the_configured_origins_only(engine: HashedEngine) -> None:
         simple = client.post(GEN, json={"prompt": "c", "size": "64x64", "steps": 2}, headers={"origin": origin})
         assert simple.headers["access-control-allow-origin"] == origin
         assert "x-sdserve-model" in simple.headers["access-control-expose-headers"]
+        exposed = {h.strip() for h in simple.headers["access-control-expose-headers"].split(",")}
+        carried = {h for h in simple.headers if h.startswith("x-sdserve-")}
+        assert carried and carried <= exposed  # a browser can read every x-sdserve-* header this response carries
+
+
+def test_every_response_header_sdserve_names_is_exposed_to_browsers() -> None:
+    """server/headers.py names each header once; CORS exposes RESPONSE, which must hold every header but the
+    request-only ones (before, x-sdserve-loras, -provenance and -watermark were missing: browsers could not read
+    which LoRA applied or the provenance manifest)."""
+    from server import headers
+    from server.app import EXPOSED_HEADERS
+
+    names = {v for k, v in vars(headers).items() if k.isupper() and isinstance(v, str)}
+    request_only = {headers.TIMEOUT}
+    assert names - request_only == set(headers.RESPONSE) == set(EXPOSED_HEADERS)
+    assert {"x-sdserve-loras", "x-sdserve-provenance", "x-sdserve-watermark"} <= set(EXPOSED_HEADERS)
 
 
 @pytest.mark.parametrize(("sent", "kept"), [("req-1:AbC/xyz=", True), ("a" * 128, True), ("a" * 129, False),
