@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import engines.families as families
 from engines.config import parse_size
 from engines.errors import InvalidRequestError
 from engines.protocol import Batch, ImageSpec, LoraInfo, LoraUse, ModelInfo
@@ -29,9 +30,6 @@ from server.settings import Settings
 
 OPENAI_SIZES = ("1024x1024", "1536x1024", "1024x1536", "1792x1024", "1024x1792")
 """The sizes OpenAI's image models take, which OpenAI clients send by default ([serving] openai_sizes)."""
-OPENAI_SIZE_FAMILIES = ("sdxl",)
-"""Families trained at 1024x1024, which serve the OpenAI sizes without resizing (SD 1.x/2.x at 1024 repeat
-subjects; Turbo is trained at 512)."""
 DALL_E = ("dall-e-2", "dall-e-3")
 """Models whose OpenAI default response_format is url (gpt-image models answer b64_json)."""
 
@@ -116,7 +114,7 @@ def quality_steps(req: ImageGenerationRequest, settings: Settings) -> int | None
 def openai_sizes(settings: Settings, info: ModelInfo) -> tuple[str, ...]:
     """The OpenAI sizes served beyond the profile's sizes and limits: [serving] openai_sizes on a model of a family
     trained at 1024x1024 (SDXL), each a multiple of the model's factor."""
-    if not settings.serving.openai_sizes or info.family not in OPENAI_SIZE_FAMILIES:
+    if not settings.serving.openai_sizes or not families.facts(info.family).openai_sizes:
         return ()
     return tuple(s for s in OPENAI_SIZES if all(v % info.size_multiple == 0 for v in parse_size(s)))
 
@@ -163,7 +161,7 @@ def hires_base(size: str | None, settings: Settings, info: ModelInfo) -> tuple[i
     """The first-pass size for an OpenAI size served through Hires fix ([serving] openai_sizes_hires, on a model
     of a family not trained at 1024x1024): the requested aspect at the model's native pixel count, each side a
     multiple of the model's factor. None when the request is not served that way."""
-    if size not in OPENAI_SIZES or info.family in OPENAI_SIZE_FAMILIES or not settings.serving.openai_sizes_hires:
+    if size not in OPENAI_SIZES or families.facts(info.family).openai_sizes or not settings.serving.openai_sizes_hires:
         return None
     width, height = parse_size(size)
     scale, m = math.sqrt(info.default_size**2 / (width * height)), info.size_multiple
@@ -173,7 +171,7 @@ def hires_base(size: str | None, settings: Settings, info: ModelInfo) -> tuple[i
 def _openai_hint(size: str, settings: Settings, info: ModelInfo) -> str:
     if size not in OPENAI_SIZES:
         return ""
-    if info.family not in OPENAI_SIZE_FAMILIES:
+    if not families.facts(info.family).openai_sizes:
         return (f" ({size} is an OpenAI size: served directly only by models of a family trained at 1024x1024 "
                 f"(SDXL), with [serving] openai_sizes; this model is {info.family}: enable [serving] "
                 "openai_sizes_hires to serve it through Hires fix, a native-size first pass then a second pass at "
@@ -228,7 +226,7 @@ def _micro_conditioning(req: ImageGenerationRequest, info: ModelInfo) -> tuple[t
                                                                               tuple[int, int]]:
     """SDXL's original_size (as the (height, width) diffusers takes) and crop; refused for other families."""
     for name in ("original_size", "crops_coords_top_left"):
-        if getattr(req, name) is not None and info.family != "sdxl":
+        if getattr(req, name) is not None and not families.facts(info.family).micro_conditioning:
             raise InvalidRequestError(f"{name} applies to SDXL models only; this model is {info.family}", param=name)
     original = None
     if req.original_size is not None:

@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+import engines.families as families
 from engines.config import SCHEDULER_NAMES, RuntimeSettings, SignatureThresholds, parse_size, read_toml
 from engines.errors import ConfigError
 
@@ -191,13 +192,11 @@ class Defaults(BaseModel):
         return self
 
 
-FAMILIES = ("sd1", "sd2", "sdxl", "turbo", "flux", "flux-schnell", "sd3", "sd35")
-"""Model families the engine reports (engines/diffusion/family.py, engines/diffusion/dit_family.py)."""
-FAMILY_DEFAULTS = {"turbo": Defaults(steps=1, guidance_scale=0.0, scheduler="euler"),
-                   "flux": Defaults(steps=28, guidance_scale=3.5, scheduler="euler"),
-                   "flux-schnell": Defaults(steps=4, guidance_scale=0.0, scheduler="euler"),
-                   "sd3": Defaults(steps=28, guidance_scale=7.0, scheduler="euler"),
-                   "sd35": Defaults(steps=28, guidance_scale=4.5, scheduler="euler")}
+FAMILIES = families.names()
+"""Model families the engine reports (the registry: engines/families.py)."""
+FAMILY_DEFAULTS = {name: Defaults(steps=f.steps, guidance_scale=f.guidance, scheduler=f.scheduler)
+                   for name, f in families.REGISTRY.items() if f.own_defaults}
+"""Built-in request defaults of the families that have their own (few-step and flow-matching ones)."""
 """Built-in request defaults where the profile's [defaults] would be wrong for the family: few-step (Turbo)
 models are distilled for 1-4 steps without CFG (their model cards: 1 step, guidance 0); the flow-matching DiT
 families sample with Euler at their model cards' steps and guidance (Flux dev 28 / 3.5 embedded, schnell 4 / none,
@@ -411,7 +410,10 @@ class Settings(BaseModel):
     def defaults_for(self, family: str) -> Defaults:
         """The request defaults for a model of ``family``: the profile's table for it, else the built-in one,
         else [defaults]."""
-        return self.family_defaults.get(family) or FAMILY_DEFAULTS.get(family) or self.defaults
+        own = families.REGISTRY.get(family)
+        built_in = Defaults(steps=own.steps, guidance_scale=own.guidance, scheduler=own.scheduler) \
+            if own is not None and own.own_defaults else None
+        return self.family_defaults.get(family) or built_in or self.defaults
 
     @model_validator(mode="after")
     def _cross(self) -> Settings:
@@ -423,8 +425,9 @@ class Settings(BaseModel):
         if self.defaults.steps > self.limits.max_steps:
             raise ValueError(f"defaults.steps {self.defaults.steps} exceeds limits.max_steps {self.limits.max_steps}")
         for family, defaults in self.family_defaults.items():
-            if family not in FAMILIES:
-                raise ValueError(f"family_defaults.{family}: unknown family; expected one of {list(FAMILIES)}")
+            if family not in families.REGISTRY:
+                raise ValueError(f"family_defaults.{family}: unknown family; expected one of "
+                                 f"{list(families.REGISTRY)}")
             if defaults.steps > self.limits.max_steps:
                 raise ValueError(f"family_defaults.{family}.steps {defaults.steps} exceeds limits.max_steps "
                                  f"{self.limits.max_steps}")

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engines import families
 from engines.diffusion.family import read_json
 from engines.errors import ModelLoadError
 
-DIT_FAMILIES = ("flux", "flux-schnell", "sd3", "sd35")
+DIT_FAMILIES = families.names("transformer")
 SERVED = "sdserve serves Flux.1 dev/schnell (FluxPipeline) and SD 3 / 3.5 (StableDiffusion3Pipeline) DiT folders"
 FLUX_CLASSES = frozenset({"FluxPipeline", "OnnxFluxPipeline", "ORTFluxPipeline"})
 SD3_CLASSES = frozenset({"StableDiffusion3Pipeline", "OnnxStableDiffusion3Pipeline", "ORTStableDiffusion3Pipeline"})
@@ -35,11 +36,6 @@ REFUSED: dict[str, str] = {
     "StableDiffusion3ControlNet": "an SD 3 ControlNet pipeline",
 }
 """Class-name prefixes of folders recognised and refused, with what they are (longest prefix first when matching)."""
-DEFAULTS: dict[str, tuple[int, float]] = {"flux": (28, 3.5), "flux-schnell": (4, 0.0), "sd3": (28, 7.0),
-                                          "sd35": (28, 4.5)}
-"""(steps, guidance) per family: diffusers' and the model cards' recommendations."""
-T5_MAX_LENGTH = {"flux": 512, "flux-schnell": 256, "sd3": 256, "sd35": 256}
-"""T5 ``max_sequence_length``: dev 512, schnell 256 (its model card), SD 3 256 (the pipeline's default)."""
 
 
 @dataclass(frozen=True)
@@ -76,9 +72,10 @@ def _transformer_config(folder: Path) -> dict[str, Any]:
     return config
 
 
-def _make(name: str, base: str, guidance_embeds: bool) -> DitFamily:
-    steps, guidance = DEFAULTS[name]
-    return DitFamily(name, base, guidance_embeds, steps, guidance, T5_MAX_LENGTH[name])
+def _make(base: str, configs: families.Configs) -> DitFamily:
+    found = families.resolve(base, configs)
+    guided = bool(configs["denoiser"].get("guidance_embeds", False)) if base == "flux" else False
+    return DitFamily(found.name, base, guided, found.steps, found.guidance, found.t5_length)
 
 
 def is_dit_folder(folder: Path) -> bool:
@@ -99,10 +96,7 @@ def detect_dit(folder: Path) -> DitFamily:
         config = _transformer_config(folder)
         if str(config.get("_class_name", "FluxTransformer2DModel")) != "FluxTransformer2DModel":
             raise ModelLoadError(f"{folder}: transformer {config.get('_class_name')} is not Flux.1's; {SERVED}")
-        guided = bool(config.get("guidance_embeds", False))
-        return _make("flux" if guided else "flux-schnell", "flux", guided)
+        return _make("flux", {"index": index, "denoiser": config})
     if class_name in SD3_CLASSES:
-        config = _transformer_config(folder)
-        sd35 = bool(config.get("qk_norm")) or bool(config.get("dual_attention_layers"))
-        return _make("sd35" if sd35 else "sd3", "sd3", False)
+        return _make("sd3", {"index": index, "denoiser": _transformer_config(folder)})
     raise ModelLoadError(f"{folder}: pipeline class {class_name or '(none)'} is not a DiT family; {SERVED}")

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engines import families
 from engines.errors import ModelLoadError
 
 SD_CLASSES = frozenset({"OnnxStableDiffusionPipeline", "ORTStableDiffusionPipeline", "StableDiffusionPipeline",
@@ -40,11 +41,9 @@ XL_CLASSES = frozenset({"OnnxStableDiffusionXLPipeline", "ORTStableDiffusionXLPi
                         "StableDiffusionXLImg2ImgPipeline", "ORTStableDiffusionXLImg2ImgPipeline"})
 INPAINT_CHANNELS = 9
 """An inpainting UNet's input channels: 4 latents + 1 mask + 4 masked-image latents."""
-FAMILY_NAMES = ("sd1", "sd2", "sdxl", "turbo")
+FAMILY_NAMES = families.names("unet")
 SERVED = "sdserve serves sd1, sd2, sdxl and turbo (SD/SDXL-Turbo) text-to-image folders"
 XL_INPUTS = ("text_embeds", "time_ids")
-DEFAULTS: dict[str, tuple[int, float]] = {"sd1": (20, 7.5), "sd2": (20, 7.5), "sdxl": (30, 5.0), "turbo": (1, 0.0)}
-"""(steps, guidance) per family when the profile says nothing else: the model cards' recommendations."""
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -157,10 +156,13 @@ def detect(folder: Path) -> Family:
     base = _base(folder, index, unet)
     prediction = _scheduler_value(scheduler, "prediction_type", "epsilon")
     spacing = _scheduler_value(scheduler, "timestep_spacing", "")
-    name = "turbo" if spacing == "trailing" else base
+    # the scheduler as the samplers read it: keys diffusers marked as defaulted are unset
+    resolved = {"prediction_type": prediction, "timestep_spacing": spacing}
+    found = families.resolve(base, {"index": index, "scheduler": resolved, "denoiser": unet})
+    name = found.name
     factor = 2 ** (len(vae.get("block_out_channels", [0] * 4)) - 1)
     sample = unet.get("sample_size", 64)
-    steps, guidance = DEFAULTS[name]
+    steps, guidance = found.steps, found.guidance
     return Family(name=name, base=base, native_size=int(sample if isinstance(sample, int) else 64) * factor,
                   prediction_type=prediction, timestep_spacing=spacing, text_encoders=2 if base == "sdxl" else 1,
                   vae_scaling_factor=float(vae.get("scaling_factor", 0.18215)),

@@ -7,9 +7,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import engines.families as families
 from server.cli.common import DEFAULT_MODEL, add_boot_args, boot_config
 
-DIT_FAMILIES = ("flux", "flux-schnell", "sd3", "sd35")
+DIT_FAMILIES = families.names("transformer")
 """The flow-matching DiT tiny models (engines/build/dit.py); kept here so the parser imports no engine code."""
 
 log = logging.getLogger("sdserve")
@@ -22,7 +23,8 @@ def register(sub: Any) -> None:
     tiny.add_argument("--out", type=Path, default=DEFAULT_MODEL)
     tiny.add_argument("--bpe", type=Path, default=None, help="open-clip-torch wheel or its bpe .txt.gz")
     tiny.add_argument("--diffusers-out", type=Path, default=None, help="also save the torch weights here")
-    tiny.add_argument("--family", choices=("sd1", "sd2", "sdxl", "turbo", "inpaint", *DIT_FAMILIES), default="sd1",
+    tiny.add_argument("--family", choices=(*families.names("unet"), "inpaint", *DIT_FAMILIES),
+                      default=families.names()[0],
                       help="which family's structure to build in miniature (default sd1, the embedded model; "
                            "flux, flux-schnell, sd3, sd35: the flow-matching DiT families)")
     export = engines.add_parser("export", help="export a local diffusers SD 1.x/2.x/XL, Flux.1 or SD 3 folder to ONNX")

@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+import engines.families as families
 from engines.errors import InvalidRequestError
 from engines.protocol import Batch, ModelInfo
 from server import headers
@@ -352,12 +353,9 @@ async def sd_models(request: Request) -> list[dict[str, Any]]:
              "sha256": info.digest, "filename": info.name, "config": _a1111_config(info)}]
 
 
-def _a1111_config(info: ModelInfo) -> str:
-    if info.text_encoders == 2:
-        return "sd_xl_turbo.yaml" if info.family == "turbo" else "sd_xl_base.yaml"
-    if info.family == "sd1":
-        return "v1-inference.yaml"
-    return "v2-inference-v.yaml" if info.prediction_type == "v_prediction" else "v2-inference.yaml"
+def _a1111_config(info: ModelInfo) -> str | None:
+    """A1111's config label for the served family (engines/families.py); None where A1111 has none."""
+    return families.facts(info.family).a1111_config(info.text_encoders, info.prediction_type) or None
 
 
 def sampler_name(name: str) -> str | None:

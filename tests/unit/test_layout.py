@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("server", "engines")
-SERVER_MAY_IMPORT = ("engines.protocol", "engines.errors", "engines.config", "engines.factory")
+SERVER_MAY_IMPORT = ("engines.protocol", "engines.errors", "engines.config", "engines.factory", "engines.families")
 BUILD_ONLY = ("torch", "diffusers", "transformers")
 CLI_BUILD = "server/cli/engines.py"
 CLI_REFS = "server/cli/refs.py"
@@ -144,7 +144,19 @@ def test_torch_only_at_build_time(path: Path) -> None:
 
 
 def test_every_engines_module_lives_in_a_room() -> None:
-    """engines/ top level holds the contract (protocol, errors, config, factory), the engine and artifacts;
-    everything else is in a room: runtime/, diffusion/, health/, build/."""
+    """engines/ top level holds the contract (protocol, errors, config, factory, the family registry), the engine
+    and artifacts; everything else is in a room: runtime/, diffusion/, health/, build/."""
     top = sorted(p.stem for p in (ROOT / "engines").glob("*.py"))
-    assert top == ["__init__", "artifacts", "config", "engine", "errors", "factory", "protocol"]
+    assert top == ["__init__", "artifacts", "config", "engine", "errors", "factory", "families", "protocol"]
+
+
+@pytest.mark.parametrize("path", [p for p in _files() if p.relative_to(ROOT).parts[0] == "server"],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_server_never_names_a_family(path: Path) -> None:
+    """Family facts live in the registry (engines/families.py); the server reads them through the served model's
+    family, so no string in server/ is a family's name (a new family then touches no server file)."""
+    from engines.families import REGISTRY
+
+    named = [node.value for node in ast.walk(_parse(path))
+             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in REGISTRY]
+    assert named == [], f"{path.relative_to(ROOT)} names families {named}: read engines/families.py instead"
