@@ -5,7 +5,7 @@ tests/integration/test_fullsize_rehearsal.py runs them and asserts on what they 
         engines/build/sd15.py build_sd15: the random-weight SD 1.5-architecture model, fp32, the UNet's weights
         as external data (and its diffusers twin, which build_sd15 always writes)
     python benchmarks/rehearsal_fullsize.py relocate MODEL PROFILE WORK
-        `sdserve accept`'s relocation step (engines/health/accept_run.py relocation_check) on MODEL under the
+        `sdserve accept`'s relocation step (engines/accept/run.py relocation_check) on MODEL under the
         plugin-EP profile PROFILE: the folder reproduced by hard links, `engines build` (engines/build/epctx.py,
         what `sdserve engines build --profile openvino` runs) in it, the folder moved, a strict boot from the
         moved EP-context models
@@ -43,7 +43,7 @@ def build(out: Path, diffusers_out: Path, bpe: Path | None) -> dict[str, Any]:
 
 
 def relocate(model: Path, profile: Path, work: Path) -> dict[str, Any]:
-    from engines.health import accept_run
+    from engines.accept import run as accept_run
     from engines.health.preflight import gather
     from server.bootstrap import BootConfig
 

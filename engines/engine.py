@@ -11,7 +11,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 from PIL import Image
@@ -195,7 +195,8 @@ class OrtEngine:
         for pipe in self._pipelines.values():
             for model in _adaptable(pipe):
                 found = self._lora.components.get(model.component)
-                model.variant = found.variant if found is not None else None
+                # built by make_model=OrtModel (the manager types it by the Model protocol it needs)
+                model.variant = cast("OrtModel | None", found.variant) if found is not None else None
 
     def _load_dit(self, sources: dict[str, dict[str, Path]]) -> None:
         """A Flux or SD 3 folder: the flow-matching pipeline, per served size on its prebuilt EP-context models

@@ -24,7 +24,7 @@ def accept(model: Path | None, runtime: RuntimeSettings, matrix: Matrix, plan: S
            step_budgets_s: tuple[tuple[str, float], ...] = (), size: int = 512, steps: int = 50) -> tuple[str, ...]:
     """`sdserve accept`: the GPU gate (GpuUnavailableError at once without a GPU), every acceptance step, then
     ``accept_report.json`` and ``accept_report.md`` under ``out``. Returns the failing sections (empty: accepted)."""
-    from engines.health.accept_run import AcceptOptions, run_acceptance
+    from engines.accept.run import AcceptOptions, run_acceptance
 
     return run_acceptance(AcceptOptions(
         out=out, runtime=runtime, matrix=matrix, plan=plan, thresholds=signature, model=model, jobs=jobs,
@@ -34,8 +34,8 @@ def accept(model: Path | None, runtime: RuntimeSettings, matrix: Matrix, plan: S
 
 
 def accept_step_budgets() -> dict[str, float]:
-    """`sdserve accept`'s default budget per step, in seconds (engines/health/accept_report.py)."""
-    from engines.health.accept_report import STEP_BUDGETS_S
+    """`sdserve accept`'s default budget per step, in seconds (engines/accept/report.py)."""
+    from engines.accept.report import STEP_BUDGETS_S
 
     return dict(STEP_BUDGETS_S)
 

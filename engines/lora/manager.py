@@ -18,7 +18,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import onnx
@@ -33,8 +33,22 @@ from engines.lora.safetensors import LoraFileError, read_tensors
 from engines.protocol import LoraInfo, LoraStats, LoraUse, lora_key
 
 if TYPE_CHECKING:
-    from engines.diffusion.pipeline import OrtModel
     from engines.runtime.sessions import Runtime
+
+
+class Model(Protocol):
+    """What the manager needs of a component session (engines/diffusion/pipeline.py OrtModel is one): the LoRA
+    rooms stay below the pipelines, which hand their session class in."""
+
+    name: str
+
+    def run(self, feeds: dict[str, Any], outputs: dict[str, ort.OrtValue]) -> None: ...
+
+
+class MakeModel(Protocol):
+    def __call__(self, runtime: Runtime, model: Path | bytes, name: str, fp32: bool = False,
+                 extra: dict[str, str] | None = None) -> Model: ...
+
 
 log = logging.getLogger(__name__)
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
@@ -57,7 +71,7 @@ class Component:
     base: dict[str, np.ndarray]
     path: Path
     """The component's model.onnx: the variant is built from it when a file first adapts the component."""
-    variant: OrtModel | None = None
+    variant: Model | None = None
     required: dict[str, ort.OrtValue] = field(default_factory=dict)
     """Plugin EPs only (the targets are plain inputs there): every target's base value on the device, bound
     under the set's merged tensors."""
@@ -77,7 +91,7 @@ class LoraManager:
     """The library, the adaptable components of one model, and the merged-set cache."""
 
     def __init__(self, settings: LoraSettings, model_dir: Path, family: str, runtime: Runtime,
-                 make_model: type[OrtModel]) -> None:
+                 make_model: MakeModel) -> None:
         self.settings, self.family, self.runtime = settings, family, runtime
         self.folder = Path(settings.dir)
         unet_config = model_dir / "unet" / "config.json"
@@ -90,7 +104,7 @@ class LoraManager:
         self._make_model = make_model
         self.components = self._load_components(model_dir)
         kinds = {(t.layout, t.dtype, len(t.shape)) for c in self.components.values() for t in c.targets.values()}
-        self._merge: dict[tuple[str, type[np.generic], int], OrtModel] = {
+        self._merge: dict[tuple[str, type[np.generic], int], Model] = {
             (layout, dt, rank): make_model(runtime, merge.merge_graph(layout, np.dtype(dt), rank),
                                            f"lora_merge_{layout}_{np.dtype(dt).name}_{rank}d")
             for layout, dt, rank in sorted(kinds, key=str)}

@@ -14,16 +14,16 @@ from typing import Any
 import pytest
 from starlette.responses import Response
 
-from engines.config import Canary, CanarySuite, Matrix, RuntimeSettings, SelfTestPlan, SignatureThresholds
-from engines.errors import GpuUnavailableError, NotReadyError
-from engines.health import accept_run
-from engines.health.accept_report import SECTIONS, LatencyRun, LatencySection, StepFailure, validate
-from engines.health.acceptance import (
+from engines.accept import run as accept_run
+from engines.accept.proofs import (
     baseline_jobs_per_hour,
     one_variable_changed,
     parse_key_values,
     server_timing_seconds,
 )
+from engines.accept.report import SECTIONS, LatencyRun, LatencySection, StepFailure, validate
+from engines.config import Canary, CanarySuite, Matrix, RuntimeSettings, SelfTestPlan, SignatureThresholds
+from engines.errors import GpuUnavailableError, NotReadyError
 from engines.health.preflight import Observations
 from engines.health.telemetry import DeviceInfo, NvmlReport
 from engines.protocol import BatchResult, Timings

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.health.accept_report import SECTIONS, STEP_BUDGETS_S, validate
+from engines.accept.report import SECTIONS, STEP_BUDGETS_S, validate
 from server.exitcodes import ExitCode
 from tests.plugin_ep import EP, profile, sdserve
 

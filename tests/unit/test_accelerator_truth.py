@@ -14,12 +14,12 @@ from onnx import TensorProto, helper
 from pydantic import ValidationError
 
 from engines import artifacts
+from engines.accept import run as accept_run
 from engines.build import trtplan
 from engines.config import Matrix, PluginEp, PluginMatrix, RuntimeSettings
 from engines.diffusion.pipeline import check_output_type
 from engines.engine import GPU_MEM_LIMIT_SCOPE, OrtEngine
 from engines.errors import ArtifactError, GpuUnavailableError, InferenceError
-from engines.health import accept_run
 from engines.health.preflight import Observations, decode_version, evaluate, library_or_pip, tensorrt_install
 from engines.health.telemetry import DeviceInfo, NvmlReport
 from engines.runtime import enginecheck, ortlog
@@ -235,7 +235,7 @@ def test_gpu_mem_limit_claims_a_budget_only_with_the_shared_arena() -> None:
 
 
 def test_the_copy_count_says_what_it_cannot_see() -> None:
-    from engines.health.accept_copies import count_copies
+    from engines.accept.copies import count_copies
 
     events = [{"cat": "Node", "name": "conv_kernel_time", "args": {"op_name": "Conv"}}]
     summary = count_copies(events, unet_runs=2).summary()

@@ -16,12 +16,14 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from engines.accept import checks as accept_checks
+from engines.accept import report as rep
+from engines.accept import run as accept_run
+from engines.accept import state as accept_state
+from engines.accept.copies import count_copies
+from engines.accept.proofs import JobStats, ProtocolSection
 from engines.config import Canary, CanarySuite, Matrix, RuntimeSettings, SelfTestPlan, SignatureThresholds
 from engines.errors import NotReadyError
-from engines.health import accept_checks, accept_run, accept_state
-from engines.health import accept_report as rep
-from engines.health.accept_copies import count_copies
-from engines.health.acceptance import JobStats, ProtocolSection
 from engines.health.preflight import Observations
 from engines.health.telemetry import DeviceInfo, NvmlReport, TelemetryUnavailable
 from engines.protocol import BatchResult, GpuSample, Timings

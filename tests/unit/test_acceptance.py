@@ -10,19 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engines.health.accept_copies import CopyCount, count_copies, load_profile
-from engines.health.accept_report import (
-    AcceptReport,
-    DoctorSection,
-    LatencyRun,
-    LatencySection,
-    RelocationSection,
-    SessionPlacement,
-    ShapeBoot,
-    StagingBuffer,
-    validate,
-)
-from engines.health.acceptance import (
+from engines.accept.copies import CopyCount, count_copies, load_profile
+from engines.accept.proofs import (
     EXIT_NO_GPU,
     JobStats,
     ProtocolSection,
@@ -33,6 +22,17 @@ from engines.health.acceptance import (
     parity_percent,
     protocol_verdict,
     signature_section,
+)
+from engines.accept.report import (
+    AcceptReport,
+    DoctorSection,
+    LatencyRun,
+    LatencySection,
+    RelocationSection,
+    SessionPlacement,
+    ShapeBoot,
+    StagingBuffer,
+    validate,
 )
 from engines.health.telemetry import DeviceInfo, NvmlReport
 from engines.protocol import GpuSample

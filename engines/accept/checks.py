@@ -1,6 +1,6 @@
 """`sdserve accept`: the checks run on the booted engine, each judging what the request really did (the sessions
 that served, the copies it made, the readings NVML gave) or saying why it is not applicable here. Parity and
-latency too. engines/health/accept_run.py runs them in order."""
+latency too. engines/accept/run.py runs them in order."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ import httpx
 import onnxruntime as ort
 
 from engines import artifacts
+from engines.accept import copies as cop
+from engines.accept import proofs as acc
+from engines.accept import report as rep
+from engines.accept.state import COMPONENTS, PROMPT, Run, job, reference_key, strict
 from engines.config import RuntimeSettings
 from engines.diffusion.pipeline import StableDiffusionOnnx
 from engines.errors import ArtifactError, ModelLoadError, NotReadyError
-from engines.health import accept_copies as cop
-from engines.health import accept_report as rep
-from engines.health import acceptance as acc
-from engines.health.accept_state import COMPONENTS, PROMPT, Run, job, reference_key, strict
 from engines.runtime import enginecheck
 from engines.runtime.dataflow import classify_cpu_nodes, partitioned_graph
 from engines.runtime.pinned import load_cudart, memory_type

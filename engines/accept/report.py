@@ -10,8 +10,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from engines.health.accept_copies import CopyCount
-from engines.health.acceptance import (
+from engines.accept.copies import CopyCount
+from engines.accept.proofs import (
     CUDA_MEMORY_TYPE_HOST,
     SCHEMA_PATH,
     SCHEMA_VERSION,

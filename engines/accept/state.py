@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engines.accept import proofs as acc
+from engines.accept import report as rep
 from engines.config import Matrix, RuntimeSettings, SelfTestPlan, SignatureThresholds
 from engines.engine import OrtEngine
 from engines.errors import GpuUnavailableError, NotReadyError
-from engines.health import accept_report as rep
-from engines.health import acceptance as acc
 from engines.health.preflight import Observations
 from engines.protocol import Batch, BatchResult, GpuSample, ImageSpec
 

@@ -26,12 +26,9 @@ from pathlib import Path
 from typing import TypeVar
 
 from engines import artifacts
-from engines.config import Shape
-from engines.engine import OrtEngine
-from engines.errors import GpuUnavailableError, NotReadyError, SdserveError
-from engines.health import accept_report as rep
-from engines.health import acceptance as acc
-from engines.health.accept_checks import (
+from engines.accept import proofs as acc
+from engines.accept import report as rep
+from engines.accept.checks import (
     compiled_on_load,
     latency_section,
     no_reference,
@@ -42,7 +39,10 @@ from engines.health.accept_checks import (
     signature_section,
     staging_buffers,
 )
-from engines.health.accept_state import AcceptOptions, Run, job, node, nvml_index, strict
+from engines.accept.state import AcceptOptions, Run, job, node, nvml_index, strict
+from engines.config import Shape
+from engines.engine import OrtEngine
+from engines.errors import GpuUnavailableError, NotReadyError, SdserveError
 from engines.health.preflight import Observations, gather
 from engines.protocol import SelfTestReport
 from engines.runtime import enginecheck

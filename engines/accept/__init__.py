@@ -1,0 +1,1 @@
+"""`sdserve accept`: the proofs of the fast path on a GPU node, above the engine they boot."""
