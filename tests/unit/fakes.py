@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+from fastapi.testclient import TestClient
 from PIL import Image
 
 from engines.config import SCHEDULER_NAMES
@@ -37,6 +41,8 @@ from engines.protocol import (
     Verdict,
     lora_key,
 )
+from server.app import create_app
+from server.settings import Settings
 
 
 class FakeEngine:
@@ -147,3 +153,57 @@ class FakeEngine:
 
 
 GPU_MISSING = GpuUnavailableError("unet: cannot create a session: libcublasLt.so.13 missing")
+
+
+DIGEST = "ab" * 32
+TITLE = f"fake [{DIGEST[:10]}]"
+
+
+class HashedEngine(FakeEngine):
+    """The fake with a manifest digest; like OrtEngine, ``info`` raises until the model is loaded."""
+
+    def __init__(self, load_gate: threading.Event | None = None) -> None:
+        super().__init__(load_gate=load_gate)
+        self.release = threading.Event()
+        self.release.set()
+        self.entered = threading.Event()
+
+    @property
+    def info(self) -> ModelInfo:
+        if not self.loaded:
+            raise NotReadyError("model not loaded")
+        return ModelInfo("fake", 16, 64, SCHEDULER_NAMES, 77, DIGEST)
+
+    def generate(self, batch: Batch, on_step: StepHook | None = None) -> BatchResult:
+        if batch.images[0].prompt == "canary":  # the watchdog's canary is never held
+            return super().generate(batch, on_step)
+
+        def held(done: int, total: int) -> bool:
+            go_on = on_step(done, total) if on_step is not None else True
+            if done == 1:  # hold the batch after its first step boundary
+                self.entered.set()
+                assert self.release.wait(10), "the test never released the batch"
+                go_on = on_step(done, total) if on_step is not None else True  # ask again after the hold
+            return go_on
+
+        return super().generate(batch, held)
+
+
+def wait_for(client: TestClient, path: str, check: Any, timeout_s: float = 60.0) -> dict[str, Any]:
+    """GET ``path`` until ``check(response)`` holds; a generous bound (the fake loads in a background task)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        response = client.get(path)
+        if check(response):
+            return dict(response.json())
+        time.sleep(0.02)
+    raise AssertionError(f"{path} never matched: {response.status_code} {response.text}")
+
+
+
+
+def start(engine: FakeEngine, settings: Settings) -> Iterator[TestClient]:
+    """The app on ``engine`` under ``settings``, ready (a Host header links may use)."""
+    with TestClient(create_app(engine, settings), base_url="http://localhost") as client:
+        wait_for(client, "/ready", lambda r: r.status_code == 200)
+        yield client

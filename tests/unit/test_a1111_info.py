@@ -5,78 +5,23 @@ from __future__ import annotations
 
 import json
 import threading
-import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
 from engines.config import SCHEDULER_NAMES
-from engines.errors import InvalidRequestError, NotReadyError
-from engines.protocol import Batch, BatchResult, ModelInfo, StepHook
+from engines.errors import InvalidRequestError
+from engines.protocol import ModelInfo
 from server.a1111_options import OptionsStore
 from server.app import create_app
 from server.hires import UPSCALERS, served_latent_modes
 from server.settings import load_settings
-from tests.unit.fakes import GPU_MISSING, FakeEngine
+from tests.unit.fakes import DIGEST, GPU_MISSING, TITLE, FakeEngine, HashedEngine
+from tests.unit.fakes import wait_for as _wait
 
-DIGEST = "ab" * 32
-TITLE = f"fake [{DIGEST[:10]}]"
 OPTIONS = "/sdapi/v1/options"
 PROGRESS = "/sdapi/v1/progress"
-
-
-class HashedEngine(FakeEngine):
-    """The fake with a manifest digest; like OrtEngine, ``info`` raises until the model is loaded."""
-
-    def __init__(self, load_gate: threading.Event | None = None) -> None:
-        super().__init__(load_gate=load_gate)
-        self.release = threading.Event()
-        self.release.set()
-        self.entered = threading.Event()
-
-    @property
-    def info(self) -> ModelInfo:
-        if not self.loaded:
-            raise NotReadyError("model not loaded")
-        return ModelInfo("fake", 16, 64, SCHEDULER_NAMES, 77, DIGEST)
-
-    def generate(self, batch: Batch, on_step: StepHook | None = None) -> BatchResult:
-        if batch.images[0].prompt == "canary":  # the watchdog's canary is never held
-            return super().generate(batch, on_step)
-
-        def held(done: int, total: int) -> bool:
-            go_on = on_step(done, total) if on_step is not None else True
-            if done == 1:  # hold the batch after its first step boundary
-                self.entered.set()
-                assert self.release.wait(10), "the test never released the batch"
-                go_on = on_step(done, total) if on_step is not None else True  # ask again after the hold
-            return go_on
-
-        return super().generate(batch, held)
-
-
-def _wait(client: TestClient, path: str, check: Any) -> dict[str, Any]:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        response = client.get(path)
-        if check(response):
-            return dict(response.json())
-        time.sleep(0.02)
-    raise AssertionError(f"{path} never matched: {response.status_code} {response.text}")
-
-
-@pytest.fixture
-def engine() -> HashedEngine:
-    return HashedEngine()
-
-
-@pytest.fixture
-def client(engine: HashedEngine) -> Iterator[TestClient]:
-    with TestClient(create_app(engine, load_settings("dev"))) as c:
-        _wait(c, "/ready", lambda r: r.status_code == 200)
-        yield c
 
 
 def test_options_name_the_served_model_as_sd_models_does(client: TestClient) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,9 +17,9 @@ from PIL import Image
 
 from engines.config import SCHEDULER_NAMES
 from engines.protocol import ModelInfo
-from server.app import create_app
 from server.settings import Settings, load_settings
-from tests.unit.test_a1111_info import DIGEST, TITLE, HashedEngine, _wait
+from tests.unit.fakes import DIGEST, TITLE, HashedEngine
+from tests.unit.fakes import start as _start
 
 GEN = "/v1/images/generations"
 TXT2IMG = "/sdapi/v1/txt2img"
@@ -32,22 +31,6 @@ class SdxlEngine(HashedEngine):
     @property
     def info(self) -> ModelInfo:
         return ModelInfo("fake-xl", 8, 1024, SCHEDULER_NAMES, 77, DIGEST, family="sdxl", text_encoders=2)
-
-
-def _start(engine: HashedEngine, settings: Settings) -> Iterator[TestClient]:
-    with TestClient(create_app(engine, settings), base_url="http://localhost") as client:
-        _wait(client, "/ready", lambda r: r.status_code == 200)
-        yield client
-
-
-@pytest.fixture
-def engine() -> HashedEngine:
-    return HashedEngine()
-
-
-@pytest.fixture
-def client(engine: HashedEngine) -> Iterator[TestClient]:
-    yield from _start(engine, load_settings("dev"))
 
 
 def _openai_sizes(on: bool) -> Settings:

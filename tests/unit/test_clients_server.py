@@ -20,7 +20,9 @@ from openapi_spec_validator import validate
 from server.app import create_app, stop_now
 from server.cli.main import JsonFormatter
 from server.settings import ApiSettings, AuthSettings, ServerSettings, Settings, load_settings
-from tests.unit.test_a1111_info import TITLE, HashedEngine, _wait
+from tests.unit.fakes import TITLE, HashedEngine
+from tests.unit.fakes import start as _start
+from tests.unit.fakes import wait_for as _wait
 
 GEN = "/v1/images/generations"
 TXT2IMG = "/sdapi/v1/txt2img"
@@ -41,22 +43,6 @@ BEARER = {"authorization": f"Bearer {KEY}"}
 
 def _settings(**sections: Any) -> Settings:
     return load_settings("dev").model_copy(update=sections)
-
-
-def _start(engine: HashedEngine, settings: Settings) -> Iterator[TestClient]:
-    with TestClient(create_app(engine, settings), base_url="http://localhost") as client:  # a Host links may use
-        _wait(client, "/ready", lambda r: r.status_code == 200)
-        yield client
-
-
-@pytest.fixture
-def engine() -> HashedEngine:
-    return HashedEngine()
-
-
-@pytest.fixture
-def client(engine: HashedEngine) -> Iterator[TestClient]:
-    yield from _start(engine, load_settings("dev"))
 
 
 @pytest.fixture

@@ -29,7 +29,8 @@ from server.routes.a1111 import Txt2ImgRequest
 from server.routes.a1111_img2img import Img2ImgRequest
 from server.routes.a1111_infotext import parse_infotext
 from server.settings import ServerSettings, Settings, load_settings
-from tests.unit.test_a1111_info import DIGEST, HashedEngine, _wait
+from tests.unit.fakes import DIGEST, HashedEngine
+from tests.unit.fakes import wait_for as _wait
 
 TXT2IMG, IMG2IMG, PNG_INFO = "/sdapi/v1/txt2img", "/sdapi/v1/img2img", "/sdapi/v1/png-info"
 GEN = "/v1/images/generations"
