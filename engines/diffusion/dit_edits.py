@@ -23,7 +23,7 @@ import onnxruntime as ort
 
 from engines.diffusion.edits import ENCODER_OUTPUT, build_sample_graph, edit_inputs
 from engines.diffusion.flow_graph import build_flow_noise_graph
-from engines.diffusion.pipeline import OrtModel
+from engines.diffusion.pipeline import OrtModel, shape_feed
 from engines.protocol import Batch
 from engines.runtime.sessions import Runtime
 
@@ -63,12 +63,12 @@ class DitEditor:
         sample = self._encode(batch, rngs, shape)
         feeds: dict[str, ort.OrtValue | np.ndarray] = {
             "sample": sample, "noise": self.runtime.upload("dit_edit_noise", noise.astype(STATE)),
-            "sigma": np.array([sigma], dtype=STATE)}
+            "sigma": self.runtime.upload("dit_edit_sigma", np.array([sigma], dtype=STATE))}
         out_shape: tuple[int, ...] = shape
         if self.packed:
             out_shape = (n, (h // 2) * (w // 2), 4 * c)
-            feeds["patch_shape"] = np.array([n, c, h // 2, 2, w // 2, 2], dtype=np.int64)
-            feeds["token_shape"] = np.array(out_shape, dtype=np.int64)
+            feeds["patch_shape"] = shape_feed([n, c, h // 2, 2, w // 2, 2])
+            feeds["token_shape"] = shape_feed(out_shape)
         start = self.runtime.buffer("dit_latents0", out_shape, STATE)
         model_in = self.runtime.buffer("dit_in", (copies * n, *out_shape[1:]), self.model_in)
         self.noise[copies].run(feeds, {"next": start, "model_in": model_in})

@@ -43,7 +43,7 @@ from engines.diffusion.dit_family import DitFamily, detect_dit
 from engines.diffusion.family import read_json
 from engines.diffusion.flow import FlowMatchConfig, FlowSchedule, flow_schedule, flux_sigmas
 from engines.diffusion.flow_graph import build_flow_decode_graph, build_flow_step_graph, flow_coefficients, flow_start
-from engines.diffusion.pipeline import Feed, OrtModel, PipelineOutput, image_rng
+from engines.diffusion.pipeline import Feed, OrtModel, PipelineOutput, image_rng, shape_feed
 from engines.diffusion.t5_tokenizer import T5Tokenizer
 from engines.diffusion.tokenizer import ClipTokenizer
 from engines.errors import InferenceError, InvalidRequestError, ModelLoadError
@@ -98,10 +98,9 @@ def unpack_latents(tokens: np.ndarray, h: int, w: int) -> np.ndarray:
 def run(model: OrtModel, feeds: dict[str, np.ndarray], outputs: Sequence[str]) -> list[np.ndarray]:
     """One session call through IO binding, host feeds cast to the session's input dtypes, outputs to the host."""
     session, binding = model.bound()  # the LoRA variant with this batch's weights, when it has some
-    for name, value in feeds.items():
+    for name, value in feeds.items():  # per request (text ids), never per step; on a GPU through pinned staging
         host = np.ascontiguousarray(value.astype(model.input_dtype(name), copy=False))
-        binding.bind_cpu_input(name, host)
-        model.runtime.note_host_read(f"{model.name}:{name}", host)  # per request (text ids), never per step
+        binding.bind_ortvalue_input(name, model.runtime.upload(f"{model.name}:{name}", host))
     for name in outputs:
         binding.bind_output(name, model.runtime.device, model.runtime.device_id)
     session.run_with_iobinding(binding)
@@ -397,8 +396,8 @@ class DitOnnx:
         scaled = self.runtime.buffer("dit_vae_in", (n, c, h, w), self.vae_decoder.input_dtype(vae_in))
         feeds: dict[str, Feed] = {"latents": latents}
         if self.family.base == "flux":
-            feeds["unpacked_shape"] = np.array([n, h // 2, w // 2, c, 2, 2], dtype=np.int64)
-            feeds["image_shape"] = np.array([n, c, h, w], dtype=np.int64)
+            feeds["unpacked_shape"] = shape_feed([n, h // 2, w // 2, c, 2, 2])
+            feeds["image_shape"] = shape_feed([n, c, h, w])
         self.decode_scale.run(feeds, {"scaled": scaled})
         host, out = self.runtime.staging("dit_image", (n, 3, h * f, w * f), self.vae_decoder.output_dtype())
         self.vae_decoder.run({vae_in: scaled}, {self.vae_decoder.outputs[0]: out})

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeAlias
@@ -44,6 +45,17 @@ from engines.errors import InferenceError, InvalidRequestError, ModelLoadError
 from engines.lora.active import ACTIVE, ADAPTED
 from engines.protocol import Batch, StepHook, Timings
 from engines.runtime.sessions import Runtime, numpy_dtype
+
+
+class ShapeFeed(np.ndarray):
+    """An int64 shape a graph input takes (a Reshape's target): ORT's CUDA and TensorRT providers read shape inputs
+    from host memory (CUDA kernels register them as OrtMemTypeCPUInput), so binding it from the host is no
+    host->device copy and the staging check (Runtime.host_reads) does not count it. ``shape_feed(dims)`` makes one."""
+
+
+def shape_feed(dims: Sequence[int]) -> ShapeFeed:
+    return np.asarray(dims, dtype=np.int64).view(ShapeFeed)
+
 
 Feed: TypeAlias = ort.OrtValue | np.ndarray
 log = logging.getLogger(__name__)
@@ -105,8 +117,9 @@ class OrtModel:
                 binding.bind_ortvalue_input(name, value)
             else:  # a host feed: copied to the device by this run (per request only, never per step)
                 host = np.require(value, requirements="C")  # keeps rank 0
-                binding.bind_cpu_input(name, host)
-                self.runtime.note_host_read(f"{self.name}:{name}", host)
+                binding.bind_cpu_input(name, host.view(np.ndarray))
+                if not isinstance(value, ShapeFeed):  # a shape is read where it lies: no copy to stage
+                    self.runtime.note_host_read(f"{self.name}:{name}", host)
         for name, value in outputs.items():
             check_output_type(self.name, name, value.data_type(), self.output_types.get(name, ""))
             binding.bind_ortvalue_output(name, value)
