@@ -43,7 +43,7 @@ from engines.errors import (
 from engines.health import selftest, signature
 from engines.health.integrity import IntegrityWatcher
 from engines.health.preflight import Check, Observations, evaluate, failures, gather
-from engines.lora.active import ACTIVE, ADAPTED
+from engines.lora.active import Adapters
 from engines.protocol import (
     Artifacts,
     Attention,
@@ -366,12 +366,9 @@ class OrtEngine:
         if self._lora is None:
             return
         for shape in plan.shapes:
-            token = ACTIVE.set(self._lora.warm_weights())
-            try:
-                with self._lock:
-                    out = self._pipeline_for(plan.suite.batch(shape))(plan.suite.batch(shape))
-            finally:
-                ACTIVE.reset(token)
+            with self._lock:
+                out = self._pipeline_for(plan.suite.batch(shape))(plan.suite.batch(shape),
+                                                                  adapters=Adapters(self._lora.warm_weights()))
             problem = selftest.sanity(out.images[0])
             if problem is not None:
                 error = SelfTestError(f"LoRA variant warm-up at {shape.key}: {problem}")
@@ -423,13 +420,9 @@ class OrtEngine:
                                       param="loras")
         with self._lock:
             weights = self._lora.weights(batch.loras) if self._lora is not None else {}
-            token, ran = ACTIVE.set(weights), ADAPTED.set(set())
-            try:
-                out = pipeline(batch, on_step=on_step)
-                adapted = ADAPTED.get() or set()
-            finally:
-                ACTIVE.reset(token)
-                ADAPTED.reset(ran)
+            adapters = Adapters(weights)  # handed down to every adaptable component, which records its run
+            out = pipeline(batch, on_step=on_step, adapters=adapters)
+            adapted = adapters.adapted
         missed = sorted(c for c, w in weights.items() if w and c not in adapted)
         if missed and out.steps_done:  # a stopped batch may not reach every component; it returns no claim
             raise InferenceError(f"LoRA weights were merged for {', '.join(missed)} but the batch ran "

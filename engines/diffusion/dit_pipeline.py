@@ -47,6 +47,7 @@ from engines.diffusion.pipeline import Feed, OrtModel, PipelineOutput, image_rng
 from engines.diffusion.t5_tokenizer import T5Tokenizer
 from engines.diffusion.tokenizer import ClipTokenizer
 from engines.errors import InferenceError, InvalidRequestError, ModelLoadError
+from engines.lora.active import Adapters
 from engines.protocol import Batch, ModelInfo, StepHook, Timings
 from engines.runtime.sessions import Runtime
 
@@ -95,9 +96,11 @@ def unpack_latents(tokens: np.ndarray, h: int, w: int) -> np.ndarray:
     return np.ascontiguousarray(patches.reshape(b, channels // 4, h, w))
 
 
-def run(model: OrtModel, feeds: dict[str, np.ndarray], outputs: Sequence[str]) -> list[np.ndarray]:
-    """One session call through IO binding, host feeds cast to the session's input dtypes, outputs to the host."""
-    session, binding = model.bound()  # the LoRA variant with this batch's weights, when it has some
+def run(model: OrtModel, feeds: dict[str, np.ndarray], outputs: Sequence[str],
+        adapters: Adapters | None) -> list[np.ndarray]:
+    """One session call through IO binding, host feeds cast to the session's input dtypes, outputs to the host;
+    ``adapters``: the batch's LoRA weights (every text encoder is adaptable, so every call site passes them)."""
+    session, binding = model.bound(adapters)  # the LoRA variant with this batch's weights, when it has some
     for name, value in feeds.items():  # per request (text ids), never per step; on a GPU through pinned staging
         host = np.ascontiguousarray(value.astype(model.input_dtype(name), copy=False))
         binding.bind_ortvalue_input(name, model.runtime.upload(f"{model.name}:{name}", host))
@@ -236,19 +239,21 @@ class DitOnnx:
             raise InvalidRequestError("prompt must not be empty", param="prompt")
 
     def __call__(self, batch: Batch, latents: np.ndarray | None = None,
-                 max_sequence_length: int | None = None, on_step: StepHook | None = None) -> PipelineOutput:
+                 max_sequence_length: int | None = None, on_step: StepHook | None = None,
+                 adapters: Adapters | None = None) -> PipelineOutput:
         """Generate ``batch``: uint8 images [B, H, W, 3], per-image truncation, timings. ``latents`` (float32
         [B, C, h, w], unit noise, unpacked) replaces the seeded noise (parity tests); ``max_sequence_length``
         replaces the family's T5 length; ``on_step(done, total)`` runs after every step, False stops there and the
-        latents so far are decoded (A1111's interrupt, a drain)."""
+        latents so far are decoded (A1111's interrupt, a drain); ``adapters``: the batch's LoRA weights, handed to
+        the text encoders and the transformer."""
         self.check_inputs(batch)
         t0 = time.perf_counter()
         length = max_sequence_length or self.max_sequence_length
         guidance = np.array([s.guidance_scale for s in batch.images], dtype=np.float32)
         cfg = self.family.cfg and bool((guidance > 1.0).any())
         # 1. Text: Flux (CLIP pooled, T5 states) or SD 3 (three encoders, negatives first under CFG).
-        cond = self._encode_flux(batch, length) if self.family.base == "flux" else \
-            self._encode_sd3(batch, length, cfg)
+        cond = self._encode_flux(batch, length, adapters) if self.family.base == "flux" else \
+            self._encode_sd3(batch, length, cfg, adapters)
         t1 = time.perf_counter()
         # 2. Initial noise per image from its seed, the request's schedule (an edit's strength skips the first
         #    steps) and the start latents: the noise (txt2img) or the encoded image noised to the first step.
@@ -264,7 +269,7 @@ class DitOnnx:
         t2 = time.perf_counter()
         # 3. Denoise on the device: Flux on 2×2-packed tokens, SD 3 on [negatives; prompts] rows under CFG.
         feeds = self._transformer_feeds(cond, guidance, h, w, len(batch.images))
-        final, done = self._denoise(start, model_in, feeds, guidance, schedule, cfg, on_step)
+        final, done = self._denoise(start, model_in, feeds, guidance, schedule, cfg, on_step, adapters)
         t3 = time.perf_counter()
         # 4. Decode: latents / scaling + shift through the VAE; the image comes down as uint8.
         images = self._decode(final, len(batch.images), h, w)
@@ -297,22 +302,23 @@ class DitOnnx:
         return self._tokens(batch, "CLIP text encoder", tokens.ids, tokens.truncated, tokenizer.max_length,
                             negatives), tokens.truncated
 
-    def _t5(self, batch: Batch, prompts: list[str], length: int, negatives: int) -> tuple[np.ndarray, tuple[bool, ...]]:
+    def _t5(self, batch: Batch, prompts: list[str], length: int, negatives: int,
+            adapters: Adapters | None) -> tuple[np.ndarray, tuple[bool, ...]]:
         tokens = self.t5_tokenizer(prompts, length)
         ids = self._tokens(batch, "T5 encoder (max_sequence_length)", tokens.ids, tokens.truncated, length,
                            negatives)
-        return run(self.t5, {next(iter(self.t5.inputs)): ids}, ["last_hidden_state"])[0], tokens.truncated
+        return run(self.t5, {next(iter(self.t5.inputs)): ids}, ["last_hidden_state"], adapters)[0], tokens.truncated
 
-    def _encode_flux(self, batch: Batch, length: int) -> DitConditioning:
+    def _encode_flux(self, batch: Batch, length: int, adapters: Adapters | None) -> DitConditioning:
         prompts = [s.prompt for s in batch.images]
         tokenizer, model = self.clips[0]
         ids, clip_cut = self._clip(tokenizer, batch, prompts, 0)
-        pooled = run(model, {next(iter(model.inputs)): ids}, ["pooler_output"])[0]
-        states, t5_cut = self._t5(batch, prompts, length, 0)
+        pooled = run(model, {next(iter(model.inputs)): ids}, ["pooler_output"], adapters)[0]
+        states, t5_cut = self._t5(batch, prompts, length, 0, adapters)
         cut = tuple(a or b for a, b in zip(clip_cut, t5_cut, strict=True))
         return DitConditioning(states, pooled, cut, (False,) * len(prompts))
 
-    def _encode_sd3(self, batch: Batch, length: int, cfg: bool) -> DitConditioning:
+    def _encode_sd3(self, batch: Batch, length: int, cfg: bool, adapters: Adapters | None) -> DitConditioning:
         n = len(batch.images)
         negatives = [s.negative_prompt for s in batch.images] if cfg else []
         prompts = negatives + [s.prompt for s in batch.images]
@@ -321,11 +327,11 @@ class DitOnnx:
         for tokenizer, model in self.clips:
             ids, trunc = self._clip(tokenizer, batch, prompts, k)
             penultimate = next(o for o in model.outputs if o.startswith("hidden_states."))
-            embeds, hidden = run(model, {next(iter(model.inputs)): ids}, ["text_embeds", penultimate])
+            embeds, hidden = run(model, {next(iter(model.inputs)): ids}, ["text_embeds", penultimate], adapters)
             states.append(hidden)
             pooled.append(embeds)
             cut = [a or b for a, b in zip(cut, trunc, strict=True)]
-        t5_states, t5_cut = self._t5(batch, prompts, length, k)
+        t5_states, t5_cut = self._t5(batch, prompts, length, k, adapters)
         clip = np.concatenate(states, axis=-1)
         width = t5_states.shape[-1]
         if clip.shape[-1] > width:
@@ -363,7 +369,8 @@ class DitOnnx:
                 self.runtime.upload("dit_in", np.concatenate([x] * copies).astype(in_dtype)))
 
     def _denoise(self, start: ort.OrtValue, model_in: ort.OrtValue, feeds: dict[str, Feed], guidance: np.ndarray,
-                 schedule: FlowSchedule, cfg: bool, on_step: StepHook | None = None) -> tuple[ort.OrtValue, int]:
+                 schedule: FlowSchedule, cfg: bool, on_step: StepHook | None = None,
+                 adapters: Adapters | None = None) -> tuple[ort.OrtValue, int]:
         """Every step on the device: the transformer on [x; x] (CFG) or [x], then the step graph writes the next
         latents and the next transformer input. Returns the device buffer of the float32 latents and the steps
         that ran (fewer when ``on_step`` stopped the loop)."""
@@ -381,7 +388,7 @@ class DitOnnx:
         step = self.step_cfg if cfg else self.step
         for i in range(len(schedule)):
             self.transformer.run({"hidden_states": model_in, "timestep": timesteps[i], **feeds},
-                                 {"out_hidden_states": model_out})
+                                 {"out_hidden_states": model_out}, adapters)
             step.run({"sample": lat[0], "model_out": model_out, "coeffs": coeffs[i]},
                      {"next": lat[1], "model_in": model_in})
             lat.reverse()

@@ -42,7 +42,7 @@ from engines.diffusion.step_graph import (
 )
 from engines.diffusion.tokenizer import ClipTokenizer
 from engines.errors import InferenceError, InvalidRequestError, ModelLoadError
-from engines.lora.active import ACTIVE, ADAPTED
+from engines.lora.active import Adapters
 from engines.protocol import Batch, StepHook, Timings
 from engines.runtime.sessions import Runtime, numpy_dtype
 
@@ -94,24 +94,24 @@ class OrtModel:
     def output_dtype(self, index: int = 0) -> type[np.generic]:
         return numpy_dtype(self.session.get_outputs()[index].type)
 
-    def bound(self) -> tuple[ort.InferenceSession, ort.IOBinding]:
+    def bound(self, adapters: Adapters | None = None) -> tuple[ort.InferenceSession, ort.IOBinding]:
         """The session this batch runs on and a binding with its LoRA weights bound: the variant with the batch's
-        merged weights when the batch has some for this component (engines/lora/active.py), else the base session.
-        Every call site of every pipeline binds through here, so no component can run its base weights while the
-        response and the signed manifest say its LoRA applied."""
-        weights = ACTIVE.get().get(self.component) if self.variant is not None else None
+        merged weights when ``adapters`` has some for this component, else the base session. The adaptable
+        components of every pipeline are run with the batch's adapters, and the run is recorded in them, so no
+        component can run its base weights while the response and the signed manifest say its LoRA applied."""
+        weights = adapters.of(self.component) if adapters is not None and self.variant is not None else None
         ran = self.variant if weights is not None and self.variant is not None else self
         self.ran_on = ran.provider
-        adapted = ADAPTED.get()
-        if weights and adapted is not None:
-            adapted.add(self.component)
+        if weights is not None and adapters is not None:
+            adapters.adapted.add(self.component)
         binding = ran.session.io_binding()
         for name, weight in (weights or {}).items():  # this batch's merged LoRA weights, never the base's
             binding.bind_ortvalue_input(name, weight)
         return ran.session, binding
 
-    def run(self, feeds: dict[str, Feed], outputs: dict[str, ort.OrtValue]) -> None:
-        session, binding = self.bound()
+    def run(self, feeds: dict[str, Feed], outputs: dict[str, ort.OrtValue], adapters: Adapters | None = None) -> None:
+        """One call through IO binding; ``adapters``: the batch's LoRA weights (the adaptable components only)."""
+        session, binding = self.bound(adapters)
         for name, value in feeds.items():
             if isinstance(value, ort.OrtValue):
                 binding.bind_ortvalue_input(name, value)
@@ -321,11 +321,12 @@ class StableDiffusionOnnx:
             strength_start(batch.steps, batch.strength)
 
     def __call__(self, batch: Batch, latents: np.ndarray | None = None,
-                 on_step: StepHook | None = None) -> PipelineOutput:
+                 on_step: StepHook | None = None, adapters: Adapters | None = None) -> PipelineOutput:
         """Generate ``batch``: uint8 images, per-image prompt truncation (prompts are tokenized once, here) and
         phase timings.
         ``latents`` (float32 [B,C,h,w], unscaled unit noise) replaces the seeded initial noise, for parity tests.
-        ``on_step(done, total)`` runs after every step; False stops there and the current latents are decoded."""
+        ``on_step(done, total)`` runs after every step; False stops there and the current latents are decoded.
+        ``adapters``: the batch's LoRA weights, handed to the text encoders and the UNet."""
         self.check_inputs(batch)
         t0 = time.perf_counter()
         n = len(batch.images)
@@ -334,7 +335,7 @@ class StableDiffusionOnnx:
         #    guidance <= 1, as diffusers decides) the prompts alone.
         guidance = np.array([families.effective_guidance(s.guidance_scale) for s in batch.images], dtype=np.float64)
         cfg = bool((guidance > 1.0).any())
-        cond = self._encode(batch, cfg)
+        cond = self._encode(batch, cfg, adapters)
         t1 = time.perf_counter()
         # 2. Per-request schedule (an edit's strength skips the first steps) and per-image noise streams.
         edit = batch.mode != "txt2img" or self.family.inpainting
@@ -349,7 +350,7 @@ class StableDiffusionOnnx:
             prepared = self.editor.prepare(batch, plan, latents, rngs, 2 if cfg else 1, start == 0)
         t2 = time.perf_counter()
         # 4. Denoise: UNet on [uncond; text] (or [text]), then the step graph writes the next latents and UNet input.
-        final, steps_done = self._denoise(plan, latents, cond, guidance, rngs, batch, on_step, prepared)
+        final, steps_done = self._denoise(plan, latents, cond, guidance, rngs, batch, on_step, prepared, adapters)
         kept = np.array(final.numpy(), dtype=np.float32) if any(s.keep_latents for s in batch.images) else None
         t3 = time.perf_counter()
         # 5. Decode on the device; the image comes down once (inpainting: the init image pasted back outside).
@@ -386,7 +387,7 @@ class StableDiffusionOnnx:
 
     def _denoise(self, plan: SchedulePlan, latents: np.ndarray, cond: Conditioning, guidance: np.ndarray,
                  rngs: list[np.random.Generator], batch: Batch, on_step: StepHook | None = None,
-                 edit: Prepared | None = None) -> tuple[ort.OrtValue, int]:
+                 edit: Prepared | None = None, adapters: Adapters | None = None) -> tuple[ort.OrtValue, int]:
         """Run every step (or until ``on_step`` says stop); returns the device buffer holding the float32 latents
         and the number of steps run. The UNet batch is 2n with CFG and n without. A step may hold two UNet
         evaluations (Heun, PLMS's first); each evaluation pushes one entry into a ring of ``history + 1`` device
@@ -418,7 +419,7 @@ class StableDiffusionOnnx:
         done = 0
         for i, (step, completes) in enumerate(evals):
             self.unet.run({self.io.sample: model_in, self.io.timestep: timesteps[i], **feeds},
-                          {self.io.out: model_out})
+                          {self.io.out: model_out}, adapters)
             noise: Feed = zeros
             if step.next.noise:
                 noise = self.runtime.upload("noise", np.stack([r.standard_normal(shape[1:], dtype=np.float32)
@@ -449,7 +450,7 @@ class StableDiffusionOnnx:
                                       "tokens", param=name)
         return tokens.ids, tokens.truncated
 
-    def _encode(self, batch: Batch, cfg: bool) -> Conditioning:
+    def _encode(self, batch: Batch, cfg: bool, adapters: Adapters | None = None) -> Conditioning:
         """Hidden states of [negatives..., prompts...] (prompts only without CFG)."""
         n = len(batch.images)
         negatives = [s.negative_prompt for s in batch.images] if cfg else []
@@ -457,7 +458,7 @@ class StableDiffusionOnnx:
         ids, truncated = self._tokens(self.tokenizer, batch, prompts)
         negative_truncated = truncated[:n] if cfg else (False,) * n
         if self.second is not None:
-            hidden, pooled = self._encode_xl(self.second, batch, prompts, ids, len(negatives))
+            hidden, pooled = self._encode_xl(self.second, batch, prompts, ids, len(negatives), adapters)
             return Conditioning(hidden, pooled, truncated[len(negatives):], negative_truncated)
         name = next(iter(self.text_encoder.inputs))
         outputs = self.text_encoder.outputs
@@ -465,11 +466,11 @@ class StableDiffusionOnnx:
         hidden = self.runtime.buffer("hidden", (len(prompts), ids.shape[1], self.hidden_width),
                                      self.unet.input_dtype(self.io.hidden))
         ids_in = self.runtime.upload("ids", ids.astype(self.text_encoder.input_dtype(name)))  # pinned on a GPU
-        self.text_encoder.run({name: ids_in}, {out_name: hidden})
+        self.text_encoder.run({name: ids_in}, {out_name: hidden}, adapters)
         return Conditioning(hidden, None, truncated[len(negatives):], negative_truncated)
 
     def _encode_xl(self, second: SecondEncoder, batch: Batch, prompts: list[str], ids: np.ndarray,
-                   negatives: int) -> tuple[ort.OrtValue, ort.OrtValue]:
+                   negatives: int, adapters: Adapters | None = None) -> tuple[ort.OrtValue, ort.OrtValue]:
         """SDXL: both encoders' penultimate states, joined on the device with the second's pooled projection;
         rows of empty negative prompts are zeros under force_zeros_for_empty_prompt (as diffusers)."""
         ids_2, _ = self._tokens(second.tokenizer, batch, prompts)
@@ -483,7 +484,7 @@ class StableDiffusionOnnx:
                                               _output_dtype(model, out)))
             name = next(iter(model.inputs))
             model.run({name: self.runtime.upload(f"ids{k}", token_ids.astype(model.input_dtype(name)))},
-                      {out: states[k], **({"text_embeds": pooled} if k else {})})
+                      {out: states[k], **({"text_embeds": pooled} if k else {})}, adapters)
         keep = np.ones((rows, 1), dtype=STATE_DTYPE)
         if self.family.force_zeros_for_empty_prompt:
             keep[:negatives, 0] = [0.0 if not p else 1.0 for p in prompts[:negatives]]

@@ -3,7 +3,7 @@
 An adapter set is the sorted list of (file sha256, text-encoder multiplier, denoiser multiplier). For a set not in
 the cache, every weight it touches is merged on the device (engines/lora/merge.py) into a new tensor; the set's
 tensors are bound by name to the LoRA variant sessions of the text encoders and the denoiser (engines/lora/
-targets.py) for the batches of that set, through ``ACTIVE`` (a context variable, so two batches never share one).
+targets.py) for the batches of that set: the engine hands them down with the call (engines/lora/active.py Adapters).
 The base sessions, and a batch without LoRA, bind nothing. A set evicted while a batch runs stays alive until that
 batch ends (the batch holds the tensors); eviction only drops the cache's reference.
 """

@@ -29,7 +29,7 @@ from engines.config import LoraSettings, RuntimeSettings
 from engines.diffusion.pipeline import image_rng
 from engines.engine import OrtEngine
 from engines.errors import InvalidRequestError
-from engines.lora.active import ACTIVE
+from engines.lora.active import Adapters
 from engines.protocol import Batch, ImageSpec, LoraUse
 from tests import lora_files as lf
 
@@ -151,14 +151,12 @@ def test_sd1_text_encoder_and_unet_outputs_match_diffusers(sd1: dict[str, Any]) 
     p = engine.pipeline
     name = next(iter(p.text_encoder.inputs))
     ids = p.tokenizer(PROMPTS).ids.astype(p.text_encoder.input_dtype(name))
-    token = ACTIVE.set(weights)
-    try:
-        hidden = _run_component(p.text_encoder, {name: ids})
-        sample = np.random.default_rng(0).standard_normal((2, 4, 8, 8)).astype(np.float32)
-        unet_out = _run_component(p.unet, {p.io.sample: sample, p.io.timestep: np.array([500], np.int64).astype(
-            p.unet.input_dtype(p.io.timestep)).reshape(p.io.timestep_shape), p.io.hidden: hidden})
-    finally:
-        ACTIVE.reset(token)
+    adapters = Adapters(weights)
+    hidden = _run_component(p.text_encoder, {name: ids}, adapters)
+    sample = np.random.default_rng(0).standard_normal((2, 4, 8, 8)).astype(np.float32)
+    unet_out = _run_component(p.unet, {p.io.sample: sample, p.io.timestep: np.array([500], np.int64).astype(
+        p.unet.input_dtype(p.io.timestep)).reshape(p.io.timestep_shape), p.io.hidden: hidden}, adapters)
+    assert adapters.adapted == {"text_encoder", "unet"}
     with torch.no_grad():
         their_hidden = pipe.text_encoder(torch.from_numpy(ids.astype(np.int64)))[0].numpy()
         their_unet = pipe.unet(torch.from_numpy(sample), 500, torch.from_numpy(hidden)).sample.numpy()
@@ -168,14 +166,14 @@ def test_sd1_text_encoder_and_unet_outputs_match_diffusers(sd1: dict[str, Any]) 
     assert np.abs(base_hidden - hidden).max() > 1e-2  # the text encoder LoRA reached the hidden states
 
 
-def _run_component(model: Any, feeds: dict[str, np.ndarray]) -> np.ndarray:
-    """One run of an OrtModel through its IO binding path (binding the active LoRA weights, if any)."""
+def _run_component(model: Any, feeds: dict[str, np.ndarray], adapters: Adapters | None = None) -> np.ndarray:
+    """One run of an OrtModel through its IO binding path, with the batch's LoRA weights when given."""
     out_name = model.outputs[0]
-    session = model.variant.session if model.variant is not None and ACTIVE.get().get(model.component) \
-        else model.session
+    session = model.variant.session if model.variant is not None and adapters is not None \
+        and adapters.of(model.component) else model.session
     shape = session.run([out_name], feeds)[0].shape  # the output's shape, on the same session
     value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), np.float32, "cpu", 0)
-    model.run(feeds, {out_name: value})
+    model.run(feeds, {out_name: value}, adapters)
     return np.asarray(value.numpy())
 
 
