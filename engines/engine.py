@@ -27,6 +27,7 @@ from engines.config import (
     Shape,
     SignatureThresholds,
 )
+from engines.diffusion.contract import Pipeline
 from engines.diffusion.dit_family import is_dit_folder
 from engines.diffusion.dit_pipeline import DitOnnx
 from engines.diffusion.pipeline import OrtModel, StableDiffusionOnnx
@@ -109,7 +110,7 @@ class OrtEngine:
         self.faults = faults
         self._report: SelfTestReport | None = None
         self._boot_fingerprint: np.ndarray | None = None
-        self._pipelines: dict[str, StableDiffusionOnnx | DitOnnx] = {}
+        self._pipelines: dict[str, Pipeline] = {}
         """Per served size ("512x512") with prebuilt TensorRT engines (one engine per size); else one, under ANY."""
         self._runtime: Runtime | None = None
         self._lock = threading.Lock()
@@ -193,7 +194,7 @@ class OrtEngine:
         """Each adaptable session points at its component's variant (None while no file adapts it)."""
         assert self._lora is not None
         for pipe in self._pipelines.values():
-            for model in _adaptable(pipe):
+            for model in pipe.adaptable():
                 found = self._lora.components.get(model.component)
                 # built by make_model=OrtModel (the manager types it by the Model protocol it needs)
                 model.variant = cast("OrtModel | None", found.variant) if found is not None else None
@@ -285,13 +286,13 @@ class OrtEngine:
         return per_size
 
     @property
-    def pipeline(self) -> StableDiffusionOnnx | DitOnnx:
+    def pipeline(self) -> Pipeline:
         """The first loaded pipeline (all share the model's configs and tokenizer)."""
         if not self._pipelines:
             raise NotReadyError("model not loaded")
         return next(iter(self._pipelines.values()))
 
-    def _pipeline_for(self, batch: Batch) -> StableDiffusionOnnx | DitOnnx:
+    def _pipeline_for(self, batch: Batch) -> Pipeline:
         if not self._pipelines:
             raise NotReadyError("model not loaded")
         size = f"{batch.width}x{batch.height}"
@@ -455,10 +456,10 @@ class OrtEngine:
     def provider(self) -> str:
         return self._ran_on(self.pipeline)
 
-    def _ran_on(self, p: StableDiffusionOnnx | DitOnnx) -> str:
+    def _ran_on(self, p: Pipeline) -> str:
         if self.faults is not None and self.faults.provider:
             return self.faults.provider
-        denoiser = p.transformer if isinstance(p, DitOnnx) else p.unet
+        denoiser = p.denoiser
         return denoiser.ran_on  # the session the last batch's denoiser ran on (a LoRA variant's, if it did)
 
     def check_health(self) -> None:
@@ -575,13 +576,6 @@ class OrtEngine:
             self._tee.stop()
         self._pipelines = {}
         self._runtime = None
-
-
-def _adaptable(pipe: StableDiffusionOnnx | DitOnnx) -> list[OrtModel]:
-    """The sessions a LoRA can change: the text encoders and the denoiser."""
-    if isinstance(pipe, DitOnnx):
-        return [pipe.transformer, pipe.t5, *(model for _, model in pipe.clips)]
-    return [pipe.text_encoder, pipe.unet, *([pipe.second.model] if pipe.second is not None else [])]
 
 
 def _edit_info(p: StableDiffusionOnnx) -> tuple[tuple[Mode, ...], str, bool, tuple[str, ...]]:

@@ -214,6 +214,13 @@ class DitOnnx:
                          modes=("txt2img", "img2img") if self.editor else ("txt2img",),
                          edits_unavailable=self.edits_unavailable, edit_schedulers=SAMPLERS if self.editor else ())
 
+    @property
+    def denoiser(self) -> OrtModel:
+        return self.transformer
+
+    def adaptable(self) -> list[OrtModel]:
+        return [self.transformer, self.t5, *(model for _, model in self.clips)]
+
     def check_inputs(self, batch: Batch) -> None:
         """Refuse (never clamp) what this model cannot serve."""
         if not batch.images:

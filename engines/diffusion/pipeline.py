@@ -289,6 +289,13 @@ class StableDiffusionOnnx:
         self.second = SecondEncoder(ClipTokenizer(folder / "tokenizer_2"), model, penultimate, join,
                                     self.io.text_embeds)
 
+    @property
+    def denoiser(self) -> OrtModel:
+        return self.unet
+
+    def adaptable(self) -> list[OrtModel]:
+        return [self.text_encoder, self.unet, *([self.second.model] if self.second is not None else [])]
+
     def check_inputs(self, batch: Batch) -> None:
         """Refuse (never clamp) what this model cannot serve; the server validates first, this is the backstop."""
         if not batch.images:

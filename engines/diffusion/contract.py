@@ -1,0 +1,42 @@
+"""The pipeline contract: what the engine asks of a family's pipeline (engines/diffusion/pipeline.py for the UNet
+families, dit_pipeline.py for the flow-matching transformers), so it holds one type instead of a union and
+branches on no pipeline class. A pipeline composes its stages (encode, prepare the latents, denoise step by step,
+decode) in ``__call__``; the component sessions it exposes are what LoRA adapts and what placement audits."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from engines.protocol import Batch, StepHook
+
+if TYPE_CHECKING:
+    from engines.diffusion.pipeline import OrtModel, PipelineOutput
+    from engines.lora.active import Adapters
+    from engines.runtime.sessions import Runtime
+
+
+class Pipeline(Protocol):
+    @property
+    def runtime(self) -> Runtime: ...
+
+    @property
+    def editor(self) -> object | None:
+        """What serves edits (img2img, inpainting), None when the folder has no VAE encoder."""
+
+    @property
+    def default_size(self) -> int: ...
+
+    @property
+    def denoiser(self) -> OrtModel:
+        """The UNet or the transformer: the session whose provider a response names."""
+
+    def adaptable(self) -> list[OrtModel]:
+        """The sessions a LoRA can change: the text encoders and the denoiser."""
+
+    def check_inputs(self, batch: Batch) -> None:
+        """Refuse (InvalidRequestError naming the field) what this model cannot serve."""
+
+    def __call__(self, batch: Batch, *, latents: np.ndarray | None = None, on_step: StepHook | None = None,
+                 adapters: Adapters | None = None) -> PipelineOutput: ...
