@@ -28,7 +28,7 @@ import onnxruntime as ort
 
 from engines.artifacts import MANIFEST, TRT_DIR, read_manifest
 from engines.diffusion import family as families
-from engines.diffusion.edits import Editor, Prepared, paste_back, strength_start
+from engines.diffusion.edits import Editor, Mixer, Prepared, paste_back, strength_start
 from engines.diffusion.family import Family, read_json
 from engines.diffusion.multistep import MAX_HISTORY
 from engines.diffusion.plan import Step
@@ -177,6 +177,33 @@ class SecondEncoder:
     penultimate: tuple[str, str]
     join: OrtModel
     text_embeds_input: str
+
+
+@dataclass
+class Denoising:
+    """The denoising stage of one batch between evaluations (StableDiffusionOnnx.start_denoise / denoise_step): every
+    buffer on the device, so a driver outside the pipeline can run it one evaluation at a time."""
+
+    evals: tuple[tuple[Step, bool], ...]
+    depth: int
+    step_graph: OrtModel
+    lat: list[ort.OrtValue]
+    """[current latents, next latents] (swapped after each evaluation)."""
+    ring: list[ort.OrtValue]
+    model_in: ort.OrtValue
+    step_in: ort.OrtValue
+    model_out: ort.OrtValue
+    zeros: ort.OrtValue
+    feeds: dict[str, Feed]
+    timesteps: list[ort.OrtValue]
+    coeffs: list[ort.OrtValue]
+    in_scales: list[ort.OrtValue]
+    rngs: list[np.random.Generator]
+    mixer: Mixer | None
+    """Inpainting's blend after every step; None otherwise."""
+    adapters: Adapters | None
+    done: int = 0
+    """Sampler steps completed."""
 
 
 class StableDiffusionOnnx:
@@ -396,9 +423,22 @@ class StableDiffusionOnnx:
                  rngs: list[np.random.Generator], batch: Batch, on_step: StepHook | None = None,
                  edit: Prepared | None = None, adapters: Adapters | None = None) -> tuple[ort.OrtValue, int]:
         """Run every step (or until ``on_step`` says stop); returns the device buffer holding the float32 latents
-        and the number of steps run. The UNet batch is 2n with CFG and n without. A step may hold two UNet
-        evaluations (Heun, PLMS's first); each evaluation pushes one entry into a ring of ``history + 1`` device
-        buffers, and the step graph reads the last ``history`` of them."""
+        and the number of steps run: the composition of ``start_denoise`` and ``denoise_step``."""
+        state = self.start_denoise(plan, latents, cond, guidance, rngs, batch, edit, adapters)
+        for i in range(len(state.evals)):
+            completes = self.denoise_step(state, i)
+            if completes and on_step is not None and not on_step(state.done, len(plan.steps)) \
+                    and i + 1 < len(state.evals):
+                break
+        return state.lat[0], state.done
+
+    def start_denoise(self, plan: SchedulePlan, latents: np.ndarray, cond: Conditioning, guidance: np.ndarray,
+                      rngs: list[np.random.Generator], batch: Batch, edit: Prepared | None = None,
+                      adapters: Adapters | None = None) -> Denoising:
+        """The denoising stage's state on the device, before its first evaluation: latents, the history ring,
+        the UNet's input and output buffers, the per-request feeds and the per-step tables. The UNet batch is 2n
+        with CFG and n without. A step may hold two UNet evaluations (Heun, PLMS's first); each evaluation pushes
+        one entry into a ring of ``history + 1`` device buffers, and the step graph reads the last ``history``."""
         shape, n = latents.shape, len(latents)
         copies = 2 if (guidance > 1.0).any() else 1
         depth = 1 if plan.history == 1 else MAX_HISTORY
@@ -423,28 +463,32 @@ class StableDiffusionOnnx:
         zeros = self.runtime.upload("zeros", np.zeros(shape, f32))
         feeds = self._unet_feeds(cond, batch, copies * n)
         timesteps, coeffs, in_scales = self._step_tables(evals, guidance, depth)
-        done = 0
-        for i, (step, completes) in enumerate(evals):
-            self.unet.run({self.io.sample: model_in, self.io.timestep: timesteps[i], **feeds},
-                          {self.io.out: model_out}, adapters)
-            noise: Feed = zeros
-            if step.next.noise:
-                noise = self.runtime.upload("noise", np.stack([r.standard_normal(shape[1:], dtype=np.float32)
-                                                               for r in rngs]))
-            scale = evals[i + 1][0].input_scale if i + 1 < len(evals) else 1.0
-            history = {("prev" if k == 1 else f"prev{k}"): ring[(i + 1 - k) % (depth + 1)]
-                       for k in range(1, depth + 1)}
-            step_graph.run({"sample": lat[0], "model_out": model_out, "noise": noise, **history,
-                            "coeffs": coeffs[i], "in_scale": in_scales[i]},
-                           {"next": lat[1], "denoised": ring[(i + 1) % (depth + 1)], "model_in": step_in})
-            if mixer is not None:  # inpainting: the blend writes the step's latents back into lat[0]
-                mixer.after(i, lat[1], lat[0], model_in, scale)
-            else:
-                lat.reverse()
-            done += completes
-            if completes and on_step is not None and not on_step(done, len(plan.steps)) and i + 1 < len(evals):
-                break
-        return lat[0], done
+        return Denoising(evals, depth, step_graph, lat, ring, model_in, step_in, model_out, zeros, feeds,
+                         timesteps, coeffs, in_scales, rngs, mixer, adapters)
+
+    def denoise_step(self, state: Denoising, i: int) -> bool:
+        """Evaluation ``i``: the UNet on the current input, then the step graph writes the next latents, the
+        denoised estimate into the ring and the next UNet input. True when it completes a sampler step."""
+        step, completes = state.evals[i]
+        shape = tuple(state.zeros.shape())
+        self.unet.run({self.io.sample: state.model_in, self.io.timestep: state.timesteps[i], **state.feeds},
+                      {self.io.out: state.model_out}, state.adapters)
+        noise: Feed = state.zeros
+        if step.next.noise:
+            noise = self.runtime.upload("noise", np.stack([r.standard_normal(shape[1:], dtype=np.float32)
+                                                           for r in state.rngs]))
+        scale = state.evals[i + 1][0].input_scale if i + 1 < len(state.evals) else 1.0
+        depth, ring, lat = state.depth, state.ring, state.lat
+        history = {("prev" if k == 1 else f"prev{k}"): ring[(i + 1 - k) % (depth + 1)] for k in range(1, depth + 1)}
+        state.step_graph.run({"sample": lat[0], "model_out": state.model_out, "noise": noise, **history,
+                              "coeffs": state.coeffs[i], "in_scale": state.in_scales[i]},
+                             {"next": lat[1], "denoised": ring[(i + 1) % (depth + 1)], "model_in": state.step_in})
+        if state.mixer is not None:  # inpainting: the blend writes the step's latents back into lat[0]
+            state.mixer.after(i, lat[1], lat[0], state.model_in, scale)
+        else:
+            lat.reverse()
+        state.done += completes
+        return completes
 
     def _tokens(self, tokenizer: ClipTokenizer, batch: Batch,
                 prompts: list[str]) -> tuple[np.ndarray, tuple[bool, ...]]:
