@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from engines.config import Matrix, RuntimeSettings, SelfTestPlan, SignatureThresholds
 from engines.protocol import Engine, Faults
@@ -45,3 +46,15 @@ def manifest_name() -> str:
     from engines.artifacts import MANIFEST
 
     return MANIFEST
+
+
+def memory_plan(model: Path, runtime: RuntimeSettings, width: int, height: int, images: int, sizes: int = 1,
+                dtype: str | None = None, device_bytes: int | None = None, device_source: str = "",
+                pod_limit: int | None = None, pod_source: str = "") -> dict[str, Any]:
+    """`sdserve doctor`'s memory plan of a model folder, from its files or its configs alone (nothing loads):
+    device and host bytes with and without LoRA, compared with the device's memory and the pod's limit when
+    given (engines/health/memory_plan.py). ModelLoadError when the folder is no family sdserve serves."""
+    from engines.health.memory_plan import Budgets, for_runtime
+
+    return for_runtime(model, runtime, width, height, images, sizes, dtype,
+                       Budgets(device_bytes, device_source, pod_limit, pod_source))

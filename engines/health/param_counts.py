@@ -1,0 +1,253 @@
+"""Parameter counts of the diffusion components from their diffusers/transformers ``config.json`` alone, counted the
+way the modules hold them (FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel, T5EncoderModel,
+CLIPTextModel(WithProjection), AutoencoderKL's halves): what engines/health/memory_plan.py sizes a config-only
+folder with. tests/unit/test_memory_plan.py checks every formula against the module torch builds from the config."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Tally:
+    """A network's parameters as its modules hold them; ``adaptable``: the Linear and Conv weights (a LoRA's
+    targets) and their distinct shapes (the merge keeps one device buffer per shape)."""
+
+    params: int = 0
+    adaptable: int = 0
+    shapes: set[tuple[int, ...]] = field(default_factory=set)
+
+    def linear(self, i: int, o: int, bias: bool = True, n: int = 1) -> None:
+        self.params += n * (i * o + (o if bias else 0))
+        self.adaptable += n * i * o
+        self.shapes.add((o, i))
+
+    def conv(self, i: int, o: int, k: int, bias: bool = True, n: int = 1) -> None:
+        self.params += n * (i * o * k * k + (o if bias else 0))
+        self.adaptable += n * i * o * k * k
+        self.shapes.add((o, i, k, k))
+
+    def add(self, count: int, n: int = 1) -> None:
+        self.params += n * count
+
+
+def ival(config: Mapping[str, Any], key: str, default: int) -> int:
+    """An integer field of a config (``default`` when absent or null)."""
+    value = config.get(key, default)
+    return int(value) if value is not None else default
+
+
+# ---- parameter counts from diffusers / transformers configs ----------------------------------------------------
+
+def flux_transformer(c: Mapping[str, Any]) -> Tally:
+    """FluxTransformer2DModel: double-stream blocks (image and text each with adaLN-Zero, q/k/v, out, 4x MLP),
+    single-stream blocks (fused attention + MLP), RMS q/k norms per head."""
+    t, hd = Tally(), ival(c, "attention_head_dim", 128)
+    d, p = ival(c, "num_attention_heads", 24) * hd, ival(c, "patch_size", 1)
+    in_ch = ival(c, "in_channels", 64)
+    for _ in range(3 if c.get("guidance_embeds") else 2):  # timestep, [guidance], pooled text: Linear, Linear
+        t.linear(d, d)
+    t.linear(256, d, n=2 if c.get("guidance_embeds") else 1)
+    t.linear(ival(c, "pooled_projection_dim", 768), d)
+    t.linear(ival(c, "joint_attention_dim", 4096), d)
+    t.linear(in_ch, d)
+    double, single = ival(c, "num_layers", 19), ival(c, "num_single_layers", 38)
+    t.linear(d, 6 * d, n=2 * double)  # norm1, norm1_context
+    t.linear(d, d, n=8 * double)  # q, k, v, add_q, add_k, add_v, to_out, to_add_out
+    t.add(4 * hd, n=double)  # norm_q, norm_k, norm_added_q, norm_added_k
+    t.linear(d, 4 * d, n=2 * double)  # ff, ff_context
+    t.linear(4 * d, d, n=2 * double)
+    t.linear(d, 3 * d, n=single)  # AdaLayerNormZeroSingle
+    t.linear(d, 4 * d, n=single)  # proj_mlp
+    t.linear(5 * d, d, n=single)  # proj_out over [attention, mlp]
+    t.linear(d, d, n=3 * single)
+    t.add(2 * hd, n=single)
+    t.linear(d, 2 * d)  # norm_out
+    t.linear(d, p * p * (ival(c, "out_channels", 0) or in_ch))
+    return t
+
+
+def sd3_transformer(c: Mapping[str, Any]) -> Tally:
+    """SD3Transformer2DModel (3 and 3.5): joint blocks, the last one context-pre-only; 3.5's q/k RMS norms and
+    Medium's dual-attention blocks."""
+    t, hd = Tally(), ival(c, "attention_head_dim", 64)
+    d, p = ival(c, "num_attention_heads", 18) * hd, ival(c, "patch_size", 2)
+    layers, qk = ival(c, "num_layers", 18), 2 * hd if c.get("qk_norm") else 0
+    dual = {int(i) for i in c.get("dual_attention_layers") or ()}
+    t.conv(ival(c, "in_channels", 16), d, p)  # patch embedding
+    t.linear(256, d)
+    t.linear(d, d, n=2)
+    t.linear(ival(c, "pooled_projection_dim", 2048), d)
+    t.linear(ival(c, "joint_attention_dim", 4096), ival(c, "caption_projection_dim", 1152))
+    for i in range(layers):
+        last = i == layers - 1
+        t.linear(d, (9 if i in dual else 6) * d)
+        t.linear(d, (2 if last else 6) * d)  # norm1_context: continuous on the last block
+        t.linear(d, d, n=7 if last else 8)
+        t.add(2 * qk)
+        t.linear(d, 4 * d, n=1 if last else 2)
+        t.linear(4 * d, d, n=1 if last else 2)
+        if i in dual:  # attn2: q, k, v, out
+            t.linear(d, d, n=4)
+            t.add(qk)
+    t.linear(d, 2 * d)
+    t.linear(d, p * p * (ival(c, "out_channels", 0) or ival(c, "in_channels", 16)))
+    return t
+
+
+def t5_encoder(c: Mapping[str, Any]) -> Tally:
+    """T5EncoderModel: shared embedding, per block self-attention (q, k, v, o, no biases) and a gated (v1.1) or
+    plain feed-forward, RMS layer norms, relative position buckets in the first block."""
+    t, d = Tally(), ival(c, "d_model", 4096)
+    inner, ff, n = ival(c, "num_heads", 64) * ival(c, "d_kv", 64), ival(c, "d_ff", 10240), ival(c, "num_layers", 24)
+    t.add(ival(c, "vocab_size", 32128) * d)
+    t.add(ival(c, "relative_attention_num_buckets", 32) * ival(c, "num_heads", 64))
+    t.linear(d, inner, bias=False, n=3 * n)
+    t.linear(inner, d, bias=False, n=n)
+    gated = str(c.get("feed_forward_proj", "relu")).startswith("gated")
+    t.linear(d, ff, bias=False, n=(2 if gated else 1) * n)
+    t.linear(ff, d, bias=False, n=n)
+    t.add(d, n=2 * n + 1)
+    return t
+
+
+def clip_text(c: Mapping[str, Any], projection: bool) -> Tally:
+    """CLIPTextModel, or CLIPTextModelWithProjection (``projection``: its bias-free text projection)."""
+    t, d, n = Tally(), ival(c, "hidden_size", 768), ival(c, "num_hidden_layers", 12)
+    t.add((ival(c, "vocab_size", 49408) + ival(c, "max_position_embeddings", 77)) * d)
+    t.linear(d, d, n=4 * n)
+    t.linear(d, ival(c, "intermediate_size", 3072), n=n)
+    t.linear(ival(c, "intermediate_size", 3072), d, n=n)
+    t.add(2 * d, n=2 * n + 1)
+    if projection:
+        t.linear(d, ival(c, "projection_dim", 768), bias=False)
+    return t
+
+
+def _resnet(t: Tally, i: int, o: int, temb: int = 0) -> None:
+    t.add(2 * i + 2 * o)  # two GroupNorms
+    t.conv(i, o, 3)
+    t.conv(o, o, 3)
+    if temb:
+        t.linear(temb, o)
+    if i != o:
+        t.conv(i, o, 1)
+
+
+def _vae_mid(t: Tally, ch: int, attention: bool) -> None:
+    _resnet(t, ch, ch)
+    if attention:  # single-head attention: GroupNorm, q, k, v, out
+        t.add(2 * ch)
+        t.linear(ch, ch, n=4)
+    _resnet(t, ch, ch)
+
+
+def vae_decoder(c: Mapping[str, Any]) -> Tally:
+    """AutoencoderKL's decoder as exported (post_quant_conv + decoder)."""
+    t, blocks = Tally(), [int(b) for b in c.get("block_out_channels") or (128, 256, 512, 512)]
+    latent, layers = ival(c, "latent_channels", 4), ival(c, "layers_per_block", 2)
+    if c.get("use_post_quant_conv", True):
+        t.conv(latent, latent, 1)
+    t.conv(latent, blocks[-1], 3)
+    _vae_mid(t, blocks[-1], bool(c.get("mid_block_add_attention", True)))
+    out = blocks[-1]
+    for i, ch in enumerate(reversed(blocks)):
+        for j in range(layers + 1):
+            _resnet(t, out if j == 0 else ch, ch)
+        out = ch
+        if i < len(blocks) - 1:
+            t.conv(ch, ch, 3)
+    t.add(2 * blocks[0])
+    t.conv(blocks[0], ival(c, "out_channels", 3), 3)
+    return t
+
+
+def vae_encoder(c: Mapping[str, Any]) -> Tally:
+    """AutoencoderKL's encoder as exported (encoder + quant_conv)."""
+    t, blocks = Tally(), [int(b) for b in c.get("block_out_channels") or (128, 256, 512, 512)]
+    latent, layers = ival(c, "latent_channels", 4), ival(c, "layers_per_block", 2)
+    t.conv(ival(c, "in_channels", 3), blocks[0], 3)
+    prev = blocks[0]
+    for i, ch in enumerate(blocks):
+        for j in range(layers):
+            _resnet(t, prev if j == 0 else ch, ch)
+        prev = ch
+        if i < len(blocks) - 1:
+            t.conv(ch, ch, 3)
+    _vae_mid(t, blocks[-1], bool(c.get("mid_block_add_attention", True)))
+    t.add(2 * blocks[-1])
+    t.conv(blocks[-1], 2 * latent, 3)
+    if c.get("use_quant_conv", True):
+        t.conv(2 * latent, 2 * latent, 1)
+    return t
+
+
+def _per_block(value: Any, count: int, default: int) -> list[int]:
+    if isinstance(value, list | tuple):
+        return [int(v) for v in value]
+    return [int(value if value is not None else default)] * count
+
+
+def _transformer2d(t: Tally, ch: int, layers: int, cross: int, linear: bool) -> None:
+    """diffusers' Transformer2DModel of a UNet block: GroupNorm, proj_in/out, ``layers`` BasicTransformerBlocks."""
+    t.add(2 * ch)
+    if linear:
+        t.linear(ch, ch, n=2)
+    else:
+        t.conv(ch, ch, 1, n=2)
+    t.add(6 * ch, n=layers)  # three LayerNorms
+    t.linear(ch, ch, bias=False, n=4 * layers)  # attn1 q, k, v; attn2 q
+    t.linear(cross, ch, bias=False, n=2 * layers)  # attn2 k, v
+    t.linear(ch, ch, n=2 * layers)  # the two to_out
+    t.linear(ch, 8 * ch, n=layers)  # GEGLU
+    t.linear(4 * ch, ch, n=layers)
+
+
+def unet(c: Mapping[str, Any]) -> Tally:
+    """UNet2DConditionModel of SD 1.x/2.x/SDXL: cross-attention down/up blocks, the cross-attention mid block,
+    SDXL's text_time added embedding."""
+    t, blocks = Tally(), [int(b) for b in c.get("block_out_channels") or (320, 640, 1280, 1280)]
+    n, temb, cross = len(blocks), 4 * blocks[0], ival(c, "cross_attention_dim", 768)
+    layers = _per_block(c.get("layers_per_block"), n, 2)
+    depth = _per_block(c.get("transformer_layers_per_block"), n, 1)
+    down = list(c.get("down_block_types") or ["CrossAttnDownBlock2D"] * (n - 1) + ["DownBlock2D"])
+    up = list(c.get("up_block_types") or ["UpBlock2D"] + ["CrossAttnUpBlock2D"] * (n - 1))
+    linear = bool(c.get("use_linear_projection", False))
+    t.conv(ival(c, "in_channels", 4), blocks[0], 3)
+    t.linear(blocks[0], temb)
+    t.linear(temb, temb)
+    if c.get("addition_embed_type") == "text_time":
+        t.linear(ival(c, "projection_class_embeddings_input_dim", 2816), temb)
+        t.linear(temb, temb)
+    prev = blocks[0]
+    for i, ch in enumerate(blocks):
+        for j in range(layers[i]):
+            _resnet(t, prev if j == 0 else ch, ch, temb)
+            if "CrossAttn" in down[i]:
+                _transformer2d(t, ch, depth[i], cross, linear)
+        prev = ch
+        if i < n - 1:
+            t.conv(ch, ch, 3)
+    _resnet(t, blocks[-1], blocks[-1], temb)
+    _transformer2d(t, blocks[-1], depth[-1], cross, linear)
+    _resnet(t, blocks[-1], blocks[-1], temb)
+    rev, rev_layers, rev_depth = blocks[::-1], layers[::-1], depth[::-1]
+    out = rev[0]
+    for i, ch in enumerate(rev):
+        prev_out, out, skip_in = out, ch, rev[min(i + 1, n - 1)]
+        count = rev_layers[i] + 1
+        for j in range(count):
+            skip = skip_in if j == count - 1 else out
+            _resnet(t, (prev_out if j == 0 else out) + skip, out, temb)
+            if "CrossAttn" in up[i]:
+                _transformer2d(t, out, rev_depth[i], cross, linear)
+        if i < n - 1:
+            t.conv(out, out, 3)
+    t.add(2 * blocks[0])
+    t.conv(blocks[0], ival(c, "out_channels", 4), 3)
+    return t
+
+
+# ---- an exported component: element counts from the protobuf's headers ------------------------------------------
