@@ -12,11 +12,12 @@ boot, by the model manifest and, once the manifest is re-signed as a re-export w
 the weight files they were built from. Each step's wall time, peak RSS (VmHWM) and bytes written to storage are
 printed at the end of the module and written to ``fullsize_figures.json`` in pytest's base temporary folder.
 
-Measured on 2 cores (AMD EPYC, OpenVINO through the vendor shim), 2026-12-02: build 160 s, 5.9 GB peak, 8.5 GB
-written (4.0 GB model + 4.0 GB diffusers twin, which build_sd15 always writes and this module deletes); UNet audit
-20 s (session 12 s, 3.3 GB; audit 8 s, +1.1 GB); engine load with a LoRA library 50 s, 11.8 GB; 512x512 1-step
-image 26 s; LoRA image 37 s, peak 16.5 GB; relocation with the OpenVINO build 48 s, 7.7 GB, 4.3 GB written
-(the EP blobs; the weights are linked); each refused boot 5-9 s.
+Measured on 2 cores (AMD EPYC, OpenVINO through the vendor shim), 2026-12-03: build 193 s, 6.0 GB peak, 8.6 GB
+written (4.3 GB model + 4.3 GB diffusers twin, which build_sd15 always writes and this module deletes); UNet audit
+27 s (session 17 s, 3.6 GB; audit 11 s, 4.8 GB, 1 MB written); engine load with a LoRA library 25 s, 5.4 GB (was
+50 s, 11.8 GB before the merge's W was memory-mapped and variants were built only for adapted components); 512x512
+1-step image 27 s, 6.9 GB; LoRA image 33 s, peak 12.1 GB (was 16.5 GB); relocation with the OpenVINO build 46 s,
+7.7 GB, 4.3 GB written (the EP blobs; the weights are linked); each refused boot 6-8 s; the module 380 s.
 """
 
 from __future__ import annotations
