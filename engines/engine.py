@@ -424,12 +424,12 @@ class OrtEngine:
             adapters = Adapters(weights)  # handed down to every adaptable component, which records its run
             out = pipeline(batch, on_step=on_step, adapters=adapters)
             adapted = adapters.adapted
+            if self.faults is not None and self.faults.latency_s > 0:
+                time.sleep(self.faults.latency_s)
         missed = sorted(c for c, w in weights.items() if w and c not in adapted)
         if missed and out.steps_done:  # a stopped batch may not reach every component; it returns no claim
             raise InferenceError(f"LoRA weights were merged for {', '.join(missed)} but the batch ran "
                                  "their base weights: refused, not returned with a claim that the LoRA applied")
-            if self.faults is not None and self.faults.latency_s > 0:
-                time.sleep(self.faults.latency_s)
         for index, image in enumerate(out.images):
             if selftest.sanity(image) == "all-black image":
                 raise InferenceError(f"image {index} of the batch is an all-black image (an fp16 overflow or broken "
