@@ -1,6 +1,7 @@
 """Reference pages generated from the code, so they cannot drift: every settings key (from the pydantic models and
 their field docstrings), exit code, metric, API error and CLI flag. `make refs` writes them into docs/reference/;
-tests/unit/test_docs_refs.py regenerates them in memory and fails when a checked-in page differs.
+tests/unit/test_docs_refs.py regenerates them in memory and fails when a checked-in page differs. It also rewrites
+the support matrix in README.md and docs/index.md (server/cli/matrix.py: the code asked on each family's tiny model).
 
     python -m server.cli.refs [--out docs/reference]
 
@@ -36,6 +37,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from engines.errors import SdserveError
+from server.cli import matrix
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = Path("docs/reference")
@@ -493,6 +495,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     for path in write(args.out):
         print(path)
+    with _clean_environment():
+        for path in matrix.write():
+            print(path.relative_to(ROOT))
     return 0
 
 
