@@ -25,6 +25,13 @@ a small step graph (engines/diffusion/flow_graph.py) applies the Euler step and 
 coefficients the flow schedule (engines/diffusion/flow.py) gives, and a decode graph unpacks and rescales the
 latents for the VAE. Only the initial noise goes up and the image comes down. img2img (engines/diffusion/
 dit_edits.py) encodes the init image on the device and enters the same loop at the step its strength picks.
+
+Element types come from the sessions (``OrtModel.input_dtype``/``output_dtype``): fp32 and fp16 graph inputs and
+outputs are fed and read in their own type, as the UNet pipeline does. `sdserve engines export --dtype fp16|bf16`
+writes half-precision networks whose inputs and outputs stay fp32 (casts inside the graph), so this pipeline runs
+them unchanged; a graph whose inputs or outputs are bf16 is refused at load, by name (engines/runtime/sessions.py
+``check_io_types``: numpy has no bfloat16). bf16 compute needs the CUDA or TensorRT provider (ONNX Runtime's CPU
+provider has no bf16 kernels; the load says so).
 """
 
 from __future__ import annotations

@@ -36,6 +36,53 @@ def numpy_dtype(ort_type: str) -> type[np.generic]:
         raise ValueError(f"unsupported tensor type {ort_type}") from None
 
 
+UNSERVABLE_IO = ("tensor(bfloat16)", "tensor(float8", "tensor(float4", "tensor(int4)", "tensor(uint4)")
+"""Graph input/output element types numpy has no dtype for. The pipelines feed and read host arrays and size device
+buffers by numpy dtype, so a graph with such inputs or outputs is refused at load, by name; the same types inside a
+graph whose inputs and outputs are fp32/fp16 (casts inside) are served: `sdserve engines export --dtype bf16`
+writes such graphs."""
+HALF_ELEMENTS = {16: "bfloat16"}
+"""ONNX element types (TensorProto.BFLOAT16) ONNX Runtime's CPU provider has no compute kernels for (1.31: only
+Cast, Transpose, Concat and other data movement)."""
+
+
+def io_type_error(name: str, kind: str, arg: str, ort_type: str) -> ModelLoadError:
+    return ModelLoadError(
+        f"{name}: {kind} {arg!r} is {ort_type}: graph inputs and outputs must be tensor(float) or tensor(float16) "
+        "(the pipeline feeds and reads them as numpy arrays, and numpy has no such type); bf16 inside the graph is "
+        "served: export with `sdserve engines export --dtype bf16`, whose graphs keep fp32 inputs and outputs")
+
+
+def check_io_types(name: str, session: ort.InferenceSession) -> None:
+    """ModelLoadError (exit 11) naming the component, the input or output and its element type when it is one
+    the pipelines cannot hold (UNSERVABLE_IO), instead of a ValueError at the first dtype lookup."""
+    for kind, args in (("input", session.get_inputs()), ("output", session.get_outputs())):
+        for arg in args:
+            if str(arg.type).startswith(UNSERVABLE_IO):
+                raise io_type_error(name, kind, arg.name, str(arg.type))
+
+
+def half_compute_detail(name: str, model: Path | bytes, error: str) -> ModelLoadError | str:
+    """Why ORT found no kernel (``NOT_IMPLEMENTED``) for a graph that holds bf16 (read from the file, weights
+    not loaded): a ModelLoadError when its inputs or outputs are bf16 (``io_type_error``, whatever the provider),
+    else a hint to append (bf16 compute needs the CUDA or TensorRT provider); "" for any other failure."""
+    if "NOT_IMPLEMENTED" not in error:
+        return ""
+    import onnx
+
+    proto = onnx.load_from_string(model) if isinstance(model, bytes) else onnx.load(str(model),
+                                                                                    load_external_data=False)
+    for kind, args in (("input", proto.graph.input), ("output", proto.graph.output)):
+        for arg in args:
+            element = HALF_ELEMENTS.get(arg.type.tensor_type.elem_type)
+            if element is not None:
+                return io_type_error(name, kind, arg.name, f"tensor({element})")
+    if not any(t.data_type in HALF_ELEMENTS for t in proto.graph.initializer):
+        return ""
+    return (" (the graph computes in bfloat16: ONNX Runtime's CPU provider has no bfloat16 kernels, so a bf16 "
+            "export is served on the CUDA or TensorRT provider; on the CPU serve an fp32 or fp16 export)")
+
+
 TRT, CUDA, CPU = "TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"
 NO_CPU_FALLBACK = "session.disable_cpu_ep_fallback"
 CPU_NODES_REFUSED = "assigned to the default CPU EP"
@@ -292,13 +339,18 @@ class Runtime:
         report.log_lines, report.events = captured.lines, [*report.events, *captured.events]
         if error is not None:
             detail = "; ".join(e.line for e in captured.events if e.severity == "error") or str(error).strip()
+            half = half_compute_detail(report.name, model, str(error))
+            if isinstance(half, ModelLoadError):
+                raise half from error
+            detail += half
             if CPU_NODES_REFUSED in str(error):
                 raise PlacementError(f"{report.name}: {self._cpu_nodes(model, providers)}") from error
             if not isinstance(model, bytes) and enginecheck.ep_context_nodes(model):
                 raise prebuilt_load_error(report.name, names, model, f"{detail} {error}") from error
             if self.device == "cuda" or self.settings.plugin is not None:
                 raise GpuUnavailableError(f"{report.name}: cannot create a session on {names}: {detail}") from error
-            raise ModelLoadError(f"{report.name}: cannot create a session: {str(error).strip()}") from error
+            raise ModelLoadError(f"{report.name}: cannot create a session: {str(error).strip()}{half}") from error
+        check_io_types(report.name, sess)
         return sess
 
     def _construct(self, model: Path | bytes, providers: list[tuple[str, dict[str, str]]],

@@ -13,6 +13,9 @@ from server.cli.common import DEFAULT_MODEL, add_boot_args, boot_config
 DIT_FAMILIES = families.names("transformer")
 """The flow-matching DiT tiny models (engines/build/dit.py); kept here so the parser imports no engine code."""
 
+EXPORT_DTYPES = ("fp32", "fp16", "bf16")
+"""`engines export --dtype` (engines/build/dit_export.py DTYPES; kept here so the parser imports no engine code)."""
+
 log = logging.getLogger("sdserve")
 
 
@@ -30,6 +33,10 @@ def register(sub: Any) -> None:
     export = engines.add_parser("export", help="export a local diffusers SD 1.x/2.x/XL, Flux.1 or SD 3 folder to ONNX")
     export.add_argument("--from", dest="src", type=Path, required=True)
     export.add_argument("--out", type=Path, required=True)
+    export.add_argument("--dtype", choices=EXPORT_DTYPES, default="fp32",
+                        help="Flux/SD 3 only: fp16 or bf16 networks (T5's fp32 keeps and Flux's fp16 clamps kept, "
+                             "graph inputs/outputs fp32; docs/families.md); SD 1.x/2.x/XL: fp32, then "
+                             "`engines optimize --fp16`")
     opt = engines.add_parser("optimize", help="ORT transformer-optimizer fusions (+ fp16) into a new folder")
     opt.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     opt.add_argument("--out", type=Path, required=True)
@@ -87,11 +94,12 @@ def run(args: argparse.Namespace) -> int:
     elif args.engines_cmd == "export" and _dit_source(args.src):
         from engines.build.dit_export import export_dit_folder
 
-        out = export_dit_folder(args.src, args.out)
+        out = export_dit_folder(args.src, args.out, getattr(args, "dtype", "fp32"))
     elif args.engines_cmd == "export":
         from engines.build.export import export_folder
 
         check_diffusers_folder(args.src)
+        _unet_dtype(getattr(args, "dtype", "fp32"))
         out = export_folder(args.src, args.out)
     elif args.engines_cmd == "optimize":
         from engines.build.optimize import optimize_folder
@@ -113,6 +121,16 @@ def run(args: argparse.Namespace) -> int:
         return _build_engines(args)
     log.info("model written to %s (manifest.json lists every file's sha256 and size)", out)
     return 0
+
+
+def _unet_dtype(dtype: str) -> None:
+    """The UNet families export fp32 only (ConfigError, exit 10, otherwise): their half precision is
+    `sdserve engines optimize --fp16`, which converts with an fp32 keep-list and checks the output difference."""
+    from engines.errors import ConfigError
+
+    if dtype != "fp32":
+        raise ConfigError(f"--dtype {dtype}: SD 1.x/2.x/XL folders export in fp32; convert the export with "
+                          "`sdserve engines optimize --fp16` (--dtype is for Flux and SD 3 folders)")
 
 
 def _dit_source(src: Path) -> bool:
