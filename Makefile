@@ -59,8 +59,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check server engines tests benchmarks
 	$(VENV)/bin/mypy
 
-# The reference pages (settings, exit codes, metrics, API errors, CLI) generated from the code into docs/reference/;
-# tests/unit/test_docs_refs.py fails when they drift. Run after adding a settings key, exit code, metric or flag.
+# The reference pages (settings, exit codes, metrics, API errors, CLI) generated from the code into docs/reference/,
+# and the support matrix of README.md and docs/index.md (server/cli/matrix.py, from each family's tiny model);
+# tests/unit/test_docs_refs.py and tests/integration/test_support_matrix.py fail when they drift. Run after adding a
+# settings key, exit code, metric, flag or family.
 refs: $(STAMP)
 	$(PY) -m server.cli.refs --out docs/reference
 
