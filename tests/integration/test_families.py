@@ -134,11 +134,11 @@ def _unet_rows(pipe: StableDiffusionOnnx, monkeypatch: pytest.MonkeyPatch) -> li
     rows: list[int] = []
     original = pipe.unet.run
 
-    def spy(feeds: dict[str, Any], outputs: dict[str, Any]) -> None:
+    def spy(feeds: dict[str, Any], outputs: dict[str, Any], adapters: Any = None) -> None:
         sample = feeds[pipe.io.sample]
         rows.append(int(sample.shape()[0] if hasattr(sample, "shape") and callable(sample.shape)
                         else sample.shape[0]))
-        original(feeds, outputs)
+        original(feeds, outputs, adapters)
 
     monkeypatch.setattr(pipe.unet, "run", spy)
     return rows
