@@ -302,15 +302,16 @@ class LoraManager:
                     touched[(r.component, r.target.initializer)] = r.target.nbytes
         return sum(touched.values())
 
-    def require_fits(self, uses: tuple[LoraUse, ...]) -> None:
-        """InvalidRequestError (param ``loras``) for a set whose merged tensors exceed the whole cache budget: it
-        is refused before admission, never merged into an out-of-memory at batch time."""
+    def require_fits(self, uses: tuple[LoraUse, ...]) -> int:
+        """The set's merged bytes; InvalidRequestError (param ``loras``) for a set whose merged tensors exceed the
+        whole cache budget: it is refused before admission, never merged into an out-of-memory at batch time."""
         need, budget = self.set_bytes(uses), self.settings.cache_mb * 1024 * 1024
         if need > budget:
             raise InvalidRequestError(
                 f"the LoRA set needs {need / 2**20:.0f} MiB of merged weights on the device, over this server's "
                 f"LoRA budget of {self.settings.cache_mb} MiB ([runtime.lora] cache_mb): use fewer or smaller "
                 "adapters, or a server with a larger budget", param="loras")
+        return need
 
     def merge_estimate_s(self, uses: tuple[LoraUse, ...]) -> float:
         """Admission: seconds a set not cached costs before its first step, priced by the bytes it writes at the
@@ -318,8 +319,8 @@ class LoraManager:
         uses = tuple(u for u in uses if u.te or u.unet)
         if self.is_cached(uses):
             return 0.0
-        self.require_fits(uses)
+        need = self.require_fits(uses)
         s = self.stats
         rate = s.merged_bytes_total / s.merge_seconds_total if s.merged_bytes_total and s.merge_seconds_total \
             else FIRST_MERGE_BYTES_PER_S
-        return self.set_bytes(uses) / rate
+        return need / rate

@@ -182,10 +182,8 @@ def _build_engines(args: argparse.Namespace) -> int:
     trt_build.require_parsed(verdicts)
     if args.dry_run:
         return 0
-    import onnxruntime
-
-    log.info("option parser: %d TensorRT option sets of the plan accepted by ONNX Runtime %s's parser (%s)",
-             len(verdicts), onnxruntime.__version__, ", ".join(sorted(verdicts)))
+    log.info("option parser: %d TensorRT option sets of the plan accepted by ONNX Runtime's parser (%s)",
+             len(verdicts), ", ".join(sorted(verdicts)))
     return _build_on_gpu(args, boot, plan)
 
 
