@@ -10,6 +10,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -27,10 +28,10 @@ from engines.config import (
     Shape,
     SignatureThresholds,
 )
-from engines.diffusion.contract import Pipeline
+from engines.diffusion.contract import Pipeline, Stepwise
 from engines.diffusion.dit_family import is_dit_folder
 from engines.diffusion.dit_pipeline import DitOnnx
-from engines.diffusion.pipeline import OrtModel, StableDiffusionOnnx
+from engines.diffusion.pipeline import Begun, OrtModel, PipelineOutput, StableDiffusionOnnx
 from engines.diffusion.schedulers import EDIT_SCHEDULERS, SCHEDULERS
 from engines.errors import (
     ArtifactError,
@@ -70,6 +71,7 @@ from engines.protocol import (
     SelfTestReport,
     Signature,
     StepHook,
+    StepRun,
     TelemetrySource,
     Verdict,
     fingerprint,
@@ -122,6 +124,8 @@ class OrtEngine:
         self._thresholds = signature_thresholds or SignatureThresholds()
         self._tee = StderrTee() if watch_ort_log else None
         self._lora: LoraManager | None = None
+        self._scopes = Scopes()
+        """Buffer scopes of the batches denoised side by side (step-level batching)."""
 
     def preflight(self) -> tuple[CheckResult, ...]:
         """Check versions, provider libraries and the device against the matrix. With a GPU policy, any failure
@@ -416,16 +420,22 @@ class OrtEngine:
         """Run ``batch``; an all-black image (or NaN/inf from the VAE) is refused with InferenceError, never
         returned as a picture."""
         pipeline = self._pipeline_for(batch)
-        if batch.loras and self._lora is None:
-            raise InvalidRequestError("this server has no LoRA library ([runtime.lora] dir, --lora-dir)",
-                                      param="loras")
+        self._check_loras(batch)
         with self._lock:
             weights = self._lora.weights(batch.loras) if self._lora is not None else {}
             adapters = Adapters(weights)  # handed down to every adaptable component, which records its run
             out = pipeline(batch, on_step=on_step, adapters=adapters)
-            adapted = adapters.adapted
             if self.faults is not None and self.faults.latency_s > 0:
                 time.sleep(self.faults.latency_s)
+        return self._result(batch, pipeline, out, weights, adapters.adapted)
+
+    def _check_loras(self, batch: Batch) -> None:
+        if batch.loras and self._lora is None:
+            raise InvalidRequestError("this server has no LoRA library ([runtime.lora] dir, --lora-dir)",
+                                      param="loras")
+
+    def _result(self, batch: Batch, pipeline: Pipeline, out: PipelineOutput, weights: Mapping[str, object],
+                adapted: set[str], stopped: bool = False) -> BatchResult:
         missed = sorted(c for c, w in weights.items() if w and c not in adapted)
         if missed and out.steps_done:  # a stopped batch may not reach every component; it returns no claim
             raise InferenceError(f"LoRA weights were merged for {', '.join(missed)} but the batch ran "
@@ -440,7 +450,69 @@ class OrtEngine:
                        for img, spec, trunc, neg, latents in zip(out.images, batch.images, out.truncated,
                                                                  out.negative_truncated, kept, strict=True))
         return BatchResult(images, self._ran_on(pipeline), out.timings, len(images), out.steps_done,
-                           out.steps_done < (out.steps_total or batch.steps), tuple(sorted(adapted)))
+                           stopped or out.steps_done < (out.steps_total or batch.steps), tuple(sorted(adapted)))
+
+    def step_key(self, batch: Batch) -> Hashable | None:
+        """(size's pipeline, width, height, LoRA set) for a pipeline staged for step-level batching; None for one
+        that runs batches whole (the DiT families, for now)."""
+        pipeline = self._pipeline_for(batch)
+        if pipeline.stepwise() is None:
+            return None
+        return (id(pipeline), batch.width, batch.height, batch.lora_key)
+
+    def begin(self, batch: Batch) -> StepRun:
+        pipeline = self._pipeline_for(batch)
+        stages = pipeline.stepwise()
+        if stages is None:
+            raise InvalidRequestError("this model runs batches whole (no step-level batching)", param="model")
+        self._check_loras(batch)
+        with self._lock:
+            weights = self._lora.weights(batch.loras) if self._lora is not None else {}
+            adapters = Adapters(weights)
+            scope = self._scopes.take()
+            try:
+                with pipeline.runtime.scoped(scope):
+                    begun = stages.begin(batch, adapters=adapters)
+            except BaseException:
+                self._scopes.free(scope)
+                raise
+        return Stepping(pipeline, stages, begun, weights, adapters, scope)
+
+    def tick(self, runs: Sequence[StepRun]) -> None:
+        steps = [_stepping(run) for run in runs if not run.finished]
+        if not steps:
+            return
+        first = steps[0]
+        if any(s.pipeline is not first.pipeline for s in steps):
+            raise ValueError("a tick runs the rows of one pipeline (one step key)")
+        with self._lock:
+            start = time.perf_counter()
+            first.stages.run_denoiser([s.begun.state for s in steps])
+            for s in steps:
+                with first.pipeline.runtime.scoped(s.scope):
+                    first.stages.advance(s.begun.state)
+            elapsed = time.perf_counter() - start
+        rows = sum(len(s.begun.batch.images) for s in steps)
+        for s in steps:  # each batch's share of the tick, by its images
+            s.begun.denoise_s += elapsed * len(s.begun.batch.images) / rows
+
+    def finish(self, run: StepRun, stopped: bool = False) -> BatchResult:
+        s = _stepping(run)
+        s.begun.stopped = s.begun.stopped or stopped
+        try:
+            with self._lock, s.pipeline.runtime.scoped(s.scope):
+                out = s.stages.finish(s.begun)
+                if self.faults is not None and self.faults.latency_s > 0:
+                    time.sleep(self.faults.latency_s)
+        finally:
+            self.release(run)
+        return self._result(s.begun.batch, s.pipeline, out, s.weights, s.adapters.adapted, s.begun.stopped)
+
+    def release(self, run: StepRun) -> None:
+        s = _stepping(run)
+        if not s.released:
+            s.released = True
+            self._scopes.free(s.scope)
 
     def _arena_summary(self) -> dict[str, str | bool | float | int]:
         s = self.settings
@@ -606,3 +678,50 @@ def _digest(model_dir: Path, denoiser: str) -> str:
         return ""
     entry = json.loads(manifest.read_text(encoding="utf-8")).get("files", {}).get(f"{denoiser}/model.onnx", "")
     return str(entry.get("sha256", "") if isinstance(entry, dict) else entry)
+
+
+class Scopes:
+    """Buffer scope names for running batches: the lowest free number, so a scope's buffers are reused by the next
+    batch that takes it instead of growing the buffer cache."""
+
+    def __init__(self) -> None:
+        self._used: set[int] = set()
+
+    def take(self) -> str:
+        k = next(i for i in range(len(self._used) + 1) if i not in self._used)
+        self._used.add(k)
+        return f"run{k}/"
+
+    def free(self, scope: str) -> None:
+        self._used.discard(int(scope.removeprefix("run").rstrip("/")))
+
+
+@dataclasses.dataclass(eq=False)
+class Stepping:
+    """A batch being denoised step by step (Engine.begin): its pipeline, staged state, LoRA weights and scope."""
+
+    pipeline: Pipeline
+    stages: Stepwise
+    begun: Begun
+    weights: Mapping[str, object]
+    adapters: Adapters
+    scope: str
+    released: bool = False
+
+    @property
+    def steps_done(self) -> int:
+        return self.begun.state.done
+
+    @property
+    def steps_total(self) -> int:
+        return self.begun.steps_total
+
+    @property
+    def finished(self) -> bool:
+        return self.begun.finished
+
+
+def _stepping(run: StepRun) -> Stepping:
+    if not isinstance(run, Stepping):
+        raise TypeError(f"not a run this engine began: {type(run).__name__}")
+    return run

@@ -7,7 +7,7 @@ signature and ORT log events are frozen types, and their JSON shape is their ``m
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
@@ -559,6 +559,21 @@ class Capabilities(_Frozen):
     ``trt``, or ``notrt`` for an image built without the TensorRT libraries); empty outside an image."""
 
 
+class StepRun(Protocol):
+    """One admitted batch denoised step by step beside others (step-level batching): Engine.begin makes it,
+    Engine.tick advances it one denoiser evaluation, Engine.finish decodes it, Engine.release drops it."""
+
+    @property
+    def steps_done(self) -> int: ...
+
+    @property
+    def steps_total(self) -> int: ...
+
+    @property
+    def finished(self) -> bool:
+        """Every evaluation ran: the next call for it is ``finish``."""
+
+
 class Engine(Protocol):
     """Lifecycle verbs of an inference engine."""
 
@@ -574,6 +589,25 @@ class Engine(Protocol):
     def generate(self, batch: Batch, on_step: StepHook | None = None) -> BatchResult:
         """Run one batch; raises InvalidRequestError for requests the model cannot serve. ``on_step`` reports
         progress after every step and may stop the batch there."""
+
+    def step_key(self, batch: Batch) -> Hashable | None:
+        """Batches with equal keys may share denoiser calls step by step (same model size, latent shape and LoRA
+        set; prompts, seeds, steps, samplers, guidance and strengths may differ); None: this batch runs whole
+        through ``generate``."""
+
+    def begin(self, batch: Batch) -> StepRun:
+        """Encode ``batch`` and prepare its denoising state (its own device buffers); raises like ``generate``."""
+
+    def tick(self, runs: Sequence[StepRun]) -> None:
+        """One denoiser evaluation for every run (equal step keys, none finished), in one call where the model
+        allows, then each run's own step."""
+
+    def finish(self, run: StepRun, stopped: bool = False) -> BatchResult:
+        """Decode ``run`` where its denoising is (all steps, or where ``stopped`` cut it: an interrupt) and free
+        its state."""
+
+    def release(self, run: StepRun) -> None:
+        """Free a run that will not be finished (deadline, cancelled, stop)."""
 
     def canary(self) -> CanaryCheck:
         """Run one canary now (the watchdog calls this while no request runs)."""

@@ -131,9 +131,12 @@ def _export_text_encoders(text_encoder: Any, text_encoder_2: Any | None, out: Pa
 def _export_unet(unet: Any, hidden: int, out: Path, pooled: int | None) -> None:
     channels = int(unet.config.in_channels)
     sample = int(unet.config.sample_size) if isinstance(unet.config.sample_size, int) else 8
-    args = [torch.randn(2, channels, sample, sample), torch.tensor([1.0]), torch.randn(2, 77, hidden)]
+    # One timestep per row (diffusers expands a [1] or [B] timestep to the sample's batch): rows at different
+    # steps share one call under step-level batching (server/stepper.py). A [1] timestep still broadcasts.
+    args = [torch.randn(2, channels, sample, sample), torch.tensor([1.0, 1.0]), torch.randn(2, 77, hidden)]
     names = ["sample", "timestep", "encoder_hidden_states"]
     dynamic = {"sample": {0: "batch", 2: "height", 3: "width"}, "encoder_hidden_states": {0: "batch"},
+               "timestep": {0: "steps"},
                "out_sample": {0: "batch", 2: "height", 3: "width"}}
     module: torch.nn.Module = _UNet(unet)
     if pooled is not None:  # SDXL's added conditioning: pooled text embeddings and the six time ids

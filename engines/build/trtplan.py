@@ -47,7 +47,7 @@ ROLES: dict[str, dict[int, tuple[str, ...]]] = {
     "text_encoder": {2: ("cfg_batch", "tokens")},
     "text_encoder_2": {2: ("cfg_batch", "tokens")},
     "unet": {4: ("cfg_batch", "unet_channels", "height", "width"), 3: ("cfg_batch", "tokens", "hidden"),
-             1: ("timesteps",), 0: ()},
+             1: ("cfg_batch",), 0: ()},
     "vae_decoder": {4: ("batch", "latent_channels", "height", "width")},
     "vae_encoder": {4: ("batch", "image_channels", "pixel_height", "pixel_width")},
 }
@@ -168,8 +168,9 @@ def component_shapes(component: str, inputs: dict[str, list[int | str]], dims: d
             for name, declared in inputs.items())
     factor = dims["factor"] or 8
     values = {**dims, "batch": batch, "cfg_batch": 2 * batch if cfg else batch, "height": p.height // factor,
-              "width": p.width // factor, "timesteps": 1,
-              "pixel_height": p.height, "pixel_width": p.width}  # the pipeline feeds one timestep per UNet call
+              "width": p.width // factor, "pixel_height": p.height, "pixel_width": p.width}
+    # The timestep has one value per UNet row (rows at different steps share a call under step-level batching),
+    # so it follows cfg_batch; a UNet exported with a fixed [1] timestep keeps its fixed dim (resolve).
     return ",".join(f"{name}:" + "x".join(str(d) for d in resolve(component, name, declared, values))
                     for name, declared in inputs.items())
 

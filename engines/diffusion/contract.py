@@ -5,6 +5,7 @@ decode) in ``__call__``; the component sessions it exposes are what LoRA adapts 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -12,9 +13,26 @@ import numpy as np
 from engines.protocol import Batch, StepHook
 
 if TYPE_CHECKING:
-    from engines.diffusion.pipeline import OrtModel, PipelineOutput
+    from engines.diffusion.pipeline import Begun, Denoising, OrtModel, PipelineOutput
     from engines.lora.active import Adapters
     from engines.runtime.sessions import Runtime
+
+
+class Stepwise(Protocol):
+    """A pipeline whose stages run one denoiser evaluation at a time for many batches (step-level batching,
+    server/stepper.py): each batch begins (encode, noise, edit preparation), ticks (one joined denoiser call over
+    every running batch, then each batch's own step graph) and finishes (decode)."""
+
+    def begin(self, batch: Batch, latents: np.ndarray | None = None, adapters: Adapters | None = None) -> Begun: ...
+
+    def run_denoiser(self, states: Sequence[Denoising]) -> None: ...
+
+    def advance(self, state: Denoising) -> bool: ...
+
+    def finish(self, run: Begun) -> PipelineOutput: ...
+
+    def joinable(self) -> bool:
+        """Whether rows at different timesteps share one denoiser call (else one call per timestep value)."""
 
 
 class Pipeline(Protocol):
@@ -40,3 +58,7 @@ class Pipeline(Protocol):
 
     def __call__(self, batch: Batch, *, latents: np.ndarray | None = None, on_step: StepHook | None = None,
                  adapters: Adapters | None = None) -> PipelineOutput: ...
+
+    def stepwise(self) -> Stepwise | None:
+        """The stages step-level batching drives, or None when this pipeline runs a batch whole (then a step-level
+        server runs its batches one at a time between ticks)."""

@@ -23,7 +23,8 @@ import onnxruntime as ort
 
 from engines.diffusion.edits import ENCODER_OUTPUT, build_sample_graph, edit_inputs
 from engines.diffusion.flow_graph import build_flow_noise_graph
-from engines.diffusion.pipeline import OrtModel, shape_feed
+from engines.diffusion.pipeline import OrtModel
+from engines.diffusion.rows import shape_feed
 from engines.protocol import Batch
 from engines.runtime.sessions import Runtime
 

@@ -50,7 +50,8 @@ from engines.diffusion.dit_family import DitFamily, detect_dit
 from engines.diffusion.family import read_json
 from engines.diffusion.flow import FlowMatchConfig, FlowSchedule, flow_schedule, flux_sigmas
 from engines.diffusion.flow_graph import build_flow_decode_graph, build_flow_step_graph, flow_coefficients, flow_start
-from engines.diffusion.pipeline import Feed, OrtModel, PipelineOutput, image_rng, shape_feed
+from engines.diffusion.pipeline import Feed, OrtModel, PipelineOutput, image_rng
+from engines.diffusion.rows import shape_feed
 from engines.diffusion.t5_tokenizer import T5Tokenizer
 from engines.diffusion.tokenizer import ClipTokenizer
 from engines.errors import InferenceError, InvalidRequestError, ModelLoadError
@@ -227,6 +228,10 @@ class DitOnnx:
 
     def adaptable(self) -> list[OrtModel]:
         return [self.transformer, self.t5, *(model for _, model in self.clips)]
+
+    def stepwise(self) -> None:
+        """Not yet staged for step-level batching: a DiT batch runs whole between the running sets' ticks."""
+        return None
 
     def check_inputs(self, batch: Batch) -> None:
         """Refuse (never clamp) what this model cannot serve."""

@@ -184,6 +184,9 @@ class UNetIO:
     timestep_shape: tuple[int, ...]
     text_embeds: str | None = None
     time_ids: str | None = None
+    timestep_rows: bool = False
+    """The timestep input takes one value per row (a symbolic first dim): rows at different steps can share a call
+    (step-level batching). A UNet exported with a fixed [1] timestep serves rows at one timestep per call."""
 
 
 def unet_io(family: Family, inputs: Mapping[str, Sequence[int | str | None]], outputs: Sequence[str]) -> UNetIO:
@@ -216,7 +219,7 @@ def unet_io(family: Family, inputs: Mapping[str, Sequence[int | str | None]], ou
                              f"(all inputs: {sorted(inputs)}; expected {expected})")
     shape = inputs[roles["timestep"]]
     return UNetIO(roles["sample"], roles["timestep"], roles["hidden"], outputs[0], () if not shape else (1,),
-                  roles.get("text_embeds"), roles.get("time_ids"))
+                  roles.get("text_embeds"), roles.get("time_ids"), bool(shape) and not isinstance(shape[0], int))
 
 
 def penultimate_output(outputs: Sequence[str], config: Mapping[str, Any]) -> str:

@@ -32,6 +32,7 @@ from engines.diffusion.edits import Editor, Mixer, Prepared, paste_back, strengt
 from engines.diffusion.family import Family, read_json
 from engines.diffusion.multistep import MAX_HISTORY
 from engines.diffusion.plan import Step
+from engines.diffusion.rows import RowPacker, ShapeFeed
 from engines.diffusion.schedulers import EDIT_SCHEDULERS, SCHEDULERS, NoiseSchedule, SchedulePlan, make_plan
 from engines.diffusion.step_graph import (
     STATE_DTYPE,
@@ -45,17 +46,6 @@ from engines.errors import InferenceError, InvalidRequestError, ModelLoadError
 from engines.lora.active import Adapters
 from engines.protocol import Batch, StepHook, Timings
 from engines.runtime.sessions import Runtime, numpy_dtype
-
-
-class ShapeFeed(np.ndarray):
-    """An int64 shape a graph input takes (a Reshape's target): ORT's CUDA and TensorRT providers read shape inputs
-    from host memory (CUDA kernels register them as OrtMemTypeCPUInput), so binding it from the host is no
-    host->device copy and the staging check (Runtime.host_reads) does not count it. ``shape_feed(dims)`` makes one."""
-
-
-def shape_feed(dims: Sequence[int]) -> ShapeFeed:
-    return np.asarray(dims, dtype=np.int64).view(ShapeFeed)
-
 
 Feed: TypeAlias = ort.OrtValue | np.ndarray
 log = logging.getLogger(__name__)
@@ -204,6 +194,31 @@ class Denoising:
     adapters: Adapters | None
     done: int = 0
     """Sampler steps completed."""
+    next_eval: int = 0
+    """The evaluation the next tick runs (``len(evals)`` when the denoising is over)."""
+    timestep_values: tuple[float, ...] = ()
+    """Each evaluation's timestep on the host: rows of a UNet with one timestep per call share a call only at
+    equal timesteps."""
+
+
+@dataclass
+class Begun:
+    """One batch between its stages (``begin``, ticks of ``run_denoiser`` + ``advance``, ``finish``): what step-level
+    batching holds per running request."""
+
+    batch: Batch
+    state: Denoising
+    cond: Conditioning
+    prepared: Prepared | None
+    steps_total: int
+    started: tuple[float, float, float]
+    """perf_counter at the start, after encoding, after preparing the latents."""
+    denoise_s: float = 0.0
+    stopped: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.stopped or self.state.next_eval >= len(self.state.evals)
 
 
 class StableDiffusionOnnx:
@@ -247,6 +262,11 @@ class StableDiffusionOnnx:
         self.step_multi, self.step_multi_cond = (
             OrtModel(runtime, build_step_graph(self.latent_dtype, out_dtype, cfg=cfg, history=MAX_HISTORY),
                      f"scheduler_step_multi{'' if cfg else '_cond'}" + label) for cfg in (True, False))
+        # Step-level batching joins every UNet input of several requests and splits the output (rows.py).
+        kinds = [(self.unet.input_dtype(name), len(arg.shape)) for name, arg in self.unet.inputs.items()
+                 if len(arg.shape) > 0]
+        self.rows = RowPacker(runtime, lambda m, name: OrtModel(runtime, m, name + label), kinds,
+                              (out_dtype, len(self.unet.session.get_outputs()[0].shape)))
         self._load_geometry(folder, label)
         self._load_second_encoder(folder, paths, label)
         self.editor: Editor | None = None
@@ -357,10 +377,24 @@ class StableDiffusionOnnx:
     def __call__(self, batch: Batch, latents: np.ndarray | None = None,
                  on_step: StepHook | None = None, adapters: Adapters | None = None) -> PipelineOutput:
         """Generate ``batch``: uint8 images, per-image prompt truncation (prompts are tokenized once, here) and
-        phase timings.
+        phase timings: ``begin``, one evaluation at a time, ``finish`` -- the stages step-level batching runs for
+        many requests at once.
         ``latents`` (float32 [B,C,h,w], unscaled unit noise) replaces the seeded initial noise, for parity tests.
         ``on_step(done, total)`` runs after every step; False stops there and the current latents are decoded.
         ``adapters``: the batch's LoRA weights, handed to the text encoders and the UNet."""
+        run = self.begin(batch, latents, adapters)
+        while not run.finished:
+            t = time.perf_counter()
+            completes = self.denoise_step(run.state, run.state.next_eval)
+            run.denoise_s += time.perf_counter() - t
+            if completes and on_step is not None and not on_step(run.state.done, run.steps_total) \
+                    and not run.finished:
+                run.stopped = True
+        return self.finish(run)
+
+    def begin(self, batch: Batch, latents: np.ndarray | None = None, adapters: Adapters | None = None) -> Begun:
+        """Encode the prompts, draw each image's noise, prepare an edit's start latents and the denoising state
+        (every buffer under the runtime's current scope)."""
         self.check_inputs(batch)
         t0 = time.perf_counter()
         n = len(batch.images)
@@ -383,19 +417,25 @@ class StableDiffusionOnnx:
         if edit and self.editor is not None:
             prepared = self.editor.prepare(batch, plan, latents, rngs, 2 if cfg else 1, start == 0)
         t2 = time.perf_counter()
-        # 4. Denoise: UNet on [uncond; text] (or [text]), then the step graph writes the next latents and UNet input.
-        final, steps_done = self._denoise(plan, latents, cond, guidance, rngs, batch, on_step, prepared, adapters)
-        kept = np.array(final.numpy(), dtype=np.float32) if any(s.keep_latents for s in batch.images) else None
+        state = self.start_denoise(plan, latents, cond, guidance, rngs, batch, prepared, adapters)
+        return Begun(batch, state, cond, prepared, len(plan.steps), (t0, t1, t2))
+
+    def finish(self, run: Begun) -> PipelineOutput:
+        """Decode the latents the denoising reached (all steps, or where it stopped) on the device; the image comes
+        down once (inpainting: the init image pasted back outside the mask)."""
         t3 = time.perf_counter()
-        # 5. Decode on the device; the image comes down once (inpainting: the init image pasted back outside).
-        images = self._decode(final, batch)
-        if prepared is not None:
-            images = paste_back(images, prepared.inputs)
+        final = run.state.lat[0]
+        kept = np.array(final.numpy(), dtype=np.float32) if any(s.keep_latents for s in run.batch.images) else None
+        images = self._decode(final, run.batch)
+        if run.prepared is not None:
+            images = paste_back(images, run.prepared.inputs)
         t4 = time.perf_counter()
-        timings = Timings(text_encoder=t1 - t0, denoise=t3 - t2, vae_decode=t4 - t3, total=t4 - t0,
-                          vae_encode=t2 - t1)
-        return PipelineOutput(images, cond.truncated, cond.negative_truncated, timings, steps_done, len(plan.steps),
-                              kept)
+        t0, t1, t2 = run.started
+        # Compute seconds of this batch (under step-level batching its share of the ticks, not its wall time).
+        timings = Timings(text_encoder=t1 - t0, denoise=run.denoise_s, vae_decode=t4 - t3,
+                          total=(t2 - t0) + run.denoise_s + (t4 - t3), vae_encode=t2 - t1)
+        return PipelineOutput(images, run.cond.truncated, run.cond.negative_truncated, timings, run.state.done,
+                              run.steps_total, kept)
 
     def _unet_feeds(self, cond: Conditioning, batch: Batch, rows: int) -> dict[str, Feed]:
         """The conditioning inputs of every step: hidden states, and SDXL's pooled embeddings and time ids."""
@@ -407,30 +447,19 @@ class StableDiffusionOnnx:
                 "time_ids", np.array([ids] * rows, dtype=self.unet.input_dtype(self.io.time_ids)))
         return feeds
 
-    def _step_tables(self, evals: tuple[tuple[Step, bool], ...], guidance: np.ndarray,
-                     depth: int) -> tuple[list[ort.OrtValue], list[ort.OrtValue], list[ort.OrtValue]]:
+    def _step_tables(self, evals: tuple[tuple[Step, bool], ...], guidance: np.ndarray, depth: int,
+                     rows: int) -> tuple[list[ort.OrtValue], list[ort.OrtValue], list[ort.OrtValue]]:
         """Every evaluation's timestep, step coefficients and next input scale, on the device before the loop:
         one copy each per request instead of three host feeds (pageable bind_cpu_input) per step. The values are
-        the ones a per-step feed would carry, so the CPU path stays bit-identical."""
+        the ones a per-step feed would carry, so the CPU path stays bit-identical. A UNet that takes a timestep per
+        row gets ``rows`` copies (the value it would broadcast), so requests' timesteps join like their samples."""
         t_dtype = self.unet.input_dtype(self.io.timestep)
-        timesteps = np.stack([np.full(self.io.timestep_shape, step.timestep, dtype=t_dtype) for step, _ in evals])
+        t_shape = (rows,) if self.io.timestep_rows else self.io.timestep_shape
+        timesteps = np.stack([np.full(t_shape, step.timestep, dtype=t_dtype) for step, _ in evals])
         coeffs = np.stack([step_coefficients(step.next, step.denoised, guidance, depth) for step, _ in evals])
         scales = [evals[i + 1][0].input_scale if i + 1 < len(evals) else 1.0 for i in range(len(evals))]
         return (self.runtime.upload_steps("timesteps", timesteps), self.runtime.upload_steps("coeffs", coeffs),
                 self.runtime.upload_steps("in_scales", np.array(scales, dtype=STATE_DTYPE).reshape(-1, 1)))
-
-    def _denoise(self, plan: SchedulePlan, latents: np.ndarray, cond: Conditioning, guidance: np.ndarray,
-                 rngs: list[np.random.Generator], batch: Batch, on_step: StepHook | None = None,
-                 edit: Prepared | None = None, adapters: Adapters | None = None) -> tuple[ort.OrtValue, int]:
-        """Run every step (or until ``on_step`` says stop); returns the device buffer holding the float32 latents
-        and the number of steps run: the composition of ``start_denoise`` and ``denoise_step``."""
-        state = self.start_denoise(plan, latents, cond, guidance, rngs, batch, edit, adapters)
-        for i in range(len(state.evals)):
-            completes = self.denoise_step(state, i)
-            if completes and on_step is not None and not on_step(state.done, len(plan.steps)) \
-                    and i + 1 < len(state.evals):
-                break
-        return state.lat[0], state.done
 
     def start_denoise(self, plan: SchedulePlan, latents: np.ndarray, cond: Conditioning, guidance: np.ndarray,
                       rngs: list[np.random.Generator], batch: Batch, edit: Prepared | None = None,
@@ -462,17 +491,72 @@ class StableDiffusionOnnx:
         model_out = self.runtime.buffer("unet_out", (copies * n, *shape[1:]), self.unet.output_dtype())
         zeros = self.runtime.upload("zeros", np.zeros(shape, f32))
         feeds = self._unet_feeds(cond, batch, copies * n)
-        timesteps, coeffs, in_scales = self._step_tables(evals, guidance, depth)
+        timesteps, coeffs, in_scales = self._step_tables(evals, guidance, depth, copies * n)
         return Denoising(evals, depth, step_graph, lat, ring, model_in, step_in, model_out, zeros, feeds,
-                         timesteps, coeffs, in_scales, rngs, mixer, adapters)
+                         timesteps, coeffs, in_scales, rngs, mixer, adapters,
+                         timestep_values=tuple(float(step.timestep) for step, _ in evals))
 
     def denoise_step(self, state: Denoising, i: int) -> bool:
-        """Evaluation ``i``: the UNet on the current input, then the step graph writes the next latents, the
-        denoised estimate into the ring and the next UNet input. True when it completes a sampler step."""
+        """Evaluation ``i`` (the state's next): the UNet on the current input, then the step graph writes the next
+        latents, the denoised estimate into the ring and the next UNet input. True when it completes a sampler
+        step."""
+        if i != state.next_eval:
+            raise ValueError(f"evaluation {i} requested; the denoising is at {state.next_eval}")
+        self.run_denoiser([state])
+        return self.advance(state)
+
+    def stepwise(self) -> StableDiffusionOnnx:
+        return self
+
+    def joinable(self) -> bool:
+        """Whether rows at different timesteps can share one UNet call (its timestep input takes one per row)."""
+        return self.io.timestep_rows
+
+    def run_denoiser(self, states: Sequence[Denoising]) -> None:
+        """One UNet evaluation for each state at its next evaluation, every state's rows in one call where the
+        UNet takes a timestep per row (else one call per timestep value): each state's input buffers are joined on
+        the device and its output rows copied back into its own output buffer (engines/diffusion/rows.py). A
+        single state binds its own buffers, exactly the solo path."""
+        if not states:
+            return
+        groups: dict[float, list[Denoising]] = {}
+        for state in states:
+            key = 0.0 if self.io.timestep_rows else state.timestep_values[state.next_eval]
+            groups.setdefault(key, []).append(state)
+        for group in groups.values():
+            self._run_joined(group)
+
+    def _run_joined(self, states: list[Denoising]) -> None:
+        first = states[0]
+        names = list(first.feeds)
+        if len(states) == 1:
+            self.unet.run({self.io.sample: first.model_in, self.io.timestep: first.timesteps[first.next_eval],
+                           **first.feeds}, {self.io.out: first.model_out}, first.adapters)
+            return
+        join = self.rows.join
+        for state in states[1:]:
+            if list(state.feeds) != names or any(not isinstance(state.feeds[n], ort.OrtValue) for n in names):
+                raise InferenceError("rows joined into one UNet call must bind the same device inputs")
+        feeds: dict[str, Feed] = {
+            self.io.sample: join("sample", [s.model_in for s in states]),
+            self.io.timestep: join("timestep", [s.timesteps[s.next_eval] for s in states]) if self.io.timestep_rows
+            else first.timesteps[first.next_eval],
+            **{name: join(name, [s.feeds[name] for s in states]) for name in names},
+        }
+        shape = (sum(s.model_out.shape()[0] for s in states), *first.model_out.shape()[1:])
+        out = self.runtime.buffer("rows_out", shape, self.unet.output_dtype())
+        self.unet.run(feeds, {self.io.out: out}, first.adapters)  # one LoRA set per running set (its key)
+        for state in states[1:]:
+            if state.adapters is not None and first.adapters is not None:
+                state.adapters.adapted |= first.adapters.adapted
+        self.rows.split(out, [s.model_out for s in states])
+
+    def advance(self, state: Denoising) -> bool:
+        """After the UNet wrote the state's output: the step graph writes the next latents, the denoised estimate
+        into the ring and the next UNet input (inpainting: the blend). True when a sampler step completed."""
+        i = state.next_eval
         step, completes = state.evals[i]
         shape = tuple(state.zeros.shape())
-        self.unet.run({self.io.sample: state.model_in, self.io.timestep: state.timesteps[i], **state.feeds},
-                      {self.io.out: state.model_out}, state.adapters)
         noise: Feed = state.zeros
         if step.next.noise:
             noise = self.runtime.upload("noise", np.stack([r.standard_normal(shape[1:], dtype=np.float32)
@@ -488,6 +572,7 @@ class StableDiffusionOnnx:
         else:
             lat.reverse()
         state.done += completes
+        state.next_eval += 1
         return completes
 
     def _tokens(self, tokenizer: ClipTokenizer, batch: Batch,

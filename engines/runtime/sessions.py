@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict, deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ from engines.runtime.ortlog import capture_ort_output
 from engines.runtime.pinned import HostAllocator, PageableAllocator, PinnedAllocator
 
 log = logging.getLogger(__name__)
-MAX_CACHED = 128
+MAX_CACHED = 256
 """Device buffers / host staging buffers kept per (tag, shape, dtype); least recently used go first."""
 
 _ORT_TYPES: dict[str, type[np.generic]] = {
@@ -265,6 +267,9 @@ class Runtime:
         """The host memory each host->device copy read from, newest last (accept's staging check reads it)."""
         self.arena: dict[str, Any] = {}
         """The shared device arena's state (device_arena), empty off CUDA."""
+        self.scope = ""
+        """Prefix of every buffer, staging and table tag (``scoped``): requests denoised side by side (step-level
+        batching) each keep their own device state under their own scope."""
         if self.device == "cuda":  # provider libraries have no RUNPATH: load the pip CUDA/TensorRT wheels first
             for line in preload(tensorrt=TRT in settings.providers):
                 log.info("preload: %s", line)
@@ -394,9 +399,21 @@ class Runtime:
         self._after_load = enginecheck.snapshot(self._engine_dirs)
         return events
 
+    @contextmanager
+    def scoped(self, scope: str) -> Iterator[None]:
+        """Tags inside the block name buffers of ``scope`` only: one running request's latents, history, UNet
+        input and output never share memory with another's of the same shape. Not thread-safe: the engine runs
+        one call at a time (its lock)."""
+        outer, self.scope = self.scope, scope
+        try:
+            yield
+        finally:
+            self.scope = outer
+
     def buffer(self, tag: str, shape: tuple[int, ...], dtype: type[np.generic]) -> ort.OrtValue:
-        """A device tensor reused across steps and requests of the same shape (bounded LRU)."""
-        key = (tag, shape, np.dtype(dtype).name)
+        """A device tensor reused across steps and requests of the same shape and scope (bounded LRU; a buffer
+        still held by a running request stays alive after it leaves the cache)."""
+        key = (self.scope + tag, shape, np.dtype(dtype).name)
         value = self._buffers.get(key)
         if value is None:
             value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, self.device, self.device_id)
@@ -417,7 +434,7 @@ class Runtime:
     def staging(self, tag: str, shape: tuple[int, ...], dtype: type[np.generic]) -> tuple[np.ndarray, ort.OrtValue]:
         """A host array (pinned on a GPU) and a CPU OrtValue over the same memory, reused per shape. Bound as an
         output, ORT copies the device result straight into it; as a copy source it feeds update_inplace."""
-        key = (tag, shape, np.dtype(dtype).name)
+        key = (self.scope + tag, shape, np.dtype(dtype).name)
         if key not in self._staging:
             array = self.host.empty(shape, dtype)
             self._staging[key] = (array, ort.OrtValue.ortvalue_from_numpy(array))
@@ -430,7 +447,7 @@ class Runtime:
     def staged(self, tag: str, shape: tuple[int, ...], dtype: type[np.generic]) -> np.ndarray | None:
         """The host staging array the pipeline used for (tag, shape, dtype), or None when it never staged one:
         a check of what was bound must not create what it checks (``staging`` would allocate a fresh buffer)."""
-        found = self._staging.get((tag, shape, np.dtype(dtype).name))
+        found = self._staging.get((self.scope + tag, shape, np.dtype(dtype).name))
         return found[0] if found is not None else None
 
     def upload(self, tag: str, array: np.ndarray) -> ort.OrtValue:
@@ -453,7 +470,7 @@ class Runtime:
         """One device tensor per row of ``table`` (per-step scalars: timestep, coefficients, scale), all copied at
         once before the loop, so the steps bind device values instead of copying host arrays every step. Reused
         per (tag, shape, dtype) like ``buffer``; the rows go up from one (pinned, on a GPU) staging copy."""
-        key = (tag, tuple(table.shape), np.dtype(table.dtype).name)
+        key = (self.scope + tag, tuple(table.shape), np.dtype(table.dtype).name)
         values = self._tables.get(key)
         if values is None:
             values = [ort.OrtValue.ortvalue_from_shape_and_type(list(table.shape[1:]), table.dtype.type, self.device,
