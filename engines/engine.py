@@ -505,10 +505,10 @@ class OrtEngine:
                 if self.faults is not None and self.faults.latency_s > 0:
                     time.sleep(self.faults.latency_s)
         finally:
-            self.release(run)
+            self.discard(run)
         return self._result(s.begun.batch, s.pipeline, out, s.weights, s.adapters.adapted, s.begun.stopped)
 
-    def release(self, run: StepRun) -> None:
+    def discard(self, run: StepRun) -> None:
         s = _stepping(run)
         if not s.released:
             s.released = True

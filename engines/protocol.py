@@ -203,6 +203,9 @@ class BatchResult:
     interrupted: bool = False
     adapted: tuple[str, ...] = ()
     """The components that ran with the batch's merged LoRA weights bound (sorted); empty without LoRA."""
+    first_step_s: float = 0.0
+    """Seconds from the request's arrival in the queue to the end of its first denoiser evaluation (the server's
+    batcher sets it; 0 from the engine)."""
 
     @property
     def executed(self) -> int:
@@ -561,7 +564,7 @@ class Capabilities(_Frozen):
 
 class StepRun(Protocol):
     """One admitted batch denoised step by step beside others (step-level batching): Engine.begin makes it,
-    Engine.tick advances it one denoiser evaluation, Engine.finish decodes it, Engine.release drops it."""
+    Engine.tick advances it one denoiser evaluation, Engine.finish decodes it, Engine.discard drops it."""
 
     @property
     def steps_done(self) -> int: ...
@@ -606,7 +609,7 @@ class Engine(Protocol):
         """Decode ``run`` where its denoising is (all steps, or where ``stopped`` cut it: an interrupt) and free
         its state."""
 
-    def release(self, run: StepRun) -> None:
+    def discard(self, run: StepRun) -> None:
         """Free a run that will not be finished (deadline, cancelled, stop)."""
 
     def canary(self) -> CanaryCheck:

@@ -21,7 +21,7 @@ from typing import Literal
 from starlette.concurrency import run_in_threadpool
 
 from engines.errors import NotReadyError
-from engines.protocol import Batch, BatchResult, Engine
+from engines.protocol import Batch, BatchResult, Engine, StepRun
 from server.admission import Cost, CostModel
 from server.errors import DeadlineExceededError, JobInterruptedError, QueueFullError
 from server.metrics import Metrics
@@ -39,6 +39,14 @@ class Job:
     """Who submitted it (the API key id; None without auth): /sdapi/v1/interrupt stops the caller's jobs only."""
     state: JobState = "queued"
     interrupted: bool = False
+    cancelled: bool = False
+    """The client went away while the job ran: step-level batching drops its rows at the next boundary."""
+    started: float = 0.0
+    """perf_counter when it started running (progress)."""
+    first_step_s: float | None = None
+    """Seconds from enqueue to the end of its first denoiser evaluation."""
+    run: StepRun | None = None
+    """Its rows in a running set (step-level batching, server/stepper.py); None while queued or run whole."""
 
     @property
     def images(self) -> int:
@@ -114,7 +122,19 @@ class Batcher:
             b = self._live[0].batch
             whole = self.cost.total([Cost(b.width, b.height, b.steps, self.progress.images)])
             running = whole * (1 - self.progress.steps_done / max(1, self.progress.steps_total))
+        for job in self._rows():
+            if job.run is not None:
+                left = 1 - job.run.steps_done / max(1, job.run.steps_total)
+                running += self.cost.total([job.cost]) * left
         return running + self.cost.total(job.cost for job in self.queue)
+
+    def _rows(self) -> list[Job]:
+        """Jobs running step by step (none under micro-batching)."""
+        return []
+
+    def progress_for(self, owner: str | None) -> Progress | None:
+        """What /sdapi/v1/progress reports: the executing batch (micro-batching)."""
+        return self.progress
 
     def interrupt(self, owner: str | None, queued_too: bool = True) -> tuple[int, int]:
         """Stop ``owner``'s jobs: queued ones are dropped (JobInterruptedError), running ones stop at the next step
@@ -125,7 +145,7 @@ class Batcher:
             if not job.future.done():
                 job.future.set_exception(JobInterruptedError("request interrupted (POST /sdapi/v1/interrupt) "
                                                              "before it started"))
-        running = [j for j in self._live if j.owner == owner and not j.interrupted]
+        running = [j for j in [*self._live, *self._rows()] if j.owner == owner and not j.interrupted]
         for job in running:
             job.interrupted = True
         return len(running), len(queued)
@@ -155,6 +175,7 @@ class Batcher:
         except asyncio.CancelledError:  # the client went away
             if job.state == "queued":
                 self._drop(job)
+            job.cancelled = True
             raise
 
     def _drop(self, job: Job) -> None:
@@ -214,6 +235,10 @@ class Batcher:
     def _step_hook(self, live: list[Job], start: float, images: int) -> Callable[[int, int], bool]:
         def on_step(done: int, total: int) -> bool:  # runs in the engine's thread, between steps
             self.progress = Progress(done, total, start, images)
+            now = time.monotonic()
+            for job in live:
+                if job.first_step_s is None:
+                    job.first_step_s = now - job.enqueued
             if self.abandon:  # raising skips the decode: a stop costs at most the step that was running
                 raise NotReadyError("server stopped before this request completed: retry it on another replica")
             if all(j.deadline is not None and time.monotonic() >= j.deadline for j in live):
@@ -265,7 +290,8 @@ class Batcher:
             job.state = "done"
             if not job.future.done():
                 job.future.set_result(BatchResult(part, result.provider, result.timings, len(merged.images),
-                                                  result.steps_done, result.interrupted))
+                                                  result.steps_done, result.interrupted, result.adapted,
+                                                  job.first_step_s or 0.0))
 
     async def drain(self, timeout: float) -> int:
         """Stop accepting; let queued and running work finish within ``timeout``; fail what is left (503).

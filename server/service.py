@@ -30,6 +30,7 @@ from server.request_rules import build_batch
 from server.schemas import ImageGenerationRequest
 from server.settings import Settings
 from server.state import ServerState
+from server.stepper import StepBatcher
 
 
 def encode_png(image: object) -> bytes:
@@ -63,7 +64,8 @@ class Generated:
         """Server-Timing, provider, seeds, executed batch size and warnings of one request."""
         response.headers["Server-Timing"] = (f"queue;dur={self.queue_seconds * 1000:.1f}, "
                                              f"compute;dur={self.result.timings.total * 1000:.1f}, "
-                                             f"encode;dur={self.encode_seconds * 1000:.1f}")
+                                             f"encode;dur={self.encode_seconds * 1000:.1f}, "
+                                             f"first-step;dur={self.result.first_step_s * 1000:.1f}")
         response.headers[headers.PROVIDER] = self.result.provider
         response.headers[headers.SEEDS] = ",".join(str(g.seed) for g in self.result.images)
         response.headers[headers.BATCH_SIZE] = str(self.result.executed)
@@ -95,8 +97,10 @@ class ImageService:
         self.lock = asyncio.Lock()
         q = settings.queue
         self.cost = CostModel()
-        self.batcher = Batcher(engine, metrics, self.lock, q.max_size, q.max_batch, q.max_queue_delay_ms / 1000,
-                               self.cost)
+        self.batcher: Batcher = StepBatcher(
+            engine, metrics, self.lock, q.max_size, q.max_batch, q.max_queue_delay_ms / 1000, self.cost,
+            q.max_running) if q.batching == "step" else Batcher(
+            engine, metrics, self.lock, q.max_size, q.max_batch, q.max_queue_delay_ms / 1000, self.cost)
         self.window_s = window_s
         self.recent: deque[Sample] = deque(maxlen=10_000)
         self._last_done = time.monotonic()

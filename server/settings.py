@@ -299,10 +299,19 @@ class QueueSettings(BaseModel):
 
     max_size: int = Field(32, ge=1, le=10_000)
     """Requests allowed to wait; one more gets 429 at once."""
+    batching: Literal["step", "micro"] = "step"
+    """``step``: requests join and leave the running batch at step boundaries (server/stepper.py), so a short
+    request never waits out a long one; ``micro``: compatible requests merge into one batch that runs to the end
+    (server/batcher.py)."""
     max_batch: int = Field(4, ge=1, le=64)
-    """Images per executed batch (compatible requests are merged up to this)."""
+    """Images per executed batch (micro) or per denoiser call (step): compatible requests are merged up to this
+    (the TensorRT profiles and the memory plan are sized for it)."""
+    max_running: int = Field(32, ge=1, le=4096)
+    """Step-level batching: images encoded and denoising at once (their latents and history stay on the device, a
+    few MB per image); each tick runs at most ``max_batch`` of them, shortest remaining first."""
     max_queue_delay_ms: float = Field(10.0, ge=0, le=10_000)
-    """How long the oldest request waits for compatible ones to join its batch."""
+    """Micro-batching: how long the oldest request waits for compatible ones to join its batch (step-level
+    batching needs no wait: a request joins at the next tick)."""
     request_timeout_s: float = Field(300.0, gt=0, le=3600)
     """Default deadline; a request not started by then gets 504 (header x-sdserve-timeout-s may shorten it)."""
     drain_timeout_s: float = Field(30.0, ge=0, le=3600)

@@ -101,7 +101,7 @@ async def progress(request: Request, skip_current_image: bool = False) -> Progre
     if state.state == "failed":
         request.app.state.service.require_ready()  # raises the permanent 503 with the boot failure
     batcher = request.app.state.service.batcher
-    queued, running, now = len(batcher.queue), batcher.running, batcher.progress
+    queued, running, now = len(batcher.queue), batcher.running, batcher.progress_for(caller(request))
     booting = state.state in BOOTING
     jobs = queued + running + int(booting)
     if jobs == 0:
@@ -114,7 +114,7 @@ async def progress(request: Request, skip_current_image: bool = False) -> Progre
     done, total = (now.steps_done, now.steps_total) if now is not None else (0, 0)
     fraction = max(0.01, done / total) if total else 0.01
     eta = ahead_s + (_remaining_s(now) if now is not None else batcher.stats.batch_seconds)
-    text = f"{queued} request(s) queued, {running} batch(es) running, step {done}/{total}"
+    text = f"{queued} request(s) queued, {running} running, step {done}/{total}"
     return ProgressResponse(progress=round(min(fraction, 1.0), 4), eta_relative=round(eta, 3),
                             state=ProgressState(job="sdserve: generating" if running else "sdserve: queued",
                                                 job_count=jobs, sampling_step=done, sampling_steps=total),

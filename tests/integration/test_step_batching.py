@@ -125,11 +125,11 @@ def test_released_scopes_are_reused_and_runs_keep_apart(engine: OrtEngine) -> No
     a, b = engine.begin(_batch("one", 1, 4, "euler")), engine.begin(_batch("two", 2, 4, "euler"))
     state_a, state_b = a.begun.state, b.begun.state  # type: ignore[attr-defined]
     assert state_a.lat[0] is not state_b.lat[0] and state_a.model_out is not state_b.model_out
-    engine.release(a)
+    engine.discard(a)
     c = engine.begin(_batch("three", 3, 4, "euler"))
     assert c.scope == a.scope  # type: ignore[attr-defined]
-    engine.release(b)
-    engine.release(c)
+    engine.discard(b)
+    engine.discard(c)
 
 
 def test_a_unet_with_one_timestep_per_call_groups_rows_by_timestep(tmp_path: Path) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from engines.protocol import (
     SelfTestReport,
     Signature,
     StepHook,
+    StepRun,
     TelemetrySource,
     Timings,
     Verdict,
@@ -96,6 +98,22 @@ class FakeEngine:
             images.append(GeneratedImage(Image.fromarray(pixels), spec.seed))
         return BatchResult(tuple(images), self.provider, Timings(total=0.001), len(images), done,
                            done < batch.steps)
+
+    def step_key(self, batch: Batch) -> Hashable | None:
+        """None: the fake runs every batch whole (StepFakeEngine steps)."""
+        return None
+
+    def begin(self, batch: Batch) -> StepRun:
+        raise NotImplementedError("the fake runs batches whole")
+
+    def tick(self, runs: Sequence[StepRun]) -> None:
+        raise NotImplementedError("the fake runs batches whole")
+
+    def finish(self, run: StepRun, stopped: bool = False) -> BatchResult:
+        raise NotImplementedError("the fake runs batches whole")
+
+    def discard(self, run: StepRun) -> None:
+        raise NotImplementedError("the fake runs batches whole")
 
     def canary(self) -> CanaryCheck:
         if self.canary_error is not None:
@@ -187,6 +205,71 @@ class HashedEngine(FakeEngine):
             return go_on
 
         return super().generate(batch, held)
+
+
+@dataclass(eq=False)
+class FakeRun:
+    batch: Batch
+    steps_done: int = 0
+    released: bool = False
+    ticks: list[int] = field(default_factory=list)
+    """The size of every tick this run took part in (rows of the set)."""
+
+    @property
+    def steps_total(self) -> int:
+        return self.batch.steps
+
+    @property
+    def finished(self) -> bool:
+        return self.steps_done >= self.batch.steps
+
+
+class StepFakeEngine(HashedEngine):
+    """The fake staged for step-level batching: runs keyed by size and LoRA set advance one step per tick; a tick
+    can be held (``hold``) so a test decides what joins at the boundary, with events, not sleeps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hold = threading.Event()
+        self.hold.set()
+        self.ticked = threading.Event()
+        self.runs: list[FakeRun] = []
+        self.tick_log: list[list[str]] = []
+        """The prompts of the first image of every run in each tick, in order."""
+
+    def step_key(self, batch: Batch) -> Hashable | None:
+        return (batch.width, batch.height, batch.lora_key)
+
+    def begin(self, batch: Batch) -> StepRun:
+        if not self.loaded:
+            raise NotReadyError("not loaded")
+        run = FakeRun(batch)
+        self.runs.append(run)
+        return run
+
+    def tick(self, runs: Sequence[StepRun]) -> None:
+        assert self.hold.wait(20), "the test never released the tick"
+        fakes = [r for r in runs if isinstance(r, FakeRun)]
+        assert len({self.step_key(r.batch) for r in fakes}) == 1, "a tick mixed step keys"
+        self.tick_log.append([r.batch.images[0].prompt for r in fakes])
+        for run in fakes:
+            assert not run.finished and not run.released
+            run.steps_done += 1
+            run.ticks.append(len(fakes))
+        self.ticked.set()
+
+    def finish(self, run: StepRun, stopped: bool = False) -> BatchResult:
+        assert isinstance(run, FakeRun) and not run.released
+        run.released = True
+        self.batches.append(run.batch)
+        images = tuple(GeneratedImage(Image.fromarray(np.random.default_rng(s.seed).integers(
+            0, 256, (run.batch.height, run.batch.width, 3), np.uint8)), s.seed) for s in run.batch.images)
+        return BatchResult(images, self.provider, Timings(total=0.001), len(images), run.steps_done,
+                           stopped or run.steps_done < run.batch.steps)
+
+    def discard(self, run: StepRun) -> None:
+        assert isinstance(run, FakeRun)
+        run.released = True
 
 
 def wait_for(client: TestClient, path: str, check: Any, timeout_s: float = 60.0) -> dict[str, Any]:

@@ -67,10 +67,11 @@ def _options(plan: dict[str, Any], size: str, component: str) -> dict[str, str]:
 def test_symbolic_dims_are_resolved_from_the_configs_not_set_to_one(tmp_path: Path) -> None:
     plan = _plan(_model(tmp_path))
     unet = _options(plan, "512x512", "unet")
-    # min: one image without CFG (guidance <= 1 runs the conditional rows only); opt/max: doubled for CFG
+    # min: one image without CFG (guidance <= 1 runs the conditional rows only); opt/max: doubled for CFG. The
+    # timestep has one value per row (step-level batching joins rows at different steps in one call).
     assert unet["trt_profile_min_shapes"] == "sample:1x4x64x64,timestep:1,encoder_hidden_states:1x77x768"
-    assert unet["trt_profile_opt_shapes"] == "sample:4x4x64x64,timestep:1,encoder_hidden_states:4x77x768"
-    assert unet["trt_profile_max_shapes"] == "sample:8x4x64x64,timestep:1,encoder_hidden_states:8x77x768"
+    assert unet["trt_profile_opt_shapes"] == "sample:4x4x64x64,timestep:4,encoder_hidden_states:4x77x768"
+    assert unet["trt_profile_max_shapes"] == "sample:8x4x64x64,timestep:8,encoder_hidden_states:8x77x768"
     assert _options(plan, "512x512", "text_encoder")["trt_profile_max_shapes"] == "input_ids:8x77"
     assert _options(plan, "512x512", "vae_decoder")["trt_profile_min_shapes"] == "latent_sample:1x4x64x64"
 
@@ -120,7 +121,7 @@ def test_sdxl_second_encoder_and_extra_unet_inputs_are_planned_from_the_configs(
     plan = _plan(_model(tmp_path, inputs=inputs, configs=configs))
     assert set(plan["sizes"]["512x512"]["components"]) == {"text_encoder", "text_encoder_2", "unet", "vae_decoder"}
     unet = _options(plan, "512x512", "unet")
-    assert unet["trt_profile_max_shapes"] == ("sample:8x4x64x64,timestep:1,encoder_hidden_states:8x77x2048,"
+    assert unet["trt_profile_max_shapes"] == ("sample:8x4x64x64,timestep:8,encoder_hidden_states:8x77x2048,"
                                               "text_embeds:8x1280,time_ids:8x6")
     assert _options(plan, "512x512", "text_encoder_2")["trt_profile_opt_shapes"] == "input_ids:4x77"
 

@@ -1,0 +1,263 @@
+"""The step scheduler's policy (server/stepper.py) on the real app, behind the engine protocol: who joins at which
+tick, the row budget, round robin across sets, deadlines, interrupts and departures at tick boundaries. Every wait is
+on an event or a state (a held tick, /sdapi/v1/progress), never on a sleep. The images themselves are the
+integration tests' (tests/integration/test_step_batching.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from engines.protocol import Batch, ImageSpec
+from server.batcher import Batcher
+from server.errors import DeadlineExceededError
+from server.metrics import Metrics
+from server.settings import Settings, load_settings
+from server.stepper import StepBatcher
+from tests.unit.fakes import FakeRun, StepFakeEngine, start
+from tests.unit.fakes import wait_for as _wait
+
+PROGRESS = "/sdapi/v1/progress"
+
+
+@pytest.fixture
+def engine() -> Iterator[StepFakeEngine]:
+    fake = StepFakeEngine()
+    yield fake
+    fake.hold.set()  # a failed test never leaves the server's tick held
+
+
+def _begun(engine: StepFakeEngine, count: int) -> list[FakeRun]:
+    """Wait (bounded) until ``count`` runs have begun."""
+    done = threading.Event()
+
+    def check() -> None:
+        while not done.is_set() and len(engine.runs) < count:
+            done.wait(0.01)
+        done.set()
+
+    threading.Thread(target=check, daemon=True).start()
+    assert done.wait(20) and len(engine.runs) >= count
+    return engine.runs
+
+
+@pytest.fixture
+def client(engine: StepFakeEngine) -> Iterator[TestClient]:
+    yield from start(engine, load_settings("dev"))
+
+
+def _post(client: TestClient, body: dict[str, Any], out: list[Any], headers: dict[str, str] | None = None) -> \
+        threading.Thread:
+    worker = threading.Thread(target=lambda: out.append(client.post("/sdapi/v1/txt2img", json=body,
+                                                                    headers=headers or {})))
+    worker.start()
+    return worker
+
+
+def _queued(client: TestClient, jobs: int) -> None:
+    _wait(client, PROGRESS, lambda r: r.json()["state"]["job_count"] == jobs)
+
+
+def test_a_short_request_runs_at_the_next_boundary_and_leaves_first(client: TestClient,
+                                                                    engine: StepFakeEngine) -> None:
+    """Shortest remaining first: a 4-step request arriving while a 30-step one runs leads the next four ticks
+    (without the long rows: on a CPU their rows would make each of its ticks as slow as theirs), then the long one
+    resumes; nothing waits for a whole generation."""
+    engine.hold.clear()
+    long: list[Any] = []
+    short: list[Any] = []
+    first = _post(client, {"prompt": "long", "steps": 30}, long)
+    _begun(engine, 1)
+    second = _post(client, {"prompt": "short", "steps": 4}, short)
+    _queued(client, 2)  # the long one holds its first tick; the short one is queued behind it
+    engine.hold.set()
+    second.join(20)
+    first.join(20)
+    assert short[0].status_code == 200 and long[0].status_code == 200
+    log = engine.tick_log
+    joined = log.index(["short"])
+    assert joined >= 1 and all(t == ["long"] for t in log[:joined])  # the long one ran alone until the boundary
+    assert log[joined:joined + 4] == [["short"]] * 4  # at once, four ticks of its own
+    assert len(log) == 34 and all(t == ["long"] for t in log[joined + 4:])  # then the long one again
+    info = json.loads(short[0].json()["info"])
+    assert info["steps_done"] == 4 and info["interrupted"] is False
+    assert "first-step;dur=" in short[0].headers["server-timing"]
+
+
+def test_rows_of_similar_length_share_every_call(client: TestClient, engine: StepFakeEngine) -> None:
+    """Requests with different step counts, samplers and seeds of one size join one call per tick while their
+    remaining work is similar (within twice the leader's, plus two)."""
+    engine.hold.clear()
+    results: list[Any] = []
+    workers = [_post(client, {"prompt": "a", "steps": 12, "sampler_name": "Euler a"}, results)]
+    _begun(engine, 1)
+    workers += [_post(client, {"prompt": "b", "steps": 10, "seed": 7, "sampler_name": "DPM++ 2M"}, results),
+                _post(client, {"prompt": "c", "steps": 11, "cfg_scale": 1.0}, results)]
+    _queued(client, 3)
+    engine.hold.set()
+    for worker in workers:
+        worker.join(20)
+    assert [r.status_code for r in results] == [200] * 3
+    shared = [t for t in engine.tick_log if len(t) == 3]
+    assert len(shared) >= 9 and sorted(shared[0]) == ["a", "b", "c"]
+
+
+def test_the_tick_budget_holds_and_other_sizes_take_turns(client: TestClient, engine: StepFakeEngine) -> None:
+    """dev: max_batch 4. A 4-image request fills a tick, so a same-size 6-step request runs in ticks of its own
+    (it leads: fewer steps left); a request of another size starts a set of its own and the sets tick in turn."""
+    engine.hold.clear()
+    results: dict[str, list[Any]] = {"full": [], "same": [], "other": []}
+    workers = [_post(client, {"prompt": "full", "steps": 6, "batch_size": 4}, results["full"])]
+    _begun(engine, 1)
+    workers.append(_post(client, {"prompt": "same", "steps": 6}, results["same"]))
+    workers.append(_post(client, {"prompt": "other", "steps": 3, "width": 128, "height": 128}, results["other"]))
+    _queued(client, 3)
+    engine.hold.set()
+    for worker in workers:
+        worker.join(20)
+    assert all(r[0].status_code == 200 for r in results.values())
+    log = engine.tick_log
+    assert all(len(t) == 1 for t in log)  # 4 + 1 images never share a 4-image call
+    full_ticks = [i for i, t in enumerate(log) if "full" in t]
+    other_ticks = [i for i, t in enumerate(log) if "other" in t]
+    assert len(full_ticks) == 6 and len(other_ticks) == 3
+    assert min(other_ticks) < max(full_ticks)  # it did not wait for the 64x64 work: the sets alternated
+    assert [r.ticks for r in engine.runs if r.batch.width == 128] == [[1, 1, 1]]
+
+
+def test_a_row_past_its_deadline_leaves_at_the_boundary_and_frees_its_slot(client: TestClient,
+                                                                           engine: StepFakeEngine) -> None:
+    engine.hold.clear()
+    engine.ticked.clear()
+    late: list[Any] = []
+    worker = _post(client, {"prompt": "late", "steps": 50}, late, {"x-sdserve-timeout-s": "2"})
+    runs = _begun(engine, 1)
+    deadline = threading.Event()
+    threading.Timer(2.2, deadline.set).start()  # the deadline itself is time: wait until it has passed
+    assert deadline.wait(10)
+    engine.hold.set()
+    worker.join(20)
+    assert late[0].status_code == 504 and "left the running batch" in late[0].text
+    assert runs[0].released and runs[0].steps_done < 50
+    _queued(client, 0)
+
+
+def test_an_interrupt_decodes_the_row_where_it_is_and_spares_the_others(client: TestClient,
+                                                                         engine: StepFakeEngine) -> None:
+    engine.hold.clear()
+    results: list[Any] = []
+    worker = _post(client, {"prompt": "mine", "steps": 40}, results)
+    _begun(engine, 1)
+    stopped = client.post("/sdapi/v1/interrupt").json()
+    assert (stopped["running"], stopped["queued"]) == (1, 0)
+    engine.hold.set()
+    worker.join(20)
+    info = json.loads(results[0].json()["info"])
+    assert results[0].status_code == 200 and info["interrupted"] is True and 1 <= info["steps_done"] < 40
+    assert results[0].headers["x-sdserve-interrupted"] == f"{info['steps_done']}/40"
+
+
+def test_progress_reports_the_running_request_step(client: TestClient, engine: StepFakeEngine) -> None:
+    engine.hold.clear()
+    results: list[Any] = []
+    worker = _post(client, {"prompt": "a", "steps": 8}, results)
+    _begun(engine, 1)
+    engine.ticked.clear()
+    engine.hold.set()
+    assert engine.ticked.wait(10)
+    engine.hold.clear()
+    busy = _wait(client, PROGRESS, lambda r: r.json()["state"]["sampling_step"] >= 1)
+    assert busy["state"]["sampling_steps"] == 8 and busy["state"]["job"] == "sdserve: generating"
+    engine.hold.set()
+    worker.join(20)
+    assert results[0].status_code == 200
+
+
+def test_micro_batching_stays_a_setting_and_runs_each_batch_to_the_end(engine: StepFakeEngine) -> None:
+    """queue.batching = "micro": the micro-batcher, which runs batches whole (generate), no ticks."""
+    settings = load_settings("dev")
+    micro = Settings.model_validate({**settings.model_dump(), "queue": {**settings.queue.model_dump(),
+                                                                         "batching": "micro"}})
+    for client in start(engine, micro):
+        assert type(client.app.state.service.batcher) is Batcher  # type: ignore[attr-defined]
+        response = client.post("/sdapi/v1/txt2img", json={"prompt": "a", "steps": 3})
+        assert response.status_code == 200 and not engine.tick_log and engine.batches
+
+
+def _batcher(engine: StepFakeEngine) -> StepBatcher:
+    return StepBatcher(engine, Metrics(), asyncio.Lock(), 32, 4, 0.0)
+
+
+def test_a_row_whose_client_went_away_is_released_at_the_next_boundary(engine: StepFakeEngine) -> None:
+    engine.loaded = True
+
+    async def scenario() -> FakeRun:
+        batcher = _batcher(engine)
+        loop = asyncio.get_running_loop()
+        runner = loop.create_task(batcher.run())
+        engine.hold.clear()
+        waiting = loop.create_task(batcher.submit(Batch((ImageSpec("gone"),), steps=50), None))
+        while not engine.runs:  # begun: its first tick is held
+            await asyncio.sleep(0)
+        waiting.cancel()  # the client disconnects
+        engine.hold.set()
+        while not engine.runs[0].released:
+            await asyncio.sleep(0)
+        run = engine.runs[0]
+        while batcher.busy:
+            await asyncio.sleep(0)
+        runner.cancel()
+        return run
+
+    run = asyncio.run(asyncio.wait_for(scenario(), 20))
+    assert run.released and run.steps_done < 50 and not engine.batches  # never decoded
+
+
+def test_a_deadline_passed_in_the_queue_is_a_504_before_it_begins(engine: StepFakeEngine) -> None:
+    engine.loaded = True
+
+    async def scenario() -> None:
+        batcher = _batcher(engine)
+        with pytest.raises(DeadlineExceededError):
+            await batcher.submit(Batch((ImageSpec("x"),), steps=5), deadline=0.0)
+
+    asyncio.run(scenario())
+    assert not engine.runs
+
+
+def test_a_stream_of_short_requests_delays_a_long_one_but_never_stops_it(engine: StepFakeEngine) -> None:
+    """Twenty 4-step requests queued behind a 50-step one lead every tick by length; the long row, left out
+    STARVATION_TICKS ticks in a row, then leads one itself (with the short rows filling the call)."""
+    from server.stepper import STARVATION_TICKS
+
+    engine.loaded = True
+
+    async def scenario() -> None:
+        batcher = _batcher(engine)
+        loop = asyncio.get_running_loop()
+        runner = loop.create_task(batcher.run())
+        engine.hold.clear()
+        long = loop.create_task(batcher.submit(Batch((ImageSpec("long"),), steps=50), None))
+        while not engine.runs:
+            await asyncio.sleep(0)
+        shorts = [loop.create_task(batcher.submit(Batch((ImageSpec(f"s{k}"),), steps=4), None)) for k in range(20)]
+        while len(batcher.queue) < 20:
+            await asyncio.sleep(0)
+        engine.hold.set()
+        await asyncio.gather(long, *shorts)
+        runner.cancel()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+    log = engine.tick_log
+    with_long = [i for i, t in enumerate(log) if "long" in t]
+    last_short = max(i for i, t in enumerate(log) if any(p.startswith("s") for p in t))
+    # Left out at most that many ticks, plus one: short rows resident as long are starved too and lead by length.
+    assert with_long[0] == 0 and with_long[1] <= STARVATION_TICKS + 2, log[:20]
+    assert with_long[1] < last_short  # it ran while short requests were still waiting
+    assert all(len(t) <= 4 for t in log)  # the 4-image budget (max_batch) per call
