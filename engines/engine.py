@@ -454,7 +454,7 @@ class OrtEngine:
 
     def step_key(self, batch: Batch) -> Hashable | None:
         """(size's pipeline, width, height, LoRA set) for a pipeline staged for step-level batching; None for one
-        that runs batches whole (the DiT families, for now)."""
+        that runs batches whole."""
         pipeline = self._pipeline_for(batch)
         if pipeline.stepwise() is None:
             return None
@@ -710,7 +710,7 @@ class Stepping:
 
     @property
     def steps_done(self) -> int:
-        return self.begun.state.done
+        return int(self.begun.state.done)
 
     @property
     def steps_total(self) -> int:

@@ -27,7 +27,7 @@ Policy:
 - **At every tick boundary**: a row whose deadline passed leaves (504) and frees its slot; a row whose client went
   away leaves; an interrupted row (``/sdapi/v1/interrupt``) is decoded where it is (A1111's interrupt); a stop
   (``abandon``) ends every row; drain waits for the rows like for batches.
-- Batches the engine runs whole (``step_key`` None: the DiT families today) run one at a time between ticks,
+- Batches the engine runs whole (``step_key`` None: a pipeline without stages) run between two rounds of ticks,
   through the micro-batcher's path.
 """
 

@@ -6,14 +6,14 @@ decode) in ``__call__``; the component sessions it exposes are what LoRA adapts 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from engines.protocol import Batch, StepHook
 
 if TYPE_CHECKING:
-    from engines.diffusion.pipeline import Begun, Denoising, OrtModel, PipelineOutput
+    from engines.diffusion.pipeline import Begun, OrtModel, PipelineOutput
     from engines.lora.active import Adapters
     from engines.runtime.sessions import Runtime
 
@@ -25,9 +25,11 @@ class Stepwise(Protocol):
 
     def begin(self, batch: Batch, latents: np.ndarray | None = None, adapters: Adapters | None = None) -> Begun: ...
 
-    def run_denoiser(self, states: Sequence[Denoising]) -> None: ...
+    def run_denoiser(self, states: Sequence[Any]) -> None:
+        """One denoiser evaluation for each state (``Begun.state`` of this pipeline) at its next evaluation."""
 
-    def advance(self, state: Denoising) -> bool: ...
+    def advance(self, state: Any) -> bool:
+        """The state's own step after the denoiser wrote its output; True when a sampler step completed."""
 
     def finish(self, run: Begun) -> PipelineOutput: ...
 

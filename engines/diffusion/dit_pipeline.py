@@ -50,8 +50,8 @@ from engines.diffusion.dit_family import DitFamily, detect_dit
 from engines.diffusion.family import read_json
 from engines.diffusion.flow import FlowMatchConfig, FlowSchedule, flow_schedule, flux_sigmas
 from engines.diffusion.flow_graph import build_flow_decode_graph, build_flow_step_graph, flow_coefficients, flow_start
-from engines.diffusion.pipeline import Feed, OrtModel, PipelineOutput, image_rng
-from engines.diffusion.rows import shape_feed
+from engines.diffusion.pipeline import Begun, Feed, OrtModel, PipelineOutput, image_rng
+from engines.diffusion.rows import RowPacker, shape_feed
 from engines.diffusion.t5_tokenizer import T5Tokenizer
 from engines.diffusion.tokenizer import ClipTokenizer
 from engines.errors import InferenceError, InvalidRequestError, ModelLoadError
@@ -128,6 +128,31 @@ class DitConditioning:
     negative_truncated: tuple[bool, ...]
 
 
+ROW_INPUTS = ("encoder_hidden_states", "pooled_projections", "guidance")
+"""Transformer inputs with a row per image (besides hidden_states and timestep); the others (Flux's rope tables)
+depend on the size only."""
+
+
+@dataclass
+class DitDenoising:
+    """One batch's denoising on the device between transformer evaluations (DitOnnx.begin / run_denoiser /
+    advance): what step-level batching holds per running request."""
+
+    evaluations: int
+    step: OrtModel
+    lat: list[ort.OrtValue]
+    """[current latents, next latents] (swapped after each step)."""
+    model_in: ort.OrtValue
+    model_out: ort.OrtValue
+    feeds: dict[str, Feed]
+    timesteps: list[ort.OrtValue]
+    coeffs: list[ort.OrtValue]
+    adapters: Adapters | None
+    latent_size: tuple[int, int]
+    next_eval: int = 0
+    done: int = 0
+
+
 @dataclass(frozen=True)
 class _Geometry:
     vae_scale_factor: int
@@ -188,6 +213,10 @@ class DitOnnx:
                              "flow_step" + label)
         self.step_cfg = OrtModel(runtime, build_flow_step_graph(in_dtype, out_dtype, cfg=True, packed=flux),
                                  "flow_step_cfg" + label)
+        kinds = [(self.transformer.input_dtype(name), len(arg.shape)) for name, arg in self.transformer.inputs.items()
+                 if name in ("hidden_states", "timestep", *ROW_INPUTS)]
+        self.rows = RowPacker(runtime, lambda m, name: OrtModel(runtime, m, name + label), kinds,
+                              (out_dtype, len(self.transformer.session.get_outputs()[0].shape)))
         g, vae_in = self.geometry, next(iter(self.vae_decoder.inputs))
         self.decode_scale = OrtModel(runtime, build_flow_decode_graph(g.scaling_factor, g.shift_factor,
                                                                       self.vae_decoder.input_dtype(vae_in), flux),
@@ -229,10 +258,6 @@ class DitOnnx:
     def adaptable(self) -> list[OrtModel]:
         return [self.transformer, self.t5, *(model for _, model in self.clips)]
 
-    def stepwise(self) -> None:
-        """Not yet staged for step-level batching: a DiT batch runs whole between the running sets' ticks."""
-        return None
-
     def check_inputs(self, batch: Batch) -> None:
         """Refuse (never clamp) what this model cannot serve."""
         if not batch.images:
@@ -264,7 +289,22 @@ class DitOnnx:
         [B, C, h, w], unit noise, unpacked) replaces the seeded noise (parity tests); ``max_sequence_length``
         replaces the family's T5 length; ``on_step(done, total)`` runs after every step, False stops there and the
         latents so far are decoded (A1111's interrupt, a drain); ``adapters``: the batch's LoRA weights, handed to
-        the text encoders and the transformer."""
+        the text encoders and the transformer. The stages step-level batching runs for many requests at once:
+        ``begin``, one evaluation at a time, ``finish``."""
+        run = self.begin(batch, latents, adapters, max_sequence_length)
+        while not run.finished:
+            t = time.perf_counter()
+            self.run_denoiser([run.state])
+            self.advance(run.state)
+            run.denoise_s += time.perf_counter() - t
+            if on_step is not None and not on_step(run.state.done, run.steps_total) and not run.finished:
+                run.stopped = True
+        return self.finish(run)
+
+    def begin(self, batch: Batch, latents: np.ndarray | None = None, adapters: Adapters | None = None,
+              max_sequence_length: int | None = None) -> Begun:
+        """Encode the prompts, draw each image's noise, prepare an img2img batch's start and the denoising state
+        (every buffer under the runtime's current scope)."""
         self.check_inputs(batch)
         t0 = time.perf_counter()
         length = max_sequence_length or self.max_sequence_length
@@ -286,16 +326,69 @@ class DitOnnx:
         schedule = FlowSchedule(full.timesteps[first:], full.sigmas[first:])
         start, model_in = self._start(batch, x, rngs, float(schedule.sigmas[0]), 2 if cfg else 1)
         t2 = time.perf_counter()
-        # 3. Denoise on the device: Flux on 2×2-packed tokens, SD 3 on [negatives; prompts] rows under CFG.
+        # 3. The denoising state on the device: Flux on 2x2-packed tokens, SD 3 on [negatives; prompts] rows.
         feeds = self._transformer_feeds(cond, guidance, h, w, len(batch.images))
-        final, done = self._denoise(start, model_in, feeds, guidance, schedule, cfg, on_step, adapters)
+        state = self._start_denoise(start, model_in, feeds, guidance, schedule, cfg, adapters, (h, w))
+        return Begun(batch, state, cond, None, len(schedule), (t0, t1, t2))
+
+    def finish(self, run: Begun) -> PipelineOutput:
+        """Decode where the denoising is: latents / scaling + shift through the VAE; the image comes down once."""
         t3 = time.perf_counter()
-        # 4. Decode: latents / scaling + shift through the VAE; the image comes down as uint8.
-        images = self._decode(final, len(batch.images), h, w)
+        state = run.state
+        assert isinstance(state, DitDenoising)
+        h, w = state.latent_size
+        images = self._decode(state.lat[0], len(run.batch.images), h, w)
         t4 = time.perf_counter()
-        timings = Timings(text_encoder=t1 - t0, denoise=t3 - t2, vae_decode=t4 - t3, total=t4 - t0,
-                          vae_encode=t2 - t1)
-        return PipelineOutput(images, cond.truncated, cond.negative_truncated, timings, done, len(schedule))
+        t0, t1, t2 = run.started
+        timings = Timings(text_encoder=t1 - t0, denoise=run.denoise_s, vae_decode=t4 - t3,
+                          total=(t2 - t0) + run.denoise_s + (t4 - t3), vae_encode=t2 - t1)
+        return PipelineOutput(images, run.cond.truncated, run.cond.negative_truncated, timings, state.done,
+                              run.steps_total)
+
+    def stepwise(self) -> DitOnnx:
+        return self
+
+    def joinable(self) -> bool:
+        """The exported transformers take a timestep per row (dit_export.py)."""
+        return True
+
+    def run_denoiser(self, states: Sequence[DitDenoising]) -> None:
+        """One transformer evaluation for each state at its next step, all rows in one call: the per-row inputs
+        (latent tokens, timestep, text states, pooled embeddings, guidance) joined on the device, the per-size ones
+        (Flux's rope tables: equal within a step key) bound once, the output rows copied back (rows.py)."""
+        if not states:
+            return
+        first = states[0]
+        if len(states) == 1:
+            self.transformer.run({"hidden_states": first.model_in, "timestep": first.timesteps[first.next_eval],
+                                  **first.feeds}, {"out_hidden_states": first.model_out}, first.adapters)
+            return
+        join = self.rows.join
+        feeds: dict[str, Feed] = {
+            "hidden_states": join("hidden_states", [s.model_in for s in states]),
+            "timestep": join("timestep", [s.timesteps[s.next_eval] for s in states])}
+        for name, value in first.feeds.items():
+            values = [s.feeds[name] for s in states]
+            if not all(isinstance(v, ort.OrtValue) for v in values):
+                raise InferenceError("rows joined into one transformer call must bind device inputs")
+            feeds[name] = join(name, values) if name in ROW_INPUTS else value
+        shape = (sum(s.model_out.shape()[0] for s in states), *first.model_out.shape()[1:])
+        out = self.runtime.buffer("dit_rows_out", shape, self.transformer.output_dtype())
+        self.transformer.run(feeds, {"out_hidden_states": out}, first.adapters)  # one LoRA set per step key
+        for state in states[1:]:
+            if state.adapters is not None and first.adapters is not None:
+                state.adapters.adapted |= first.adapters.adapted
+        self.rows.split(out, [s.model_out for s in states])
+
+    def advance(self, state: DitDenoising) -> bool:
+        """The step graph writes the next latents and the next transformer input. Every evaluation is a step."""
+        i = state.next_eval
+        state.step.run({"sample": state.lat[0], "model_out": state.model_out, "coeffs": state.coeffs[i]},
+                       {"next": state.lat[1], "model_in": state.model_in})
+        state.lat.reverse()
+        state.next_eval += 1
+        state.done += 1
+        return True
 
     def _schedule(self, steps: int, h: int, w: int) -> FlowSchedule:
         """Flux: its evenly spaced sigmas, shifted by ``mu`` of the packed token count when the config says;
@@ -387,12 +480,11 @@ class DitOnnx:
         return (self.runtime.upload("dit_latents0", x.astype(np.float32)),
                 self.runtime.upload("dit_in", np.concatenate([x] * copies).astype(in_dtype)))
 
-    def _denoise(self, start: ort.OrtValue, model_in: ort.OrtValue, feeds: dict[str, Feed], guidance: np.ndarray,
-                 schedule: FlowSchedule, cfg: bool, on_step: StepHook | None = None,
-                 adapters: Adapters | None = None) -> tuple[ort.OrtValue, int]:
-        """Every step on the device: the transformer on [x; x] (CFG) or [x], then the step graph writes the next
-        latents and the next transformer input. Returns the device buffer of the float32 latents and the steps
-        that ran (fewer when ``on_step`` stopped the loop)."""
+    def _start_denoise(self, start: ort.OrtValue, model_in: ort.OrtValue, feeds: dict[str, Feed],
+                       guidance: np.ndarray, schedule: FlowSchedule, cfg: bool, adapters: Adapters | None,
+                       latent_size: tuple[int, int]) -> DitDenoising:
+        """The denoising state on the device: the transformer on [x; x] (CFG) or [x], then the step graph writes
+        the next latents and the next transformer input; per-step timesteps and coefficients uploaded once."""
         rt, shape = self.runtime, tuple(start.shape())
         n, copies = shape[0], 2 if cfg else 1
         lat = [start, rt.buffer("dit_latents1", shape, np.float32)]
@@ -404,16 +496,8 @@ class DitOnnx:
         coeffs = rt.upload_steps("dit_coeffs", np.stack([
             flow_coefficients(schedule.sigmas[i], schedule.sigmas[i + 1], guidance, cfg)
             for i in range(len(schedule))]))
-        step = self.step_cfg if cfg else self.step
-        for i in range(len(schedule)):
-            self.transformer.run({"hidden_states": model_in, "timestep": timesteps[i], **feeds},
-                                 {"out_hidden_states": model_out}, adapters)
-            step.run({"sample": lat[0], "model_out": model_out, "coeffs": coeffs[i]},
-                     {"next": lat[1], "model_in": model_in})
-            lat.reverse()
-            if on_step is not None and not on_step(i + 1, len(schedule)) and i + 1 < len(schedule):
-                return lat[0], i + 1
-        return lat[0], len(schedule)
+        return DitDenoising(len(schedule), self.step_cfg if cfg else self.step, lat, model_in, model_out, feeds,
+                            timesteps, coeffs, adapters, latent_size)
 
     def _decode(self, latents: ort.OrtValue, n: int, h: int, w: int) -> np.ndarray:
         """latents / scaling + shift (Flux: unpacked first) on the device, the VAE, and the image down once."""

@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import numpy as np
 import onnxruntime as ort
@@ -200,6 +200,10 @@ class Denoising:
     """Each evaluation's timestep on the host: rows of a UNet with one timestep per call share a call only at
     equal timesteps."""
 
+    @property
+    def evaluations(self) -> int:
+        return len(self.evals)
+
 
 @dataclass
 class Begun:
@@ -207,8 +211,11 @@ class Begun:
     batching holds per running request."""
 
     batch: Batch
-    state: Denoising
-    cond: Conditioning
+    state: Any
+    """The pipeline's denoising state (Denoising here, DitDenoising for the DiT families): ``next_eval``, ``done``
+    and ``evaluations``."""
+    cond: Any
+    """The batch's text conditioning (its truncation flags come back with the images)."""
     prepared: Prepared | None
     steps_total: int
     started: tuple[float, float, float]
@@ -218,7 +225,7 @@ class Begun:
 
     @property
     def finished(self) -> bool:
-        return self.stopped or self.state.next_eval >= len(self.state.evals)
+        return self.stopped or bool(self.state.next_eval >= self.state.evaluations)
 
 
 class StableDiffusionOnnx:

@@ -8,6 +8,7 @@ multistep history (DPM++ 2M, PLMS, LMS, UniPC) and two evaluations per step (Heu
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -153,3 +154,26 @@ def test_a_unet_with_one_timestep_per_call_groups_rows_by_timestep(tmp_path: Pat
     alone = old.generate(later)
     _, joined = _run_joined(old, same, later, join_after=2)
     assert _close(joined, alone) <= 1
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+def test_dit_rows_joining_mid_way_get_their_solo_images(dit_build: Callable[[str], tuple[Path, Path]],
+                                                        family: str) -> None:
+    """The DiT families step the same way (every transformer input with a row per image joined, Flux's per-size rope
+    tables bound once): a Flux row, or an SD 3 row without CFG beside CFG rows, and an img2img row, joining a
+    running batch mid-way get their solo images."""
+    dit = _engine(dit_build(family)[0])
+    size = dit.pipeline.default_size
+    long = dataclasses.replace(_batch("a lighthouse at dusk", 10, 6, "euler", n=2), width=size, height=size)
+    short = dataclasses.replace(_batch("a red cube", 40, 3, "euler", guidance=1.0 if family == "sd3" else 3.5),
+                                width=size, height=size)
+    y, x = np.mgrid[0:size, 0:size]
+    picture = np.stack([x * 255 // size, y * 255 // size, np.full_like(x, 90)], -1).astype(np.uint8)
+    edit = dataclasses.replace(short, images=(ImageSpec("a watercolour", seed=5, edit=EditImage(picture)),),
+                               strength=0.6, steps=5)
+    for later in (short, edit):
+        alone_long, alone_later = dit.generate(long), dit.generate(later)
+        joined_long, joined_later = _run_joined(dit, long, later, join_after=2)
+        assert joined_later.steps_done == alone_later.steps_done and joined_long.steps_done == 6
+        assert _close(joined_later, alone_later) <= 1, family
+        assert _close(joined_long, alone_long) <= 1, family
