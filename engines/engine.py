@@ -491,6 +491,8 @@ class OrtEngine:
             for s in steps:
                 with first.pipeline.runtime.scoped(s.scope):
                     first.stages.advance(s.begun.state)
+            if self.faults is not None and self.faults.step_latency_s > 0:
+                time.sleep(self.faults.step_latency_s)
             elapsed = time.perf_counter() - start
         rows = sum(len(s.begun.batch.images) for s in steps)
         for s in steps:  # each batch's share of the tick, by its images

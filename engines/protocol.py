@@ -197,7 +197,8 @@ class BatchResult:
     """The execution provider that ran the UNet."""
     timings: Timings = Timings()
     batch_images: int = 0
-    """Images in the batch that actually executed (micro-batching may merge requests); 0 = len(images)."""
+    """Images in the batch that actually executed (micro-batching may merge requests; step-level batching: the most
+    images any denoiser call of this request ran with); 0 = len(images)."""
     steps_done: int = 0
     """Denoising steps that ran; fewer than the batch's steps when a StepHook stopped it."""
     interrupted: bool = False
@@ -303,6 +304,9 @@ class Faults:
     """The canary's decode yields NaN/inf (refused as the pipeline refuses it)."""
     provider: str = ""
     """Reported in place of the session's provider (a provider that changed under the server); empty: none."""
+    step_latency_s: float = 0.0
+    """Extra seconds added to every denoiser tick of step-level batching, inside the execution lock (a slow
+    denoiser: requests arriving meanwhile join the running ones at the next boundary)."""
 
 
 # Telemetry, signature and ORT log events

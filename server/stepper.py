@@ -74,6 +74,8 @@ class StepBatcher(Batcher):
         self.max_running = max(max_running, max_batch)
         self._skipped: dict[int, int] = {}
         """Consecutive ticks of its set each resident job was left out of (by job id)."""
+        self._shared: dict[int, int] = {}
+        """The most images any tick of each job ran with (by job id): its x-sdserve-batch-size."""
         self.sets: dict[Hashable, RunningSet] = {}
         self._turn = 0
         self._keys: dict[int, Hashable] = {}
@@ -252,9 +254,11 @@ class StepBatcher(Batcher):
         self.metrics.batch_size.observe(sum(j.images for j in picked))
         self.metrics.unet_step_seconds.observe(elapsed)
         now = time.monotonic()
+        images = sum(j.images for j in picked)
         for job in picked:
             if job.first_step_s is None:
                 job.first_step_s = now - job.enqueued
+            self._shared[id(job)] = max(self._shared.get(id(job), 0), images)
         for job in picked:
             if job.run is not None and job.run.finished:
                 await self._finish(running, job)
@@ -297,6 +301,7 @@ class StepBatcher(Batcher):
         job.state = "done"
         self.running -= 1
         self._skipped.pop(id(job), None)
+        self._shared.pop(id(job), None)
 
     async def _finish(self, running: RunningSet, job: Job, stopped: bool = False) -> None:
         if job not in running.jobs or job.run is None:
@@ -311,6 +316,7 @@ class StepBatcher(Batcher):
             if not job.future.done():
                 job.future.set_exception(exc)
             return
+        shared = self._shared.get(id(job), job.images)
         self._done(job)
         elapsed = time.perf_counter() - job.started
         self.last_provider = result.provider
@@ -323,6 +329,6 @@ class StepBatcher(Batcher):
         self.stats.batches += 1
         self.stats.sizes.append(job.images)
         if not job.future.done():
-            job.future.set_result(BatchResult(result.images, result.provider, result.timings, result.executed,
+            job.future.set_result(BatchResult(result.images, result.provider, result.timings, shared,
                                               result.steps_done, result.interrupted, result.adapted,
                                               job.first_step_s or 0.0))

@@ -33,6 +33,8 @@ class Faults(BaseModel):
     nan_canary: bool = Field(False, description="The canary's decode yields NaN/inf.")
     provider: str = Field("", max_length=64, description="Provider reported in place of the session's; empty "
                           "removes it.")
+    step_latency_s: float = Field(0.0, ge=0, le=60, description="Seconds added to every denoiser tick of "
+                                  "step-level batching; 0 removes it.")
 
 
 @router.put("/faults")
@@ -40,6 +42,7 @@ async def set_faults(faults: Faults, request: Request) -> dict[str, Any]:
     injected = request.app.state.faults
     injected.latency_s, injected.output_shift = faults.latency_s, faults.output_shift
     injected.nan_canary, injected.provider = faults.nan_canary, faults.provider
+    injected.step_latency_s = faults.step_latency_s
     trace = [GpuSample(s.sm_percent, s.memory_percent, s.power_w, s.power_limit_w)
              for s in faults.telemetry_trace or []]
     request.app.state.watchdog.injected = TraceTelemetry(trace) if trace else None

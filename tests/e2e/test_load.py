@@ -25,7 +25,9 @@ GEN = "/v1/images/generations"
 
 def _server(tmp: Path, model: Path, **queue: object) -> ServerProcess:
     replace = {"max_size = 32": f"max_size = {queue.get('max_size', 32)}",
+               'batching = "step"': f'batching = "{queue.get("batching", "step")}"',
                "max_batch = 4": f"max_batch = {queue.get('max_batch', 4)}",
+               "max_running = 32": f"max_running = {queue.get('max_running', 32)}",
                "max_queue_delay_ms = 10": f"max_queue_delay_ms = {queue.get('delay_ms', 10)}",
                "drain_timeout_s = 10": f"drain_timeout_s = {queue.get('drain_s', 10)}",
                "[watchdog]\ninterval_s = 5.0": "[watchdog]\nenabled = false\ninterval_s = 5.0"}
@@ -118,7 +120,8 @@ def test_32_concurrent_requests_get_200_or_429_and_probes_stay_fast(slow: Server
 
 
 def test_seeded_image_alone_equals_it_inside_a_batch_of_4(tiny_model: Path, tmp_path: Path) -> None:
-    server = _server(tmp_path, tiny_model, max_batch=4, delay_ms=500)
+    """Micro-batching (queue.batching = "micro"): four requests within the queue delay run as one batch."""
+    server = _server(tmp_path, tiny_model, max_batch=4, delay_ms=500, batching="micro")
     try:
         url = server.url
         target = {"prompt": "a red fox in snow", "seed": 77, "steps": 8}
@@ -139,9 +142,48 @@ def test_seeded_image_alone_equals_it_inside_a_batch_of_4(tiny_model: Path, tmp_
         server.stop()
 
 
+def test_requests_joining_a_running_one_get_their_solo_images_on_both_apis(tiny_model: Path,
+                                                                           tmp_path: Path) -> None:
+    """Step-level batching (the default): while a 12-step request runs (each tick slowed by a fault, so the others
+    arrive while it runs), an OpenAI and an A1111 request join it at a step boundary; each image equals the one the
+    same request gets alone, and the requests report that they shared denoiser calls."""
+    server = _server(tmp_path, tiny_model, max_batch=4)
+    try:
+        url = server.url
+        assert httpx.put(f"{url}/debug/faults", json={"step_latency_s": 0.15}).status_code == 200
+        first = {"prompt": "a lighthouse", "seed": 5, "steps": 12}
+        openai = {"prompt": "a red fox in snow", "seed": 77, "steps": 10}
+        a1111 = {"prompt": "a blue boat", "seed": 8, "steps": 11, "width": 64, "height": 64, "cfg_scale": 1.0,
+                 "sampler_name": "DPM++ 2M"}
+
+        async def together() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=120) as client:
+                started = _started(url)
+                running = asyncio.create_task(client.post(f"{url}{GEN}", json=first))
+                await _until_async("the first request started", lambda: _started(url) > started)
+                joined = await asyncio.gather(client.post(f"{url}{GEN}", json=openai),
+                                              client.post(f"{url}/sdapi/v1/txt2img", json=a1111))
+                return [await running, *joined]
+
+        responses = asyncio.run(together())
+        assert [r.status_code for r in responses] == [200, 200, 200]
+        assert all(int(r.headers["x-sdserve-batch-size"]) >= 2 for r in responses)
+        assert httpx.put(f"{url}/debug/faults", json={"step_latency_s": 0}).status_code == 200
+        alone = [httpx.post(f"{url}{GEN}", json=openai, timeout=60),
+                 httpx.post(f"{url}/sdapi/v1/txt2img", json=a1111, timeout=60)]
+        assert [r.headers["x-sdserve-batch-size"] for r in alone] == ["1", "1"]
+        assert np.abs(_pixels(responses[1].json()["data"][0]) - _pixels(alone[0].json()["data"][0])).max() <= 1
+        joined_a1111 = _pixels({"b64_json": responses[2].json()["images"][0]})
+        assert np.abs(joined_a1111 - _pixels({"b64_json": alone[1].json()["images"][0]})).max() <= 1
+    finally:
+        server.stop()
+
+
 @pytest.fixture
 def sequential(tiny_model: Path, tmp_path: Path) -> Iterator[ServerProcess]:
-    server = _server(tmp_path, tiny_model, max_batch=1, drain_s=10)
+    """One request at a time: a 1-image budget per call and one image resident (step-level batching's
+    max_running), so the others wait in the queue."""
+    server = _server(tmp_path, tiny_model, max_batch=1, max_running=1, drain_s=10)
     yield server
     server.stop()
 
@@ -216,7 +258,7 @@ def test_sigterm_drains_queued_work_then_exits_0(sequential: ServerProcess) -> N
 
 def test_sigterm_with_more_work_than_the_drain_timeout_answers_503_not_silence(tiny_model: Path,
                                                                                  tmp_path: Path) -> None:
-    server = _server(tmp_path, tiny_model, max_batch=1, drain_s=1)
+    server = _server(tmp_path, tiny_model, max_batch=1, max_running=1, drain_s=1)
     url = server.url
     _inject(url, 0.8)
     results: list[int] = []
