@@ -12,13 +12,13 @@ Policy:
   memory plan are sized for it; a larger request runs alone). Up to ``max_running`` images are *resident*: encoded,
   with their state on the device (latents, history, input and output: a few MB per image), waiting for their turn
   at a tick.
-- **Who runs in a tick: shortest remaining first, with sharing among similar rows.** The row with the fewest
-  evaluations left leads; rows whose remaining work is within twice the leader's (plus two) share the call, up to
-  the budget. A 4-step request therefore never pays for the 50-step rows beside it: on a CPU a call's cost grows
-  with its rows, so sharing a call with long rows would make it as slow as they are; rows of similar length share
-  every call. A row skipped ``STARVATION_TICKS`` ticks in a row joins the next one whatever its length, so a stream
-  of short requests delays a long one but never stops it. (Why not round robin inside a set: it makes every
-  request as slow as the set's total work; why not plain FIFO: that is head-of-line blocking again.)
+- **Who runs in a tick: shortest remaining first, filled to the budget.** Rows are taken by the evaluations they
+  have left, fewest first, until the call holds ``max_batch`` images: a 4-step request that arrives while 50-step
+  rows run is in the very next call and every call after it until it is done, and the rest of the budget goes to
+  the rows closest to finishing (each call as full as the budget allows: on a CPU a call of four images costs about
+  twice one image's, not four times). A row left out ``STARVATION_TICKS`` ticks in a row goes first in the next
+  one, so a stream of short requests delays a long one but never stops it. (Why not round robin inside a set: it
+  makes every request as slow as the set's total work; why not FIFO: that is head-of-line blocking again.)
 - **Across sets (sizes, LoRA sets): round robin**, one tick each in turn: every running size advances each round,
   so a small size is never starved by a large one (a deadline-aware order would need per-shape tick costs the cost
   model does not yet separate from encode and decode).
@@ -215,7 +215,7 @@ class StepBatcher(Batcher):
         return key
 
     def _pick(self, running: RunningSet) -> list[Job]:
-        """This tick's rows: the shortest remaining leads, similar ones share, starved ones join (module doc)."""
+        """This tick's rows: starved rows first, then shortest remaining first, up to the budget (module doc)."""
         def left(job: Job) -> int:
             run = job.run
             return 0 if run is None else max(0, run.steps_total - run.steps_done)
@@ -225,8 +225,7 @@ class StepBatcher(Batcher):
         lead = order[0]
         picked, images = [lead], lead.images
         for job in order[1:]:
-            starved = self._skipped.get(id(job), 0) >= STARVATION_TICKS
-            if images + job.images <= self.max_batch and (starved or left(job) <= 2 * left(lead) + 2):
+            if images + job.images <= self.max_batch:
                 picked.append(job)
                 images += job.images
         for job in running.jobs:

@@ -177,3 +177,18 @@ def test_dit_rows_joining_mid_way_get_their_solo_images(dit_build: Callable[[str
         assert joined_later.steps_done == alone_later.steps_done and joined_long.steps_done == 6
         assert _close(joined_later, alone_later) <= 1, family
         assert _close(joined_long, alone_long) <= 1, family
+
+
+def test_a_joined_tick_copies_nothing_from_the_host(engine: OrtEngine) -> None:
+    """Per-row state stays on the device: a tick joining three runs (CFG and no-CFG rows, two samplers) reads no
+    host memory (Runtime.host_reads records every host->device copy and host feed; Slice's bounds are shape feeds,
+    read where they lie). Only a new row's inputs go up, at its begin."""
+    runs = [engine.begin(_batch("one", 1, 6, "euler")), engine.begin(_batch("two", 2, 6, "dpmpp_2m", guidance=1.0)),
+            engine.begin(_batch("three", 3, 6, "euler", n=2))]
+    runtime = engine.pipeline.runtime
+    runtime.host_reads.clear()
+    for _ in range(3):
+        engine.tick(runs)
+    assert list(runtime.host_reads) == []
+    for run in runs:
+        engine.discard(run)

@@ -66,13 +66,13 @@ def _queued(client: TestClient, jobs: int) -> None:
 
 def test_a_short_request_runs_at_the_next_boundary_and_leaves_first(client: TestClient,
                                                                     engine: StepFakeEngine) -> None:
-    """Shortest remaining first: a 4-step request arriving while a 30-step one runs leads the next four ticks
-    (without the long rows: on a CPU their rows would make each of its ticks as slow as theirs), then the long one
-    resumes; nothing waits for a whole generation."""
+    """Shortest remaining first: a 4-step request arriving while a 4-image 30-step one runs (the whole 4-image
+    budget of a call) takes the next four ticks, then the long one resumes; nothing waits for a whole
+    generation."""
     engine.hold.clear()
     long: list[Any] = []
     short: list[Any] = []
-    first = _post(client, {"prompt": "long", "steps": 30}, long)
+    first = _post(client, {"prompt": "long", "steps": 30, "batch_size": 4}, long)
     _begun(engine, 1)
     second = _post(client, {"prompt": "short", "steps": 4}, short)
     _queued(client, 2)  # the long one holds its first tick; the short one is queued behind it
@@ -90,22 +90,24 @@ def test_a_short_request_runs_at_the_next_boundary_and_leaves_first(client: Test
     assert "first-step;dur=" in short[0].headers["server-timing"]
 
 
-def test_rows_of_similar_length_share_every_call(client: TestClient, engine: StepFakeEngine) -> None:
-    """Requests with different step counts, samplers and seeds of one size join one call per tick while their
-    remaining work is similar (within twice the leader's, plus two)."""
+def test_calls_are_filled_to_the_budget_shortest_remaining_first(client: TestClient,
+                                                                  engine: StepFakeEngine) -> None:
+    """Requests with different step counts, samplers, guidance and seeds of one size share every call the budget
+    allows (dev: 4 images); the one with the fewest steps left leads."""
     engine.hold.clear()
     results: list[Any] = []
-    workers = [_post(client, {"prompt": "a", "steps": 12, "sampler_name": "Euler a"}, results)]
+    workers = [_post(client, {"prompt": "a", "steps": 30, "sampler_name": "Euler a"}, results)]
     _begun(engine, 1)
     workers += [_post(client, {"prompt": "b", "steps": 10, "seed": 7, "sampler_name": "DPM++ 2M"}, results),
-                _post(client, {"prompt": "c", "steps": 11, "cfg_scale": 1.0}, results)]
+                _post(client, {"prompt": "c", "steps": 4, "cfg_scale": 1.0}, results)]
     _queued(client, 3)
     engine.hold.set()
     for worker in workers:
         worker.join(20)
     assert [r.status_code for r in results] == [200] * 3
-    shared = [t for t in engine.tick_log if len(t) == 3]
-    assert len(shared) >= 9 and sorted(shared[0]) == ["a", "b", "c"]
+    log = engine.tick_log
+    assert log[1:5] == [["c", "b", "a"]] * 4  # one call for the three, shortest remaining first
+    assert log[5:11] == [["b", "a"]] * 6 and log[11:] == [["a"]] * 19  # then b's last six, then a alone
 
 
 def test_the_tick_budget_holds_and_other_sizes_take_turns(client: TestClient, engine: StepFakeEngine) -> None:
