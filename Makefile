@@ -41,11 +41,22 @@ run: $(MODEL)/manifest.json
 	@echo "serving $(MODEL) on http://127.0.0.1:$(PORT) (dev profile, CPU, NOT accelerated); Ctrl-C stops"
 	$(VENV)/bin/sdserve serve --profile dev --model $(MODEL) --port $(PORT)
 
-# promtool (Prometheus rule checks and rule unit tests) comes from Debian's prometheus package.
-tools:
-	@command -v promtool >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+# The CRD schemas the rendered manifests validate against offline (Argo Rollouts, KEDA, Prometheus Operator: the
+# @kubernetes-models packages, pinned in deploy/validate/package-lock.json) and the validator's YAML parser, from npm
+# into deploy/validate/node_modules (ignored by git). Needs Node.js 20+ and npm.
+VALIDATE := deploy/validate
+NODE_STAMP := $(VALIDATE)/node_modules/.installed
+$(NODE_STAMP): $(VALIDATE)/package.json $(VALIDATE)/package-lock.json
+	@command -v npm >/dev/null || { echo "install Node.js (20+) and npm to validate the rendered CRDs" >&2; exit 1; }
+	cd $(VALIDATE) && npm ci --no-audit --no-fund --loglevel=error
+	touch $(NODE_STAMP)
+
+# promtool (Prometheus rule checks and rule unit tests) and prometheus (the rollout queries evaluated against a real
+# server, tests/e2e/test_rollout_live.py) come from Debian's prometheus package.
+tools: $(NODE_STAMP)
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 	  apt-get install -y -qq --no-install-recommends prometheus >/dev/null; } || \
-	  { echo "install Debian's prometheus package (promtool) to run the alert-rule tests" >&2; exit 1; }
+	  { echo "install Debian's prometheus package (promtool, prometheus) to run the alert and rollout tests" >&2; exit 1; }
 
 test: $(STAMP) $(BPE_WHEEL) tools facts lint
 	$(PY) -m pytest

@@ -13,8 +13,9 @@ from typing import Any
 import yaml
 
 from engines.config import Matrix, version_tuple
+from engines.errors import ConfigError
 from server.bootstrap import settings_matrix
-from server.cli import imagelock, imagerecord
+from server.cli import imagelock, imagerecord, rollout
 from server.settings import Settings, load_settings
 
 log = logging.getLogger("sdserve")
@@ -139,18 +140,6 @@ def pdb(color: str) -> dict[str, Any]:
             "spec": {"maxUnavailable": 1, "selector": {"matchLabels": _labels(color)}}}
 
 
-def hpa(color: str, settings: Settings) -> dict[str, Any]:
-    target = max(1, settings.queue.max_batch)
-    return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": {"name": f"{APP}-{color}"},
-            "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{APP}-{color}"},
-                     "minReplicas": 1, "maxReplicas": 8,
-                     # Queue depth per pod (served to the HPA by a Prometheus adapter from sdserve_queue_depth).
-                     "metrics": [{"type": "Pods", "pods": {"metric": {"name": "sdserve_queue_depth"},
-                                                           "target": {"type": "AverageValue",
-                                                                      "averageValue": str(target)}}}],
-                     "behavior": {"scaleDown": {"stabilizationWindowSeconds": 300}}}}
-
-
 def service_monitor() -> dict[str, Any]:
     return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
             "metadata": {"name": APP, "labels": {"app.kubernetes.io/name": APP}},
@@ -158,13 +147,44 @@ def service_monitor() -> dict[str, Any]:
                      "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}]}}
 
 
+KINDS = ("rollout", "deployment")
+
+
+def pdb_for(labels: dict[str, str], name: str) -> dict[str, Any]:
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {"name": name},
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": dict(labels)}}}
+
+
 def render(settings: Settings, matrix: Matrix, image: str, color: str = "blue", active: str = "blue",
-           startup_budget_s: int = 900, replicas: int = 2) -> dict[str, list[dict[str, Any]]]:
-    """File name -> manifests (dev/deployment.yaml: the dev overlay of the Deployment)."""
+           startup_budget_s: int = 900, replicas: int = 2, kind: str = "rollout", min_replicas: int = 1,
+           max_replicas: int = 8, prometheus: str = rollout.PROMETHEUS, auto_promote: bool = True,
+           scale_down_delay_s: int = 600) -> dict[str, list[dict[str, Any]]]:
+    """File name -> manifests (dev/deployment.yaml: the dev overlay of the Deployment).
+
+    ``kind`` "rollout" (Argo Rollouts): a Rollout with the Deployment's pod template, active and preview Services,
+    the promotion AnalysisTemplates, a KEDA ScaledObject on the Rollout. "deployment": the plain Deployment of
+    ``color`` behind one Service selecting ``active`` (clusters without Argo Rollouts), scaled by the same
+    ScaledObject. Both: a PodDisruptionBudget, the ServiceMonitor, the dev overlay."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
     deploy = deployment(settings, matrix, image, color, startup_budget_s, replicas)
-    return {"deployment.yaml": [deploy], "dev/deployment.yaml": [dev_overlay(deploy, load_settings("dev", None))],
-            "service.yaml": [service(active)], "pdb.yaml": [pdb(color)], "hpa.yaml": [hpa(color, settings)],
-            "servicemonitor.yaml": [service_monitor()]}
+    per_replica = max(1, settings.queue.max_batch)  # one full batch waiting per replica
+    common = {"servicemonitor.yaml": [service_monitor()],
+              "dev/deployment.yaml": [dev_overlay(deploy, load_settings("dev", None))]}
+    if kind == "deployment":
+        target = {"apiVersion": "apps/v1", "kind": "Deployment", "name": deploy["metadata"]["name"]}
+        return {"deployment.yaml": [deploy], "service.yaml": [service(active)], "pdb.yaml": [pdb(color)],
+                "scaledobject.yaml": [rollout.scaled_object(target, min_replicas, max_replicas, per_replica,
+                                                            prometheus)], **common}
+    ro = rollout.rollout(deploy, auto_promote, scale_down_delay_s)
+    labels = ro["spec"]["selector"]["matchLabels"]
+    target = {"apiVersion": "argoproj.io/v1alpha1", "kind": "Rollout", "name": ro["metadata"]["name"]}
+    return {"rollout.yaml": [ro], "service.yaml": rollout.services(service(active)["spec"]["ports"], labels),
+            # The gate Job's deadline: the same bound as a replica's boot (two benchmarks of warm servers fit in it).
+            "analysis.yaml": [rollout.gate_template(image, startup_budget_s), rollout.health_template(prometheus)],
+            "scaledobject.yaml": [rollout.scaled_object(target, min_replicas, max_replicas, per_replica,
+                                                        prometheus)],
+            "pdb.yaml": [pdb_for(labels, APP)], **common}
 
 
 def _panel(pid: int, title: str, exprs: list[tuple[str, str]], unit: str, x: int, y: int) -> dict[str, Any]:
@@ -220,17 +240,31 @@ def write_dashboard(path: Path) -> Path:
 
 
 def register(sub: Any) -> None:
-    deploy = sub.add_parser("deploy", help="render Kubernetes manifests and the Grafana dashboard; lock the image")
+    deploy = sub.add_parser("deploy", help="render Kubernetes manifests and the Grafana dashboard; lock the image; "
+                                           "run the rollout's performance gate")
     commands = deploy.add_subparsers(dest="deploy_cmd", required=True)
     register_lock(commands)
     register_record(commands)
+    rollout.register_gate(commands)
     p = commands.add_parser("render")
     p.add_argument("--profile", choices=["dev", "production"], default="production")
     p.add_argument("--config", type=Path, default=None)
     p.add_argument("--matrix", type=Path, default=None)
     p.add_argument("--image", default="sdserve:0.1.0")
-    p.add_argument("--color", default="blue", help="this deployment's blue-green color")
-    p.add_argument("--active", default="blue", help="the color the Service sends traffic to")
+    p.add_argument("--kind", choices=list(KINDS), default="rollout",
+                   help="rollout: an Argo Rollouts blue-green Rollout with its analyses; deployment: a plain "
+                        "Deployment and Service (clusters without Argo Rollouts)")
+    p.add_argument("--color", default="blue", help="--kind deployment: this deployment's blue-green color")
+    p.add_argument("--active", default="blue", help="--kind deployment: the color the Service sends traffic to")
+    p.add_argument("--min-replicas", type=int, default=1,
+                   help="KEDA's minReplicaCount; 0 scales to zero when idle (a cold start: docs/deployment.md)")
+    p.add_argument("--max-replicas", type=int, default=8, help="KEDA's maxReplicaCount")
+    p.add_argument("--prometheus", default=rollout.PROMETHEUS,
+                   help="Prometheus URL the analyses and KEDA query")
+    p.add_argument("--manual-promotion", action="store_true",
+                   help="the Rollout waits for `kubectl argo rollouts promote` after its analyses pass")
+    p.add_argument("--scale-down-delay-s", type=int, default=600,
+                   help="how long the old color keeps running after promotion (instant undo)")
     p.add_argument("--startup-budget-s", type=int, default=900, help="boot + self-test budget of the probe")
     p.add_argument("--out", type=Path, default=Path("deploy/k8s"))
     p.add_argument("--dashboard", type=Path, default=Path("deploy/grafana/sdserve.json"))
@@ -239,8 +273,12 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     settings = load_settings(args.profile, args.config)
+    if not 0 <= args.min_replicas <= args.max_replicas or args.max_replicas < 1:
+        raise ConfigError("need 0 <= --min-replicas <= --max-replicas and --max-replicas >= 1")
     rendered = render(settings, settings_matrix(settings, args.matrix), args.image, args.color, args.active,
-                      args.startup_budget_s)
+                      args.startup_budget_s, kind=args.kind, min_replicas=args.min_replicas,
+                      max_replicas=args.max_replicas, prometheus=args.prometheus,
+                      auto_promote=not args.manual_promotion, scale_down_delay_s=args.scale_down_delay_s)
     for path in [*write(args.out, rendered), write_dashboard(args.dashboard)]:
         log.info("wrote %s", path)
     return 0

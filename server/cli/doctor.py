@@ -124,8 +124,8 @@ def quantity_bytes(text: str) -> int:
 
 
 def pod_memory(settings: Settings, matrix: Matrix) -> tuple[int, str] | None:
-    """The memory limit of the Deployment `sdserve deploy render` ships for this profile (production: the GPU
-    Deployment, deploy/k8s/deployment.yaml; other profiles: the dev overlay, deploy/k8s/dev/deployment.yaml)."""
+    """The memory limit of the pod `sdserve deploy render` ships for this profile (production: the GPU Rollout's
+    pod template, deploy/k8s/rollout.yaml; other profiles: the dev overlay, deploy/k8s/dev/deployment.yaml)."""
     from server.cli.deploy import deployment, dev_overlay
 
     rendered = deployment(settings, matrix, "sdserve", "blue", 600, 1)
@@ -135,7 +135,7 @@ def pod_memory(settings: Settings, matrix: Matrix) -> tuple[int, str] | None:
     limit = rendered["spec"]["template"]["spec"]["containers"][0]["resources"].get("limits", {}).get("memory")
     if limit is None:
         return None
-    where = "deploy/k8s/deployment.yaml" if production else "deploy/k8s/dev/deployment.yaml"
+    where = "deploy/k8s/rollout.yaml" if production else "deploy/k8s/dev/deployment.yaml"
     return quantity_bytes(str(limit)), f"pod limit {limit} ({where})"
 
 

@@ -56,7 +56,7 @@ def test_image_config_agrees_with_the_rendered_manifests(image: dict[str, Any]) 
     assert config["Labels"]["io.sdserve.variant"] == env["SDSERVE_IMAGE_VARIANT"] == "notrt"
     assert image["Healthcheck"]["Test"] == ["CMD", "python", "/opt/sdserve/healthcheck.py"]
     assert env["ORT_DISABLE_TELEMETRY"] == "1" and env["HOME"] == "/tmp"
-    dep = yaml.safe_load((ROOT / "deploy" / "k8s" / "deployment.yaml").read_text())
+    dep = yaml.safe_load((ROOT / "deploy" / "k8s" / "rollout.yaml").read_text())
     pod = dep["spec"]["template"]["spec"]
     c = pod["containers"][0]
     assert config["User"] == f"{pod['securityContext']['runAsUser']}:{pod['securityContext']['runAsGroup']}"

@@ -56,7 +56,7 @@ def test_doctor_prints_the_plan_of_a_config_only_flux_folder(flux_dev: Path) -> 
     assert base < lora < every
     assert lora - base > 44.34  # at least the variant's copy of the transformer
     assert re.search(r"device without LoRA: .* fits in 141\.00 GiB \(--device-memory-gib\), margin", out)
-    assert "(pod limit 32Gi (deploy/k8s/deployment.yaml))" in out  # the production Deployment's limit
+    assert "(pod limit 32Gi (deploy/k8s/rollout.yaml))" in out  # the production Deployment's limit
     assert _gib(out, "host peak at load") > 22.17  # the transformer's bf16 engine is read whole
 
 
