@@ -76,7 +76,7 @@ def test_build_dry_run_prints_provider_options_and_plan(tiny_model: Path) -> Non
     components = plan["sizes"]["512x512"]["components"]
     unet = components["unet"]["provider_options"]
     assert unet["trt_profile_min_shapes"] == "sample:1x4x64x64,timestep:1,encoder_hidden_states:1x77x32"
-    assert unet["trt_profile_max_shapes"] == "sample:8x4x64x64,timestep:1,encoder_hidden_states:8x77x32"
+    assert unet["trt_profile_max_shapes"] == "sample:8x4x64x64,timestep:8,encoder_hidden_states:8x77x32"
     assert unet["trt_dump_ep_context_model"] == "True" and unet["trt_fp16_enable"] == "True"
     assert unet["trt_engine_cache_path"] == "engines"  # relative to the context model (ORT's EP-context rule)
     assert unet["trt_ep_context_file_path"] == "trt/512x512/unet_ctx.onnx"
