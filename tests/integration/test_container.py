@@ -140,7 +140,7 @@ def test_dev_overlay_is_rendered_valid_and_differs_from_production_only_where_it
     assert (tmp_path / "k8s" / "dev" / "deployment.yaml").read_text() == committed.read_text(), "run make deploy"
     dev = yaml.safe_load(committed.read_text())
     kubernetes_validate.validate(dev, "1.33", strict=True)
-    prod = yaml.safe_load((ROOT / "deploy" / "k8s" / "deployment.yaml").read_text())
+    prod = yaml.safe_load((ROOT / "deploy" / "k8s" / "rollout.yaml").read_text())
     dpod, ppod = dev["spec"]["template"]["spec"], prod["spec"]["template"]["spec"]
     dc, pc = dpod["containers"][0], ppod["containers"][0]
     assert dc["securityContext"] == pc["securityContext"] and dpod["securityContext"] == ppod["securityContext"]
