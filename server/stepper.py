@@ -137,9 +137,9 @@ class StepBatcher(Batcher):
         return self._keys[id(job)]
 
     async def _admit(self) -> list[Job]:
-        """Begin every queued request that fits its set (FIFO; a full set blocks only its own requests). Returns
-        the oldest whole-run request and those it merges with, when one is at the front of what can start."""
-        blocked: set[Hashable] = set()
+        """Begin every queued request while the resident images stay within max_running (FIFO). Returns the oldest
+        whole-run request and those it merges with, when one is at the front of what can start."""
+        whole_waits = False
         for job in list(self.queue):
             if job not in self.queue:  # dropped while an earlier one began
                 continue
@@ -149,10 +149,10 @@ class StepBatcher(Batcher):
                 self._fail_queued(job, exc)
                 continue
             if key == WHOLE:
-                if WHOLE not in blocked and self._ticks_since_whole >= len(self.sets):
+                if not whole_waits and self._ticks_since_whole >= len(self.sets):
                     self._ticks_since_whole = 0
                     return self._take_whole(job)
-                blocked.add(WHOLE)  # after every running set ticked once; requests behind it may begin
+                whole_waits = True  # after every running set ticked once; requests behind it may begin
                 continue
             resident = sum(s.images for s in self.sets.values())
             if resident and resident + job.images > self.max_running:
