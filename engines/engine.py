@@ -450,7 +450,8 @@ class OrtEngine:
                        for img, spec, trunc, neg, latents in zip(out.images, batch.images, out.truncated,
                                                                  out.negative_truncated, kept, strict=True))
         return BatchResult(images, self._ran_on(pipeline), out.timings, len(images), out.steps_done,
-                           stopped or out.steps_done < (out.steps_total or batch.steps), tuple(sorted(adapted)))
+                           stopped or out.steps_done < (out.steps_total or batch.steps), tuple(sorted(adapted)),
+                           cache=out.cache)
 
     def step_key(self, batch: Batch) -> Hashable | None:
         """(size's pipeline, width, height, LoRA set) for a pipeline staged for step-level batching; None for one

@@ -71,6 +71,43 @@ class ImageSpec:
 
 Mode = Literal["txt2img", "img2img", "inpaint"]
 
+CACHE_METHODS = ("output", "first-block")
+"""Step cache methods: ``output`` reuses the denoiser's last output for every family (engines/diffusion/
+step_cache.py); ``first-block`` runs the DiT transformer's first block and skips the rest (first_block.py)."""
+CACHE_MIN_STEPS = 9
+"""A cache never runs on a request with fewer steps: few-step models (Turbo, schnell) gain nothing and every
+evaluation counts."""
+
+
+@dataclass(frozen=True)
+class StepCache:
+    """A request's step cache (off unless the server's policy or the request turns it on, and only after the gate
+    passed for this model and shape). Images under a cache are no longer the seed-reproducible uncached images."""
+
+    method: str = "output"
+    threshold: float = 0.2
+    """``output``: the accumulated estimate of the output's relative change (EasyCache's rule) under which the last
+    output is reused; ``first-block``: the first block's relative residual change (diffusers' hook)."""
+    warmup: float = 0.15
+    """The first fraction of evaluations always computed (ComfyUI's EasyCache ``start_percent``)."""
+    final: float = 0.05
+    """The last fraction of evaluations always computed (at least one)."""
+    max_reuse: int = 3
+    """Consecutive evaluations that may reuse before one is computed."""
+
+    def label(self) -> str:
+        """How a response, infotext and manifest name it: ``output:0.2``."""
+        return f"{self.method}:{self.threshold:g}"
+
+
+@dataclass(frozen=True)
+class CacheUse:
+    """What a step cache did for one request: its configuration and the denoiser evaluations it reused."""
+
+    spec: StepCache
+    reused: int
+    evaluations: int
+
 
 @dataclass(frozen=True)
 class LoraUse:
@@ -150,6 +187,8 @@ class Batch:
     mask leaves (mask 0) come back exactly as sent."""
     loras: tuple[LoraUse, ...] = ()
     """The adapter set: requests batch together only with the same set (engines/lora/manager.py set_key)."""
+    cache: StepCache | None = None
+    """The request's step cache (None: every denoiser evaluation runs)."""
 
     @property
     def lora_key(self) -> tuple[tuple[str, float, float], ...]:
@@ -207,6 +246,8 @@ class BatchResult:
     first_step_s: float = 0.0
     """Seconds from the request's arrival in the queue to the end of its first denoiser evaluation (the server's
     batcher sets it; 0 from the engine)."""
+    cache: CacheUse | None = None
+    """The step cache that ran (its evaluations reused), None when every evaluation was computed."""
 
     @property
     def executed(self) -> int:

@@ -13,9 +13,11 @@ from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware.cors import CORSMiddleware
 
+from engines.config import parse_size
 from engines.protocol import Engine, Faults, SelfTestReport
 from server import errors, headers, images_in
 from server.bootstrap import selftest_plan
+from server.caching import Caching
 from server.exitcodes import ExitCode, exit_code_for
 from server.images import ImageStore
 from server.metrics import Exposition, Metrics
@@ -64,6 +66,10 @@ async def boot(app: FastAPI) -> None:
         state.set("self-test", ["warming up and timing canaries at every served shape"])
         async with app.state.service.lock:
             await run_in_threadpool(engine.self_test)
+        if settings.cache.policy != "off":
+            state.set("self-test", ["gating the step cache: canaries cached and uncached"])
+            async with app.state.service.lock:
+                await run_in_threadpool(gate_cache, app.state.service.caching, engine, settings)
     except Exception as exc:  # every boot failure is reported, none escapes unlogged
         code = exit_code_for(exc)
         reason = str(exc) if code != ExitCode.INTERNAL else f"{type(exc).__name__}: {exc}"
@@ -89,6 +95,15 @@ async def boot(app: FastAPI) -> None:
     log.info("ready: serving %s on %s", engine.info.name, (runtime.accelerators or runtime.providers)[0])
     if settings.watchdog.enabled:
         app.state.watchdog_task = asyncio.create_task(app.state.watchdog.run())
+
+
+def gate_cache(caching: Caching, engine: Engine, settings: Settings) -> None:
+    """The step cache's quality gate at every served size (server/caching.py): the canaries cached and uncached;
+    a failed gate keeps the cache off at that size, never fails the boot."""
+    suite = selftest_plan(settings).suite.for_family(engine.info.family)
+    sizes = [parse_size(s) for s in settings.serving.sizes] or [(engine.info.default_size,) * 2]
+    caching.run_gate(engine.generate, list(dict.fromkeys(sizes)), suite.canary, suite.scheduler,
+                     suite.guidance_scale)
 
 
 def _seed_costs(app: FastAPI, engine: Engine, settings: Settings, report: SelfTestReport | None) -> None:

@@ -61,7 +61,7 @@ class Job:
         """Requests merge into one batch only when everything but the per-image settings is equal."""
         b = self.batch
         return (b.width, b.height, b.steps, b.scheduler, b.truncate_prompts, b.original_size, b.crops_coords_top_left,
-                b.mode, b.strength, b.overlay, b.lora_key)
+                b.mode, b.strength, b.overlay, b.lora_key, b.cache)
 
 
 @dataclass
@@ -291,7 +291,7 @@ class Batcher:
             if not job.future.done():
                 job.future.set_result(BatchResult(part, result.provider, result.timings, len(merged.images),
                                                   result.steps_done, result.interrupted, result.adapted,
-                                                  job.first_step_s or 0.0))
+                                                  job.first_step_s or 0.0, result.cache))
 
     async def drain(self, timeout: float) -> int:
         """Stop accepting; let queued and running work finish within ``timeout``; fail what is left (503).

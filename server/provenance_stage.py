@@ -97,6 +97,11 @@ def image_facts(batch: Batch, out: Generated, index: int, include_prompt: bool) 
                   for u in batch.loras]}
     if batch.mode != "txt2img":
         facts["strength"] = batch.strength
+    if result.cache is not None:  # no longer the seed-reproducible uncached image: the manifest says so
+        use = result.cache
+        facts["step_cache"] = {"method": use.spec.method, "threshold": use.spec.threshold,
+                               "warmup": use.spec.warmup, "final": use.spec.final, "max_reuse": use.spec.max_reuse,
+                               "reused": use.reused, "evaluations": use.evaluations}
     if include_prompt:
         facts["prompt"], facts["negative_prompt"] = spec.prompt, spec.negative_prompt
     return facts
@@ -153,5 +158,5 @@ async def stamp_a1111(request: Request, response: Response, outs: list[Generated
     signed, warning = await sign_images(request, response, list(zip(batches, outs, strict=True)), images)
     if warning:
         current = response.headers.get(headers.WARNINGS)
-        response.headers[headers.WARNINGS] = f"{current}; {warning}" if current else warning
+        headers.put(response.headers, headers.WARNINGS, f"{current}; {warning}" if current else warning)
     return signed

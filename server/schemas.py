@@ -96,6 +96,10 @@ class ImageGenerationRequest(BaseModel):
     loras: list[LoraRequest] | None = Field(None, max_length=64, description="Extension: LoRAs applied to every "
                                             "image of the request (with any <lora:name:weight> tags of the prompt; "
                                             "the response's x-sdserve-loras names the set that ran).")
+    step_cache: bool | None = Field(None, description="Extension: true runs the server's step cache (skips "
+                                    "denoiser evaluations whose output barely changes; the image is then not the "
+                                    "seed-reproducible uncached one), false never; absent: [cache] policy. "
+                                    "x-sdserve-cache names what ran.")
 
     @field_validator("original_size")
     @classmethod

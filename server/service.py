@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import io
 import time
 from collections import Counter, deque
@@ -22,6 +23,8 @@ from engines.protocol import Batch, BatchResult, Engine, LoraUse
 from server import headers
 from server.admission import Cost, CostModel, admit
 from server.batcher import Batcher
+from server.caching import Caching
+from server.caching import header_value as cache_header
 from server.errors import ClientGoneError, QueueFullError
 from server.lora_prompt import header_value
 from server.metrics import Metrics
@@ -69,11 +72,13 @@ class Generated:
         response.headers[headers.PROVIDER] = self.result.provider
         response.headers[headers.SEEDS] = ",".join(str(g.seed) for g in self.result.images)
         response.headers[headers.BATCH_SIZE] = str(self.result.executed)
-        response.headers[headers.LORAS] = header_value(self.loras)
+        headers.put(response.headers, headers.LORAS, header_value(self.loras))
         if self.warnings:
-            response.headers[headers.WARNINGS] = "; ".join(self.warnings)
+            headers.put(response.headers, headers.WARNINGS, "; ".join(self.warnings))
+        if self.result.cache is not None:
+            response.headers[headers.CACHE] = cache_header(self.result.cache)
         if self.model:
-            response.headers[headers.MODEL] = self.model
+            headers.put(response.headers, headers.MODEL, self.model)
 
 
 Disconnected = Callable[[], Awaitable[bool]]
@@ -93,6 +98,8 @@ class ImageService:
         self.settings = settings
         self.metrics = metrics
         self.provenance = Provenance.create(settings.provenance, metrics)
+        self.caching = Caching(settings.cache)
+        """The step-cache policy and the gate's verdicts per shape (filled at boot)."""
         """The signing stage (server/provenance_stage.py); require without a usable key raises here, before boot."""
         self.lock = asyncio.Lock()
         q = settings.queue
@@ -117,7 +124,11 @@ class ImageService:
         raise NotReadyError(message, permanent=self.state.state == "failed")
 
     def to_batch(self, req: ImageGenerationRequest) -> Batch:
-        return build_batch(req, self.settings, self.engine.info, {f.name: f for f in self.engine.loras()})
+        """The request as the engine's batch, its step cache decided by the policy and the gate (server/caching.py;
+        a request asking where the cache cannot run is a 422 naming step_cache)."""
+        batch = build_batch(req, self.settings, self.engine.info, {f.name: f for f in self.engine.loras()})
+        cache = self.caching.spec_for(req.step_cache, batch)
+        return dataclasses.replace(batch, cache=cache) if cache is not None else batch
 
     async def run(self, batch: Batch, timeout_header: str | None, disconnected: Disconnected,
                   owner: str | None = None, encode: Encoder = encode_png) -> Generated:

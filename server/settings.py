@@ -385,6 +385,43 @@ PROVENANCE_MODES = ("off", "sign", "require")
 """In order of strictness: the environment may move a profile's mode right, never left."""
 
 
+class CacheSettings(BaseModel):
+    """Step caching (engines/diffusion/step_cache.py, first_block.py): skip denoiser evaluations whose output
+    barely changes. Off by default; served only for shapes whose quality gate passed on this model at boot."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    policy: Literal["off", "opt-in", "on"] = "off"
+    """off: never (a request asking gets 422); opt-in: a request asks with ``step_cache: true``; on: every
+    request with at least 9 steps at a gated shape, unless it sends ``step_cache: false``."""
+    method: Literal["output", "first-block"] = "output"
+    """output: reuse the denoiser's last output (every family); first-block: the DiT transformer's first block
+    decides and the rest is skipped (Flux, SD 3, exported with the split transformer)."""
+    threshold: float = Field(0.2, gt=0, le=5)
+    """output: EasyCache's accumulated relative change under which the output is reused (ComfyUI's default 0.2);
+    first-block: the first block's relative residual change (diffusers' FirstBlockCacheConfig takes 0.05)."""
+    warmup: float = Field(0.15, ge=0, lt=1)
+    """The first fraction of evaluations always computed."""
+    final: float = Field(0.05, ge=0, lt=1)
+    """The last fraction of evaluations always computed (at least one)."""
+    max_reuse: int = Field(3, ge=1, le=100)
+    """Consecutive evaluations that may reuse before one is computed."""
+    gate_steps: int = Field(30, ge=9, le=200)
+    """Steps of the gate's canary runs (cached and uncached, same seeds)."""
+    gate_min_mean_psnr_db: float = Field(30.0, ge=0, le=100)
+    """The gate passes a shape when the canaries' mean PSNR (cached vs uncached) reaches this (Cache-DiT's DBCache
+    on FLUX.1-dev: 33.8 dB at 1.8x) ..."""
+    gate_min_worst_psnr_db: float = Field(25.0, ge=0, le=100)
+    """... and its worst canary reaches this."""
+
+    @model_validator(mode="after")
+    def _cross(self) -> CacheSettings:
+        if self.warmup + self.final >= 1:
+            raise ValueError(f"cache.warmup + cache.final ({self.warmup} + {self.final}) leave no evaluation to "
+                             "reuse")
+        return self
+
+
 PROFILES = ("dev", "production", "openvino")
 """Profiles shipped in configs/ (openvino: the plugin-EP accelerator CI proves the fail-closed path against)."""
 
@@ -412,6 +449,7 @@ class Settings(BaseModel):
     debug: DebugSettings = DebugSettings()
     api: ApiSettings = ApiSettings()
     provenance: ProvenanceSettings = ProvenanceSettings()
+    cache: CacheSettings = CacheSettings()
     family_defaults: dict[str, Defaults] = {}
     """Request defaults per model family ([family_defaults.turbo], [family_defaults.sdxl], ...), used instead of
     [defaults] when the served model is of that family. Turbo has built-in ones (1 step, guidance 0)."""

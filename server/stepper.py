@@ -330,4 +330,4 @@ class StepBatcher(Batcher):
         if not job.future.done():
             job.future.set_result(BatchResult(result.images, result.provider, result.timings, shared,
                                               result.steps_done, result.interrupted, result.adapted,
-                                              job.first_step_s or 0.0))
+                                              job.first_step_s or 0.0, result.cache))

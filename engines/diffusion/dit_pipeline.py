@@ -41,6 +41,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -52,11 +53,12 @@ from engines.diffusion.flow import FlowMatchConfig, FlowSchedule, flow_schedule,
 from engines.diffusion.flow_graph import build_flow_decode_graph, build_flow_step_graph, flow_coefficients, flow_start
 from engines.diffusion.pipeline import Begun, Feed, OrtModel, PipelineOutput, image_rng
 from engines.diffusion.rows import RowPacker, shape_feed
+from engines.diffusion.step_cache import OutputCache, Probe, cache_use, partition, record
 from engines.diffusion.t5_tokenizer import T5Tokenizer
 from engines.diffusion.tokenizer import ClipTokenizer
 from engines.errors import InferenceError, InvalidRequestError, ModelLoadError
 from engines.lora.active import Adapters
-from engines.protocol import Batch, ModelInfo, StepHook, Timings
+from engines.protocol import CACHE_MIN_STEPS, Batch, ModelInfo, StepHook, Timings
 from engines.runtime.sessions import Runtime
 
 log = logging.getLogger(__name__)
@@ -151,6 +153,10 @@ class DitDenoising:
     latent_size: tuple[int, int]
     next_eval: int = 0
     done: int = 0
+    cache: OutputCache | None = None
+    """The request's output-level step cache (engines/diffusion/step_cache.py), or None: every evaluation runs."""
+    first_block: Any = None
+    """The request's first-block cache state (engines/diffusion/first_block.py), or None."""
 
 
 @dataclass(frozen=True)
@@ -217,6 +223,7 @@ class DitOnnx:
                  if name in ("hidden_states", "timestep", *ROW_INPUTS)]
         self.rows = RowPacker(runtime, lambda m, name: OrtModel(runtime, m, name + label), kinds,
                               (out_dtype, len(self.transformer.session.get_outputs()[0].shape)))
+        self.cache_probe = Probe.build(lambda m, name: OrtModel(runtime, m, name + label), [in_dtype, out_dtype])
         g, vae_in = self.geometry, next(iter(self.vae_decoder.inputs))
         self.decode_scale = OrtModel(runtime, build_flow_decode_graph(g.scaling_factor, g.shift_factor,
                                                                       self.vae_decoder.input_dtype(vae_in), flux),
@@ -329,6 +336,9 @@ class DitOnnx:
         # 3. The denoising state on the device: Flux on 2x2-packed tokens, SD 3 on [negatives; prompts] rows.
         feeds = self._transformer_feeds(cond, guidance, h, w, len(batch.images))
         state = self._start_denoise(start, model_in, feeds, guidance, schedule, cfg, adapters, (h, w))
+        if batch.cache is not None and batch.cache.method == "output" and batch.steps >= CACHE_MIN_STEPS:
+            state.cache = OutputCache.start(batch.cache, state.evaluations, self.cache_probe, state.model_in,
+                                            state.model_out, self.runtime.buffer)
         return Begun(batch, state, cond, None, len(schedule), (t0, t1, t2))
 
     def finish(self, run: Begun) -> PipelineOutput:
@@ -343,7 +353,7 @@ class DitOnnx:
         timings = Timings(text_encoder=t1 - t0, denoise=run.denoise_s, vae_decode=t4 - t3,
                           total=(t2 - t0) + run.denoise_s + (t4 - t3), vae_encode=t2 - t1)
         return PipelineOutput(images, run.cond.truncated, run.cond.negative_truncated, timings, state.done,
-                              run.steps_total)
+                              run.steps_total, cache=cache_use(state))
 
     def stepwise(self) -> DitOnnx:
         return self
@@ -356,8 +366,12 @@ class DitOnnx:
         """One transformer evaluation for each state at its next step, all rows in one call: the per-row inputs
         (latent tokens, timestep, text states, pooled embeddings, guidance) joined on the device, the per-size ones
         (Flux's rope tables: equal within a step key) bound once, the output rows copied back (rows.py)."""
-        if not states:
-            return
+        running = partition(states)  # a cached state reusing its output is left out of the call
+        if running:
+            self._run_joined(running)
+        record(running)
+
+    def _run_joined(self, states: Sequence[DitDenoising]) -> None:
         first = states[0]
         if len(states) == 1:
             self.transformer.run({"hidden_states": first.model_in, "timestep": first.timesteps[first.next_eval],

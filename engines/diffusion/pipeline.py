@@ -34,6 +34,7 @@ from engines.diffusion.multistep import MAX_HISTORY
 from engines.diffusion.plan import Step
 from engines.diffusion.rows import RowPacker, ShapeFeed
 from engines.diffusion.schedulers import EDIT_SCHEDULERS, SCHEDULERS, NoiseSchedule, SchedulePlan, make_plan
+from engines.diffusion.step_cache import OutputCache, Probe, cache_use, partition, record
 from engines.diffusion.step_graph import (
     STATE_DTYPE,
     build_scale_graph,
@@ -44,7 +45,7 @@ from engines.diffusion.step_graph import (
 from engines.diffusion.tokenizer import ClipTokenizer
 from engines.errors import InferenceError, InvalidRequestError, ModelLoadError
 from engines.lora.active import Adapters
-from engines.protocol import Batch, StepHook, Timings
+from engines.protocol import CACHE_MIN_STEPS, Batch, CacheUse, StepHook, Timings
 from engines.runtime.sessions import Runtime, numpy_dtype
 
 Feed: TypeAlias = ort.OrtValue | np.ndarray
@@ -145,6 +146,8 @@ class PipelineOutput:
     """Steps the batch was to run: ``steps``, or an edit's ``int(steps * strength)``."""
     latents: np.ndarray | None = None
     """float32 [B, C, h, w] final latents, brought down only when an image asked (ImageSpec.keep_latents)."""
+    cache: CacheUse | None = None
+    """What the batch's step cache reused (None: no cache ran)."""
 
 
 @dataclass(frozen=True)
@@ -199,6 +202,8 @@ class Denoising:
     timestep_values: tuple[float, ...] = ()
     """Each evaluation's timestep on the host: rows of a UNet with one timestep per call share a call only at
     equal timesteps."""
+    cache: OutputCache | None = None
+    """The request's output-level step cache (engines/diffusion/step_cache.py), or None: every evaluation runs."""
 
     @property
     def evaluations(self) -> int:
@@ -274,6 +279,8 @@ class StableDiffusionOnnx:
                  if len(arg.shape) > 0]
         self.rows = RowPacker(runtime, lambda m, name: OrtModel(runtime, m, name + label), kinds,
                               (out_dtype, len(self.unet.session.get_outputs()[0].shape)))
+        self.cache_probe = Probe.build(lambda m, name: OrtModel(runtime, m, name + label),
+                                       [self.latent_dtype, out_dtype])
         self._load_geometry(folder, label)
         self._load_second_encoder(folder, paths, label)
         self.editor: Editor | None = None
@@ -363,6 +370,9 @@ class StableDiffusionOnnx:
         if batch.scheduler not in SCHEDULERS:
             raise InvalidRequestError(f"unknown scheduler {batch.scheduler!r}; expected one of "
                                       f"{sorted(SCHEDULERS)}", param="scheduler")
+        if batch.cache is not None and batch.cache.method != "output":
+            raise InvalidRequestError(f"step cache {batch.cache.method!r} is not served for {self.family.name}: "
+                                      "the UNet families cache at the output (method 'output')", param="cache")
         if any(not spec.prompt.strip() for spec in batch.images) and batch.mode == "txt2img":
             raise InvalidRequestError("prompt must not be empty", param="prompt")
         self._check_edit(batch)
@@ -425,6 +435,9 @@ class StableDiffusionOnnx:
             prepared = self.editor.prepare(batch, plan, latents, rngs, 2 if cfg else 1, start == 0)
         t2 = time.perf_counter()
         state = self.start_denoise(plan, latents, cond, guidance, rngs, batch, prepared, adapters)
+        if batch.cache is not None and batch.steps >= CACHE_MIN_STEPS:
+            state.cache = OutputCache.start(batch.cache, state.evaluations, self.cache_probe, state.model_in,
+                                            state.model_out, self.runtime.buffer)
         return Begun(batch, state, cond, prepared, len(plan.steps), (t0, t1, t2))
 
     def finish(self, run: Begun) -> PipelineOutput:
@@ -442,7 +455,7 @@ class StableDiffusionOnnx:
         timings = Timings(text_encoder=t1 - t0, denoise=run.denoise_s, vae_decode=t4 - t3,
                           total=(t2 - t0) + run.denoise_s + (t4 - t3), vae_encode=t2 - t1)
         return PipelineOutput(images, run.cond.truncated, run.cond.negative_truncated, timings, run.state.done,
-                              run.steps_total, kept)
+                              run.steps_total, kept, cache_use(run.state))
 
     def _unet_feeds(self, cond: Conditioning, batch: Batch, rows: int) -> dict[str, Feed]:
         """The conditioning inputs of every step: hidden states, and SDXL's pooled embeddings and time ids."""
@@ -524,14 +537,14 @@ class StableDiffusionOnnx:
         UNet takes a timestep per row (else one call per timestep value): each state's input buffers are joined on
         the device and its output rows copied back into its own output buffer (engines/diffusion/rows.py). A
         single state binds its own buffers, exactly the solo path."""
-        if not states:
-            return
+        running = partition(states)  # a cached state reusing its output is left out of the call
         groups: dict[float, list[Denoising]] = {}
-        for state in states:
+        for state in running:
             key = 0.0 if self.io.timestep_rows else state.timestep_values[state.next_eval]
             groups.setdefault(key, []).append(state)
         for group in groups.values():
             self._run_joined(group)
+        record(running)
 
     def _run_joined(self, states: list[Denoising]) -> None:
         first = states[0]

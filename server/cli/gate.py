@@ -6,15 +6,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from pydantic import ValidationError
 
+from engines.config import parse_size
 from engines.errors import ConfigError
+from server.caching import Caching
 from server.cli import imagerecord
+from server.cli.common import add_boot_args, boot_config
 from server.exitcodes import ExitCode
+from server.settings import CacheSettings
+
+log = logging.getLogger("sdserve")
 
 
 @dataclass(frozen=True)
@@ -121,16 +129,73 @@ def render(rows: list[Row]) -> str:
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("gate", help="compare two bench results (or two image records); exit non-zero on regression")
-    p.add_argument("--baseline", type=Path, required=True)
-    p.add_argument("--candidate", type=Path, required=True)
+    p = sub.add_parser("gate", help="compare two bench results (or two image records); exit non-zero on regression. "
+                       "--cache: the step cache's quality gate on a model instead")
+    p.add_argument("--baseline", type=Path, default=None)
+    p.add_argument("--candidate", type=Path, default=None)
     p.add_argument("--p95-tolerance", type=float, default=0.10, help="allowed p95 increase (fraction)")
     p.add_argument("--throughput-tolerance", type=float, default=0.10, help="allowed throughput drop")
     p.add_argument("--fingerprint-tolerance", type=float, default=4.0, help="pixel units, 8x8 thumbnails")
+    cache = p.add_argument_group("step cache gate (--cache)")
+    cache.add_argument("--cache", action="store_true", help="run the canaries cached and uncached on --model at "
+                       "every served size (or --size) and judge the [cache] configuration by PSNR; exit non-zero "
+                       "when a size fails")
+    add_boot_args(cache)
+    cache.add_argument("--method", choices=("output", "first-block"), default=None, help="instead of [cache] method")
+    cache.add_argument("--threshold", type=float, default=None, help="instead of [cache] threshold")
+    cache.add_argument("--steps", type=int, default=None, help="instead of [cache] gate_steps (at least 9)")
+    cache.add_argument("--min-mean-psnr", type=float, default=None, help="dB, instead of gate_min_mean_psnr_db")
+    cache.add_argument("--min-worst-psnr", type=float, default=None, help="dB, instead of gate_min_worst_psnr_db")
+    cache.add_argument("--size", action="append", default=None, help="WIDTHxHEIGHT (repeatable); default: the "
+                       "profile's served sizes, else the model's native size")
+    cache.add_argument("--json", action="store_true", help="print the gate's verdicts as JSON")
     p.set_defaults(run=run)
 
 
+def _cache_settings(args: argparse.Namespace, base: CacheSettings) -> CacheSettings:
+    update = {k: v for k, v in (("method", args.method), ("threshold", args.threshold),
+                                ("gate_steps", args.steps), ("gate_min_mean_psnr_db", args.min_mean_psnr),
+                                ("gate_min_worst_psnr_db", args.min_worst_psnr)) if v is not None}
+    try:
+        return CacheSettings.model_validate({**base.model_dump(), **update})
+    except ValidationError as exc:
+        raise ConfigError(f"gate --cache: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}") from None
+
+
+def run_cache_gate(args: argparse.Namespace) -> int:
+    """`sdserve gate --cache`: the boot gate of server/caching.py, on demand."""
+    config = boot_config(args)
+    settings = config.settings
+    cache = _cache_settings(args, settings.cache)
+    engine = config.engine()
+    engine.preflight()
+    engine.load()
+    try:
+        suite = config.plan.suite.for_family(engine.info.family)
+        sizes = [parse_size(s) for s in (args.size or settings.serving.sizes)] or \
+            [(engine.info.default_size, engine.info.default_size)]
+        gates = Caching(cache).run_gate(engine.generate, list(dict.fromkeys(sizes)), suite.canary,
+                                        suite.scheduler, suite.guidance_scale)
+    finally:
+        engine.close()
+    if args.json:
+        print(json.dumps([g.as_dict() for g in gates], indent=2))
+    else:
+        rows = [Row(f"{g.size} {g.spec.label()} {g.steps} steps", f"{g.reused}/{g.evaluations} reused",
+                    f"{g.mean_psnr_db:.1f} dB mean, {g.worst_psnr_db:.1f} worst, time x{g.time_ratio:.2f}",
+                    "ok" if g.passed else "REGRESSION") for g in gates]
+        print(render(rows))
+    if len(gates) < len(set(sizes)):
+        log.error("the gate could not run at every size")
+        return int(ExitCode.GATE_REGRESSION)
+    return int(ExitCode.GATE_REGRESSION) if any(not g.passed for g in gates) else 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.cache:
+        return run_cache_gate(args)
+    if args.baseline is None or args.candidate is None:
+        raise ConfigError("gate needs --baseline and --candidate (or --cache)")
     tol = Tolerances(args.p95_tolerance, args.throughput_tolerance, fingerprint=args.fingerprint_tolerance)
     records = (imagerecord.read(args.baseline), imagerecord.read(args.candidate))
     if any(records):  # two images' content records (`sdserve deploy record`), not bench results
