@@ -148,14 +148,15 @@ TINY_NATIVE_SIZE = 64
 
 
 def build_tiny_dit(family: str, out: Path, bpe: Path | None = None, diffusers_out: Path | None = None,
-                   vae_encoder: bool = True) -> Path:
+                   vae_encoder: bool = True, first_block: bool = False) -> Path:
     """Build the tiny ``family`` model and export it to ``out``; ``diffusers_out``: the same weights as a diffusers
-    folder too; ``vae_encoder``: export the VAE encoder (edits) as well."""
+    folder too; ``vae_encoder``: export the VAE encoder (edits) as well; ``first_block``: the transformer's parts
+    for the first-block cache too (engines/build/dit_split.py)."""
     components = make_dit_components(family, bpe=bpe)
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer_dirs = write_tokenizers(family, Path(tmp), bpe)
         export_dit(components, tokenizer_dirs, out, {"kind": "tiny", "family": family, "seed": SEED}, vae_encoder,
-                   native_size=TINY_NATIVE_SIZE)
+                   native_size=TINY_NATIVE_SIZE, first_block=first_block)
         if diffusers_out is not None:
             save_dit_diffusers(family, components, tokenizer_dirs, diffusers_out)
     log.info("tiny %s model in %s", family, out)

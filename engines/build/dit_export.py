@@ -336,6 +336,24 @@ def _export_transformer(transformer: Any, flux: bool, out: Path, dtype: str = "f
         transformer.pos_embed, transformer_flux.apply_rotary_emb = original, rotary
 
 
+def _export_first_block(transformer: Any, flux: bool, out: Path, dtype: str = "fp32") -> None:
+    """The transformer's parts for the first-block cache (engines/build/dit_split.py), traced as the full one is."""
+    from diffusers.models.transformers import transformer_flux
+
+    from engines.build.dit_split import first_block_parts, splittable
+
+    if not splittable(transformer):
+        log.warning("first-block cache: the transformer has under two blocks; no parts written")
+        return
+    rotary, transformer_flux.apply_rotary_emb = transformer_flux.apply_rotary_emb, _rotary_for_export
+    try:
+        for part in first_block_parts(transformer, flux):
+            _export(_io(part.module, dtype, part.fp32_inputs), part.args, out / part.folder / "model.onnx",
+                    part.inputs, part.outputs, part.dynamic)
+    finally:
+        transformer_flux.apply_rotary_emb = rotary
+
+
 def _export_vae(vae: Any, out: Path, encoder: bool, dtype: str = "fp32") -> None:
     spatial = {0: "batch", 2: "height", 3: "width"}
     latent = torch.randn(1, int(vae.config.latent_channels), 4, 4)  # small: a fast trace
@@ -363,11 +381,13 @@ def _config(model: Any) -> dict[str, Any]:
 
 def export_dit(components: dict[str, Any], tokenizer_dirs: dict[str, Path], out: Path,
                source: dict[str, Any], vae_encoder: bool = True, native_size: int | None = None,
-               dtype: str = "fp32") -> Path:
+               dtype: str = "fp32", first_block: bool = False) -> Path:
     """Export a Flux or SD 3 model's networks, copy tokenizers and scheduler config, write model_index.json
     (``OnnxFluxPipeline`` / ``OnnxStableDiffusion3Pipeline``) and the manifest. ``vae_encoder``: also the VAE
     encoder (for edits; txt2img does not need it). ``dtype``: fp32, or fp16/bf16 per ``PRECISION`` (the
-    networks are cast in place; the manifest's source records each network's dtype and its fp32 keeps)."""
+    networks are cast in place; the manifest's source records each network's dtype and its fp32 keeps).
+    ``first_block``: also the transformer's parts for the first-block cache (engines/build/dit_split.py; opt-in:
+    they hold the transformer's weights a second time)."""
     from diffusers import FluxTransformer2DModel
 
     flux = isinstance(components["transformer"], FluxTransformer2DModel)
@@ -376,6 +396,8 @@ def export_dit(components: dict[str, Any], tokenizer_dirs: dict[str, Path], out:
     out.mkdir(parents=True, exist_ok=True)
     _export_text(components, flux, out, dtypes)
     _export_transformer(components["transformer"], flux, out, dtypes["transformer"])
+    if first_block:
+        _export_first_block(components["transformer"], flux, out, dtypes["transformer"])
     _export_vae(components["vae"], out, vae_encoder, dtypes["vae"])
     if dtype != "fp32":
         source = {**source, "dtype": dtype, "precision": {n: dtypes[n] for n in keeps},
@@ -413,11 +435,11 @@ def is_dit_source(src: Path) -> bool:
     return is_dit_folder(src)
 
 
-def export_dit_folder(src: Path, out: Path, dtype: str = "fp32") -> Path:
-    """Export a local diffusers FluxPipeline or StableDiffusion3Pipeline folder (``dtype``: ``export_dit``);
-    ModelLoadError for an unsupported DiT (Flux.1 Kontext, Flux.2, ...) or an sdserve ONNX folder. The networks
-    load in their export dtype (half the memory of an fp32 load for a half export; transformers applies T5's
-    fp32 keeps while loading), the VAE in fp32 (cast after, by its config)."""
+def export_dit_folder(src: Path, out: Path, dtype: str = "fp32", first_block: bool = False) -> Path:
+    """Export a local diffusers FluxPipeline or StableDiffusion3Pipeline folder (``dtype``, ``first_block``:
+    ``export_dit``); ModelLoadError for an unsupported DiT (Flux.1 Kontext, Flux.2, ...) or an sdserve ONNX
+    folder. The networks load in their export dtype (half the memory of an fp32 load for a half export;
+    transformers applies T5's fp32 keeps while loading), the VAE in fp32 (cast after, by its config)."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel, SD3Transformer2DModel
     from transformers import CLIPTextModel, CLIPTextModelWithProjection, T5EncoderModel
 
@@ -449,4 +471,4 @@ def export_dit_folder(src: Path, out: Path, dtype: str = "fp32") -> Path:
     tokenizers = {n: src / n for n in ("tokenizer", "tokenizer_2", "tokenizer_3") if (src / n).is_dir()}
     log.info("exporting %s (%s, %s) to %s", src, family.name, dtype, out)
     return export_dit(parts, tokenizers, out, {"kind": "diffusers-folder", "family": family.name,
-                                               "path_name": src.name}, dtype=dtype)
+                                               "path_name": src.name}, dtype=dtype, first_block=first_block)

@@ -41,7 +41,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -49,6 +48,7 @@ import onnxruntime as ort
 from engines.diffusion.dit_edits import DitEditor
 from engines.diffusion.dit_family import DitFamily, detect_dit
 from engines.diffusion.family import read_json
+from engines.diffusion.first_block import FirstBlockRunner, FirstBlockState
 from engines.diffusion.flow import FlowMatchConfig, FlowSchedule, flow_schedule, flux_sigmas
 from engines.diffusion.flow_graph import build_flow_decode_graph, build_flow_step_graph, flow_coefficients, flow_start
 from engines.diffusion.pipeline import Begun, Feed, OrtModel, PipelineOutput, image_rng
@@ -58,7 +58,7 @@ from engines.diffusion.t5_tokenizer import T5Tokenizer
 from engines.diffusion.tokenizer import ClipTokenizer
 from engines.errors import InferenceError, InvalidRequestError, ModelLoadError
 from engines.lora.active import Adapters
-from engines.protocol import CACHE_MIN_STEPS, Batch, ModelInfo, StepHook, Timings
+from engines.protocol import CACHE_MIN_STEPS, Batch, CacheUse, ModelInfo, StepHook, Timings
 from engines.runtime.sessions import Runtime
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,7 @@ class DitDenoising:
     done: int = 0
     cache: OutputCache | None = None
     """The request's output-level step cache (engines/diffusion/step_cache.py), or None: every evaluation runs."""
-    first_block: Any = None
+    first_block: FirstBlockState | None = None
     """The request's first-block cache state (engines/diffusion/first_block.py), or None."""
 
 
@@ -224,6 +224,10 @@ class DitOnnx:
         self.rows = RowPacker(runtime, lambda m, name: OrtModel(runtime, m, name + label), kinds,
                               (out_dtype, len(self.transformer.session.get_outputs()[0].shape)))
         self.cache_probe = Probe.build(lambda m, name: OrtModel(runtime, m, name + label), [in_dtype, out_dtype])
+        self.first_block = FirstBlockRunner(folder, runtime, label, given) if FirstBlockRunner.available(folder) \
+            else None
+        """The first-block cache's transformer parts (exported with `sdserve engines export --first-block`), or None:
+        loaded beside the full transformer, which uncached requests keep running."""
         g, vae_in = self.geometry, next(iter(self.vae_decoder.inputs))
         self.decode_scale = OrtModel(runtime, build_flow_decode_graph(g.scaling_factor, g.shift_factor,
                                                                       self.vae_decoder.input_dtype(vae_in), flux),
@@ -286,6 +290,10 @@ class DitOnnx:
         if batch.scheduler not in SAMPLERS:
             raise InvalidRequestError(f"scheduler {batch.scheduler!r} is not served for {self.family.name}: "
                                       "flow-matching models sample with Euler", param="scheduler")
+        if batch.cache is not None and batch.cache.method == "first-block" and self.first_block is None:
+            raise InvalidRequestError("the first-block step cache needs the transformer exported in parts "
+                                      "(`sdserve engines export --first-block`); this model has none: use method "
+                                      "'output'", param="cache")
         if any(not spec.prompt.strip() for spec in batch.images):
             raise InvalidRequestError("prompt must not be empty", param="prompt")
 
@@ -336,9 +344,15 @@ class DitOnnx:
         # 3. The denoising state on the device: Flux on 2x2-packed tokens, SD 3 on [negatives; prompts] rows.
         feeds = self._transformer_feeds(cond, guidance, h, w, len(batch.images))
         state = self._start_denoise(start, model_in, feeds, guidance, schedule, cfg, adapters, (h, w))
-        if batch.cache is not None and batch.cache.method == "output" and batch.steps >= CACHE_MIN_STEPS:
-            state.cache = OutputCache.start(batch.cache, state.evaluations, self.cache_probe, state.model_in,
-                                            state.model_out, self.runtime.buffer)
+        if batch.cache is not None and batch.steps >= CACHE_MIN_STEPS:
+            if batch.cache.method == "output":
+                state.cache = OutputCache.start(batch.cache, state.evaluations, self.cache_probe, state.model_in,
+                                                state.model_out, self.runtime.buffer)
+            elif self.first_block is not None:
+                if adapters is not None and adapters.of(self.transformer.component):
+                    raise InvalidRequestError("the first-block step cache runs the transformer's parts with their "
+                                              "base weights: not with a LoRA on the transformer", param="cache")
+                state.first_block = self.first_block.start(state.model_in, batch.cache.threshold)
         return Begun(batch, state, cond, None, len(schedule), (t0, t1, t2))
 
     def finish(self, run: Begun) -> PipelineOutput:
@@ -352,8 +366,11 @@ class DitOnnx:
         t0, t1, t2 = run.started
         timings = Timings(text_encoder=t1 - t0, denoise=run.denoise_s, vae_decode=t4 - t3,
                           total=(t2 - t0) + run.denoise_s + (t4 - t3), vae_encode=t2 - t1)
+        first = state.first_block
+        use = cache_use(state) or (CacheUse(run.batch.cache, first.reused, first.reused + first.computed)
+                                   if first is not None and run.batch.cache is not None else None)
         return PipelineOutput(images, run.cond.truncated, run.cond.negative_truncated, timings, state.done,
-                              run.steps_total, cache=cache_use(state))
+                              run.steps_total, cache=use)
 
     def stepwise(self) -> DitOnnx:
         return self
@@ -367,8 +384,12 @@ class DitOnnx:
         (latent tokens, timestep, text states, pooled embeddings, guidance) joined on the device, the per-size ones
         (Flux's rope tables: equal within a step key) bound once, the output rows copied back (rows.py)."""
         running = partition(states)  # a cached state reusing its output is left out of the call
-        if running:
-            self._run_joined(running)
+        joined = [s for s in running if s.first_block is None]
+        for state in running:
+            if state.first_block is not None and self.first_block is not None:
+                self.first_block.run(state)  # its first block, then the rest or the cached tail
+        if joined:
+            self._run_joined(joined)
         record(running)
 
     def _run_joined(self, states: Sequence[DitDenoising]) -> None:

@@ -5,7 +5,7 @@ on every family, and the gate (server/caching.py) passes or refuses a configurat
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -184,3 +184,46 @@ def test_a_gated_size_does_not_open_another(engine: OrtEngine) -> None:
         caching.spec_for(True, dataclasses.replace(_batch(20), width=128, height=128))
     with pytest.raises(InvalidRequestError, match="at least 9 steps"):
         caching.spec_for(True, _batch(8))
+
+
+@pytest.fixture(scope="module")
+def flux_parts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OrtEngine]:
+    """Tiny Flux dev exported with the first-block parts (engines/build/dit_split.py) beside its transformer."""
+    from engines.build.dit import build_tiny_dit
+
+    folder = build_tiny_dit("flux", tmp_path_factory.mktemp("flux-parts") / "onnx", vae_encoder=False,
+                            first_block=True)
+    engine = _engine(folder)
+    yield engine
+    engine.close()
+
+
+def test_the_first_block_cache_runs_through_the_engine_and_joins_uncached_rows(flux_parts: OrtEngine) -> None:
+    """method first-block on a folder with the parts: some evaluations skip the rest of the transformer (the
+    counts come back), an uncached row stepping beside it gets its solo image, the cached row its solo cached one."""
+    spec = StepCache(method="first-block", threshold=0.3)
+    plain, cached = _batch(12, seed=2), _batch(12, seed=7, cache=spec)
+    solo_plain, solo_cached = flux_parts.generate(plain), flux_parts.generate(cached)
+    assert solo_cached.cache is not None and solo_cached.cache.spec == spec
+    assert 0 < solo_cached.cache.reused < solo_cached.cache.evaluations == 12
+    runs = [flux_parts.begin(plain), flux_parts.begin(cached)]
+    results: dict[int, BatchResult] = {}
+    while runs:
+        flux_parts.tick(runs)
+        for run in [r for r in runs if r.finished]:
+            results[id(run)] = flux_parts.finish(run)
+            runs.remove(run)
+    joined_plain, joined_cached = list(results.values())
+    assert joined_cached.cache == solo_cached.cache
+    assert np.abs(_pixels(joined_plain).astype(int) - _pixels(solo_plain)).max() <= 1
+    assert np.abs(_pixels(joined_cached).astype(int) - _pixels(solo_cached)).max() <= 1
+
+
+def test_the_first_block_method_needs_the_parts(dit_build: Callable[[str], tuple[Path, Path]]) -> None:
+    engine = _engine(dit_build("flux")[0])
+    try:
+        with pytest.raises(InvalidRequestError, match="--first-block") as err:
+            engine.generate(_batch(12, cache=StepCache(method="first-block", threshold=0.3)))
+        assert err.value.param == "cache"
+    finally:
+        engine.close()
