@@ -37,6 +37,10 @@ def register(sub: Any) -> None:
                         help="Flux/SD 3 only: fp16 or bf16 networks (T5's fp32 keeps and Flux's fp16 clamps kept, "
                              "graph inputs/outputs fp32; docs/families.md); SD 1.x/2.x/XL: fp32, then "
                              "`engines optimize --fp16`")
+    export.add_argument("--first-block", action="store_true",
+                        help="Flux/SD 3 only: also the transformer in parts for the first-block step cache "
+                             "(transformer_first/, transformer_rest/, transformer_skip/: the transformer's weights "
+                             "a second time on disk)")
     opt = engines.add_parser("optimize", help="ORT transformer-optimizer fusions (+ fp16) into a new folder")
     opt.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     opt.add_argument("--out", type=Path, required=True)
@@ -94,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
     elif args.engines_cmd == "export" and _dit_source(args.src):
         from engines.build.dit_export import export_dit_folder
 
-        out = export_dit_folder(args.src, args.out, getattr(args, "dtype", "fp32"))
+        out = export_dit_folder(args.src, args.out, getattr(args, "dtype", "fp32"),
+                                getattr(args, "first_block", False))
     elif args.engines_cmd == "export":
         from engines.build.export import export_folder
 
