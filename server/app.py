@@ -103,7 +103,7 @@ def gate_cache(caching: Caching, engine: Engine, settings: Settings) -> None:
     suite = selftest_plan(settings).suite.for_family(engine.info.family)
     sizes = [parse_size(s) for s in settings.serving.sizes] or [(engine.info.default_size,) * 2]
     caching.run_gate(engine.generate, list(dict.fromkeys(sizes)), suite.canary, suite.scheduler,
-                     suite.guidance_scale)
+                     suite.guidance_scale, engine.info.default_steps)
 
 
 def _seed_costs(app: FastAPI, engine: Engine, settings: Settings, report: SelfTestReport | None) -> None:

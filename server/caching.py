@@ -120,8 +120,14 @@ class Caching:
         """Why the gate could not run (the cache then serves nothing)."""
 
     def run_gate(self, generate: Generate, sizes: Sequence[tuple[int, int]], canaries: Sequence[Canary],
-                 scheduler: str, guidance: float) -> list[ShapeGate]:
-        """Gate every size (blocking: the caller holds the engine); a failed gate only keeps the cache off."""
+                 scheduler: str, guidance: float, model_steps: int = CACHE_MIN_STEPS) -> list[ShapeGate]:
+        """Gate every size (blocking: the caller holds the engine); a failed gate only keeps the cache off.
+        ``model_steps``: the model's default steps; a few-step model (Turbo, schnell) is never gated nor cached."""
+        if model_steps < CACHE_MIN_STEPS:
+            self.error = (f"a few-step model (its default is {model_steps} steps): a step cache never runs below "
+                          f"{CACHE_MIN_STEPS} steps")
+            log.info("step cache gate not run: %s", self.error)
+            return []
         for width, height in sizes:
             try:
                 gate = gate_shape(generate, width, height, canaries, self.settings, scheduler, guidance)

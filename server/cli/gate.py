@@ -174,8 +174,9 @@ def run_cache_gate(args: argparse.Namespace) -> int:
         suite = config.plan.suite.for_family(engine.info.family)
         sizes = [parse_size(s) for s in (args.size or settings.serving.sizes)] or \
             [(engine.info.default_size, engine.info.default_size)]
-        gates = Caching(cache).run_gate(engine.generate, list(dict.fromkeys(sizes)), suite.canary,
-                                        suite.scheduler, suite.guidance_scale)
+        caching = Caching(cache)
+        gates = caching.run_gate(engine.generate, list(dict.fromkeys(sizes)), suite.canary, suite.scheduler,
+                                 suite.guidance_scale, engine.info.default_steps)
     finally:
         engine.close()
     if args.json:
@@ -186,7 +187,7 @@ def run_cache_gate(args: argparse.Namespace) -> int:
                     "ok" if g.passed else "REGRESSION") for g in gates]
         print(render(rows))
     if len(gates) < len(set(sizes)):
-        log.error("the gate could not run at every size")
+        log.error("the gate could not run at every size: %s", caching.error)
         return int(ExitCode.GATE_REGRESSION)
     return int(ExitCode.GATE_REGRESSION) if any(not g.passed for g in gates) else 0
 

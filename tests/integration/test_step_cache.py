@@ -227,3 +227,12 @@ def test_the_first_block_method_needs_the_parts(dit_build: Callable[[str], tuple
         assert err.value.param == "cache"
     finally:
         engine.close()
+
+
+def test_a_few_step_model_is_never_gated(engine: OrtEngine) -> None:
+    """A model whose default is 8 steps or fewer (Turbo, schnell): no gate, so no request is ever cached."""
+    caching = Caching(CacheSettings(policy="on", gate_steps=12))
+    assert caching.run_gate(engine.generate, [(64, 64)], CANARIES[:1], "euler", 7.5, model_steps=4) == []
+    assert "few-step model" in caching.error
+    with pytest.raises(InvalidRequestError, match="few-step model"):
+        caching.spec_for(True, _batch(20))
