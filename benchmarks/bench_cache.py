@@ -78,7 +78,9 @@ def measure(engine: Any, family: str, method: str, steps: int, repeats: int) -> 
         cached = engine.generate(cached_batch)
         plain_s.append(middle - start)
         cached_s.append(time.perf_counter() - middle)
-    assert plain is not None and cached is not None and cached.cache is not None
+    assert plain is not None
+    assert cached is not None
+    assert cached.cache is not None
     return {"family": family, "method": method, "threshold": METHODS[method], "steps": steps, "size": size,
             "reused": cached.cache.reused, "evaluations": cached.cache.evaluations,
             "uncached_s": statistics.median(plain_s), "cached_s": statistics.median(cached_s),

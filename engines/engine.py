@@ -42,7 +42,7 @@ from engines.errors import (
     SelfTestError,
     VersionMismatchError,
 )
-from engines.health import selftest, signature
+from engines.health import request_memory, selftest, signature
 from engines.health.integrity import IntegrityWatcher
 from engines.health.preflight import Check, Observations, evaluate, failures, gather
 from engines.lora.active import Adapters
@@ -158,6 +158,9 @@ class OrtEngine:
                 self._load_dit(sources)
             else:
                 self._load_unet(sources)
+            # admission's estimate and the arena trim's rule; prebuilt engines hold memory sized when they were built
+            memory = request_memory.for_folder(self.model_dir) if ANY in self._pipelines else None
+            self._info, self._runtime.memory = dataclasses.replace(self.info, memory=memory), memory
             if self.plan is not None:  # the family's canary set (configs/canaries.toml [family.<name>])
                 self.plan = dataclasses.replace(self.plan, suite=self.plan.suite.for_family(self.info.family),
                                                 family=self.info.family)

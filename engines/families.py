@@ -41,8 +41,10 @@ class FamilyFacts:
     every folder of that base no other family claims."""
     micro_conditioning: bool = False
     """SDXL's original_size and crop request fields apply."""
-    openai_sizes: bool = False
-    """Trained at 1024x1024: serves OpenAI's image sizes without resizing ([serving] openai_sizes)."""
+    trained_size: int = 512
+    """The side its released weights were trained at (SD 1.x 512, SD 2.x 768, SDXL, Flux.1 and SD 3.x 1024): at
+    1024 the family serves OpenAI's image sizes without resizing ([serving] openai_sizes); a smaller one serves them
+    only through Hires fix ([serving] openai_sizes_hires)."""
     t5_length: int = 0
     """T5's ``max_sequence_length`` (transformer families)."""
     a1111_config: Callable[[int, str], str] = lambda encoders, prediction: ""
@@ -50,6 +52,14 @@ class FamilyFacts:
     own_defaults: bool = False
     """Its request defaults are used instead of the profile's [defaults] (few-step and flow-matching families, for
     which the profile's SD defaults would be wrong); a profile's [family_defaults.<name>] overrides both."""
+    distilled_guidance: bool = False
+    """The guidance scale is an input of the network, no classifier-free guidance (Flux.1 dev): Forge's
+    ``distilled_cfg_scale`` sets it on the A1111 routes (docs/api.md)."""
+
+    @property
+    def openai_sizes(self) -> bool:
+        """Trained at 1024x1024: serves OpenAI's image sizes without resizing ([serving] openai_sizes)."""
+        return self.trained_size >= 1024
 
 
 REGISTRY: dict[str, FamilyFacts] = {}
@@ -92,21 +102,22 @@ def _trailing(configs: Configs) -> bool:
 
 register(FamilyFacts("sd1", ("sd1",), "unet", 20, 7.5, "Stable Diffusion 1.x",
                      a1111_config=lambda encoders, prediction: "v1-inference.yaml"))
-register(FamilyFacts("sd2", ("sd2",), "unet", 20, 7.5, "Stable Diffusion 2.x", a1111_config=_sd_config))
+register(FamilyFacts("sd2", ("sd2",), "unet", 20, 7.5, "Stable Diffusion 2.x", trained_size=768,
+                     a1111_config=_sd_config))
 register(FamilyFacts("sdxl", ("sdxl",), "unet", 30, 5.0, "Stable Diffusion XL", micro_conditioning=True,
-                     openai_sizes=True, a1111_config=lambda encoders, prediction: "sd_xl_base.yaml"))
+                     trained_size=1024, a1111_config=lambda encoders, prediction: "sd_xl_base.yaml"))
 register(FamilyFacts("turbo", ("sd1", "sd2", "sdxl"), "unet", 1, 0.0, "SD-Turbo / SDXL-Turbo (trailing spacing)",
                      claim=_trailing, own_defaults=True,
                      a1111_config=lambda encoders, prediction: "sd_xl_turbo.yaml" if encoders == 2
                      else _sd_config(encoders, prediction)))
 register(FamilyFacts("flux", ("flux",), "transformer", 28, 3.5, "FLUX.1 dev (guidance embedded)", t5_length=512,
-                     own_defaults=True))
+                     own_defaults=True, trained_size=1024, distilled_guidance=True))
 register(FamilyFacts("flux-schnell", ("flux",), "transformer", 4, 0.0, "FLUX.1 schnell (timestep-distilled)",
                      claim=lambda configs: not configs.get("denoiser", {}).get("guidance_embeds", False),
-                     t5_length=256, own_defaults=True))
+                     t5_length=256, own_defaults=True, trained_size=1024))
 register(FamilyFacts("sd3", ("sd3",), "transformer", 28, 7.0, "Stable Diffusion 3", t5_length=256,
-                     own_defaults=True))
+                     own_defaults=True, trained_size=1024))
 register(FamilyFacts("sd35", ("sd3",), "transformer", 28, 4.5, "Stable Diffusion 3.5 (QK norm / dual attention)",
                      claim=lambda configs: bool(configs.get("denoiser", {}).get("qk_norm"))
                      or bool(configs.get("denoiser", {}).get("dual_attention_layers")),
-                     t5_length=256, own_defaults=True))
+                     t5_length=256, own_defaults=True, trained_size=1024))

@@ -255,6 +255,32 @@ class BatchResult:
 
 
 @dataclass(frozen=True)
+class MemoryNeed:
+    """A request's estimated peak working memory beyond the loaded model (engines/health/request_memory.py)."""
+
+    peak_bytes: int
+    stage: str
+    """The stage at the peak (``denoiser``, ``VAE decode``, ``VAE encode``, ``text encoder``)."""
+    stages: tuple[tuple[str, int], ...]
+    """Every stage's bytes; the stages run one after another, so the peak is the largest, not their sum."""
+    why: str = ""
+    """What dominates the peak stage, in words (e.g. its attention's score matrices over N tokens)."""
+
+
+class MemoryModel(Protocol):
+    """The loaded model's working memory by request shape, as admission asks it."""
+
+    @property
+    def factor(self) -> int:
+        """Image pixels per latent pixel along each side (the VAE's downsampling)."""
+
+    def need(self, width: int, height: int, denoise_images: int, images: int, encode: bool = False) -> MemoryNeed:
+        """Peak bytes of a batch at ``width`` x ``height``: ``denoise_images`` in one denoiser call (requests
+        sharing it included), ``images`` through the text encoders and the VAE; ``encode``: the VAE encoder runs
+        too (edits, a Hires fix second pass from pixels)."""
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """What the loaded model can serve; the server validates requests against it."""
 
@@ -289,6 +315,9 @@ class ModelInfo:
     """A DiT's text tokens in its joint attention (Flux: T5's length; SD 3: 77 CLIP + T5's length)."""
     hidden_size: int = 0
     """A DiT's transformer width (heads x head dim)."""
+    memory: MemoryModel | None = None
+    """The working memory a request needs at its shape (admission refuses what cannot fit the memory budget);
+    None when the engine cannot estimate it."""
 
     def work(self, width: int, height: int) -> float:
         """Relative compute of one denoising step at ``width`` x ``height``: what admission scales a measured
@@ -362,6 +391,8 @@ class GpuSample:
     power_w: float
     power_limit_w: float
     memory_used_bytes: int = 0
+    memory_total_bytes: int = 0
+    """The device's memory (0: unknown): with ``memory_used_bytes``, what is free (admission's device budget)."""
 
 
 class TelemetrySource(Protocol):

@@ -7,7 +7,8 @@ AUTOMATIC1111/stable-diffusion-webui ``modules/api/models.py`` builds its txt2im
 strict for everything else (a boolean is not a number, a number is not a string); only a string sent to a number
 field goes through pydantic's own lax conversion (``" 7 "``, ``"7.0"`` and ``"1_000"`` are integers, ``"7.5"`` is
 not; ``"1e3"`` is a float), and a string it cannot parse is the same 422 A1111 answers, naming the field
-(``int_parsing`` / ``float_parsing``).
+(``int_parsing`` / ``float_parsing``). An int field takes an integral float too (``15.0``; ``15.5`` is a 422 naming the
+field), as pydantic's lax mode reads one.
 """
 
 from __future__ import annotations
@@ -34,9 +35,12 @@ def number_type(annotation: object) -> type | None:
 
 
 def lax_number(kind: type | None, value: Any) -> Any:
-    """``value`` as pydantic's lax mode reads it for a ``kind`` field when it is a string; anything else as is (the
-    strict model then judges it). A string lax mode cannot parse raises its own error type and message."""
-    if kind is None or not isinstance(value, str):
+    """``value`` as pydantic's lax mode reads it for a ``kind`` field when it is a string, or an integral float sent
+    to an int field (``15.0``: aiyabot's Hires steps, which A1111's pydantic reads as 15); anything else as is (the
+    strict model then judges it). What lax mode cannot read raises its own error type and message (``15.5`` to an
+    int field: ``int_from_float``, "got a number with a fractional part")."""
+    integral = kind is int and isinstance(value, float)
+    if kind is None or not (isinstance(value, str) or integral):
         return value
     try:
         return _LAX[kind].validate_python(value)

@@ -90,6 +90,18 @@ def _short(value: object, limit: int = 64) -> str:
     return text if len(text) <= limit else text[:limit] + "…"
 
 
+def empty_overrides(overrides: Mapping[str, object]) -> list[str]:
+    """The per-request overrides that say nothing (``""`` or null): A1111's process_images drops a checkpoint
+    override it cannot resolve and applies an empty value as no change, and clients send them for a setting left
+    blank (Dify's tool: ``sd_model_checkpoint: ""`` when no model is picked). They are named as ignored."""
+    return [key for key, value in overrides.items() if value is None or value == ""]
+
+
+def set_overrides(overrides: Mapping[str, object]) -> dict[str, object]:
+    """The per-request overrides that say something: what ``OptionsStore.check`` judges."""
+    return {key: value for key, value in overrides.items() if not (value is None or value == "")}
+
+
 class OptionsStore:
     """The process's A1111 options: the fixed ones derived from the served model, the writable ones in memory."""
 

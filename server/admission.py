@@ -4,15 +4,24 @@ before its deadline even alone is refused at once (4xx naming the deadline and t
 not behind the work already queued, gets a prompt 429 with Retry-After. Nothing is computed to be thrown away.
 
 The model is general over what a job costs (size x steps x images), so edits (img2img, inpainting: fewer steps
-by their strength) go through the same door."""
+by their strength) go through the same door.
+
+Admission by memory: each batch's peak working memory is estimated by the engine from its size, its images, the
+images it may share a denoiser call with (``[queue] max_batch``) and its stages (engines.protocol.MemoryModel);
+a batch whose estimate exceeds the memory budget (``[limits] memory_budget_mb``, else measured at boot:
+``memory_budget``) is refused at once with a 4xx naming the budget, the estimate and the field to lower, instead
+of growing the process into the OOM killer or a failed allocation."""
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from engines.errors import InvalidRequestError
+from engines.protocol import GpuSample, MemoryModel, MemoryNeed
 from server.errors import QueueFullError
 
 ALPHA = 0.3
@@ -111,3 +120,112 @@ def admit(model: CostModel, costs: list[Cost], ahead_s: float, remaining_s: floa
         raise QueueFullError(f"estimated wait {ahead_s:.1f}s for the work queued ahead plus {own:.1f}s of compute "
                              f"exceeds the request deadline {remaining_s:.1f}s ({source}): retry later",
                              max(1, math.ceil(ahead_s)))
+
+
+# ---- memory ---------------------------------------------------------------------------------------------------
+
+GIB = 1 << 30
+FIELDS = {"size": "size (A1111: width, height)", "n": "n (A1111: batch_size)"}
+"""How a refusal names the field to lower, on both APIs (the param is the OpenAI route's name)."""
+HIRES_FIELDS = ("Hires fix target (size, where [serving] openai_sizes_hires serves it through Hires fix; A1111: "
+                "hr_scale, or hr_resize_x / hr_resize_y)")
+CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
+"""cgroup v2, then v1: the container's memory limit ("max", or v1's page-rounded huge number: none)."""
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """What one batch's working memory may take; ``bytes`` None: unknown (nothing is refused on memory)."""
+
+    bytes: int | None = None
+    source: str = "not measured"
+
+
+@dataclass(frozen=True)
+class MemoryAsk:
+    """One batch as memory admission sees it, with the request fields that set its size and its image count."""
+
+    width: int
+    height: int
+    images: int
+    denoise_images: int
+    """Images in the denoiser call it may run in: its own, or ``[queue] max_batch`` shared with others."""
+    decode_images: int
+    """Images through the text encoders and the VAE with it (its own under step-level batching)."""
+    encode: bool = False
+    size_param: str = "size"
+    count_param: str = "n"
+    second_pass: bool = False
+    """A Hires fix second pass (at the target size): the target is what to lower."""
+
+
+def host_limit() -> tuple[int, str]:
+    """The memory this process's container may use: its cgroup limit when one is set, else the host's RAM."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in CGROUP_LIMITS:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < total:
+            return int(text), f"the cgroup memory limit ({path.name})"
+    return total, "the host's RAM"
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (/proc/self/statm), 0 where there is no /proc."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def memory_budget(setting_mb: int, device: str, sample: GpuSample | None) -> MemoryBudget:
+    """The budget: the setting when non-zero; else on a GPU what NVML says is free after boot (the sessions and
+    the warmed arena hold the rest), on the CPU the container's limit less what this process holds after boot."""
+    if setting_mb:
+        return MemoryBudget(setting_mb << 20, "[limits] memory_budget_mb")
+    if device == "cuda":
+        if sample is None or sample.memory_total_bytes <= 0:
+            return MemoryBudget(None, "no NVML memory reading: set [limits] memory_budget_mb")
+        free = max(0, sample.memory_total_bytes - sample.memory_used_bytes)
+        return MemoryBudget(free, f"device memory free after boot ({_gib(sample.memory_used_bytes)} of "
+                                  f"{_gib(sample.memory_total_bytes)} in use)")
+    limit, where = host_limit()
+    held = resident_bytes()
+    return MemoryBudget(max(0, limit - held), f"{where} {_gib(limit)} less this process's {_gib(held)} after boot")
+
+
+def admit_memory(model: MemoryModel | None, budget: MemoryBudget, asks: Iterable[MemoryAsk]) -> None:
+    """Refuse (InvalidRequestError) the first batch of a request whose estimated peak exceeds ``budget``; the
+    param names its image count when fewer images would fit, else its size."""
+    if model is None or budget.bytes is None:
+        return
+    for ask in asks:
+        need = model.need(ask.width, ask.height, ask.denoise_images, ask.decode_images, ask.encode)
+        if need.peak_bytes > budget.bytes:
+            raise InvalidRequestError(_memory_message(ask, need, budget), param=_culprit(model, budget, ask))
+
+
+def _culprit(model: MemoryModel, budget: MemoryBudget, ask: MemoryAsk) -> str:
+    """The count when the same size with one image (in the call it may share) fits, else the size."""
+    if ask.images <= 1:
+        return ask.size_param
+    one = model.need(ask.width, ask.height, max(1, ask.denoise_images - ask.images + 1),
+                     max(1, ask.decode_images - ask.images + 1), ask.encode)
+    return ask.count_param if budget.bytes is not None and one.peak_bytes <= budget.bytes else ask.size_param
+
+
+def _memory_message(ask: MemoryAsk, need: MemoryNeed, budget: MemoryBudget) -> str:
+    shared = (f"; it may share a denoiser call of {ask.denoise_images} images with other requests ([queue] "
+              "max_batch)" if ask.denoise_images > ask.images else "")
+    what = "the Hires fix second pass of " if ask.second_pass else ""
+    size = HIRES_FIELDS if ask.second_pass else FIELDS.get(ask.size_param, ask.size_param)
+    return (f"estimated peak memory {_gib(need.peak_bytes)} for {what}{ask.images} image(s) at "
+            f"{ask.width}x{ask.height} ({need.stage}: {need.why}{shared}) exceeds this server's memory budget "
+            f"{_gib(budget.bytes or 0)} ({budget.source}): ask for a smaller {size} or fewer images: "
+            f"{FIELDS.get(ask.count_param, ask.count_param)}")
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"

@@ -82,6 +82,7 @@ async def boot(app: FastAPI) -> None:
         return
     snapshot = engine.capabilities()
     _seed_costs(app, engine, settings, snapshot.self_test)
+    await run_in_threadpool(app.state.service.measure_memory)  # admission by memory: the budget after warm-up
     unet = snapshot.sessions.get("unet") or next(iter(snapshot.sessions.values()), None)
     if unet is not None and unet.providers_used:
         app.state.watchdog.expect_provider(unet.providers_used[0])

@@ -4,8 +4,12 @@ and probe slots (server/launcher.py builds the server with them).
 Hostile clients: a connection that has not sent a complete request head within ``server.header_timeout_s`` is closed
 (uvicorn's own keep-alive timer starts only after a first response), and a body must arrive whole within
 ``server.body_timeout_s`` (408, server/middleware.py); open connections are capped below RLIMIT_NOFILE: one over the
-cap closes the oldest connection still sending its head, else the oldest still sending its body (so probes keep
-answering under an idle or slow-body flood), or is refused at once with a 503 when every connection is busy.
+cap closes the oldest connection that has waited ``HEAD_GRACE_S`` without a complete request head, else one whose
+reply is stuck, else the oldest still sending its body (so probes keep answering under an idle or slow-body flood),
+or is refused at once with a 503 when every connection is busy. A connection younger than ``HEAD_GRACE_S`` without
+its head is never closed by the cap: a probe sends its head with the connection, but under connection churn (130-270
+new connections a second with the cap held by slow bodies) the event loop accepts the next connections before it
+reads that head, and closing "the oldest without a head" closed the probe (11-42% of probes reset: issue 43).
 A reply the client does not take (a slow reader: a tiny receive window, pipelined requests it never reads) is
 bounded too: when the connection stops taking bytes (the buffer over its high-water mark), or its response ends
 with bytes still buffered, and the client has not taken them down (to the low-water mark, or all of them) within
@@ -37,6 +41,9 @@ PROBE_LINES = tuple(f"{method} {path}{end}".encode() for method in ("GET", "HEAD
 """Request lines a probe slot serves (the bytes a request head starts with)."""
 PROBE_HEAD_S = 2.0
 """A probe slot's request head must arrive within this (a kubelet probe sends it with the connection)."""
+HEAD_GRACE_S = 1.0
+"""A connection without a request head is evictable by the cap only after waiting this long for it (an idle
+kept-alive connection: this long after its last response)."""
 
 
 @dataclass
@@ -47,8 +54,8 @@ class Bounds:
     header_timeout_s: float
     write_timeout_s: float = 3600.0
     probe_slots: int = 0
-    waiting: dict[BoundedH11Protocol, None] = field(default_factory=dict)
-    """Connections with no complete request head yet, oldest first (the ones an over-cap connection may evict)."""
+    waiting: dict[BoundedH11Protocol, float] = field(default_factory=dict)
+    """Connections with no complete request head yet, oldest first, and since when (loop time) they wait."""
     stalled: dict[BoundedH11Protocol, None] = field(default_factory=dict)
     """Connections whose client stopped taking a reply (writing paused), oldest first (evicted next)."""
     reading: dict[BoundedH11Protocol, None] = field(default_factory=dict)
@@ -56,10 +63,14 @@ class Bounds:
     probes: dict[BoundedH11Protocol, None] = field(default_factory=dict)
     """Connections in a probe slot (beyond the cap), oldest first."""
 
-    def evictable(self) -> BoundedH11Protocol | None:
-        """The connection an over-cap one may close: the oldest still sending a head, else one whose reply is
-        stuck, else one still sending a body (never one in a probe slot)."""
-        for table in (self.waiting, self.stalled, self.reading):
+    def evictable(self, now: float) -> BoundedH11Protocol | None:
+        """The connection an over-cap one may close: the oldest that has waited ``HEAD_GRACE_S`` (at loop time
+        ``now``) for its head, else one whose reply is stuck, else the oldest still sending a body; never one in a
+        probe slot, never one that may be a probe whose head is not read yet."""
+        oldest = next(((c, since) for c, since in self.waiting.items() if c not in self.probes), None)
+        if oldest is not None and now - oldest[1] >= HEAD_GRACE_S:  # the rest waited less: oldest first
+            return oldest[0]
+        for table in (self.stalled, self.reading):
             found = next((c for c in table if c not in self.probes), None)
             if found is not None:
                 return found
@@ -103,7 +114,7 @@ class BoundedH11Protocol(H11Protocol):
         super().connection_made(transport)
         nodelay(transport)
         if self.bounds.over_cap(len(self.connections)):
-            oldest = self.bounds.evictable()
+            oldest = self.bounds.evictable(self.loop.time())
             if oldest is not None:
                 conn_log.warning("connection cap %d reached: closing the oldest connections still sending a "
                                  "request head or body, or not taking their reply", self.bounds.max_connections)
@@ -121,7 +132,7 @@ class BoundedH11Protocol(H11Protocol):
 
     def await_head(self) -> None:
         self.bounds.waiting.pop(self, None)
-        self.bounds.waiting[self] = None
+        self.bounds.waiting[self] = self.loop.time()
         if self.head_timer is not None:
             self.head_timer.cancel()
         timeout = self.bounds.header_timeout_s

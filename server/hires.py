@@ -18,7 +18,8 @@ first pass's latents (the engine hands them out when asked: ImageSpec.keep_laten
 ``torch.nn.functional.interpolate`` does (bilinear, bicubic, nearest, nearest-exact; align_corners False, no
 antialias: the antialiased modes are refused by name), cut the truncation in latent space, and start the second
 pass from them instead of encoding pixels. Either way the second pass goes through the edits path
-(server/edits.py edit_batch) as any img2img request does.
+(server/edits.py edit_batch) as any img2img request does. An OpenAI edit at an OpenAI size served through Hires fix
+(server/routes/edits.py) runs its edit as the first pass; with a mask, the second pass repaints only under it.
 """
 
 from __future__ import annotations
@@ -216,7 +217,8 @@ def second_pass(first: Batch, images: list[Image.Image], plan: HiresPlan, info: 
                    images=tuple(replace(s, keep_latents=False) for s in first.images))
     if not plan.latent:
         up = tuple(upscale(im.convert("RGB"), plan.upscaler, *plan.upscale_to).crop(plan.box) for im in images)
-        return edit_batch(base, EditInput(up, None, plan.strength, 0, overlay=True), info, plan.strength)
+        return edit_batch(base, EditInput(up, _mask(first, plan), plan.strength, 0, overlay=True), info,
+                          plan.strength)
     if latents is None or any(x is None for x in latents):
         raise InvalidRequestError(f"hr_upscaler {plan.upscaler!r}: the engine returned no latents for the first "
                                   f"pass; use one of {list(UPSCALERS)}", param="hr_upscaler")
@@ -229,6 +231,15 @@ def second_pass(first: Batch, images: list[Image.Image], plan: HiresPlan, info: 
     specs = tuple(replace(s, edit=EditImage(s.edit.image, latents=cut[i])) if s.edit is not None else s
                   for i, s in enumerate(batch.images))
     return replace(batch, images=specs)
+
+
+def _mask(first: Batch, plan: HiresPlan) -> Image.Image | None:
+    """An inpainting first pass's mask at the second pass's size (an OpenAI edit with a mask served through Hires
+    fix: the second pass repaints only where the first did); None for a txt2img or img2img first pass."""
+    edit = first.images[0].edit
+    if edit is None or edit.mask is None:
+        return None
+    return Image.fromarray(edit.mask).resize(plan.upscale_to, Image.Resampling.LANCZOS).crop(plan.box)
 
 
 def costs(batches: list[Batch], plan: HiresPlan) -> list[Cost]:
@@ -244,6 +255,8 @@ async def run_hires(service: ImageService, batches: list[Batch], plan: HiresPlan
     """Both passes under one deadline, admitted on their total cost before the first runs. An interrupted first
     pass answers with its images (A1111 skips the second pass then)."""
     deadline = service.deadline(timeout)
+    service.admit_memory(batches, plan.size, not plan.latent,  # the second pass, before the first runs
+                         "hr_scale" if "Hires upscale" in plan.infotext else "size")
     source = headers.TIMEOUT if timeout is not None else "queue.request_timeout_s"
     try:
         admit(service.cost, costs(batches, plan), service.batcher.ahead_seconds(), deadline - time.monotonic(),

@@ -35,6 +35,7 @@ from typing import Literal
 from PIL import Image, ImageFilter, ImageOps, UnidentifiedImageError
 
 from engines.errors import InvalidRequestError
+from server import png_text
 from server.errors import QueueFullError
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
@@ -91,6 +92,7 @@ def _open(data: bytes, field: str, max_pixels: int) -> Image.Image:
     """The image's header read (no pixel decoded) and checked: format, declared size, frames, JPEG scans."""
     if not data:
         raise InvalidRequestError(f"{field} is empty", param=field)
+    png_text.check(data, field)  # chunk and text bounds before Pillow inflates any text (issue 43)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -231,6 +233,11 @@ def _normalize(image: Image.Image) -> Image.Image:
 def from_base64(text: str, field: str, max_pixels: int) -> Image.Image:
     """A1111's base64 images, with or without a ``data:image/...;base64,`` prefix."""
     return decode(_from_base64_text(text, field), field, max_pixels)
+
+
+def from_base64_bytes(text: str, field: str) -> bytes:
+    """The bytes of A1111's base64 image text (with or without a data: prefix), not yet decoded as an image."""
+    return _from_base64_text(text, field)
 
 
 def _from_base64_text(text: str, field: str) -> bytes:

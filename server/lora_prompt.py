@@ -8,21 +8,31 @@ text the encoder sees, nothing else (A1111 removes every ``<kind:...>`` extra-ne
 is A1111's alias of ``lora``.
 A hypernetwork tag is refused (sdserve has none), never silently dropped. Unknown names, refused files and bad
 multipliers are 400 (OpenAI) / 422 (A1111) naming the field, before admission.
+
+The tags are found by a single left-to-right scan (``find_tags``), linear in the prompt's length: A1111's pattern
+``<(\w+):([^>]+)>`` run by ``re`` backtracks quadratically on a long prompt of ``<x:`` without ``>`` (25 s at
+100,000 characters), and this runs before admission. A name is the file's name or, as A1111 resolves it, its alias
+(the file's ``ss_output_name``): the file name wins when both match, and an alias two files share is refused
+naming them.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+import unicodedata
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from engines.errors import InvalidRequestError
 from engines.protocol import LoraInfo, LoraUse
+from server import headers
 
-TAG = re.compile(r"<(\w+):([^>]+)>")
-"""A1111's re_extra_net."""
+KIND = re.compile(r"\w+")
+"""A tag's kind: A1111's re_extra_net is ``<(\w+):([^>]+)>``."""
 LORA_KINDS = ("lora", "lyco")
+MAX_TAGS = 64
+"""LoRA tags one prompt may hold (the most [runtime.lora] max_per_request allows): parsing stops there."""
 
 
 @dataclass(frozen=True)
@@ -36,22 +46,48 @@ class Wanted:
     """The request field that named it: ``prompt`` (a tag) or ``loras.<i>``."""
 
 
+def find_tags(prompt: str) -> Iterator[tuple[int, int, str, str]]:
+    """(start, end, kind, body) of every ``<kind:body>`` tag, as ``re.finditer`` with A1111's pattern finds them,
+    in one pass: each ``>`` search resumes where the last one stopped, so no character is scanned twice."""
+    close = -1
+    at = prompt.find("<")
+    while at >= 0:
+        kind = KIND.match(prompt, at + 1)
+        colon = kind.end() if kind is not None else -1
+        if colon >= 0 and prompt.startswith(":", colon):
+            if close <= colon:
+                close = prompt.find(">", colon + 1)
+                if close < 0:
+                    return  # no ">" after here: no tag can end
+            if close > colon + 1:  # a non-empty body
+                yield at, close + 1, prompt[at + 1:colon], prompt[colon + 1:close]
+                at = prompt.find("<", close + 1)
+                continue
+        at = prompt.find("<", at + 1)
+
+
 def parse_prompt(prompt: str) -> tuple[str, list[Wanted]]:
     """(prompt without LoRA tags, the tags' LoRAs). InvalidRequestError names ``prompt`` for a malformed tag."""
     wanted: list[Wanted] = []
-
-    def take(match: re.Match[str]) -> str:
-        kind, body = match.group(1), match.group(2)
+    kept: list[str] = []
+    last = 0
+    for start, end, kind, body in find_tags(prompt):
+        text = prompt[start:end]
         if kind == "hypernet":
-            raise InvalidRequestError(f"prompt: {match.group(0)!r} asks for a hypernetwork; this server serves "
+            raise InvalidRequestError(f"prompt: {text[:200]!r} asks for a hypernetwork; this server serves "
                                       "LoRAs only (<lora:name:multiplier>)", param="prompt")
         if kind not in LORA_KINDS:
-            return match.group(0)
-        wanted.append(_tag(match.group(0), body))
-        return ""
-
-    stripped = TAG.sub(take, prompt)  # as A1111: the tag's text goes, the commas around it stay
-    return (stripped.strip() if wanted else prompt), wanted
+            continue
+        if len(wanted) == MAX_TAGS:
+            raise InvalidRequestError(f"prompt: more than {MAX_TAGS} LoRA tags; a request takes at most "
+                                      f"{MAX_TAGS} ([runtime.lora] max_per_request may be lower)", param="prompt")
+        wanted.append(_tag(text[:300], body))
+        kept.append(prompt[last:start])  # as A1111: the tag's text goes, the commas around it stay
+        last = end
+    if not wanted:
+        return prompt, wanted
+    kept.append(prompt[last:])
+    return "".join(kept).strip(), wanted
 
 
 def _tag(text: str, body: str) -> Wanted:
@@ -98,17 +134,34 @@ def resolve(wanted: Iterable[Wanted], library: Mapping[str, LoraInfo], max_count
                 raise InvalidRequestError(f"{w.field}: LoRA {w.name!r} multiplier {value} is outside "
                                           f"[-{max_multiplier:g}, {max_multiplier:g}] ([runtime.lora] "
                                           "max_multiplier)", param=w.field)
-        found = library.get(w.name)
-        if found is None:
-            known = ", ".join(sorted(n for n, f in library.items() if not f.problem)[:20]) or "none usable"
-            raise InvalidRequestError(f"{w.field}: unknown LoRA {w.name[:128]!r}; this server has: {known} (GET "
-                                      "/sdapi/v1/loras)", param=w.field)
+        found = lookup(w.name, w.field, library)
         if found.problem:
             raise InvalidRequestError(f"{w.field}: LoRA {w.name!r} is refused: {found.problem}", param=w.field)
         uses.append(LoraUse(found.name, found.sha256, w.te, w.unet))
     return tuple(sorted(uses, key=lambda u: (u.sha256, u.te, u.unet)))
 
 
+def lookup(name: str, field: str, library: Mapping[str, LoraInfo]) -> LoraInfo:
+    """The library's file for ``name`` (NFC, as the library normalizes file names): by file name first, else by
+    alias among usable files, as A1111 resolves them; InvalidRequestError naming ``field`` for an unknown name or
+    an alias two usable files share."""
+    name = unicodedata.normalize("NFC", name)
+    found = library.get(name)
+    if found is not None:
+        return found
+    aliased = sorted((f for f in library.values() if f.alias == name and not f.problem), key=lambda f: f.path)
+    if len(aliased) == 1:
+        return aliased[0]
+    if aliased:
+        files = ", ".join(f"{f.name} ({f.path})" for f in aliased[:5])
+        raise InvalidRequestError(f"{field}: LoRA alias {name[:128]!r} is ambiguous: the files {files} all have it "
+                                  "(ss_output_name); name one by its file name", param=field)
+    known = ", ".join(sorted(n for n, f in library.items() if not f.problem)[:20]) or "none usable"
+    raise InvalidRequestError(f"{field}: unknown LoRA {name[:128]!r}; this server has: {known} (GET "
+                              "/sdapi/v1/loras)", param=field)
+
+
 def header_value(uses: tuple[LoraUse, ...]) -> str:
-    """``x-sdserve-loras``: ``name:sha256[:12]:te:unet`` per LoRA, comma-separated; ``none`` without LoRA."""
-    return ",".join(f"{u.name}:{u.sha256[:12]}:{u.te:g}:{u.unet:g}" for u in uses) or "none"
+    """``x-sdserve-loras``: ``name:sha256[:12]:te:unet`` per LoRA (the name percent-encoded: headers.token),
+    comma-separated; ``none`` without LoRA."""
+    return ",".join(f"{headers.token(u.name)}:{u.sha256[:12]}:{u.te:g}:{u.unet:g}" for u in uses) or "none"

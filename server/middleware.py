@@ -25,6 +25,7 @@ from typing import Any
 from starlette.datastructures import MutableHeaders
 
 from engines.errors import InvalidRequestError, NotReadyError, SdserveError
+from server import headers as header_names
 from server.errors import (
     REQUEST_ID,
     AuthenticationError,
@@ -107,7 +108,10 @@ class GuardMiddleware:
     into a sanitized 500 with ``connection: close``, logged once with its traceback and the id. (A 504's
     ``x-should-retry: false`` comes from the error table, server/errors.py.) A request whose client left before
     its answer was complete (the app saw ``http.disconnect``) is logged 499, with ``response_status`` the status
-    the server would have answered: not a 200 for a client that was gone."""
+    the server would have answered: not a 200 for a client that was gone. A response the server could not send
+    (the send raised) is logged with ``send_error``, and status 0 when not even its head went out. Header values
+    are checked on the way out (server/headers.py ``repaired``): an invalid one is sent repaired and logged, never
+    refused by h11 after the work is done."""
 
     def __init__(self, app: ASGIApp, log_prompts: bool = False) -> None:
         self.app, self.log_prompts = app, log_prompts
@@ -136,21 +140,26 @@ class GuardMiddleware:
                 await internal_error(request_id)(scope, receive, send)
                 watch.status = 500
         finally:
-            fields = _access_fields(scope, 499 if watch.gone else watch.status or 499, time.perf_counter() - start,
-                                    self.log_prompts)
-            if watch.gone:
+            status = 499 if watch.gone else watch.sent if watch.send_error else watch.status or 499
+            fields = _access_fields(scope, status, time.perf_counter() - start, self.log_prompts)
+            if watch.gone or watch.send_error:
                 fields["response_status"] = watch.status or None
-            access_log.info("%s %s %d %.1fms id=%s", fields["method"], escape_controls(str(fields["path"])),
-                            fields["status"], fields["duration_ms"], request_id, extra={"access": fields})
+            if watch.send_error:
+                fields["send_error"] = watch.send_error
+            access_log.info("%s %s %d %.1fms id=%s%s", fields["method"], escape_controls(str(fields["path"])),
+                            fields["status"], fields["duration_ms"], request_id,
+                            f" send failed ({watch.send_error})" if watch.send_error else "", extra={"access": fields})
 
 
 class _Exchange:
-    """One request's messages as the guard sees them: the status sent (x-request-id added, a redirect made
-    relative), whether the answer completed, and whether the client left before it did."""
+    """One request's messages as the guard sees them: the status answered (x-request-id added, a redirect made
+    relative, invalid header values repaired), the status whose head actually went out (``sent``), whether the
+    answer completed, whether the client left before it did, and what a failed send raised."""
 
     def __init__(self, receive: Receive, send: Send, request_id: str) -> None:
         self._receive, self._send, self.request_id = receive, send, request_id
-        self.status, self.answered, self.gone = 0, False, False
+        self.status, self.sent, self.answered, self.gone = 0, 0, False, False
+        self.send_error: str | None = None
 
     async def receive(self) -> Message:
         message = await self._receive()
@@ -167,7 +176,26 @@ class _Exchange:
             headers[REQUEST_ID] = self.request_id
             if "location" in headers:
                 headers["location"] = relative_location(headers["location"])
-        await self._send(message)
+            _repair_headers(message)
+        try:
+            await self._send(message)
+        except Exception as exc:
+            self.send_error = f"{type(exc).__name__}: {escape_controls(str(exc))[:200]}"
+            raise
+        if message["type"] == "http.response.start":
+            self.sent = self.status
+
+
+def _repair_headers(message: Message) -> None:
+    """Every header value of a response head valid on the wire (server/headers.py ``repaired``); a repair is
+    logged: it is a builder that did not go through headers.put."""
+    raw = message.get("headers", [])
+    fixed = [(name, header_names.repaired(bytes(value))) for name, value in raw]
+    if any(new is not None for _, new in fixed):
+        log.warning("invalid header value(s) repaired before sending: %s",
+                    ", ".join(bytes(name).decode("latin-1") for name, new in fixed if new is not None))
+        message["headers"] = [(name, new if new is not None else bytes(value))
+                              for (name, new), (_, value) in zip(fixed, raw, strict=True)]
 
 
 def _ambiguous_framing(scope: Scope) -> bool:

@@ -17,7 +17,7 @@ import math
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import engines.families as families
 from engines.config import parse_size
@@ -46,11 +46,10 @@ class FieldNotes:
         self.warnings.append(f"{name} ignored: {why}")
 
     def headers(self) -> dict[str, str]:
-        """``x-sdserve-ignored-fields`` (printable ASCII names only; the body's warnings have every name)."""
+        """``x-sdserve-ignored-fields`` (names percent-encoded: headers.token; the warnings have them as sent)."""
         if not self.ignored:
             return {}
-        names = ",".join(n if n.isascii() and n.isprintable() else "?" for n in sorted(self.ignored))
-        return {headers.IGNORED_FIELDS: names[:1000]}
+        return {headers.IGNORED_FIELDS: headers.value(headers.tokens(sorted(self.ignored)))}
 
 
 def served_model(requested: str | None, settings: Settings, info: ModelInfo) -> str:
@@ -113,7 +112,8 @@ def quality_steps(req: ImageGenerationRequest, settings: Settings) -> int | None
 
 def openai_sizes(settings: Settings, info: ModelInfo) -> tuple[str, ...]:
     """The OpenAI sizes served beyond the profile's sizes and limits: [serving] openai_sizes on a model of a family
-    trained at 1024x1024 (SDXL), each a multiple of the model's factor."""
+    trained at 1024x1024 (engines/families.py ``trained_size``: SDXL, Flux.1, SD 3.x), each a multiple of the
+    model's factor."""
     if not settings.serving.openai_sizes or not families.facts(info.family).openai_sizes:
         return ()
     return tuple(s for s in OPENAI_SIZES if all(v % info.size_multiple == 0 for v in parse_size(s)))
@@ -131,19 +131,27 @@ def served_sizes_text(settings: Settings, info: ModelInfo) -> str:
     return f"served sizes: {served}; the model's native size is {native} (size auto)"
 
 
-def resolve_size(size: str | None, settings: Settings, info: ModelInfo) -> tuple[int, int]:
+Route = Literal["openai", "a1111", "hires"]
+"""Who asks a size, for the hint of a refusal: the OpenAI routes (where [serving] openai_sizes_hires applies), the
+A1111 routes (where it does not), or a Hires fix target (whose size the A1111 hr_* fields chose)."""
+
+
+def resolve_size(size: str | None, settings: Settings, info: ModelInfo, route: Route = "openai") -> tuple[int, int]:
     """(width, height) for a requested size (None or "auto": the first served size, else the native size); a size
-    the model does not serve is a 400 naming the served sizes and the native size. Never resized."""
+    the model does not serve is a 400 naming the served sizes, the native size and, for a size over the limits, the
+    setting that refused it (``[limits] max_width/max_height``), with a hint for an OpenAI size that names only
+    settings that apply on ``route``. Never resized."""
     served = settings.serving.sizes
     if size is None or size == "auto":
         return parse_size(served[0]) if served else (info.default_size, info.default_size)
     width, height = parse_size(size)
     if f"{width}x{height}" in openai_sizes(settings, info):
         return width, height
+    hint = "" if route == "hires" else _openai_hint(size, settings, info, route)
     if served:
         if f"{width}x{height}" not in served:
-            raise InvalidRequestError(f"size {width}x{height} is not served; {served_sizes_text(settings, info)}"
-                                      + _openai_hint(size, settings, info), param="size")
+            raise InvalidRequestError(f"size {width}x{height} is not served; "
+                                      f"{served_sizes_text(settings, info)}" + hint, param="size")
         return width, height
     for name, value, cap in (("width", width, settings.limits.max_width),
                              ("height", height, settings.limits.max_height)):
@@ -151,16 +159,16 @@ def resolve_size(size: str | None, settings: Settings, info: ModelInfo) -> tuple
             raise InvalidRequestError(f"size {size}: {name} {value} is not a multiple of {info.size_multiple}; "
                                       f"{served_sizes_text(settings, info)}", param="size")
         if value > cap:
-            raise InvalidRequestError(f"size {size}: {name} {value} is over this server's largest {cap}; "
-                                      f"{served_sizes_text(settings, info)}" + _openai_hint(size, settings, info),
-                                      param="size")
+            raise InvalidRequestError(f"size {size}: {name} {value} is over this server's largest {cap} ([limits] "
+                                      f"max_{name}); {served_sizes_text(settings, info)}" + hint, param="size")
     return width, height
 
 
 def hires_base(size: str | None, settings: Settings, info: ModelInfo) -> tuple[int, int] | None:
     """The first-pass size for an OpenAI size served through Hires fix ([serving] openai_sizes_hires, on a model
-    of a family not trained at 1024x1024): the requested aspect at the model's native pixel count, each side a
-    multiple of the model's factor. None when the request is not served that way."""
+    of a family not trained at 1024x1024; generations, edits and variations alike): the requested aspect at the
+    model's native pixel count, each side a multiple of the model's factor. None when the request is not served
+    that way."""
     if size not in OPENAI_SIZES or families.facts(info.family).openai_sizes or not settings.serving.openai_sizes_hires:
         return None
     width, height = parse_size(size)
@@ -168,14 +176,22 @@ def hires_base(size: str | None, settings: Settings, info: ModelInfo) -> tuple[i
     return max(m, round(width * scale / m) * m), max(m, round(height * scale / m) * m)
 
 
-def _openai_hint(size: str, settings: Settings, info: ModelInfo) -> str:
+def trained_at_1024() -> str:
+    """The registered families trained at 1024x1024, by description (for messages)."""
+    return ", ".join(f.description.split(" (")[0] for f in families.REGISTRY.values() if f.openai_sizes)
+
+
+def _openai_hint(size: str, settings: Settings, info: ModelInfo, route: Route) -> str:
     if size not in OPENAI_SIZES:
         return ""
-    if not families.facts(info.family).openai_sizes:
+    trained = families.facts(info.family).trained_size
+    if trained < 1024:
+        where = (f"enable [serving] openai_sizes_hires to serve it on the OpenAI routes through Hires fix, a "
+                 f"native-size first pass then a second pass at {size}") if route == "openai" else \
+            "[serving] openai_sizes_hires serves it on the OpenAI routes only (/v1/images/*)"
         return (f" ({size} is an OpenAI size: served directly only by models of a family trained at 1024x1024 "
-                f"(SDXL), with [serving] openai_sizes; this model is {info.family}: enable [serving] "
-                "openai_sizes_hires to serve it through Hires fix, a native-size first pass then a second pass at "
-                f"{size})")
+                f"({trained_at_1024()}) with [serving] openai_sizes; this model is {info.family}, trained at "
+                f"{trained}x{trained}: {where})")
     return "" if settings.serving.openai_sizes else " (enable [serving] openai_sizes to serve OpenAI's sizes)"
 
 

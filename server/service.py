@@ -8,6 +8,7 @@ import asyncio
 import base64
 import dataclasses
 import io
+import logging
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
@@ -21,7 +22,7 @@ from starlette.responses import Response
 from engines.errors import InvalidRequestError, NotReadyError
 from engines.protocol import Batch, BatchResult, Engine, LoraUse
 from server import headers
-from server.admission import Cost, CostModel, admit
+from server.admission import Cost, CostModel, MemoryAsk, MemoryBudget, admit, admit_memory, memory_budget
 from server.batcher import Batcher
 from server.caching import Caching
 from server.caching import header_value as cache_header
@@ -34,6 +35,8 @@ from server.schemas import ImageGenerationRequest
 from server.settings import Settings
 from server.state import ServerState
 from server.stepper import StepBatcher
+
+log = logging.getLogger(__name__)
 
 
 def encode_png(image: object) -> bytes:
@@ -108,6 +111,8 @@ class ImageService:
             engine, metrics, self.lock, q.max_size, q.max_batch, q.max_queue_delay_ms / 1000, self.cost,
             q.max_running) if q.batching == "step" else Batcher(
             engine, metrics, self.lock, q.max_size, q.max_batch, q.max_queue_delay_ms / 1000, self.cost)
+        self.memory = MemoryBudget()
+        """What one batch's working memory may take (``measure_memory``, at boot)."""
         self.window_s = window_s
         self.recent: deque[Sample] = deque(maxlen=10_000)
         self._last_done = time.monotonic()
@@ -142,6 +147,7 @@ class ImageService:
         behind the work ahead). The edit routes call it before decoding any upload, and ``run_all`` again once the
         images are ready. Returns the deadline, which bounds the decoding too."""
         deadline = self.deadline(timeout_header)
+        self.admit_memory(batches)
         source = headers.TIMEOUT if timeout_header is not None else "queue.request_timeout_s"
         # A set over the LoRA budget is refused here by name (InvalidRequestError, param loras), not as a deadline.
         merges = sum(self.engine.lora_cost_s(b.loras) for b in {b.lora_key: b for b in batches}.values())
@@ -154,6 +160,37 @@ class ImageService:
             self.metrics.refused.labels("over_deadline").inc()
             raise
         return deadline
+
+    def admit_memory(self, batches: list[Batch], size: tuple[int, int] | None = None, encode: bool | None = None,
+                     size_param: str = "size") -> None:
+        """Admission by memory (server/admission.py): 4xx when a batch's estimated peak cannot fit the budget.
+        ``size``/``encode``: the batches as a Hires fix second pass at that size (checked before the first pass
+        runs); ``size_param``: the field that set the size."""
+        q = self.settings.queue
+        asks = [MemoryAsk(*(size or (b.width, b.height)), len(b.images), max(len(b.images), q.max_batch),
+                          len(b.images) if q.batching == "step" else max(len(b.images), q.max_batch),
+                          _encodes(b) if encode is None else encode, size_param, second_pass=size is not None)
+                for b in batches]
+        try:
+            admit_memory(self.engine.info.memory, self.memory, asks)
+        except InvalidRequestError:
+            self.metrics.refused.labels("over_memory").inc()
+            raise
+
+    def measure_memory(self) -> MemoryBudget:
+        """The memory budget, once the self-test has warmed the model: ``[limits] memory_budget_mb``, else the
+        device's free memory (NVML) or the container's limit less this process's resident memory."""
+        runtime, sample = self.settings.runtime, None
+        telemetry = self.engine.telemetry() if runtime.device == "cuda" else None
+        if telemetry is not None:
+            try:
+                sample = telemetry.sample(runtime.device_id)
+            except Exception as exc:  # a MIG slice has no utilization; the budget is then unknown
+                log.warning("no NVML reading for the memory budget: %s", exc)
+        self.memory = memory_budget(self.settings.limits.memory_budget_mb, runtime.device, sample)
+        log.info("memory budget per batch: %s", "unknown" if self.memory.bytes is None else
+                 f"{self.memory.bytes / (1 << 30):.2f} GiB ({self.memory.source})")
+        return self.memory
 
     async def run_all(self, batches: list[Batch], timeout_header: str | None, disconnected: Disconnected,
                       owner: str | None = None, encode: Encoder = encode_png) -> list[Generated]:
@@ -283,6 +320,11 @@ class ImageService:
                 "cost_s_per_image_step": self.cost.snapshot(),
                 "queue": {"depth": len(b.queue), "max_size": b.max_queue, "peak": b.peak_queue,
                           "max_batch": b.max_batch, "batch_seconds_ewma": round(b.stats.batch_seconds, 4)}}
+
+
+def _encodes(batch: Batch) -> bool:
+    """The VAE encoder runs for this batch: an edit from pixels (a latent Hires fix pass brings its latents)."""
+    return any(s.edit is not None and s.edit.latents is None for s in batch.images)
 
 
 def _cost(batch: Batch) -> Cost:

@@ -31,7 +31,9 @@ class ServerSettings(BaseModel):
     """TCP port; 0 picks a free one and logs it."""
     max_connections: int = Field(1000, ge=8, le=1_000_000)
     """Open TCP connections at most (lowered at start to fit under RLIMIT_NOFILE). One more closes the oldest
-    connection that has not sent a complete request head, else is refused at once with 503."""
+    connection that has waited a second without a complete request head, else one whose reply is stuck, else the
+    oldest still sending its body (never a younger one without its head: it may be a probe), else is refused at
+    once with 503 (server/connections.py)."""
     header_timeout_s: float = Field(10.0, gt=0, le=300)
     """Seconds a connection may take to send a complete request head (a new connection, or a kept-alive one
     between requests); then it is closed."""
@@ -167,6 +169,12 @@ class Limits(BaseModel):
     with a mask defaults to 1.0, as diffusers' inpainting pipeline."""
     variation_strength: float = Field(0.7, gt=0.0, le=1.0)
     """/v1/images/variations: img2img of the image with an empty prompt at this strength."""
+    memory_budget_mb: int = Field(0, ge=0, le=16 << 20)
+    """Working memory one batch may take beyond the loaded model, in MiB: a request whose estimated peak (its
+    size, images, the batch it may share a denoiser call with, its stages: engines/health/request_memory.py)
+    exceeds it is refused (400/422 naming the limit, the estimate and the field), never run into the kernel's
+    OOM killer. 0: measured at boot, after the self-test: on a GPU the device memory still free; on the CPU the
+    cgroup memory limit (else the host's RAM) minus this process's resident memory."""
 
     @model_validator(mode="after")
     def _request_budget(self) -> Limits:
@@ -215,12 +223,13 @@ class Serving(BaseModel):
     """Batch sizes warmed and checked at boot."""
     openai_sizes: bool = False
     """Also serve OpenAI's sizes (1024x1024, 1536x1024, 1024x1536, 1792x1024, 1024x1792: what OpenAI clients send
-    by default) when the served model's family is trained at 1024x1024 (SDXL), beyond ``sizes`` and the
+    by default) when the served model's family is trained at 1024x1024 (SDXL, FLUX.1, SD 3.x), beyond ``sizes`` and the
     width/height limits. Never resized: a model of another family refuses them (the message says why)."""
     openai_sizes_hires: bool = False
     """Serve OpenAI's sizes on a model trained at a smaller size (SD 1.x/2.x) through Hires fix: a first pass at
-    the model's native pixel count (same aspect), a Lanczos upscale, then an img2img pass at the requested size at
-    ``limits.edit_strength`` (said in x-sdserve-warnings and the response). Off: those sizes are a 400 naming this
+    the model's native pixel count (same aspect; an edit's or variation's first pass is the edit), a Lanczos upscale,
+    then an img2img pass at the requested size at ``limits.edit_strength`` (said in x-sdserve-warnings and the
+    response), on the OpenAI routes (generations, edits, variations). Off: those sizes are a 400 naming this
     option. Off by default: the second pass at 1024x1024 costs several first passes and memory beyond the served
     sizes, which the operator should choose knowingly."""
 

@@ -1,6 +1,7 @@
 """Strict JSON request bodies (duplicate keys, oversized numbers, NaN, lone surrogates, too many keys: 400/422),
 checked after the body cap has read the body whole and before the app parses it; large bodies parse in a worker
-thread, and a refusal leaves nothing for the cyclic GC (``parse_body``)."""
+thread, and a refusal leaves nothing for the cyclic GC (``parse_body``). On the A1111 routes a body sent without a
+Content-Type is read as JSON, as A1111 reads it (``as_json``)."""
 
 from __future__ import annotations
 
@@ -107,6 +108,21 @@ def _is_json(scope: Scope) -> bool:
     return media == "application/json" or media.endswith("+json")
 
 
+A1111_PREFIX = "/sdapi/"
+"""The A1111 routes: there a JSON body without a Content-Type is read as JSON (``as_json``)."""
+
+
+def as_json(scope: Scope) -> Scope:
+    """The scope of a request to an A1111 route that sent no Content-Type, with ``application/json`` added: A1111's
+    FastAPI (0.94) parses such a body as JSON and clients rely on it (Dify's Stable Diffusion tool posts
+    ``data=json.dumps(...)`` through requests, which sets none); today's FastAPI does not. Other routes, and any
+    request that names a Content-Type, are left as they are (a body that is then not JSON is still a 422)."""
+    headers = scope.get("headers", [])
+    if not str(scope.get("path", "")).startswith(A1111_PREFIX) or any(k == b"content-type" for k, _ in headers):
+        return scope
+    return {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+
+
 class StrictJsonMiddleware:
     """JSON request bodies are checked by ``strict_loads`` before the app parses them (after the body cap, which
     has read the body whole); a body that is not JSON at all is left to the app's own 400. With ``keep_prompt``
@@ -119,6 +135,7 @@ class StrictJsonMiddleware:
         if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS") or not _is_json(scope):
             await self.app(scope, receive, send)
             return
+        scope = as_json(scope)
         message = await receive()
         if message["type"] != "http.request":  # disconnected: nobody to answer
             return

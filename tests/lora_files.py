@@ -112,3 +112,44 @@ def numpy_delta(factors: dict[str, torch.Tensor], module: str) -> np.ndarray:
     a = factors[f"{module}.lora_A.weight"].numpy()
     b = factors[f"{module}.lora_B.weight"].numpy()
     return np.asarray(b.reshape(b.shape[0], -1) @ a.reshape(a.shape[0], -1))
+
+
+def write_safetensors(path: Path, arrays: dict[str, np.ndarray], metadata: dict[str, str] | None = None,
+                      header_bytes: int | None = None, dtypes: dict[str, str] | None = None) -> Path:
+    """numpy arrays written byte by byte as safetensors (no torch): ``header_bytes`` pads the JSON header with
+    spaces to exactly that length (the format allows trailing whitespace); ``dtypes`` overrides a tensor's
+    declared dtype (``BF16`` for uint16 arrays holding bfloat16 bits)."""
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    data, offset = [], 0
+    for key, array in arrays.items():
+        raw = np.ascontiguousarray(array).tobytes()
+        dtype = (dtypes or {}).get(key) or {"float32": "F32", "float16": "F16", "float64": "F64"}[array.dtype.name]
+        header[key] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + len(raw)]}
+        data.append(raw)
+        offset += len(raw)
+    body = json.dumps(header).encode()
+    if header_bytes is not None:
+        assert len(body) <= header_bytes, f"the header alone is {len(body)} bytes"
+        body += b" " * (header_bytes - len(body))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(struct.pack("<Q", len(body)) + body + b"".join(data))
+    return path
+
+
+def numpy_lora(model_dir: Path, components: tuple[str, ...] = ("unet",), rank: int = 4, seed: int = 0,
+               scale: float = 0.05, limit: int | None = None) -> dict[str, np.ndarray]:
+    """Random PEFT-named factors (float32) for the adaptable weights of an ONNX model folder's components (the
+    first ``limit`` per component), shaped from the served graphs themselves: a LoRA for any model, no torch."""
+    import onnx
+
+    from engines.lora import targets
+
+    rng = np.random.default_rng(seed)
+    out: dict[str, np.ndarray] = {}
+    for component in components:
+        graph = onnx.load(str(model_dir / component / "model.onnx"), load_external_data=False)
+        for module, target in list(targets.find(graph).items())[:limit]:
+            out_features, in_features = target.out_in
+            out[f"{component}.{module}.lora_A.weight"] = rng.normal(0, scale, (rank, in_features)).astype(np.float32)
+            out[f"{component}.{module}.lora_B.weight"] = rng.normal(0, scale, (out_features, rank)).astype(np.float32)
+    return out

@@ -66,6 +66,14 @@ ACTIVATIONS = ("per row: tokens x width x 20 x dtype bytes (the widest point of 
                "x 6 x dtype bytes + its mid attention's (latent pixels)^2 x 4; rows: images, x2 under CFG")
 
 
+SCORE_BUFFERS = 2
+"""MEASURED: an unfused attention holds two fp32 score matrices at once (its MatMul's output and its Softmax's)."""
+CONV_TENSORS = 4
+"""MEASURED: a VAE's widest convolution stage holds about four tensors of its largest level at once."""
+MEASURED = ("as ONNX Runtime was measured to hold them (tests/integration/test_arena_trim.py, on the tiny model): "
+            "a block's heads x tokens^2 x 4 scores twice (MatMul and Softmax outputs); a VAE's widest level x "
+            "4 tensors or its mid-block attention, whichever is larger (they run at different times)")
+
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 DENOISERS = ("unet", "transformer")
 """The components engines/lora/manager.py adapts (a variant session each, once a library file adapts it)."""
@@ -126,6 +134,11 @@ def _factor(folder: Path) -> int:
     return 1 << (len(blocks) - 1) if isinstance(blocks, list) and blocks else 8
 
 
+def config(folder: Path, name: str) -> dict[str, Any]:
+    """A component's config.json (a VAE half's from the diffusers ``vae`` folder when it has none); {} without."""
+    return _config(folder, name)
+
+
 def _config(folder: Path, name: str) -> dict[str, Any]:
     from engines.diffusion.family import read_json
 
@@ -162,9 +175,9 @@ class Served:
     """``[runtime.lora] cache_mb`` in bytes."""
 
 
-def _block(rows: int, tokens: int, width: int, heads: int, item: int) -> int:
-    """One transformer block's live tensors (``ACTIVATIONS``)."""
-    return rows * (tokens * width * 20 * item + heads * tokens * tokens * 4)
+def _block(rows: int, tokens: int, width: int, heads: int, item: int, scores: int = 1) -> int:
+    """One transformer block's live tensors (``ACTIVATIONS``); ``scores``: fp32 score matrices alive at once."""
+    return rows * (tokens * width * 20 * item + heads * tokens * tokens * 4 * scores)
 
 
 def _heads(config: Mapping[str, Any], level: int) -> int:
@@ -172,42 +185,56 @@ def _heads(config: Mapping[str, Any], level: int) -> int:
     return int(value[min(level, len(value) - 1)] if isinstance(value, list | tuple) else value)
 
 
-def _vae(config: Mapping[str, Any], rows: int, height: int, width: int, item: int, decoder: bool) -> int:
+def _vae(config: Mapping[str, Any], rows: int, height: int, width: int, item: int, decoder: bool,
+         measured: bool = False) -> int:
     blocks = [int(b) for b in config.get("block_out_channels") or (128, 256, 512, 512)]
     factor = 1 << (len(blocks) - 1)
     latent = (height // factor) * (width // factor)
-    widest = max((latent << 2 * k) * ch for k, ch in enumerate(reversed(blocks))) if decoder else \
+    levels = list(reversed(blocks))
+    widest = max((latent << 2 * k) * ch for k, ch in enumerate(levels)) if decoder else \
         max((height * width >> 2 * k) * ch for k, ch in enumerate(blocks))
-    scores = latent * latent * 4 if config.get("mid_block_add_attention", True) else 0
-    return rows * (widest * 6 * item + scores)
+    attention = config.get("mid_block_add_attention", True)
+    if not measured:
+        return rows * (widest * 6 * item + (latent * latent * 4 if attention else 0))
+    if decoder:  # MEASURED: an upsampler's conv runs at the next level's size with its own level's width
+        widest = max((latent << 2 * k) * max(ch, levels[k - 1] if k else ch) for k, ch in enumerate(levels))
+    # MEASURED: the convolutions at full size and the mid-block attention at latent size run at different times
+    mid = _block(1, latent, blocks[-1], 1, item, SCORE_BUFFERS) if attention else 0
+    return rows * max(widest * CONV_TENSORS * item, mid)
 
 
-def _unet(config: Mapping[str, Any], rows: int, tokens: int, item: int) -> int:
+def _unet(config: Mapping[str, Any], rows: int, tokens: int, item: int, scores: int = 1) -> int:
     blocks = [int(b) for b in config.get("block_out_channels") or (320, 640, 1280, 1280)]
     down = list(config.get("down_block_types") or ["CrossAttnDownBlock2D"] * (len(blocks) - 1) + ["DownBlock2D"])
-    return max(_block(rows, tokens >> 2 * k, ch, _heads(config, k) if "CrossAttn" in down[k] else 0, item)
+    return max(_block(rows, tokens >> 2 * k, ch, _heads(config, k) if "CrossAttn" in down[k] else 0, item, scores)
                for k, ch in enumerate(blocks))
 
 
-def activations(kind: str, config: Mapping[str, Any], served: Served, lay: Layout, item: int) -> int:
+def activations(kind: str, config: Mapping[str, Any], served: Served, lay: Layout, item: int,
+                measured: bool = False) -> int:
     """Bytes of one component's live activations at the served shape (``ACTIVATIONS``), at ``item`` bytes per
-    element; 0 without a config."""
+    element; 0 without a config. ``measured``: as ONNX Runtime's CPU and CUDA providers were measured to hold them
+    (``MEASURED``; what admission estimates a request by, engines/health/request_memory.py), else the plan's
+    conservative rule."""
     if not config:
         return 0
     rows, w, h = served.images * (2 if lay.cfg else 1), served.width, served.height
+    scores = SCORE_BUFFERS if measured else 1
     if kind in ("clip", "clip_projection"):
-        return _block(rows, 77, ival(config, "hidden_size", 768), ival(config, "num_attention_heads", 12), item)
+        return _block(rows, 77, ival(config, "hidden_size", 768), ival(config, "num_attention_heads", 12), item,
+                      scores)
     if kind == "t5":
-        return _block(rows, lay.text_tokens or 512, ival(config, "d_model", 4096), ival(config, "num_heads", 64), item)
+        return _block(rows, lay.text_tokens or 512, ival(config, "d_model", 4096), ival(config, "num_heads", 64), item,
+                      scores)
     if kind in ("flux", "sd3"):  # Flux packs 2x2 latents into a token, SD 3 patches them
         patch = lay.factor * (2 if kind == "flux" else ival(config, "patch_size", 2))
         text = lay.text_tokens + (0 if kind == "flux" else 77)
         heads = ival(config, "num_attention_heads", 24)
         return _block(rows, text + (h // patch) * (w // patch), heads * ival(config, "attention_head_dim", 128),
-                      heads, item)
+                      heads, item, scores)
     if kind == "unet":
-        return _unet(config, rows, (h // lay.factor) * (w // lay.factor), item)
-    return _vae(config, served.images, h, w, item, kind == "vae_decoder")
+        return _unet(config, rows, (h // lay.factor) * (w // lay.factor), item, scores)
+    return _vae(config, served.images, h, w, item, kind == "vae_decoder", measured)
 
 
 # ---- per component --------------------------------------------------------------------------------------------

@@ -159,7 +159,7 @@ class NvmlTelemetry:
             raise TelemetryUnavailable(f"NVML utilization is not available on this device: {exc}") from exc
         mem = nv.nvmlDeviceGetMemoryInfo(h)
         return GpuSample(float(util.gpu), float(util.memory), nv.nvmlDeviceGetPowerUsage(h) / 1000.0,
-                         nv.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0, int(mem.used))
+                         nv.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0, int(mem.used), int(mem.total))
 
     def other_processes(self, device_index: int) -> int:
         """Compute processes on the device besides this one (time-sliced or MPS neighbours). Counted as all

@@ -6,6 +6,11 @@ tensors are bound by name to the LoRA variant sessions of the text encoders and 
 targets.py) for the batches of that set: the engine hands them down with the call (engines/lora/active.py Adapters).
 The base sessions, and a batch without LoRA, bind nothing. A set evicted while a batch runs stays alive until that
 batch ends (the batch holds the tensors); eviction only drops the cache's reference.
+
+The budget ([runtime.lora] cache_mb) counts a merge's own memory too: the factors it reads are held while it runs,
+so a set is refused when its merged tensors plus its factors exceed the budget, and cached sets are evicted before
+a merge until both fit beside them. A refresh is serialized (callers arriving while one runs share the next one)
+and incremental (engines/lora/library.py scan: unchanged files are not read again).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from engines.errors import InvalidRequestError, ModelLoadError
 from engines.lora import library, merge, targets
 from engines.lora.active import Weights
 from engines.lora.library import LoraFile
-from engines.lora.safetensors import LoraFileError, read_tensors
+from engines.lora.safetensors import LoraFileError
 from engines.protocol import LoraInfo, LoraStats, LoraUse, lora_key
 
 if TYPE_CHECKING:
@@ -110,6 +115,13 @@ class LoraManager:
             for layout, dt, rank in sorted(kinds, key=str)}
         self._cache: OrderedDict[tuple[tuple[str, float, float], ...], MergedSet] = OrderedDict()
         self._lock = threading.Lock()
+        self._refresh_lock = threading.Lock()
+        """Held by the one scan running; callers queue on it and share the scan that starts after they asked."""
+        self._asked = self._scanned_upto = 0
+        self._by_file: dict[str, LoraFile] = {}
+        """The last scan's entries by relative path: what the next scan reuses for unchanged files."""
+        self.last_scan = library.Scan({})
+        self.scans = 0
         self.files: dict[str, LoraFile] = {}
         self._listing: tuple[LoraInfo, ...] = ()
         self.stats = LoraStats()
@@ -159,19 +171,50 @@ class LoraManager:
 
     def refresh(self) -> list[LoraFile]:
         """Scan the folder again (POST /sdapi/v1/refresh-loras); the merged-set cache keeps sets whose files
-        are still there with the same hash."""
-        found = library.scan(self.folder, {n: c.targets for n, c in self.components.items()}, self.family,
-                             self.settings.max_header_kb * 1024, self.settings.max_file_mb * 1024 * 1024,
-                             self.layers_per_block)
+        are still there with the same hash. Serialized and coalesced: a caller waits for the running scan, then
+        returns the result of one that started after it asked (its own, or one another waiting caller ran), so a
+        burst of refreshes costs at most two scans; files unchanged since the last scan are not read again."""
         with self._lock:
-            self.files = found
-            self._listing = tuple(LoraInfo(f.name, f.alias, f.file, f.sha256, f.size, dict(f.metadata), f.problem,
-                                           f.components) for f in found.values())
-            live = {f.sha256 for f in found.values() if not f.problem}
-            for key in [k for k in self._cache if any(sha not in live for sha, _, _ in k)]:
-                del self._cache[key]
+            self._asked += 1
+            ticket = self._asked
+        with self._refresh_lock:
+            if self._scanned_upto < ticket:
+                with self._lock:
+                    covers = self._asked
+                self._scan()
+                self._scanned_upto = covers
+            return list(self.files.values())
+
+    def _scan(self) -> None:
+        limits = library.Limits(self.settings.max_header_kb * 1024, self.settings.max_file_mb * 1024 * 1024,
+                                self.layers_per_block)
+        found = library.scan(self.folder, {n: c.targets for n, c in self.components.items()}, self.family,
+                             limits, self._by_file)
+        with self._lock:
+            self.scans += 1
+            self.last_scan, self._by_file, self.files = found, found.by_file, found.files
+            self._relist()
             self._ensure_variants()
-        return list(found.values())
+        log.info("LoRA library scanned: %d files, %d read (%d bytes), %d unchanged", len(found.files), found.read,
+                 found.read_bytes, found.reused)
+
+    def _relist(self) -> None:
+        """The listing and the cache after ``files`` changed (under ``_lock``): sets whose files are gone, changed
+        or refused are dropped."""
+        self._listing = tuple(LoraInfo(f.name, f.alias, f.file, f.sha256, f.size, dict(f.metadata), f.problem,
+                                       f.components) for f in self.files.values())
+        live = {f.sha256 for f in self.files.values() if not f.problem}
+        for key in [k for k in self._cache if any(sha not in live for sha, _, _ in k)]:
+            del self._cache[key]
+
+    def _stale(self, file: LoraFile, problem: str) -> None:
+        """A file found changed at a merge: refused from now on, and read again by the next scan (a change that
+        kept the fingerprint cannot keep the old entry)."""
+        with self._lock:
+            if self.files.get(file.name) is file:
+                self.files[file.name] = dataclasses.replace(file, problem=problem, fingerprint=None)
+                self._by_file.pop(file.file, None)
+                self._relist()
 
     def listing(self) -> tuple[LoraInfo, ...]:
         """The library as the last scan found it (built once per scan: every request's names are checked
@@ -201,6 +244,7 @@ class LoraManager:
                 self.stats = dataclasses.replace(self.stats, hits=self.stats.hits + 1)
                 self._note(key)
                 return found.weights
+        self._make_room(self.set_bytes(uses) + self.factor_bytes(uses))
         merged = self._merge_set(uses)
         with self._lock:
             self._store(key, merged)
@@ -252,17 +296,11 @@ class LoraManager:
 
     def _factors(self, file: LoraFile, use: LoraUse,
                  per_weight: dict[tuple[str, targets.Target], list[tuple[float, np.ndarray, np.ndarray]]]) -> None:
-        assert file.header is not None
-        assert file.path is not None
-        wanted = [k for r in file.resolved for k in (r.module.down, r.module.up, r.module.alpha) if k]
         try:
-            stat = file.path.stat()
-            if (stat.st_size, stat.st_mtime_ns) != (file.size, file.mtime_ns):
-                raise LoraFileError(f"LoRA file {file.file} changed on disk since the library was scanned: POST "
-                                    "/sdapi/v1/refresh-loras to hash it again")
-            tensors = read_tensors(file.path, file.header, wanted)
-        except OSError as exc:
-            raise LoraFileError(f"LoRA file {file.file} cannot be read: {exc.strerror}") from None
+            tensors = library.read_factors(self.folder.resolve(), file)
+        except LoraFileError as exc:
+            self._stale(file, exc.message)
+            raise
         for r in file.resolved:
             multiplier = use.te if r.component in TEXT_ENCODERS else use.unet
             if multiplier == 0:
@@ -302,16 +340,34 @@ class LoraManager:
                     touched[(r.component, r.target.initializer)] = r.target.nbytes
         return sum(touched.values())
 
+    def factor_bytes(self, uses: tuple[LoraUse, ...]) -> int:
+        """Host bytes a merge of the set holds while it runs: the factors of every file it reads."""
+        by_sha = {f.sha256: f for f in self.files.values() if not f.problem}
+        return sum(by_sha[u.sha256].factor_bytes for u in uses if u.sha256 in by_sha)
+
     def require_fits(self, uses: tuple[LoraUse, ...]) -> int:
-        """The set's merged bytes; InvalidRequestError (param ``loras``) for a set whose merged tensors exceed the
-        whole cache budget: it is refused before admission, never merged into an out-of-memory at batch time."""
-        need, budget = self.set_bytes(uses), self.settings.cache_mb * 1024 * 1024
+        """The set's merged bytes; InvalidRequestError (param ``loras``) for a set whose merged tensors, plus the
+        factors its merge reads, exceed the whole LoRA budget: it is refused before admission, never merged into
+        an out-of-memory at batch time."""
+        merged, budget = self.set_bytes(uses), self.settings.cache_mb * 1024 * 1024
+        need = merged + self.factor_bytes(uses)
         if need > budget:
             raise InvalidRequestError(
-                f"the LoRA set needs {need / 2**20:.0f} MiB of merged weights on the device, over this server's "
-                f"LoRA budget of {self.settings.cache_mb} MiB ([runtime.lora] cache_mb): use fewer or smaller "
-                "adapters, or a server with a larger budget", param="loras")
-        return need
+                f"the LoRA set needs {need / 2**20:.0f} MiB ({merged / 2**20:.0f} MiB of merged weights on the "
+                "device and the factors its merge reads), over this server's LoRA budget of "
+                f"{self.settings.cache_mb} MiB ([runtime.lora] cache_mb): use fewer or smaller adapters, or a "
+                "server with a larger budget", param="loras")
+        return merged
+
+    def _make_room(self, need: int) -> None:
+        """Evict cached sets (oldest first) until ``need`` more bytes fit in the budget beside the rest."""
+        budget = self.settings.cache_mb * 1024 * 1024
+        with self._lock:
+            while self._cache and sum(m.nbytes for m in self._cache.values()) + need > budget:
+                self._cache.popitem(last=False)
+                self.stats = dataclasses.replace(self.stats, evictions=self.stats.evictions + 1)
+            self.stats = dataclasses.replace(self.stats, cached_sets=len(self._cache),
+                                             cached_bytes=sum(m.nbytes for m in self._cache.values()))
 
     def merge_estimate_s(self, uses: tuple[LoraUse, ...]) -> float:
         """Admission: seconds a set not cached costs before its first step, priced by the bytes it writes at the

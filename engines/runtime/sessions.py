@@ -16,7 +16,7 @@ import onnxruntime as ort
 
 from engines.config import RuntimeSettings
 from engines.errors import ArtifactError, GpuUnavailableError, ModelLoadError, PlacementError
-from engines.protocol import OrtEvent, SessionInfo
+from engines.protocol import MemoryModel, OrtEvent, SessionInfo
 from engines.runtime import enginecheck, placement, plugins
 from engines.runtime.libdeps import preload
 from engines.runtime.ortlog import capture_ort_output
@@ -164,6 +164,43 @@ def device_arena(settings: RuntimeSettings, total_memory: int | None) -> dict[st
         return state
 
 
+_HOST_ARENA: dict[str, Any] = {}
+SHRINK = "memory.enable_memory_arena_shrinkage"
+"""RunOptions entry (include/onnxruntime/core/session/onnxruntime_run_options_config_keys.h): after the run, the
+listed arenas free every region none of whose chunks is in use (InferenceSession::ShrinkMemoryArenas in
+onnxruntime/core/session/inference_session.cc). A device listed without an arena fails the run before it
+executes ("Did not find an arena based allocator registered"): ``Runtime.run`` retries it without."""
+TRIM_ABOVE_BYTES = 256 << 20
+"""A batch whose estimated working memory (engines/health/request_memory.py) reaches this is large: the arena is
+shrunk after each of its large stages, so the memory a 1024x1792 request took goes back instead of staying held by
+the process, and the next stage starts from what is in use (the arena's regions of one stage seldom fit the next
+one's tensors: without a shrink between them the process holds their sum)."""
+TRIM_AFTER = {"vae_encoder": "latent", "unet": "first", "vae_scale": "latent", "flow_decode": "latent",
+              "vae_decoder": "image"}
+"""The runs after which a large batch's arena is shrunk: the VAE encoder (edits); the UNet's first run at a new
+shape (ORT plans that shape's memory pattern during it and allocates the pattern as one new block at the next run,
+so the first run's regions would stay beside it, doubling the denoiser's hold); the scale graph every decode
+starts with (the denoiser is done); the VAE decoder (the batch is done). Value: how the first output's shape reads,
+``image`` [n, 3, H, W], else latent pixels [n or rows, C, h, w]."""
+
+
+def host_arena() -> dict[str, Any]:
+    """The process's one CPU arena, registered once with ORT's environment and shared by every CPU session
+    (``session.use_env_allocators``), as the CUDA one is (``device_arena``): each session's own arena would keep
+    its largest request's activations for good, so the process would hold the sum of every component's peak; one
+    arena holds the largest stage, and one shrink after a large batch's decode returns it all."""
+    with _ARENA_LOCK:
+        if not _HOST_ARENA:
+            info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+            try:
+                ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))  # ORT's defaults
+                _HOST_ARENA.update(registered=True, error="")
+            except Exception as exc:  # e.g. registered already by another library in this process
+                _HOST_ARENA.update(registered=False, error=" ".join(str(exc).split())[-300:])
+                log.warning("the shared CPU arena was not registered: %s", _HOST_ARENA["error"])
+        return _HOST_ARENA
+
+
 def engine_cache_dir(settings: RuntimeSettings, model_dir: Path | None) -> Path:
     cache = Path(settings.tensorrt.engine_cache_path)
     return model_dir / cache if not cache.is_absolute() and model_dir is not None else cache
@@ -267,6 +304,14 @@ class Runtime:
         """The host memory each host->device copy read from, newest last (accept's staging check reads it)."""
         self.arena: dict[str, Any] = {}
         """The shared device arena's state (device_arena), empty off CUDA."""
+        self.host_arena: dict[str, Any] = host_arena() if self.device == "cpu" and settings.plugin is None else {}
+        """The shared CPU arena's state (host_arena), empty on a GPU or a plugin EP."""
+        self.memory: MemoryModel | None = None
+        """The model's request memory (set by the engine once loaded): which batches are large enough to trim."""
+        self._trim = True
+        """Off once a shrink was refused (no arena where the run options named one): never asked again."""
+        self._shapes: dict[str, list[int]] = {}
+        """The last output shape of each TRIM_AFTER ``first`` component."""
         self.scope = ""
         """Prefix of every buffer, staging and table tag (``scoped``): requests denoised side by side (step-level
         batching) each keep their own device state under their own scope."""
@@ -291,7 +336,7 @@ class Runtime:
             so.add_session_config_entry(placement.CONFIG_KEY, "1")
         if self.settings.disable_cpu_ep_fallback and not self.settings.allow_cpu and not audit_only:
             so.add_session_config_entry(NO_CPU_FALLBACK, "1")
-        if self.arena.get("registered"):
+        if self.arena.get("registered") or self.host_arena.get("registered"):
             so.add_session_config_entry(ENV_ALLOCATORS, "1")
         if self.settings.plugin is not None:
             plugins.add_to(so, self.settings.plugin)
@@ -484,6 +529,42 @@ class Runtime:
             value.update_inplace(source[row, ...])
         self.note_host_read(tag, source)
         return values
+
+    def run(self, session: ort.InferenceSession, binding: ort.IOBinding, component: str,
+            outputs: dict[str, ort.OrtValue]) -> None:
+        """``session.run_with_iobinding``; after the large stages of a large batch (TRIM_AFTER, TRIM_ABOVE_BYTES by
+        ``memory`` at the shape of the run's first output) the shared arena is shrunk: the stage is done, so the
+        regions it grew are freed at once."""
+        options = self._trim_options(component, outputs)
+        if options is None:
+            session.run_with_iobinding(binding)
+            return
+        try:
+            session.run_with_iobinding(binding, options)
+        except Exception as exc:  # ORT refuses the list before running anything: run it plainly, never again
+            if "arena" not in str(exc):
+                raise
+            self._trim = False
+            log.warning("arena shrinkage refused (%s): large requests keep their memory in the arena",
+                        " ".join(str(exc).split())[:300])
+            session.run_with_iobinding(binding)
+
+    def _trim_options(self, component: str, outputs: dict[str, ort.OrtValue]) -> ort.RunOptions | None:
+        device = "cpu:0" if self.host_arena.get("registered") else \
+            f"gpu:{self.device_id}" if self.arena.get("registered") else ""
+        shape = next(iter(outputs.values())).shape() if outputs else []
+        if not (self._trim and device and self.memory is not None and component in TRIM_AFTER and len(shape) == 4):
+            return None
+        if TRIM_AFTER[component] == "first" and self._shapes.get(component) == shape:
+            return None
+        self._shapes[component] = shape
+        scale = 1 if TRIM_AFTER[component] == "image" else self.memory.factor
+        n, height, width = shape[0], shape[2] * scale, shape[3] * scale
+        if self.memory.need(width, height, n, n).peak_bytes < TRIM_ABOVE_BYTES:
+            return None
+        options = ort.RunOptions()
+        options.add_run_config_entry(SHRINK, device)
+        return options
 
     def note_host_read(self, tag: str, array: np.ndarray) -> None:
         """Record that a copy to the device read ``array`` (a host feed bound with bind_cpu_input counts too)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Collection
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -15,7 +16,7 @@ from engines.errors import InvalidRequestError
 from engines.protocol import Batch, ModelInfo
 from server import headers
 from server.a1111_lax import lax_extra, lax_number, number_type
-from server.a1111_options import OptionsStore
+from server.a1111_options import OptionsStore, empty_overrides, set_overrides
 from server.hires import HiresPlan, make_plan, run_hires
 from server.images import embed_infotext
 from server.middleware import api_key_id
@@ -79,7 +80,11 @@ class Txt2ImgRequest(BaseModel):
     negative_prompt: Text = ""
     seed: int = Field(-1, ge=-1, le=2**32 - 1, description="-1 = random")
     steps: int | None = Field(None, ge=1, le=200)
-    cfg_scale: float | None = Field(None, ge=0, le=30)
+    cfg_scale: float | None = Field(None, ge=0, le=30, description="the guidance scale; on a guidance-distilled "
+                                    "model (FLUX.1 dev) with distilled_cfg_scale, Forge's true CFG: 1 only")
+    distilled_cfg_scale: float | None = Field(None, ge=0, le=30, description="Forge's Flux guidance: the embedded "
+                                              "guidance of a guidance-distilled model (FLUX.1 dev); named as ignored "
+                                              "on other models, as Forge ignores it there")
     width: int | None = Field(None, ge=1, le=4096)
     height: int | None = Field(None, ge=1, le=4096)
     batch_size: int = Field(1, ge=1, le=16)
@@ -108,6 +113,9 @@ class Txt2ImgRequest(BaseModel):
     override_settings: dict[str, Any] = Field(default_factory=dict, description="only what sdserve already does "
                                               "(e.g. sd_model_checkpoint naming the served model); else 422")
     override_settings_restore_afterwards: bool = True
+    step_cache: bool | None = Field(None, description="sdserve extension: true runs the step cache (the image is "
+                                    "no longer the seed-reproducible uncached one), false never; absent: [cache] "
+                                    "policy; the infotext's Step cache names what ran")
 
     @field_validator("*", mode="before")
     @classmethod
@@ -134,13 +142,24 @@ class Txt2ImgRequest(BaseModel):
                 raise InvalidRequestError(f"{name} {value!r} is not supported by sdserve (only {neutral[0]!r}): "
                                           "ignoring it would change the image", param=name)
 
-    def ignored(self) -> dict[str, str]:
-        """The fields accepted without being honoured, each with why (rule 2)."""
+    def ignored(self, distilled: bool = False) -> dict[str, str]:
+        """The fields accepted without being honoured, each with why (rule 2); ``distilled``: the served model takes
+        distilled_cfg_scale (guidance-distilled)."""
         found = dict.fromkeys(self.model_extra or {}, "not used by sdserve")
         if self.styles:
             found["styles"] = f"{self.styles[:4]!r} is the no-style choice"
         if not self.enable_hr:
             found |= dict.fromkeys(sorted(HIRES_FIELDS & self.model_fields_set), "enable_hr is off")
+        return found | self.common_ignored(distilled)
+
+    def common_ignored(self, distilled: bool) -> dict[str, str]:
+        """What both A1111 routes accept without honouring: empty per-request overrides (A1111 drops them too)
+        and Forge's distilled_cfg_scale on a model that is not guidance-distilled (Forge ignores it there)."""
+        found = {f"override_settings.{key}": "empty: A1111 ignores an empty override"
+                 for key in empty_overrides(self.override_settings)}
+        if self.distilled_cfg_scale is not None and not distilled:
+            found["distilled_cfg_scale"] = "applies to guidance-distilled models (FLUX.1 dev) only; cfg_scale is " \
+                "this model's guidance"
         return found
 
 
@@ -159,12 +178,12 @@ it: webuiapi's and SillyTavern's defaults."""
 
 
 def ignored_headers(response: Response, ignored: dict[str, str]) -> list[str]:
-    """``x-sdserve-ignored-fields`` (printable ASCII names; the info JSON has every name) and the warning line."""
+    """``x-sdserve-ignored-fields`` (names percent-encoded: headers.token; the info JSON has them as sent) and the
+    warning line."""
     if not ignored:
         return []
     names = sorted(ignored)
-    response.headers[headers.IGNORED_FIELDS] = ",".join(
-        n if n.isascii() and n.isprintable() else "?" for n in names)[:1000]
+    headers.put(response.headers, headers.IGNORED_FIELDS, headers.tokens(names))
     return [f"ignored A1111 fields: {', '.join(names)}"]
 
 
@@ -185,33 +204,61 @@ def _split_schedule(name: str) -> tuple[str, str | None]:
     return name, None
 
 
-def resolve_sampler(name: str, schedule: str | None = None, notes: list[str] | None = None) -> str:
+def resolve_sampler(name: str, schedule: str | None = None, notes: list[str] | None = None,
+                    served: Collection[str] | None = None) -> str:
     """The API scheduler name for an A1111 sampler name or alias and schedule type ("DPM++ 2M", "Karras" ->
-    "dpmpp_2m_karras"); a schedule in the name wins, as in A1111. An unknown sampler is a 422 naming what is
-    refused and listing what is served. A schedule sdserve does not serve, or one the sampler takes none of (DDIM,
-    PLMS), is a 422 too, unless ``notes`` is given: then it falls back to Automatic as A1111's
+    "dpmpp_2m_karras"); a schedule in the name wins, as in A1111. An unknown sampler, or one that does not run on
+    the served model (``served``: its scheduler names; FLUX.1 runs Euler only), is a 422 naming sampler_name and
+    listing the A1111 names that run. A schedule sdserve does not serve with it, or one the sampler takes none of
+    (DDIM, PLMS), is a 422 naming scheduler, unless ``notes`` is given: then it falls back to Automatic as A1111's
     get_sampler_and_scheduler does for a scheduler it cannot use, and the fallback is appended to ``notes``."""
     base, suffix = _split_schedule(name)
     label = _BY_NAME.get(base.lower())
-    if label is None:
+    if label is None or (served is not None and not _schedules(label, served)):
+        available = list(SAMPLERS) if served is None else served_samplers(served)
         why = next((f": sdserve does not implement it ({reason})" for s, reason in UNSERVED.items()
-                    if s.lower() == base.lower()), "")
-        raise InvalidRequestError(f"unknown sampler {name!r}{why}; available: {list(SAMPLERS)}",
+                    if s.lower() == base.lower()), "") if label is None else ": it does not run on the served model"
+        raise InvalidRequestError(f"unknown sampler {name!r}{why}; available: {available}"
+                                  if label is None else f"sampler {name!r}{why}; available: {available}",
                                   param="sampler_name")
-    ours, _, automatic = SAMPLERS[label]
+    offered = _schedules(label, served)
     wanted = suffix or schedule or "Automatic"
     known = _SCHEDULE_BY_NAME.get(wanted.lower())
-    if known is None or (ours in FIXED_SCHEDULE and known != "Automatic"):
-        offered = ["Automatic"] if ours in FIXED_SCHEDULE else list(SCHEDULES)
+    if known is None or known not in offered:
         if notes is None:
             raise InvalidRequestError(f"scheduler {wanted!r} is not supported with {label}; available: {offered}",
                                       param="scheduler")
+        ours = SAMPLERS[label][0]
         why = "it takes no schedule type" if ours in FIXED_SCHEDULE else f"sdserve serves {offered}"
-        notes.append(f"scheduler {wanted[:64]!r} ignored for {label} ({why}): used Automatic, as A1111 does "
+        fallback = "Automatic" if "Automatic" in offered else offered[0]
+        notes.append(f"scheduler {wanted[:64]!r} ignored for {label} ({why}): used {fallback}, as A1111 does "
                      "for a scheduler it cannot use")
-        known = "Automatic"
-    chosen = SCHEDULES[known][0] or automatic
+        known = fallback
+    return _full_name(label, known)
+
+
+def _full_name(label: str, schedule: str) -> str:
+    """Our scheduler name for an A1111 sampler label and schedule label."""
+    ours, _, automatic = SAMPLERS[label]
+    chosen = SCHEDULES[schedule][0] or automatic
     return f"{ours}_{chosen}" if chosen else ours
+
+
+def _schedules(label: str, served: Collection[str] | None) -> list[str]:
+    """The schedule labels the sampler takes (DDIM and PLMS: Automatic only), those whose scheduler runs on the
+    served model when ``served`` is given."""
+    offered = ["Automatic"] if SAMPLERS[label][0] in FIXED_SCHEDULE else list(SCHEDULES)
+    return offered if served is None else [s for s in offered if _full_name(label, s) in served]
+
+
+def served_samplers(served: Collection[str]) -> list[str]:
+    """The A1111 sampler names that run on a model serving the schedulers ``served`` (GET /sdapi/v1/samplers)."""
+    return [label for label in SAMPLERS if _schedules(label, served)]
+
+
+def served_schedules(served: Collection[str]) -> list[str]:
+    """The A1111 schedule types some sampler runs with on a model serving ``served`` (GET /sdapi/v1/schedulers)."""
+    return [label for label in SCHEDULES if any(label in _schedules(s, served) for s in SAMPLERS)]
 
 
 def sampler_label(ours: str) -> str:
@@ -221,33 +268,55 @@ def sampler_label(ours: str) -> str:
     return next(name for name, (base, _, _) in SAMPLERS.items() if base == ours)
 
 
-def _sampler(req: Txt2ImgRequest, notes: list[str]) -> str | None:
+def _sampler(req: Txt2ImgRequest, notes: list[str], served: Collection[str]) -> str | None:
     name = req.sampler_name or req.sampler_index
     if name is None:
         if (req.scheduler or "automatic").lower() != "automatic":
             raise InvalidRequestError("a scheduler other than Automatic needs a sampler_name", param="scheduler")
         return None
-    return resolve_sampler(name, req.scheduler, notes)
+    return resolve_sampler(name, req.scheduler, notes, served)
 
 
-def _openai_request(req: Txt2ImgRequest, seed: int, scheduler: str | None) -> ImageGenerationRequest:
+def guidance(req: Txt2ImgRequest, info: ModelInfo) -> float | None:
+    """The guidance scale the engine gets (docs/api.md "Guidance on the A1111 routes"). On a guidance-distilled
+    model (FLUX.1 dev): Forge's ``distilled_cfg_scale`` when sent, and ``cfg_scale`` is then Forge's true CFG,
+    which sdserve does not run on such a model: at most 1 (none) is accepted, more is a 422 naming it; without
+    ``distilled_cfg_scale``, ``cfg_scale`` sets the embedded guidance (as diffusers' guidance_scale). On any other
+    model: ``cfg_scale`` (``distilled_cfg_scale`` is named as ignored). None: the family's default."""
+    if req.distilled_cfg_scale is None or not families.facts(info.family).distilled_guidance:
+        return req.cfg_scale
+    if req.cfg_scale is not None and req.cfg_scale > 1:
+        raise InvalidRequestError(f"cfg_scale {req.cfg_scale:g} with distilled_cfg_scale is Forge's true CFG, which "
+                                  f"sdserve does not run on this guidance-distilled model ({info.family}): send "
+                                  "cfg_scale 1 (or leave it out) and the guidance as distilled_cfg_scale",
+                                  param="cfg_scale")
+    return req.distilled_cfg_scale
+
+
+def _openai_request(req: Txt2ImgRequest, seed: int, scheduler: str | None,
+                    guidance_scale: float | None) -> ImageGenerationRequest:
     """The A1111 fields as the one request model the service validates (size built from the integers)."""
     size = f"{req.width}x{req.height}" if req.width is not None and req.height is not None else None
     return ImageGenerationRequest.model_construct(
         prompt=req.prompt, negative_prompt=req.negative_prompt, n=req.batch_size, size=size, seed=seed % 2**32,
-        steps=req.steps, guidance_scale=req.cfg_scale, scheduler=scheduler, response_format="b64_json",
-        model=None, user=None, quality=None, style=None, original_size=None, crops_coords_top_left=None)
+        steps=req.steps, guidance_scale=guidance_scale, scheduler=scheduler, response_format="b64_json",
+        model=None, user=None, quality=None, style=None, original_size=None, crops_coords_top_left=None,
+        step_cache=req.step_cache)
 
 
-def _check(req: Txt2ImgRequest, request: Request) -> None:
+def check_common(req: Txt2ImgRequest, info: ModelInfo, settings: Settings) -> None:
+    """What both A1111 routes check before building batches: refused features, the overrides that say something,
+    the batch limits, and the size (its refusal names the settings that apply to the A1111 routes)."""
     req.refuse_unsupported()
-    OptionsStore().check(req.override_settings, request.app.state.engine.info, "override_settings.")
-    max_n = request.app.state.settings.limits.max_n
+    OptionsStore().check(set_overrides(req.override_settings), info, "override_settings.")
+    max_n = settings.limits.max_n
     for name, value in (("batch_size", req.batch_size), ("n_iter", req.n_iter)):
         if value > max_n:
             raise InvalidRequestError(f"{name} must be at most {max_n}, got {value}", param=name)
     if (req.width is None) != (req.height is None):
         raise InvalidRequestError("give both width and height, or neither", param="width")
+    if req.width is not None and req.height is not None:
+        resolve_size(f"{req.width}x{req.height}", settings, info, route="a1111")
 
 
 @router.post("/txt2img", response_model=Txt2ImgResponse,
@@ -257,13 +326,14 @@ async def txt2img(req: Txt2ImgRequest, request: Request, response: Response) -> 
     (server/hires.py): the images come back at the target size, ``info`` names the first pass's size."""
     service = request.app.state.service
     service.require_ready()
-    _check(req, request)
-    notes: list[str] = []
-    scheduler = _sampler(req, notes)
-    seed = req.seed if req.seed >= 0 else secrets.randbelow(2**32 - 1024)
-    batches = [service.to_batch(_openai_request(req, seed + i * req.batch_size, scheduler))
-               for i in range(req.n_iter)]
     info_model = request.app.state.engine.info
+    check_common(req, info_model, request.app.state.settings)
+    notes: list[str] = []
+    scheduler = _sampler(req, notes, info_model.schedulers)
+    seed = req.seed if req.seed >= 0 else secrets.randbelow(2**32 - 1024)
+    scale = guidance(req, info_model)
+    batches = [service.to_batch(_openai_request(req, seed + i * req.batch_size, scheduler, scale))
+               for i in range(req.n_iter)]
     plan = _hires_plan(req, batches[0], info_model, request.app.state.settings) if req.enable_hr else None
     timeout = request.headers.get(headers.TIMEOUT)
     owner = api_key_id(request.scope)
@@ -272,9 +342,10 @@ async def txt2img(req: Txt2ImgRequest, request: Request, response: Response) -> 
     else:
         outs = await service.run_all(batches, timeout, request.is_disconnected, owner)  # n_iter: in turn
     outs[-1].trace_headers(response)
-    warnings = outs[0].warnings + notes + ignored_headers(response, req.ignored())
+    ignored = req.ignored(families.facts(info_model.family).distilled_guidance)
+    warnings = outs[0].warnings + notes + ignored_headers(response, ignored)
     if notes:
-        response.headers[headers.WARNINGS] = "; ".join(warnings)
+        headers.put(response.headers, headers.WARNINGS, "; ".join(warnings))
     interrupted = any(out.result.interrupted for out in outs)
     steps_done = min(out.result.steps_done or batches[0].steps for out in outs)
     extra = {"warnings": warnings, "interrupted": interrupted, "steps_done": steps_done}
@@ -288,7 +359,7 @@ async def txt2img(req: Txt2ImgRequest, request: Request, response: Response) -> 
     pngs = with_infotexts([p for out in outs for p in out.pngs], info["infotexts"], request.app.state.settings)
     pngs = await stamp_a1111(request, response, outs, batches, pngs)  # provenance: last, it signs the final bytes
     return Txt2ImgResponse(images=[b64(p) for p in pngs],
-                           parameters=req.model_dump(exclude=set(req.ignored()) - {"styles"}), info=json.dumps(info))
+                           parameters=req.model_dump(exclude=set(ignored) - {"styles"}), info=json.dumps(info))
 
 
 def _hires_plan(req: Txt2ImgRequest, first: Batch, info: ModelInfo, settings: Settings) -> HiresPlan:
@@ -301,10 +372,13 @@ def _hires_plan(req: Txt2ImgRequest, first: Batch, info: ModelInfo, settings: Se
         raise InvalidRequestError(f"hr_second_pass_steps must be at most {settings.limits.max_steps} (this server's "
                                   f"limits.max_steps), got {plan.steps}", param="hr_second_pass_steps")
     try:
-        resolve_size("{}x{}".format(*plan.size), settings, info)
+        resolve_size("{}x{}".format(*plan.size), settings, info, route="hires")
     except InvalidRequestError as exc:
         field = "hr_resize_x" if req.hr_resize_x or req.hr_resize_y else "hr_scale"
-        raise InvalidRequestError(f"Hires fix target: {exc.message}", param=field) from None
+        how = f"hr_resize_x/y {req.hr_resize_x}x{req.hr_resize_y}" if field == "hr_resize_x" else \
+            f"hr_scale {req.hr_scale:g} x {first.width}x{first.height}"
+        raise InvalidRequestError(f"Hires fix target ({how}): {exc.message}; ask a smaller {field}",
+                                  param=field) from None
     return plan
 
 
@@ -332,9 +406,11 @@ def with_infotexts(images: list[bytes], texts: list[str], settings: Settings) ->
 
 
 @router.get("/samplers")
-async def samplers() -> list[dict[str, Any]]:
+async def samplers(request: Request) -> list[dict[str, Any]]:
+    """The samplers that run on the served model (its family's: FLUX.1 and SD 3.x run Euler only)."""
+    served = served_samplers(request.app.state.engine.info.schedulers)
     return [{"name": name, "aliases": list(aliases), "options": {"scheduler": automatic} if automatic else {}}
-            for name, (_, aliases, automatic) in SAMPLERS.items()]
+            for name, (_, aliases, automatic) in SAMPLERS.items() if name in served]
 
 
 @router.get("/scripts")

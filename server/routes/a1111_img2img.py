@@ -27,10 +27,10 @@ from PIL import Image, ImageOps
 from pydantic import Field
 from starlette.concurrency import run_in_threadpool
 
+import engines.families as families
 from engines.errors import InvalidRequestError
 from engines.protocol import LatentFill, ModelInfo
 from server import headers
-from server.a1111_options import OptionsStore
 from server.edits import EditInput, edit_batch, require_edits, within_deadline
 from server.images_in import blur_mask, check_pixel_budget, fill_masked, from_base64, resize
 from server.middleware import api_key_id
@@ -39,6 +39,8 @@ from server.routes.a1111 import (
     HIRES_FIELDS,
     Txt2ImgRequest,
     Txt2ImgResponse,
+    check_common,
+    guidance,
     ignored_headers,
     resolve_sampler,
     sampler_label,
@@ -80,7 +82,7 @@ class Img2ImgRequest(Txt2ImgRequest):
             raise InvalidRequestError("initial_noise_multiplier other than 1 is not supported",
                                       param="initial_noise_multiplier")
 
-    def ignored(self) -> dict[str, str]:
+    def ignored(self, distilled: bool = False) -> dict[str, str]:
         found = dict.fromkeys(self.model_extra or {}, "not used by sdserve")
         if self.styles:
             found["styles"] = f"{self.styles[:4]!r} is the no-style choice"
@@ -88,7 +90,7 @@ class Img2ImgRequest(Txt2ImgRequest):
                                "A1111's img2img has no Hires fix")
         if self.image_cfg_scale is not None:
             found["image_cfg_scale"] = "applies to instruct-pix2pix models only (A1111 ignores it for others)"
-        return found
+        return found | self.common_ignored(distilled)
 
 
 def _a1111_mask(image: Image.Image, invert: int, blur: int) -> Image.Image:
@@ -141,13 +143,15 @@ def _decode(req: Img2ImgRequest, limit: int) -> tuple[list[Image.Image], Image.I
     return images, mask
 
 
-def _openai_request(req: Img2ImgRequest, seed: int) -> ImageGenerationRequest:
+def _openai_request(req: Img2ImgRequest, seed: int, info: ModelInfo) -> ImageGenerationRequest:
     size = f"{req.width}x{req.height}" if req.width is not None and req.height is not None else None
     name = req.sampler_name or req.sampler_index
     return ImageGenerationRequest.model_construct(
         prompt=req.prompt, negative_prompt=req.negative_prompt, n=req.batch_size, size=size, seed=seed % 2**32,
-        steps=req.steps, guidance_scale=req.cfg_scale, response_format="b64_json", model=None, user=None,
-        scheduler=resolve_sampler(name, req.scheduler) if name else None, quality=None, style=None)
+        steps=req.steps, guidance_scale=guidance(req, info), response_format="b64_json", model=None, user=None,
+        scheduler=resolve_sampler(name, req.scheduler, served=info.edit_schedulers) if name else None,
+        quality=None, style=None,
+        step_cache=req.step_cache)
 
 
 def _paste_full_res(png: bytes, whole: Image.Image, mask: Image.Image, box: tuple[int, int, int, int]) -> bytes:
@@ -167,17 +171,11 @@ async def img2img(req: Img2ImgRequest, request: Request, response: Response) -> 
     service.require_ready()
     info = request.app.state.engine.info
     require_edits(info)
-    req.refuse_unsupported()
-    req.refuse_unsupported_edits()
-    OptionsStore().check(req.override_settings, info, "override_settings.")
     settings = request.app.state.settings
-    for name, value in (("batch_size", req.batch_size), ("n_iter", req.n_iter)):
-        if value > settings.limits.max_n:
-            raise InvalidRequestError(f"{name} must be at most {settings.limits.max_n}, got {value}", param=name)
-    if (req.width is None) != (req.height is None):
-        raise InvalidRequestError("give both width and height, or neither", param="width")
+    check_common(req, info, settings)
+    req.refuse_unsupported_edits()
     seed = req.seed if req.seed >= 0 else secrets.randbelow(2**32 - 1024)
-    batches = [service.to_batch(_openai_request(req, seed + i * req.batch_size)) for i in range(req.n_iter)]
+    batches = [service.to_batch(_openai_request(req, seed + i * req.batch_size, info)) for i in range(req.n_iter)]
     uploads = [*((f"init_images.{i}", t) for i, t in enumerate(req.init_images)), ("mask", req.mask)]
     await run_in_threadpool(check_pixel_budget, uploads, settings.limits.max_image_pixels,
                             settings.limits.max_request_pixels)  # headers only, before any pixel is decoded
@@ -196,7 +194,8 @@ async def img2img(req: Img2ImgRequest, request: Request, response: Response) -> 
                                               request.is_disconnected, api_key_id(request.scope)) for b in batches))
     outs[-1].trace_headers(response)
     response.headers[headers.MODE] = batches[0].mode
-    warnings = outs[0].warnings + ignored_headers(response, req.ignored())
+    ignored = req.ignored(families.facts(info.family).distilled_guidance)
+    warnings = outs[0].warnings + ignored_headers(response, ignored)
     pngs = [p for out in outs for p in out.pngs]
     if box is not None and mask is not None:
         pngs = [await run_in_threadpool(_paste_full_res, p, images[k % len(images)], mask, box)
@@ -205,12 +204,13 @@ async def img2img(req: Img2ImgRequest, request: Request, response: Response) -> 
     body = _info(req, batches, outs, info, warnings)
     pngs = with_infotexts(pngs, body["infotexts"], settings)
     pngs = await stamp_a1111(request, response, list(outs), batches, pngs)  # provenance: last, signs final bytes
-    return Txt2ImgResponse(images=[b64(p) for p in pngs], parameters=_parameters(req), info=json.dumps(body))
+    return Txt2ImgResponse(images=[b64(p) for p in pngs], parameters=_parameters(req, set(ignored)),
+                           info=json.dumps(body))
 
 
-def _parameters(req: Img2ImgRequest) -> dict[str, Any]:
+def _parameters(req: Img2ImgRequest, ignored: set[str]) -> dict[str, Any]:
     """The request echoed as A1111 does: without the images unless include_init_images."""
-    ignored = set(req.ignored()) - {"styles", "image_cfg_scale"}
+    ignored = ignored - {"styles", "image_cfg_scale"}
     drop = ignored | (set() if req.include_init_images else {"init_images", "mask"})
     return req.model_dump(exclude=drop)
 
@@ -220,8 +220,9 @@ def _info(req: Img2ImgRequest, batches: list[Any], outs: list[Any], model: Model
     first = batches[0]
     seeds = [g.seed for out in outs for g in out.result.images]
     sampler = sampler_label(first.scheduler)
-    texts = [infotext(req.prompt, req.negative_prompt, image_params(first, seed, model, sampler, _extra(req)))
-             for seed in seeds]
+    cache = outs[0].result.cache if outs else None
+    texts = [infotext(req.prompt, req.negative_prompt, image_params(first, seed, model, sampler, _extra(req),
+                                                                    cache)) for seed in seeds]
     return {"prompt": req.prompt, "negative_prompt": req.negative_prompt, "seed": seeds[0], "all_seeds": seeds,
             "all_prompts": [req.prompt] * len(seeds), "width": first.width, "height": first.height,
             "sampler_name": sampler, "cfg_scale": first.images[0].guidance_scale,

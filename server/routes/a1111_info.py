@@ -40,10 +40,10 @@ from starlette.concurrency import run_in_threadpool
 from server import headers
 from server.a1111_options import OptionsStore, model_title
 from server.batcher import Progress
+from server.edits import within_deadline
 from server.hires import UPSCALERS, served_latent_modes
-from server.images_in import from_base64
-from server.routes.a1111 import SCHEDULES
-from server.routes.a1111_infotext import parse_infotext, read_infotext
+from server.infotext_parse import png_info_body
+from server.routes.a1111 import SCHEDULES, served_schedules
 from server.schemas import error_responses
 
 router = APIRouter(prefix="/sdapi/v1", tags=["automatic1111"])
@@ -170,12 +170,14 @@ async def skip(request: Request, response: Response) -> InterruptResponse:
 
 
 @router.get("/schedulers")
-async def schedulers() -> list[dict[str, Any]]:
-    """The schedule types sdserve serves (A1111's modules/sd_schedulers.py shape): Automatic (the sampler's own),
-    Uniform, Karras, Exponential, SGM Uniform."""
+async def schedulers(request: Request) -> list[dict[str, Any]]:
+    """The schedule types sdserve serves on the loaded model (A1111's modules/sd_schedulers.py shape): Automatic
+    (the sampler's own), Uniform, Karras, Exponential, SGM Uniform on the UNet families; Automatic only where the
+    family has one schedule (FLUX.1, SD 3.x)."""
+    served = served_schedules(request.app.state.engine.info.schedulers)
     return [{"name": aliases[0], "label": label, "aliases": list(aliases[1:]) or None,
              "default_rho": 7.0 if label == "Karras" else -1.0, "need_inner_model": False}
-            for label, (_, aliases) in SCHEDULES.items()]
+            for label, (_, aliases) in SCHEDULES.items() if label in served]
 
 
 @router.get("/upscalers")
@@ -205,13 +207,14 @@ class PngInfoResponse(BaseModel):
 
 @router.post("/png-info", response_model=PngInfoResponse,
              responses=error_responses(401, 413, 422, 500, validation=True))
-async def png_info(req: PngInfoRequest, request: Request) -> PngInfoResponse:
+async def png_info(req: PngInfoRequest, request: Request) -> Response:
     """The generation parameters written into an image (by sdserve or A1111), as A1111's pnginfoapi reads them:
-    decoded under the upload limits (an image that is not one is a 422 naming ``image``)."""
+    decoded under the upload limits (an image that is not one is a 422 naming ``image``), read and parsed in a
+    worker thread under the request's deadline, bounded (server/infotext_parse.py)."""
     limit = request.app.state.settings.limits.max_image_pixels
-    image = await run_in_threadpool(from_base64, req.image.strip(), "image", limit)
-    text, items = read_infotext(image)
-    return PngInfoResponse(info=text, items=items, parameters=parse_infotext(text) if text else {})
+    deadline = request.app.state.service.deadline(request.headers.get(headers.TIMEOUT))
+    body = await within_deadline(deadline, png_info_body, req.image, limit)
+    return Response(body, media_type="application/json")
 
 
 @router.get("/sd-vae")

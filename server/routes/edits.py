@@ -11,6 +11,10 @@ official SDK sends them).
   image; ``input_fidelity`` and ``partial_images`` are named as ignored (x-sdserve-ignored-fields).
 - variations: img2img of ``image`` with an empty prompt at ``limits.variation_strength`` (fields ``image``, ``n``,
   ``size``, ``response_format``, ``model``, ``user``; extension ``seed``, ``strength``).
+
+An OpenAI size on a model trained smaller is served as generations serve it: through Hires fix under
+``[serving] openai_sizes_hires`` (the edit at the native pixel count, then a second pass at the size), else a 400
+naming the option.
 """
 
 from __future__ import annotations
@@ -22,11 +26,14 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData, UploadFile
 
+from engines.config import parse_size
 from engines.errors import InvalidRequestError
+from engines.protocol import Batch
 from server import headers
 from server.edits import EditInput, edit_batch, require_edits, within_deadline
+from server.hires import HiresPlan, make_plan
 from server.images_in import alpha_mask, check_pixel_budget, decode, mask_image
-from server.request_rules import FieldNotes, openai_notes
+from server.request_rules import FieldNotes, hires_base, openai_notes
 from server.routes.openai_images import run_and_answer
 from server.schemas import ImageGenerationRequest, ImagesResponse, error_responses
 
@@ -101,14 +108,38 @@ def _request(fields: dict[str, Any]) -> ImageGenerationRequest:
         raise InvalidRequestError(f"{where}: {error['msg']}", param=where) from None
 
 
+def first_pass(req: ImageGenerationRequest, request: Request) -> ImageGenerationRequest:
+    """The request whose batch the edit runs first: itself, or, for an OpenAI size served through Hires fix
+    ([serving] openai_sizes_hires, as generations are: server/request_rules.py hires_base), the same at the
+    first pass's size."""
+    service = request.app.state.service
+    base = hires_base(req.size, service.settings, service.engine.info)
+    return req if base is None else req.model_copy(update={"size": f"{base[0]}x{base[1]}"})
+
+
+def _hires(req: ImageGenerationRequest, batch: Batch, request: Request, notes: FieldNotes) -> HiresPlan:
+    """The second pass of an edit (``batch``, at the first pass's size) at an OpenAI size served through Hires fix:
+    a Lanczos upscale, then img2img at the requested size at ``limits.edit_strength`` (with the mask, when the edit
+    has one: server/hires.py second_pass)."""
+    service = request.app.state.service
+    plan = make_plan(batch, service.engine.info, resize=parse_size(req.size or ""), upscaler="Lanczos",
+                     denoising_strength=service.settings.limits.edit_strength)
+    notes.warnings.append(f"size {req.size} served through Hires fix ([serving] openai_sizes_hires): the edit at "
+                          f"{batch.width}x{batch.height}, a Lanczos upscale, then a second pass at {req.size} at "
+                          f"strength {plan.denoising_strength:g}")
+    return plan
+
+
 async def _respond(request: Request, response: Response, req: ImageGenerationRequest, edit: EditInput,
                    strength: float, notes: FieldNotes) -> ImagesResponse:
     service = request.app.state.service
     more = openai_notes(req)
     notes.ignored += more.ignored
     notes.warnings += more.warnings
-    batch = edit_batch(service.to_batch(req), edit, service.engine.info, strength)
-    answer, out = await run_and_answer(request, response, req, batch, notes)
+    first = first_pass(req, request)
+    batch = edit_batch(service.to_batch(first), edit, service.engine.info, strength)
+    plan = _hires(req, batch, request, notes) if first is not req else None
+    answer, out = await run_and_answer(request, response, req, batch, notes, plan)
     response.headers[headers.MODE] = batch.mode
     response.headers[headers.STRENGTH] = f"{batch.strength:g}"
     request.app.state.metrics.images_by_mode.labels(request.url.path, batch.mode).inc(len(out.pngs))
@@ -131,7 +162,7 @@ async def edit_images(request: Request, response: Response) -> ImagesResponse:
     await run_in_threadpool(check_pixel_budget, [("image", images[0]), *(("mask", m) for m in masks)], limit,
                             service.settings.limits.max_request_pixels)
     # admitted on its estimated cost before any pixel is decoded; the decodes run under the request's deadline
-    deadline = service.preadmit([service.to_batch(req)], request.headers.get(headers.TIMEOUT))
+    deadline = service.preadmit([service.to_batch(first_pass(req, request))], request.headers.get(headers.TIMEOUT))
     image = await within_deadline(deadline, decode, images[0], "image", limit)
     mask = await within_deadline(deadline, decode, masks[0], "mask", limit) if masks else None
     if mask is not None and mask.size != image.size:
@@ -155,6 +186,6 @@ async def image_variations(request: Request, response: Response) -> ImagesRespon
         raise InvalidRequestError(f"send one image (got {len(images)})", param="image")
     strength = fields.pop("strength", service.settings.limits.variation_strength)
     req = _request({**fields, "prompt": "variation"}).model_copy(update={"prompt": ""})
-    deadline = service.preadmit([service.to_batch(req)], request.headers.get(headers.TIMEOUT))
+    deadline = service.preadmit([service.to_batch(first_pass(req, request))], request.headers.get(headers.TIMEOUT))
     image = await within_deadline(deadline, decode, images[0], "image", service.settings.limits.max_image_pixels)
     return await _respond(request, response, req, EditInput((image,), None, strength), strength, FieldNotes())

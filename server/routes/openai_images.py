@@ -76,7 +76,7 @@ async def run_and_answer(request: Request, response: Response, req: ImageGenerat
     warnings = out.warnings + notes.warnings
     response.headers.update(notes.headers())
     if warnings:
-        response.headers[headers.WARNINGS] = "; ".join(warnings)
+        headers.put(response.headers, headers.WARNINGS, "; ".join(warnings))
     if as_url:
         store = request.app.state.image_store
         data = [ImageData(url=image_link(request, store.put(p, fmt.name))) for p in out.pngs]

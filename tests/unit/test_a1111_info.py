@@ -219,7 +219,7 @@ def test_unknown_a1111_fields_are_named_not_silently_ignored(client: TestClient)
     response = client.post("/sdapi/v1/txt2img", json={"prompt": "a", "steps": 2, "hr_scale": 2, "denoising_strength":
                                                       0.7, "ünïcode": 1})
     assert response.status_code == 200, response.text
-    assert response.headers["x-sdserve-ignored-fields"] == "denoising_strength,hr_scale,?"
+    assert response.headers["x-sdserve-ignored-fields"] == "denoising_strength,hr_scale,%C3%BCn%C3%AFcode"
     warnings = json.loads(response.json()["info"])["warnings"]
     assert "ignored A1111 fields: denoising_strength, hr_scale, ünïcode" in warnings
     assert "hr_scale" not in response.json()["parameters"]

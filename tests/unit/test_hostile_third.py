@@ -30,7 +30,7 @@ from engines.protocol import Batch, BatchResult, StepHook
 from engines.runtime import sessions
 from server.admission import Cost, CostModel, admit
 from server.app import create_app
-from server.connections import Bounds
+from server.connections import HEAD_GRACE_S, Bounds
 from server.contention import ContentionProbe, ContentionThresholds, Counters, explanations
 from server.launcher import rate_limit_logs
 from server.metrics import Exposition
@@ -109,16 +109,17 @@ class Conn:
 def _bounds(**tables: list[Any]) -> Bounds:
     bounds = Bounds(2, 1.0, 1.0, probe_slots=1)
     for name, conns in tables.items():
-        getattr(bounds, name).update(dict.fromkeys(conns))
+        getattr(bounds, name).update(dict.fromkeys(conns, 0.0 if name == "waiting" else None))
     return bounds
 
 
 def test_eviction_takes_idle_heads_then_stuck_replies_then_slow_bodies_never_a_probe() -> None:
     idle, stuck, body, probe = Conn(), Conn(), Conn(), Conn()
-    assert _bounds(reading=[body], stalled=[stuck], waiting=[idle]).evictable() is idle
-    assert _bounds(reading=[body], stalled=[stuck]).evictable() is stuck  # a slow reader is evictable (issue 32)
-    assert _bounds(reading=[body]).evictable() is body
-    assert _bounds(waiting=[probe], probes=[probe]).evictable() is None
+    now = HEAD_GRACE_S  # the idle heads have waited their grace (issue 43)
+    assert _bounds(reading=[body], stalled=[stuck], waiting=[idle]).evictable(now) is idle
+    assert _bounds(reading=[body], stalled=[stuck]).evictable(now) is stuck  # a slow reader is evictable (issue 32)
+    assert _bounds(reading=[body]).evictable(now) is body
+    assert _bounds(waiting=[probe], probes=[probe]).evictable(now) is None
 
 
 def test_probe_slots_sit_beyond_the_cap_and_the_oldest_probe_without_a_head_gives_way() -> None:
