@@ -29,9 +29,10 @@ from engines.config import (
     SignatureThresholds,
 )
 from engines.diffusion.contract import Pipeline, Stepwise
-from engines.diffusion.dit_family import is_dit_folder
+from engines.diffusion.dit_family import detect_dit, is_dit_folder
 from engines.diffusion.dit_pipeline import DitOnnx
 from engines.diffusion.pipeline import Begun, OrtModel, PipelineOutput, StableDiffusionOnnx
+from engines.diffusion.qwen_pipeline import QwenOnnx
 from engines.diffusion.schedulers import EDIT_SCHEDULERS, SCHEDULERS
 from engines.errors import (
     ArtifactError,
@@ -211,12 +212,13 @@ class OrtEngine:
         (`sdserve engines build`: TensorRT plans in bf16 for T5, the transformer and the VAE, fp16 for CLIP,
         engines/build/trtplan_dit.py; or a plugin EP's), else one for every size."""
         assert self._runtime is not None
-        pipelines = {size: DitOnnx(self.model_dir, self._runtime, "" if size == ANY else f"@{size}", parts)
+        kind = QwenOnnx if detect_dit(self.model_dir).base == "qwen-image" else DitOnnx
+        pipelines = {size: kind(self.model_dir, self._runtime, "" if size == ANY else f"@{size}", parts)
                      for size, parts in sources.items()}
         self._pipelines = dict(pipelines)
         pipe = next(iter(pipelines.values()))
         config = json.loads((self.model_dir / "transformer" / "config.json").read_text())
-        text = pipe.max_sequence_length + (0 if pipe.family.base == "flux" else pipe.clips[0][0].max_length)
+        text = pipe.max_sequence_length + (pipe.clips[0][0].max_length if pipe.family.base == "sd3" else 0)
         self._info = dataclasses.replace(
             pipe.model_info(self.model_dir.name, _digest(self.model_dir, "transformer")),
             token_patch=pipe.size_multiple, text_tokens=text,

@@ -1,9 +1,10 @@
 """The family registry: what each model family sdserve serves is, in one place, read by everything else.
 
 A family is a name over an architecture (its ``base``: the UNet of SD 1.x, SD 2.x or SDXL, or the transformer of
-Flux.1 or SD 3). Detection reads a folder's JSON files, finds the base (engines/diffusion/family.py for the UNets,
-engines/diffusion/dit_family.py for the transformers), then asks the registry which family of that base the folder
-is: the first registered family whose ``claim`` accepts the folder's configs, else the family named after the base.
+Flux.1, SD 3 or Qwen-Image). Detection reads a folder's JSON files, finds the base (engines/diffusion/family.py for
+the UNets, engines/diffusion/dit_family.py for the transformers), then asks the registry which family of that base
+the folder is: the first registered family whose ``claim`` accepts the folder's configs, else the family named after
+the base.
 Everything a caller needs to know about a family beyond its base (request defaults, the SDXL-only request fields,
 the OpenAI sizes, the A1111 config label, T5's length) is a field here; the server reads these fields through the
 served model's name and never names a family itself.
@@ -27,7 +28,7 @@ transformer's config.json)."""
 class FamilyFacts:
     name: str
     bases: tuple[str, ...]
-    """The architectures a folder of this family has: sd1, sd2, sdxl (UNet), flux, sd3 (transformer)."""
+    """The architectures a folder of this family has: sd1, sd2, sdxl (UNet), flux, sd3, qwen-image (transformer)."""
     denoiser: Literal["unet", "transformer"]
     steps: int
     """Request default: denoising steps (diffusers' and the model cards' recommendations)."""
@@ -46,7 +47,7 @@ class FamilyFacts:
     1024 the family serves OpenAI's image sizes without resizing ([serving] openai_sizes); a smaller one serves them
     only through Hires fix ([serving] openai_sizes_hires)."""
     t5_length: int = 0
-    """T5's ``max_sequence_length`` (transformer families)."""
+    """T5's ``max_sequence_length`` (transformer families; Qwen-Image: its text encoder's, the states kept)."""
     a1111_config: Callable[[int, str], str] = lambda encoders, prediction: ""
     """The A1111 ``config`` label of /sdapi/v1/sd-models, from (text encoders, prediction type); "" for none."""
     own_defaults: bool = False
@@ -121,3 +122,8 @@ register(FamilyFacts("sd35", ("sd3",), "transformer", 28, 4.5, "Stable Diffusion
                      claim=lambda configs: bool(configs.get("denoiser", {}).get("qk_norm"))
                      or bool(configs.get("denoiser", {}).get("dual_attention_layers")),
                      t5_length=256, own_defaults=True, trained_size=1024))
+register(FamilyFacts("qwen-image", ("qwen-image",), "transformer", 50, 4.0,
+                     "Qwen-Image (Qwen2.5-VL text encoder, true CFG with norm rescaling)", t5_length=512,
+                     own_defaults=True, trained_size=1328))
+"""Qwen-Image: diffusers' defaults (50 steps, ``true_cfg_scale`` 4.0, ``max_sequence_length`` 512: the text states
+the transformer attends to, ``t5_length`` here); its model card's square size is 1328."""

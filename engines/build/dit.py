@@ -151,7 +151,13 @@ def build_tiny_dit(family: str, out: Path, bpe: Path | None = None, diffusers_ou
                    vae_encoder: bool = True, first_block: bool = False) -> Path:
     """Build the tiny ``family`` model and export it to ``out``; ``diffusers_out``: the same weights as a diffusers
     folder too; ``vae_encoder``: export the VAE encoder (edits) as well; ``first_block``: the transformer's parts
-    for the first-block cache too (engines/build/dit_split.py)."""
+    for the first-block cache too (engines/build/dit_split.py). Qwen-Image: engines/build/qwen.py."""
+    if family == "qwen-image":
+        from engines.build.qwen import build_tiny_qwen
+
+        if first_block:
+            raise ValueError("the first-block cache's transformer parts are not exported for Qwen-Image")
+        return build_tiny_qwen(out, bpe, diffusers_out, vae_encoder)
     components = make_dit_components(family, bpe=bpe)
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer_dirs = write_tokenizers(family, Path(tmp), bpe)

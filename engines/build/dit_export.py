@@ -447,6 +447,12 @@ def export_dit_folder(src: Path, out: Path, dtype: str = "fp32", first_block: bo
     from engines.errors import ModelLoadError
 
     family = detect_dit(src)
+    if family.base == "qwen-image":
+        from engines.build.qwen_export import export_qwen_folder
+
+        if dtype != "fp32" or first_block:
+            raise ModelLoadError(f"--from {src}: Qwen-Image exports in fp32 only, without --first-block")
+        return export_qwen_folder(src, out)
     if (src / "manifest.json").exists() or (src / "transformer" / "model.onnx").exists():
         raise ModelLoadError(f"--from {src}: this is an sdserve ONNX model folder already; export reads a diffusers "
                              "folder (transformer/, vae/, text encoders with their config.json and weights)")

@@ -130,9 +130,9 @@ class DitConditioning:
     negative_truncated: tuple[bool, ...]
 
 
-ROW_INPUTS = ("encoder_hidden_states", "pooled_projections", "guidance")
+ROW_INPUTS = ("encoder_hidden_states", "pooled_projections", "guidance", "encoder_hidden_states_mask")
 """Transformer inputs with a row per image (besides hidden_states and timestep); the others (Flux's rope tables)
-depend on the size only."""
+depend on the size only. (Qwen-Image's key mask: engines/diffusion/qwen_pipeline.py.)"""
 
 
 @dataclass

@@ -6,13 +6,15 @@ A flow-matching model predicts the velocity ``v = noise - x0`` at noise level ``
 a *shift*:
 
 - static (SD 3 / 3.5, Flux schnell): ``sigma' = shift * sigma / (1 + (shift - 1) * sigma)``;
-- dynamic (Flux dev): ``sigma' = e^mu / (e^mu + (1 / sigma - 1))``, with ``mu`` a linear function of the image's
-  token count (``calculate_shift``), so larger images are shifted more.
+- dynamic (Flux dev, Qwen-Image): ``sigma' = e^mu / (e^mu + (1 / sigma - 1))``, with ``mu`` a linear function of
+  the image's token count (``calculate_shift``), so larger images are shifted more;
+- then, with ``shift_terminal`` (Qwen-Image: 0.02), stretched so the last sigma is that value:
+  ``1 - (1 - sigma') / ((1 - sigma'_last) / (1 - shift_terminal))``.
 
 The arithmetic follows diffusers' dtypes step for step (float64 where it works in numpy float64, float32 where it
 works in float32 tensors), so the timesteps and sigmas here equal diffusers' bit for bit (tests/unit/test_flow.py).
 Options of the diffusers scheduler that change the schedule in other ways (Karras/exponential/beta sigmas, inverted
-sigmas, ``shift_terminal``, stochastic sampling) are refused by name rather than ignored.
+sigmas, stochastic sampling) are refused by name rather than ignored.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-UNSUPPORTED = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas", "shift_terminal",
+UNSUPPORTED = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas",
                "stochastic_sampling")
 """FlowMatchEulerDiscreteScheduler options this module does not implement: a config setting one is refused."""
 
@@ -41,6 +43,8 @@ class FlowMatchConfig:
     base_image_seq_len: int = 256
     max_image_seq_len: int = 4096
     time_shift_type: str = "exponential"
+    shift_terminal: float = 0.0
+    """The last sigma the shifted schedule is stretched to end at (0: no stretch)."""
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> FlowMatchConfig:
@@ -60,7 +64,7 @@ class FlowMatchConfig:
             max_shift=float(config.get("max_shift") or defaults.max_shift),
             base_image_seq_len=int(config.get("base_image_seq_len", defaults.base_image_seq_len)),
             max_image_seq_len=int(config.get("max_image_seq_len", defaults.max_image_seq_len)),
-            time_shift_type=kind)
+            time_shift_type=kind, shift_terminal=float(config.get("shift_terminal") or 0.0))
 
     def mu(self, image_seq_len: int) -> float:
         """The dynamic shift for an image of ``image_seq_len`` transformer tokens, from this config's line."""
@@ -129,6 +133,9 @@ def flow_schedule(config: FlowMatchConfig, steps: int, sigmas: Sequence[float] |
             raise ValueError(f"{base.shape[0]} sigmas given for {steps} steps")
     shifted = _time_shift(config, float(mu), base) if config.use_dynamic_shifting and mu is not None \
         else _static_shift(config.shift, base)
+    if config.shift_terminal:  # in the shifted sigmas' dtype, as the scheduler's stretch_shift_to_terminal
+        one_minus = 1 - np.asarray(shifted)
+        shifted = 1 - one_minus / (one_minus[-1] / (1 - config.shift_terminal))
     sig32 = np.asarray(shifted).astype(np.float32)
     timesteps = sig32 * np.float32(n)
     return FlowSchedule(timesteps.astype(np.float32), np.concatenate([sig32, np.zeros(1, np.float32)]))

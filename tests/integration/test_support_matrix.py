@@ -60,6 +60,12 @@ PROOFS: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {
         ("tests/integration/test_dit_parity.py::test_images_match_diffusers", "txt2img parity with diffusers"),
         ("tests/integration/test_dit_parity.py::test_img2img_matches_diffusers", "img2img parity"),
     ),
+    ("qwen-image", "dev"): (
+        ("tests/integration/test_qwen_parity.py::test_images_match_diffusers",
+         "txt2img parity with diffusers, true CFG with negative prompts, two sizes"),
+        ("tests/integration/test_qwen_parity.py::test_img2img_matches_diffusers", "img2img parity"),
+        ("tests/e2e/test_qwen_serving.py::test_through_the_openai_sdk", "served through the openai SDK"),
+    ),
     ("sd1", "openvino"): (
         ("tests/integration/test_plugin_ep.py::test_built_artifacts_boot_on_the_ep",
          "served from EP-context artifacts"),
