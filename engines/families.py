@@ -53,6 +53,9 @@ class FamilyFacts:
     own_defaults: bool = False
     """Its request defaults are used instead of the profile's [defaults] (few-step and flow-matching families, for
     which the profile's SD defaults would be wrong); a profile's [family_defaults.<name>] overrides both."""
+    lora_text_encoders: str = ""
+    """Why a LoRA on this family's text encoders is refused (a file carrying such keys is listed refused with this
+    reason); ``""``: they are adapted like the denoiser."""
     distilled_guidance: bool = False
     """The guidance scale is an input of the network, no classifier-free guidance (Flux.1 dev): Forge's
     ``distilled_cfg_scale`` sets it on the A1111 routes (docs/api.md)."""
@@ -124,6 +127,9 @@ register(FamilyFacts("sd35", ("sd3",), "transformer", 28, 4.5, "Stable Diffusion
                      t5_length=256, own_defaults=True, trained_size=1024))
 register(FamilyFacts("qwen-image", ("qwen-image",), "transformer", 50, 4.0,
                      "Qwen-Image (Qwen2.5-VL text encoder, true CFG with norm rescaling)", t5_length=512,
-                     own_defaults=True, trained_size=1328))
+                     own_defaults=True, trained_size=1328,
+                     lora_text_encoders="Qwen-Image LoRAs adapt the transformer only (diffusers' "
+                     "QwenImageLoraLoaderMixin loads none into the Qwen2.5-VL text encoder): remove the text-encoder "
+                     "keys from the file"))
 """Qwen-Image: diffusers' defaults (50 steps, ``true_cfg_scale`` 4.0, ``max_sequence_length`` 512: the text states
 the transformer attends to, ``t5_length`` here); its model card's square size is 1328."""

@@ -21,6 +21,9 @@ UNET_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.n
 TE_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
 DIT_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
                "ff.net.0.proj", "ff.net.2", "proj_mlp", "proj_out"]
+QWEN_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+                "net.0.proj", "net.2", "img_mod.1", "txt_mod.1"]
+"""Every Linear of a Qwen-Image joint block (``net.*`` matches both ``img_mlp`` and ``txt_mlp``)."""
 
 
 def lora_factors(module: torch.nn.Module, targets: list[str], rank: int, seed: int,

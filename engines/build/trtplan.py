@@ -57,10 +57,11 @@ NAMED_ROLES: dict[str, dict[str, tuple[str, ...]]] = {
 """SDXL's extra UNet inputs (same rank, told apart by name): the pooled projection of the second text encoder and
 the six micro-conditioning time ids (original size, crop top-left, target size)."""
 BUILD_BUDGET_S = {"sd1": 900.0, "sd2": 900.0, "sdxl": 2700.0, "flux": 5400.0, "flux-schnell": 5400.0,
-                  "sd3": 2700.0, "sd35": 3600.0}
+                  "sd3": 2700.0, "sd35": 3600.0, "qwen-image": 9000.0}
 """Seconds `engines build` may take per served size, by architecture (fp16 engines, builder optimization level 3,
 one H200): estimates scaled from the denoiser's FLOPs (SDXL's UNet ~3x SD 1.5's, plus a second text encoder and
-an fp32 VAE; Flux's 12B transformer and T5-XXL the largest), not yet measured on a GPU. The plan carries the
+an fp32 VAE; Flux's 12B transformer and T5-XXL; Qwen-Image's 20B transformer and 7B text encoder about 1.7x
+Flux's), not yet measured on a GPU. The plan carries the
 total; `sdserve accept` budgets its relocation step (which builds every size) with it."""
 PROTOBUF_LIMIT = 2**31 - 1
 """Bytes one serialized ModelProto may hold. The TensorRT provider hands the parser a serialized graph
@@ -155,14 +156,16 @@ def resolve(component: str, name: str, declared: list[int | str], values: dict[s
 
 
 def component_shapes(component: str, inputs: dict[str, list[int | str]], dims: dict[str, int | None],
-                     p: ShapeProfile, batch: int, cfg: bool = True, dit: DitFamily | None = None) -> str:
+                     p: ShapeProfile, batch: int, cfg: bool = True, dit: DitFamily | None = None,
+                     bound: str = "max") -> str:
     """``name:dims`` for every input of ``component`` at ``batch`` images of profile ``p``; ``cfg`` doubles the
     text-side batch (classifier-free guidance), without it the rows are the images (guidance <= 1: the UNet runs
-    the conditional half only). ``dit``: a Flux or SD 3 folder's family (roles and values from trtplan_dit)."""
+    the conditional half only). ``dit``: a DiT folder's family (roles and values from trtplan_dit); ``bound``: the
+    profile bound, for a dim that varies within a size (Qwen-Image's text ids)."""
     if dit is not None:
         from engines.build import trtplan_dit
 
-        found = trtplan_dit.values(dit, dims, p.width, p.height, batch, cfg)
+        found = trtplan_dit.values(dit, dims, p.width, p.height, batch, cfg, bound)
         return ",".join(f"{name}:" + "x".join(str(d) for d in resolve(
             component, name, declared, found, trtplan_dit.roles(dit, component, name, len(declared))))
             for name, declared in inputs.items())
@@ -197,7 +200,7 @@ def _options(component: str, inputs: dict[str, list[int | str]], dims: dict[str,
              precision: str = "") -> dict[str, str]:
     # min: one image without CFG (a guidance <= 1 request runs the UNet on the conditional rows only);
     # opt and max: with CFG. One engine then serves both paths at every batch in range.
-    shapes = {k: component_shapes(component, inputs, dims, p, b, cfg, dit)
+    shapes = {k: component_shapes(component, inputs, dims, p, b, cfg, dit, k)
               for k, b, cfg in (("min", p.batch_min, False), ("opt", p.batch_opt, True), ("max", p.batch_max, True))}
     half = {"trt_fp16_enable": str(flags.fp16 and not fp32)} if not precision else {
         "trt_fp16_enable": str(flags.fp16 and precision == "fp16"),

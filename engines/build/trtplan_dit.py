@@ -1,5 +1,5 @@
-"""TensorRT build plan for the DiT families (Flux.1 dev/schnell, SD 3 / 3.5): per served size and component, the
-exact provider options of one engine, as engines/build/trtplan.py plans the UNet families.
+"""TensorRT build plan for the DiT families (Flux.1 dev/schnell, SD 3 / 3.5, Qwen-Image): per served size and
+component, the exact provider options of one engine, as engines/build/trtplan.py plans the UNet families.
 
 Every symbolic dim comes from the folder and the serving pipeline's own rules (engines/diffusion/dit_pipeline.py):
 rows are the images, doubled under classifier-free guidance (SD 3: negatives first; Flux never doubles); Flux's
@@ -8,9 +8,18 @@ tables over text + image tokens; SD 3's takes latents ``[rows, 16, H/8, W/8]`` a
 length is the family's ``max_sequence_length`` capped by the tokenizer's. A dim that is fixed in the graph is
 kept; one that is neither fixed nor known refuses the plan (trtplan.resolve).
 
+Qwen-Image (engines/diffusion/qwen_pipeline.py, qwen_tokenizer.py): the transformer takes the 2x2-packed tokens
+like Flux, and ``max_sequence_length`` (512) text states, every row zero-padded to that fixed length, with the key
+mask ``encoder_hidden_states_mask`` [rows, 512] beside them; rows doubled under true CFG (negatives first); rope
+tables over 512 + image tokens. Its text encoder is fed *variable-length* ids: each batch's rows right-padded to
+its longest templated prompt, the template's 34-token system prefix included, cut at 34 + 512. So the profile
+spans ``input_ids`` [rows, 35 .. 546] (``QWEN_TEXT_MIN``: the prefix and at least one token, what the tokenizer
+requires; ``QWEN_TEXT_OPT``: a typical prompt; max: the prefix + 512), one engine for every prompt length.
+
 Precision per part (``PRECISION``): the T5 encoder and the transformer in bf16 (T5's activations overflow fp16,
 diffusers and NVIDIA's demos run both in bf16), the CLIP encoders in fp16, the VAE in bf16 (fp16 overflows in
-Flux's and SD 3's VAE at large sizes). TensorRT picks the kernels (``trt_bf16_enable``/``trt_fp16_enable`` on the
+Flux's and SD 3's VAE at large sizes). Qwen-Image: every part in bf16, its released precision (``QWEN_PRECISION``:
+Qwen2.5's activations overflow fp16). TensorRT picks the kernels (``trt_bf16_enable``/``trt_fp16_enable`` on the
 fp32 export), so one export serves every precision. bf16 needs compute capability >= 8.0 (the matrix's H200 is
 9.0).
 """
@@ -22,16 +31,27 @@ from pathlib import Path
 from typing import Any
 
 from engines.diffusion.dit_family import DitFamily
+from engines.diffusion.qwen_tokenizer import TEMPLATE_DROP
 
 PRECISION: dict[str, str] = {"text_encoder": "fp16", "text_encoder_2": "fp16", "text_encoder_3": "bf16",
                              "transformer": "bf16", "vae_decoder": "bf16", "vae_encoder": "bf16"}
 """Engine precision per component; Flux's text_encoder_2 is its T5 (see ``precision``)."""
+QWEN_PRECISION: dict[str, str] = {"text_encoder": "bf16", "transformer": "bf16", "vae_decoder": "bf16",
+                                  "vae_encoder": "bf16"}
+"""Qwen-Image: the Qwen2.5-VL text encoder in bf16, not fp16 (Qwen2.5's activations overflow fp16; the model is
+released and run in bf16), the transformer and the VAE in bf16 as the other DiT families'."""
+QWEN_TEXT_MIN = TEMPLATE_DROP + 1
+"""The shortest ids the Qwen pipeline feeds: the template's system prefix and one token past it (the tokenizer
+refuses less)."""
+QWEN_TEXT_OPT = TEMPLATE_DROP + 128
+"""The length the text encoder's engine is tuned for: a prompt of up to ~120 tokens in the template."""
 
 NAMED: dict[str, tuple[str, ...]] = {
     "input_ids": ("rows", "clip_tokens"),
     "hidden_states": ("rows", "image_tokens", "packed_channels"),
     "encoder_hidden_states": ("rows", "text_tokens", "joint"),
     "pooled_projections": ("rows", "pooled"),
+    "encoder_hidden_states_mask": ("rows", "text_tokens"),
     "timestep": ("rows",), "guidance": ("rows",),
     "rope_cos": ("rope_tokens", "rope_dim"), "rope_sin": ("rope_tokens", "rope_dim"),
     "latent_sample": ("batch", "latent_channels", "height", "width"),
@@ -50,12 +70,16 @@ def t5_component(family: DitFamily) -> str:
 
 
 def components(family: DitFamily, folder: Path) -> list[str]:
+    if family.base == "qwen-image":
+        return [p for p in QWEN_PRECISION if (folder / p / "model.onnx").is_file()]
     parts = ["text_encoder", t5_component(family), "transformer", "vae_decoder"]
     parts += [] if family.base == "flux" else ["text_encoder_2"]
     return [p for p in [*parts, "vae_encoder"] if (folder / p / "model.onnx").is_file()]
 
 
 def precision(family: DitFamily, component: str) -> str:
+    if family.base == "qwen-image":
+        return QWEN_PRECISION.get(component, "bf16")
     if component == t5_component(family):
         return "bf16"
     return PRECISION.get(component, "bf16")
@@ -64,6 +88,8 @@ def precision(family: DitFamily, component: str) -> str:
 def dims(folder: Path, family: DitFamily) -> dict[str, int | None]:
     """The values the roles take for every size (the size-dependent ones are added per profile)."""
     vae = _json(folder / "vae_decoder" / "config.json")
+    if family.base == "qwen-image":
+        return qwen_dims(family, vae)
     t5_tok = _json(folder / ("tokenizer_2" if family.base == "flux" else "tokenizer_3") / "tokenizer_config.json")
     clip_tok = _json(folder / "tokenizer" / "tokenizer_config.json")
     cap = t5_tok.get("model_max_length")
@@ -78,7 +104,20 @@ def dims(folder: Path, family: DitFamily) -> dict[str, int | None]:
             "factor": 2 ** (len(blocks) - 1) if isinstance(blocks, list) and blocks else 8}
 
 
+def qwen_dims(family: DitFamily, vae: dict[str, Any]) -> dict[str, int | None]:
+    """Qwen-Image's: the fixed text length of the transformer, the text encoder's id lengths, the 16-channel VAE
+    (``z_dim``) and its factor (one 2x downsample per ``temperal_downsample`` entry)."""
+    temporal = vae.get("temperal_downsample")
+    return {"text_tokens": family.max_sequence_length, "qwen_tokens_min": QWEN_TEXT_MIN,
+            "qwen_tokens_opt": min(QWEN_TEXT_OPT, TEMPLATE_DROP + family.max_sequence_length),
+            "qwen_tokens_max": TEMPLATE_DROP + family.max_sequence_length,
+            "latent_channels": int(vae.get("z_dim", 16)), "image_channels": 3,
+            "factor": 2 ** len(temporal) if isinstance(temporal, list) and temporal else 8}
+
+
 def roles(family: DitFamily, component: str, name: str, rank: int) -> tuple[str, ...] | None:
+    if name == "input_ids" and family.base == "qwen-image":
+        return ("rows", "qwen_tokens")
     if name == "input_ids":
         return ("rows", "t5_tokens") if component == t5_component(family) else ("rows", "clip_tokens")
     if component == "transformer" and name == "hidden_states" and rank == 4:
@@ -87,11 +126,13 @@ def roles(family: DitFamily, component: str, name: str, rank: int) -> tuple[str,
 
 
 def values(family: DitFamily, base: dict[str, int | None], width: int, height: int, batch: int,
-           cfg: bool) -> dict[str, int | None]:
+           cfg: bool, bound: str = "max") -> dict[str, int | None]:
+    """Every role's value at one profile bound (``min``, ``opt`` or ``max``): the batch's, and where a dim varies
+    within a size (the Qwen text encoder's id length), the bound's."""
     factor = base["factor"] or 8
     h, w = height // factor, width // factor
     image_tokens = (h // 2) * (w // 2)
     text = base["text_tokens"] or 0
     return {**base, "batch": batch, "rows": 2 * batch if cfg and family.cfg else batch, "height": h, "width": w,
             "pixel_height": height, "pixel_width": width, "image_tokens": image_tokens,
-            "rope_tokens": text + image_tokens}
+            "rope_tokens": text + image_tokens, "qwen_tokens": base.get(f"qwen_tokens_{bound}")}

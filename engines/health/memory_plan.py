@@ -3,14 +3,16 @@
 Weights come from the files when the component is exported (``model.onnx``: the initializers' element counts and
 types read from the protobuf's headers, never their bytes, plus the external data files' sizes by ``stat``), and
 otherwise from the component's diffusers ``config.json`` (parameter counts of FluxTransformer2DModel,
-SD3Transformer2DModel, UNet2DConditionModel, T5EncoderModel, CLIPTextModel(WithProjection) and AutoencoderKL's
-halves, counted the way those modules hold them; tests/unit/test_memory_plan.py checks every formula against
-torch). So a config-only folder (a few kB) is enough to size a Flux deployment.
+SD3Transformer2DModel, QwenImageTransformer2DModel, UNet2DConditionModel, T5EncoderModel,
+CLIPTextModel(WithProjection), Qwen2.5-VL's language model and the halves of AutoencoderKL and
+AutoencoderKLQwenImage, counted the way those modules hold them; tests/unit/test_memory_plan.py and
+tests/unit/test_qwen_memory.py check every formula against torch). So a config-only folder (a few kB) is enough to
+size a Flux or Qwen-Image deployment.
 
 What the plan charges, and why (each line is what this codebase does today, not a general rule):
 
 - **Base weights** at the serving dtype: under a TensorRT policy the engine precision `sdserve engines build` uses
-  (engines/build/trtplan_dit.py: bf16 transformer, T5 and VAE, fp16 CLIP; the UNet families fp16 unless
+  (engines/build/trtplan_dit.py: bf16 transformer, T5, Qwen2.5-VL and VAE, fp16 CLIP; the UNet families fp16 unless
   ``tensorrt.fp16`` is off), else the files' own dtype. One engine per served size
   (engines/artifacts.py ``context_models``), each holding its own weights: × the served sizes under TensorRT.
 - **Activations** (``ACTIVATIONS``): conservative; no fused attention assumed, so every attention's score matrix
@@ -36,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from engines.config import RuntimeSettings
+from engines.diffusion.qwen_tokenizer import TEMPLATE_DROP
 from engines.errors import ModelLoadError
 from engines.health.onnx_scan import scan_onnx
 from engines.health.param_counts import (
@@ -43,6 +46,12 @@ from engines.health.param_counts import (
     clip_text,
     flux_transformer,
     ival,
+    qwen_text,
+    qwen_text_config,
+    qwen_transformer,
+    qwen_vae_decoder,
+    qwen_vae_dims,
+    qwen_vae_encoder,
     sd3_transformer,
     t5_encoder,
     unet,
@@ -63,7 +72,9 @@ libraries and pinned staging. An allowance each, not a measurement."""
 ACTIVATIONS = ("per row: tokens x width x 20 x dtype bytes (the widest point of a block: input, norm, q/k/v, "
                "attention out, the 4x MLP before and after its activation, concatenations) + heads x tokens^2 x 4 "
                "(one attention's fp32 scores, no fused kernel assumed); VAE: the largest level's pixels x channels "
-               "x 6 x dtype bytes + its mid attention's (latent pixels)^2 x 4; rows: images, x2 under CFG")
+               "x 6 x dtype bytes (x 8 for Qwen-Image's causal 3D VAE) + its mid attention's (latent pixels)^2 x 4; "
+               "Qwen2.5-VL: its gated MLP's four intermediate-wide tensors in place of the 4x MLP's; rows: images, "
+               "x2 under CFG")
 
 
 SCORE_BUFFERS = 2
@@ -88,7 +99,8 @@ class Layout:
     cfg: bool
     """Classifier-free guidance: the denoiser and the text encoders run two rows per image."""
     text_tokens: int
-    """T5's sequence length (DiT families); 0 without T5."""
+    """The transformer's text tokens from the T5 (Flux, SD 3) or Qwen2.5-VL (Qwen-Image, padded to its
+    ``max_sequence_length``) encoder; 0 for the UNet families."""
     trt_precision: dict[str, str]
     """The engine precision per component `sdserve engines build` uses (empty: ``tensorrt.fp16`` decides)."""
     factor: int = 8
@@ -97,9 +109,20 @@ class Layout:
     """Components whose engine stays fp32 (SDXL's force-upcast VAE)."""
 
 
-def _vae_parts(folder: Path) -> dict[str, str]:
+def _vae_parts(folder: Path, prefix: str = "") -> dict[str, str]:
     encoder = (folder / "vae_encoder").is_dir() or (folder / "vae").is_dir()
-    return {"vae_decoder": "vae_decoder", **({"vae_encoder": "vae_encoder"} if encoder else {})}
+    return {"vae_decoder": f"{prefix}vae_decoder", **({"vae_encoder": f"{prefix}vae_encoder"} if encoder else {})}
+
+
+QWEN_TEMPLATE_TOKENS = TEMPLATE_DROP + 5
+"""Tokens the Qwen2.5-VL encoder reads around the kept ones: the chat template's 34-token system prefix
+(engines/diffusion/qwen_tokenizer.py TEMPLATE_DROP) and its 5-token suffix (``<|im_end|>``, a newline,
+``<|im_start|>assistant``, a newline, in the released vocabulary)."""
+
+
+def qwen_parts(folder: Path) -> dict[str, str]:
+    """A Qwen-Image folder's components: the Qwen2.5-VL language model, the MMDiT, the causal 3D VAE's halves."""
+    return {"text_encoder": "qwen_text", "transformer": "qwen_image", **_vae_parts(folder, "qwen_")}
 
 
 def layout(folder: Path) -> Layout:
@@ -113,6 +136,10 @@ def layout(folder: Path) -> Layout:
         from engines.build.trtplan_dit import precision  # the engine precisions; no torch in that module
 
         dit = detect_dit(folder)
+        if dit.base == "qwen-image":
+            parts = qwen_parts(folder)
+            return Layout(dit.name, parts, dit.cfg, dit.max_sequence_length, {p: precision(dit, p) for p in parts},
+                          _factor(folder))
         flux = dit.base == "flux"
         parts = {"text_encoder": "clip", "text_encoder_2": "t5", "transformer": "flux"} if flux else {
             "text_encoder": "clip_projection", "text_encoder_2": "clip_projection", "text_encoder_3": "t5",
@@ -130,7 +157,10 @@ def layout(folder: Path) -> Layout:
 
 
 def _factor(folder: Path) -> int:
-    blocks = _config(folder, "vae_decoder").get("block_out_channels")
+    vae = _config(folder, "vae_decoder")
+    blocks, temporal = vae.get("block_out_channels"), vae.get("temperal_downsample")
+    if isinstance(temporal, list) and not blocks:  # AutoencoderKLQwenImage: one 2x downsample per entry
+        return 1 << len(temporal)
     return 1 << (len(blocks) - 1) if isinstance(blocks, list) and blocks else 8
 
 
@@ -152,7 +182,9 @@ def count(kind: str, config: Mapping[str, Any]) -> Tally:
         architectures = config.get("architectures") or []
         return clip_text(config, kind == "clip_projection" or "CLIPTextModelWithProjection" in architectures)
     formulas = {"t5": t5_encoder, "flux": flux_transformer, "sd3": sd3_transformer, "unet": unet,
-                "vae_decoder": vae_decoder, "vae_encoder": vae_encoder}
+                "vae_decoder": vae_decoder, "vae_encoder": vae_encoder, "qwen_text": qwen_text,
+                "qwen_image": qwen_transformer, "qwen_vae_decoder": qwen_vae_decoder,
+                "qwen_vae_encoder": qwen_vae_encoder}
     return formulas[kind](config)
 
 
@@ -185,8 +217,14 @@ def _heads(config: Mapping[str, Any], level: int) -> int:
     return int(value[min(level, len(value) - 1)] if isinstance(value, list | tuple) else value)
 
 
+CAUSAL_PAD_FRAMES = 2
+"""AutoencoderKLQwenImage's 3x3x3 causal convolutions on one frame: the padded input holds the frame and two zero
+frames before it, two more tensors of the level than AutoencoderKL's 2D convolutions hold (from the module's
+structure, not measured)."""
+
+
 def _vae(config: Mapping[str, Any], rows: int, height: int, width: int, item: int, decoder: bool,
-         measured: bool = False) -> int:
+         measured: bool = False, pad_frames: int = 0) -> int:
     blocks = [int(b) for b in config.get("block_out_channels") or (128, 256, 512, 512)]
     factor = 1 << (len(blocks) - 1)
     latent = (height // factor) * (width // factor)
@@ -195,12 +233,12 @@ def _vae(config: Mapping[str, Any], rows: int, height: int, width: int, item: in
         max((height * width >> 2 * k) * ch for k, ch in enumerate(blocks))
     attention = config.get("mid_block_add_attention", True)
     if not measured:
-        return rows * (widest * 6 * item + (latent * latent * 4 if attention else 0))
+        return rows * (widest * (6 + pad_frames) * item + (latent * latent * 4 if attention else 0))
     if decoder:  # MEASURED: an upsampler's conv runs at the next level's size with its own level's width
         widest = max((latent << 2 * k) * max(ch, levels[k - 1] if k else ch) for k, ch in enumerate(levels))
     # MEASURED: the convolutions at full size and the mid-block attention at latent size run at different times
     mid = _block(1, latent, blocks[-1], 1, item, SCORE_BUFFERS) if attention else 0
-    return rows * max(widest * CONV_TENSORS * item, mid)
+    return rows * max(widest * (CONV_TENSORS + pad_frames) * item, mid)
 
 
 def _unet(config: Mapping[str, Any], rows: int, tokens: int, item: int, scores: int = 1) -> int:
@@ -226,9 +264,17 @@ def activations(kind: str, config: Mapping[str, Any], served: Served, lay: Layou
     if kind == "t5":
         return _block(rows, lay.text_tokens or 512, ival(config, "d_model", 4096), ival(config, "num_heads", 64), item,
                       scores)
-    if kind in ("flux", "sd3"):  # Flux packs 2x2 latents into a token, SD 3 patches them
+    if kind == "qwen_text":  # the template's prefix and suffix around at most max_sequence_length kept tokens
+        lm, tokens = qwen_text_config(config), QWEN_TEMPLATE_TOKENS + (lay.text_tokens or 512)
+        d, ff = ival(lm, "hidden_size", 3584), ival(lm, "intermediate_size", 18944)
+        gated = rows * tokens * max(0, 4 * ff - 8 * d) * item  # gate, up, SiLU(gate), their product
+        return _block(rows, tokens, d, ival(lm, "num_attention_heads", 28), item, scores) + gated
+    if kind.startswith("qwen_vae"):  # the causal 3D VAE on one frame: AutoencoderKL's levels, padded in time
+        view = {"block_out_channels": qwen_vae_dims(config)}
+        return _vae(view, served.images, h, w, item, kind == "qwen_vae_decoder", measured, CAUSAL_PAD_FRAMES)
+    if kind in ("flux", "sd3", "qwen_image"):  # Flux and Qwen-Image pack 2x2 latents into a token, SD 3 patches
         patch = lay.factor * (2 if kind == "flux" else ival(config, "patch_size", 2))
-        text = lay.text_tokens + (0 if kind == "flux" else 77)
+        text = lay.text_tokens + (77 if kind == "sd3" else 0)
         heads = ival(config, "num_attention_heads", 24)
         return _block(rows, text + (h // patch) * (w // patch), heads * ival(config, "attention_head_dim", 128),
                       heads, item, scores)

@@ -29,6 +29,13 @@ class Tally:
         self.adaptable += n * i * o * k * k
         self.shapes.add((o, i, k, k))
 
+    def conv3d(self, i: int, o: int, k: tuple[int, int, int], n: int = 1) -> None:
+        """A 3D convolution with bias (the causal 3D VAE's): ``k`` = (time, height, width)."""
+        size = k[0] * k[1] * k[2]
+        self.params += n * (i * o * size + o)
+        self.adaptable += n * i * o * size
+        self.shapes.add((o, i, *k))
+
     def add(self, count: int, n: int = 1) -> None:
         self.params += n * count
 
@@ -249,5 +256,134 @@ def unet(c: Mapping[str, Any]) -> Tally:
     t.conv(blocks[0], ival(c, "out_channels", 4), 3)
     return t
 
+
+
+def qwen_transformer(c: Mapping[str, Any]) -> Tally:
+    """QwenImageTransformer2DModel (Qwen-Image's MMDiT): per block an image and a text stream, each with its own
+    adaLN modulation (6 x width), q/k/v and output projections and 4x GELU MLP, per-head RMS q/k norms, one joint
+    attention; the timestep embedding, the text's RMS norm and input projections, adaLN-continuous out."""
+    t, hd = Tally(), ival(c, "attention_head_dim", 128)
+    d, p = ival(c, "num_attention_heads", 24) * hd, ival(c, "patch_size", 2)
+    joint, in_ch, layers = ival(c, "joint_attention_dim", 3584), ival(c, "in_channels", 64), ival(c, "num_layers", 60)
+    t.linear(256, d)  # timestep embedding: Linear, Linear
+    t.linear(d, d)
+    if c.get("use_additional_t_cond"):
+        t.add(2 * d)
+    t.add(joint)  # txt_norm (RMSNorm)
+    t.linear(in_ch, d)  # img_in
+    t.linear(joint, d)  # txt_in
+    t.linear(d, 6 * d, n=2 * layers)  # img_mod, txt_mod
+    t.linear(d, d, n=8 * layers)  # to_q, to_k, to_v, to_out, add_q, add_k, add_v, to_add_out
+    t.add(4 * hd, n=layers)  # norm_q, norm_k, norm_added_q, norm_added_k
+    t.linear(d, 4 * d, n=2 * layers)  # img_mlp, txt_mlp
+    t.linear(4 * d, d, n=2 * layers)
+    t.linear(d, 2 * d)  # norm_out
+    t.linear(d, p * p * (ival(c, "out_channels", 0) or in_ch))
+    return t
+
+
+def qwen_text_config(c: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The language model's fields of a Qwen2.5-VL config: its ``text_config`` where it has one, else the top level
+    (the released folder's layout); the top level fills what ``text_config`` leaves out."""
+    text = c.get("text_config")
+    return {**c, **text} if isinstance(text, Mapping) else c
+
+
+def qwen_text(c: Mapping[str, Any]) -> Tally:
+    """The Qwen2.5-VL language model the pipeline runs and `sdserve engines export` writes (its last hidden state):
+    the token embedding, per layer grouped-query attention (q/k/v with biases, o without) and a gated SiLU MLP
+    (no biases), two RMS norms, the final norm. The vision tower and the LM head, which the pipeline never runs,
+    are not counted."""
+    c = qwen_text_config(c)
+    t, d, n = Tally(), ival(c, "hidden_size", 3584), ival(c, "num_hidden_layers", 28)
+    heads = ival(c, "num_attention_heads", 28)
+    hd = ival(c, "head_dim", d // heads)
+    kv, ff = ival(c, "num_key_value_heads", heads) * hd, ival(c, "intermediate_size", 18944)
+    t.add(ival(c, "vocab_size", 152064) * d)
+    t.linear(d, heads * hd, n=n)
+    t.linear(d, kv, n=2 * n)
+    t.linear(heads * hd, d, bias=False, n=n)
+    t.linear(d, ff, bias=False, n=2 * n)  # gate, up
+    t.linear(ff, d, bias=False, n=n)
+    t.add(d, n=2 * n + 1)
+    return t
+
+
+def qwen_vae_dims(c: Mapping[str, Any]) -> list[int]:
+    """AutoencoderKLQwenImage's channels per level, full size first (``base_dim`` x ``dim_mult``)."""
+    base = ival(c, "base_dim", 96)
+    return [base * int(m) for m in c.get("dim_mult") or (1, 2, 4, 4)]
+
+
+def _qwen_resnet(t: Tally, i: int, o: int) -> None:
+    t.add(i + o)  # two RMS norms (gamma only)
+    t.conv3d(i, o, (3, 3, 3))
+    t.conv3d(o, o, (3, 3, 3))
+    if i != o:
+        t.conv3d(i, o, (1, 1, 1))
+
+
+def _qwen_attention(t: Tally, ch: int) -> None:
+    t.add(ch)  # RMS norm
+    t.conv(ch, 3 * ch, 1)  # to_qkv
+    t.conv(ch, ch, 1)  # proj
+
+
+def _qwen_mid(t: Tally, ch: int) -> None:
+    _qwen_resnet(t, ch, ch)
+    _qwen_attention(t, ch)
+    _qwen_resnet(t, ch, ch)
+
+
+def qwen_vae_encoder(c: Mapping[str, Any]) -> Tally:
+    """AutoencoderKLQwenImage's encoder (causal 3D convolutions; a time convolution in each temporal downsample)
+    and its quant_conv, as the module holds them."""
+    t, dims, z = Tally(), qwen_vae_dims(c), ival(c, "z_dim", 16)
+    temporal = [bool(v) for v in c.get("temperal_downsample") or (False, True, True)]
+    attention = {float(s) for s in c.get("attn_scales") or ()}
+    blocks = ival(c, "num_res_blocks", 2)
+    t.conv3d(ival(c, "input_channels", 3), dims[0], (3, 3, 3))
+    prev, scale = dims[0], 1.0
+    for i, ch in enumerate(dims):
+        for _ in range(blocks):
+            _qwen_resnet(t, prev, ch)
+            if scale in attention:
+                _qwen_attention(t, ch)
+            prev = ch
+        if i < len(dims) - 1:
+            t.conv(ch, ch, 3)  # stride-2 downsample
+            if temporal[i]:
+                t.conv3d(ch, ch, (3, 1, 1))
+            scale /= 2
+    _qwen_mid(t, dims[-1])
+    t.add(dims[-1])
+    t.conv3d(dims[-1], 2 * z, (3, 3, 3))
+    t.conv3d(2 * z, 2 * z, (1, 1, 1))  # quant_conv
+    return t
+
+
+def qwen_vae_decoder(c: Mapping[str, Any]) -> Tally:
+    """AutoencoderKLQwenImage's post_quant_conv and decoder: levels in reverse, each upsampler halving the channels
+    it hands on (a time convolution in each temporal upsample), as the module holds them."""
+    t, dims, z = Tally(), qwen_vae_dims(c)[::-1], ival(c, "z_dim", 16)
+    temporal = [bool(v) for v in c.get("temperal_downsample") or (False, True, True)][::-1]
+    blocks = ival(c, "num_res_blocks", 2)
+    t.conv3d(z, z, (1, 1, 1))  # post_quant_conv
+    t.conv3d(z, dims[0], (3, 3, 3))
+    _qwen_mid(t, dims[0])
+    prev = dims[0]
+    for i, ch in enumerate(dims):
+        if i > 0:
+            prev //= 2  # the previous level's upsampler halves the channels
+        for _ in range(blocks + 1):
+            _qwen_resnet(t, prev, ch)
+            prev = ch
+        if i < len(dims) - 1:
+            t.conv(ch, ch // 2, 3)
+            if temporal[i]:
+                t.conv3d(ch, 2 * ch, (3, 1, 1))
+    t.add(dims[-1])
+    t.conv3d(dims[-1], ival(c, "input_channels", 3), (3, 3, 3))
+    return t
 
 # ---- an exported component: element counts from the protobuf's headers ------------------------------------------

@@ -5,6 +5,10 @@
 - PEFT / diffusers: ``<component>.<module path>.lora_A.weight`` (down, [r, in]) and ``.lora_B.weight`` (up,
   [out, r]), components ``unet``, ``transformer``, ``text_encoder``, ``text_encoder_2``, ``text_encoder_3``; the
   older diffusers ``.lora.down.weight`` / ``.lora.up.weight``; a PEFT ``base_model.model.`` prefix is the denoiser.
+- ComfyUI / musubi-tuner / ai-toolkit DiT files (Qwen-Image): ``diffusion_model.<module path>`` with either pair
+  of suffixes and an optional ``.alpha``, and PEFT's unsaved-adapter ``.lora_A.default.weight``: the prefixes and
+  the ``default.`` diffusers' QwenImageLoraLoaderMixin strips (src/diffusers/loaders/lora_conversion_utils.py
+  ``_convert_non_diffusers_qwen_lora_to_diffusers``, which also scales by ``alpha / rank``).
 
 A1111 renames lora_A to lora_down and lora_B to lora_up and scales by ``alpha / rank`` (1.0 without an alpha),
 as extensions-builtin/Lora/network.py ``calc_scale`` does; diffusers' kohya conversion keeps the same scale
@@ -23,10 +27,12 @@ DENOISER = "denoiser"
 """The UNet or the DiT transformer, whichever the model has."""
 KOHYA_PREFIXES = {"lora_unet_": DENOISER, "lora_te_": "text_encoder", "lora_te1_": "text_encoder",
                   "lora_te2_": "text_encoder_2", "lora_te3_": "text_encoder_3"}
-DOTTED_COMPONENTS = {"unet": DENOISER, "transformer": DENOISER, "text_encoder": "text_encoder",
-                     "text_encoder_2": "text_encoder_2", "text_encoder_3": "text_encoder_3"}
+DOTTED_COMPONENTS = {"unet": DENOISER, "transformer": DENOISER, "diffusion_model": DENOISER,
+                     "text_encoder": "text_encoder", "text_encoder_2": "text_encoder_2",
+                     "text_encoder_3": "text_encoder_3"}
 SUFFIXES = ((".lora_down.weight", "down"), (".lora_up.weight", "up"), (".lora_A.weight", "down"),
-            (".lora_B.weight", "up"), (".lora.down.weight", "down"), (".lora.up.weight", "up"),
+            (".lora_B.weight", "up"), (".lora_A.default.weight", "down"), (".lora_B.default.weight", "up"),
+            (".lora.down.weight", "down"), (".lora.up.weight", "up"),
             (".lora_linear_layer.down.weight", "down"), (".lora_linear_layer.up.weight", "up"), (".alpha", "alpha"))
 UNSUPPORTED = re.compile(r"\.(hada_w\d_[ab]|hada_t\d|lokr_w\d(_[ab])?|lokr_t\d|lora_magnitude_vector|diff|diff_b|"
                          r"dora_scale|lora_mid\.weight)$")

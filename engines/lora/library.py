@@ -33,6 +33,7 @@ from typing import BinaryIO
 
 import numpy as np
 
+from engines import families
 from engines.lora import keys
 from engines.lora.keys import DENOISER, LoraModule
 from engines.lora.safetensors import (
@@ -44,7 +45,7 @@ from engines.lora.safetensors import (
     read_header,
     read_tensors,
 )
-from engines.lora.targets import Target, kohya_index
+from engines.lora.targets import Target, kohya_index, pruned_sibling
 
 log = logging.getLogger(__name__)
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
@@ -320,21 +321,43 @@ def resolve(file: str, modules: list[LoraModule], header: Header, targets: Model
     layout (input_blocks/middle_block/output_blocks) are mapped with the UNet's ``layers_per_block``."""
     denoiser = "transformer" if "transformer" in targets else "unet"
     indexes = {name: kohya_index(weights) for name, weights in targets.items()}
-    out = []
+    out, inert = [], []
     for m in modules:
         component = denoiser if m.component == DENOISER else m.component
         weights = targets.get(component)
         if weights is None:
-            raise LoraFileError(f"LoRA file {file} adapts {component}, which this {family} model does not have "
+            refused = text_encoder_lora_refused(family) if component.startswith("text_encoder") else ""
+            raise LoraFileError(f"LoRA file {file} adapts {component}: {refused}" if refused else
+                                f"LoRA file {file} adapts {component}, which this {family} model does not have "
                                 f"(its components: {', '.join(sorted(targets))}): a LoRA for another model family")
         target = _match(m, weights, indexes[component], layers_per_block if component == "unet" else None)
+        sibling = pruned_sibling(_flat(m), indexes[component]) if target is None else None
+        if sibling is not None:  # checked against the same module of an earlier block, then left out
+            _check_shapes(file, m, header, weights[sibling], family)
+            inert.append(m.path)
+            continue
         if target is None:
             raise LoraFileError(f"LoRA file {file}: module {m.path} matches no weight of this {family} model's "
                                 f"{component} (a LoRA for another model family, or a module this server cannot "
                                 "adapt)")
         _check_shapes(file, m, header, target, family)
         out.append(Resolved(component, target, m))
+    if inert:
+        log.info("LoRA file %s: %d modules adapt the last joint block's text stream, whose output this %s "
+                 "transformer never reads (pruned from its graph): they change nothing and are not merged (%s)",
+                 file, len(inert), family, ", ".join(inert))
     return tuple(out)
+
+
+def text_encoder_lora_refused(family: str) -> str:
+    """Why the family's text encoders take no LoRA (engines/families.py ``lora_text_encoders``), or ``""``."""
+    found = families.REGISTRY.get(family)
+    return found.lora_text_encoders if found is not None else ""
+
+
+def _flat(m: LoraModule) -> str:
+    """The module's path in kohya's flat naming, whichever way the file names it."""
+    return keys.normalize_kohya(m.path) if m.kohya else keys.kohya_name(m.path)
 
 
 def _match(m: LoraModule, weights: dict[str, Target], index: dict[str, str],

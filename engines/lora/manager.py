@@ -134,8 +134,8 @@ class LoraManager:
         out = {}
         for name in (*TEXT_ENCODERS, *DENOISERS):
             path = model_dir / name / "model.onnx"
-            if not path.is_file():
-                continue
+            if not path.is_file() or (name in TEXT_ENCODERS and library.text_encoder_lora_refused(self.family)):
+                continue  # a family whose encoders take no LoRA: no targets, a file adapting one is refused
             model = onnx.load(str(path), load_external_data=False)
             found = targets.find(model, self.settings.targets)
             out[name] = Component(name, found, targets.base_weights(model, found, path.parent), path)

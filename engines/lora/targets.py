@@ -17,6 +17,7 @@ request without LoRA runs exactly the graph it ran before LoRA existed.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,11 +60,20 @@ class Target:
 
 
 def module_of(node_name: str) -> str | None:
-    """``/model/a.0/b/MatMul`` -> ``a.0.b`` (normalized); None for a node without a module scope."""
+    """``/model/a.0/b/MatMul`` -> ``a.0.b`` (normalized); None for a node without a module scope. A child of an
+    ``nn.Sequential`` is scoped under its parent's scope *and* its own dotted name (Qwen-Image's
+    ``/model/transformer_blocks.0/img_mod/img_mod.1/Gemm`` is the module ``transformer_blocks.0.img_mod.1``): a part
+    that starts with the previous part and a dot replaces it."""
     parts = [p for p in node_name.split("/") if p]
     if len(parts) < 2:
         return None
-    return normalize(".".join(parts[:-1]))
+    scopes: list[str] = []
+    for part in parts[:-1]:
+        if scopes and part.startswith(scopes[-1] + "."):
+            scopes[-1] = part
+        else:
+            scopes.append(part)
+    return normalize(".".join(scopes))
 
 
 def find(model: onnx.ModelProto, scope: str = "all") -> dict[str, Target]:
@@ -164,3 +174,22 @@ def _mapped(init: onnx.TensorProto, folder: Path) -> np.ndarray:
 def kohya_index(targets: dict[str, Target]) -> dict[str, str]:
     """kohya's flattened names -> dotted module paths (kohya replaces every '.' by '_')."""
     return {kohya_name(m): m for m in targets}
+
+
+LAST_BLOCK = re.compile(r"^transformer_blocks_(\d+)_(.+)$")
+
+
+def pruned_sibling(flat: str, index: dict[str, str]) -> str | None:
+    """For a module the graph lacks, in kohya's flat naming: the dotted path of the same module in an earlier
+    joint block when ``flat`` is in the *last* one, else None. The last joint block's text stream is computed and
+    thrown away (Qwen-Image's transformer, like SD 3's ``context_pre_only`` block, reads only the image stream
+    after it), so the export prunes its ``attn.to_add_out`` and ``txt_mlp``: a LoRA on them changes nothing, in
+    diffusers either. The sibling gives the shape the factors must have."""
+    found = LAST_BLOCK.match(flat)
+    if found is None:
+        return None
+    blocks = [int(m.group(1)) for name in index if (m := LAST_BLOCK.match(name)) is not None]
+    if not blocks or int(found.group(1)) != max(blocks):
+        return None
+    return next((index[f"transformer_blocks_{i}_{found.group(2)}"] for i in sorted(set(blocks), reverse=True)
+                 if f"transformer_blocks_{i}_{found.group(2)}" in index), None)
