@@ -156,7 +156,7 @@ def test_a_unet_with_one_timestep_per_call_groups_rows_by_timestep(tmp_path: Pat
     assert _close(joined, alone) <= 1
 
 
-@pytest.mark.parametrize("family", ["flux", "sd3"])
+@pytest.mark.parametrize("family", ["flux", "sd3", "qwen-image"])
 def test_dit_rows_joining_mid_way_get_their_solo_images(dit_build: Callable[[str], tuple[Path, Path]],
                                                         family: str) -> None:
     """The DiT families step the same way (every transformer input with a row per image joined, Flux's per-size rope
