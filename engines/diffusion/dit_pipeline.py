@@ -48,6 +48,7 @@ import onnxruntime as ort
 from engines.diffusion.dit_edits import DitEditor
 from engines.diffusion.dit_family import DitFamily, detect_dit
 from engines.diffusion.family import read_json
+from engines.diffusion.first_block import PARTS as FIRST_BLOCK_PARTS
 from engines.diffusion.first_block import FirstBlockRunner, FirstBlockState
 from engines.diffusion.flow import FlowMatchConfig, FlowSchedule, flow_schedule, flux_sigmas
 from engines.diffusion.flow_graph import build_flow_decode_graph, build_flow_step_graph, flow_coefficients, flow_start
@@ -224,10 +225,13 @@ class DitOnnx:
         self.rows = RowPacker(runtime, lambda m, name: OrtModel(runtime, m, name + label), kinds,
                               (out_dtype, len(self.transformer.session.get_outputs()[0].shape)))
         self.cache_probe = Probe.build(lambda m, name: OrtModel(runtime, m, name + label), [in_dtype, out_dtype])
-        self.first_block = FirstBlockRunner(folder, runtime, label, given) if FirstBlockRunner.available(folder) \
-            else None
+        prebuilt = bool(given) and not all(part in given for part in FIRST_BLOCK_PARTS)
+        self.first_block = FirstBlockRunner(folder, runtime, label, given) \
+            if FirstBlockRunner.available(folder) and not prebuilt else None
         """The first-block cache's transformer parts (exported with `sdserve engines export --first-block`), or None:
-        loaded beside the full transformer, which uncached requests keep running."""
+        loaded beside the full transformer, which uncached requests keep running. Not loaded where the other
+        components run from prebuilt EP-context artifacts that do not cover the parts (the TensorRT plan builds no
+        engine for them yet; building one on the node is what the policy forbids)."""
         g, vae_in = self.geometry, next(iter(self.vae_decoder.inputs))
         self.decode_scale = OrtModel(runtime, build_flow_decode_graph(g.scaling_factor, g.shift_factor,
                                                                       self.vae_decoder.input_dtype(vae_in), flux),
