@@ -124,6 +124,11 @@ def is_a1111(path: str) -> bool:
     return path.startswith("/sdapi/")
 
 
+A1111_FIELDS = {"n": "batch_size"}
+"""A request field the service names by the OpenAI request model (the one model both APIs are validated through)
+as an A1111 client knows it: its body has no ``n``. (``size`` stays: it names width and height together.)"""
+
+
 def _detail(param: str | None, message: str, type_: str) -> dict[str, Any]:
     """FastAPI's 422 body, which A1111 clients parse."""
     return {"detail": [{"loc": ["body", *(param.split(".") if param else [])], "msg": message, "type": type_}]}
@@ -167,6 +172,7 @@ def error_response(exc: SdserveError, path: str, request_id: str = "-") -> JSONR
     if isinstance(exc, InvalidRequestError):
         message, param = bounded(exc.message), bounded(exc.param or "", MAX_PARAM_CHARS) or None
         if is_a1111(path):
+            param = A1111_FIELDS.get(param or "", param)
             return JSONResponse(_detail(param, message, "value_error"), status_code=422)
         return JSONResponse(error_body(message, type_, param, "invalid_value"), status_code=status)
     if status == 500:  # our own failure: log it, tell the client nothing internal

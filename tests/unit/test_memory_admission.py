@@ -193,7 +193,7 @@ def test_a1111_counts_batch_size_and_a_size_over_the_budget(client: TestClient, 
     engine.memory = PerPixel(2000)
     over = client.post(A1111, json={"prompt": "a", "width": 512, "height": 512, "batch_size": 3, "steps": 1})
     assert over.status_code == 422, over.text
-    assert over.json()["detail"][0]["loc"][-1] == "n" and "batch_size" in over.json()["detail"][0]["msg"]
+    assert over.json()["detail"][0]["loc"][-1] == "batch_size" and "batch_size" in over.json()["detail"][0]["msg"]
     fits = client.post(A1111, json={"prompt": "a", "width": 512, "height": 512, "batch_size": 2, "n_iter": 3,
                                     "steps": 1})
     assert fits.status_code == 200, fits.text  # iterations run one after another: memory is one batch's
