@@ -13,6 +13,7 @@ import json
 import time
 from typing import Any
 
+import engines.families as families
 from engines.protocol import Batch, CacheUse, ModelInfo
 from server.caching import infotext_value
 from server.infotext_parse import parse_infotext as parse_infotext  # read side: server/infotext_parse.py
@@ -50,8 +51,13 @@ def image_params(batch: Batch, seed: int, model: ModelInfo, sampler: str,
     short = model.digest[:10]
     # A1111's Lora extension adds "Lora hashes" (name: short hash); here the first 12 hex of the file's sha256.
     loras = {"Lora hashes": ", ".join(f"{u.name}: {u.sha256[:12]}" for u in batch.loras)} if batch.loras else {}
+    guidance = f"{batch.images[0].guidance_scale:g}"
+    # A guidance-distilled model (FLUX.1 dev) as Forge writes it: no true CFG (1) and the embedded guidance, so a
+    # Forge client sending the infotext back gets the same image (docs/api.md, "Guidance on the A1111 routes").
+    distilled = families.facts(model.family).distilled_guidance
+    cfg = {"CFG scale": "1", "Distilled CFG Scale": guidance} if distilled else {"CFG scale": guidance}
     return {"Steps": batch.steps, "Sampler": sampler, "Schedule type": schedule_label(batch.scheduler),
-            "CFG scale": f"{batch.images[0].guidance_scale:g}", "Seed": seed,
+            **cfg, "Seed": seed,
             "Size": f"{batch.width}x{batch.height}", **({"Model hash": short} if short else {}),
             "Model": model.name, **loras, **({"Step cache": infotext_value(cache)} if cache else {}),
             **(extra or {}), "Version": VERSION}
