@@ -19,10 +19,6 @@ Policy:
   twice one image's, not four times). A row left out ``STARVATION_TICKS`` ticks in a row goes first in the next
   one, so a stream of short requests delays a long one but never stops it. (Why not round robin inside a set: it
   makes every request as slow as the set's total work; why not FIFO: that is head-of-line blocking again.)
-- **Encodes and decodes count as work.** A request of several images is encoded, and decoded once finished,
-  after the rows that are almost done (at most ``SHORT_EVALUATIONS`` left, at most half its images), for at most
-  ``MAX_DEFERRALS`` ticks: on a CPU a 4-image decode costs more than a 1-image request's last ticks, and the short
-  request would wait it out. The deferred request does not hold back the requests queued behind it.
 - **Across sets (sizes, LoRA sets): round robin**, one tick each in turn: every running size advances each round,
   so a small size is never starved by a large one (a deadline-aware order would need per-shape tick costs the cost
   model does not yet separate from encode and decode).
@@ -57,10 +53,6 @@ WHOLE = ("whole",)
 """The key of requests the engine runs whole."""
 STARVATION_TICKS = 16
 """Ticks of its set a resident row may be left out of before it joins the next one whatever its length."""
-SHORT_EVALUATIONS = 8
-"""A row this close to done (and of at most half the images) goes before a larger request's encode or decode."""
-MAX_DEFERRALS = 8
-"""Ticks a larger request's encode or decode may wait for such rows."""
 
 
 @dataclass
@@ -84,8 +76,6 @@ class StepBatcher(Batcher):
         """Consecutive ticks of its set each resident job was left out of (by job id)."""
         self._shared: dict[int, int] = {}
         """The most images any tick of each job ran with (by job id): its x-sdserve-batch-size."""
-        self._deferred: dict[int, int] = {}
-        """Ticks each job's encode or decode has waited for shorter rows (by job id)."""
         self.sets: dict[Hashable, RunningSet] = {}
         self._turn = 0
         self._keys: dict[int, Hashable] = {}
@@ -167,24 +157,8 @@ class StepBatcher(Batcher):
             resident = sum(s.images for s in self.sets.values())
             if resident and resident + job.images > self.max_running:
                 break  # FIFO: nothing overtakes a request waiting for room
-            if self._defer(job):
-                continue  # its encode waits for rows almost done; the requests behind it may begin
             await self._begin(job, key)
         return []
-
-    def _defer(self, job: Job) -> bool:
-        """Whether ``job``'s encode or decode waits one more tick: while a row with at most SHORT_EVALUATIONS left
-        and at most half its images runs, MAX_DEFERRALS ticks at most (module doc)."""
-        waited = self._deferred.get(id(job), 0)
-        if waited >= MAX_DEFERRALS:
-            return False
-        for row in self._rows():
-            run = row.run
-            if row is not job and run is not None and not run.finished and 2 * row.images <= job.images \
-                    and run.steps_total - run.steps_done <= SHORT_EVALUATIONS:
-                self._deferred[id(job)] = waited + 1
-                return True
-        return False
 
     def _take_whole(self, head: Job) -> list[Job]:
         """``head`` and the compatible whole-run requests behind it, up to max_batch images."""
@@ -203,14 +177,12 @@ class StepBatcher(Batcher):
     def _fail_queued(self, job: Job, exc: Exception) -> None:
         self._drop(job)
         self._keys.pop(id(job), None)
-        self._deferred.pop(id(job), None)
         if not job.future.done():
             job.future.set_exception(exc)
 
     async def _begin(self, job: Job, key: Hashable) -> None:
         self.queue.remove(job)
         self._keys.pop(id(job), None)
-        self._deferred.pop(id(job), None)  # its decode may wait as long again
         self._gauge()
         if job.deadline is not None and time.monotonic() >= job.deadline:
             job.state = "dropped"
@@ -248,17 +220,15 @@ class StepBatcher(Batcher):
             run = job.run
             return 0 if run is None else max(0, run.steps_total - run.steps_done)
 
-        waiting = [j for j in running.jobs if j.run is not None and not j.run.finished]  # not a deferred decode
-        order = sorted(waiting, key=lambda j: (self._skipped.get(id(j), 0) < STARVATION_TICKS, left(j), j.enqueued))
-        if not order:
-            return []
+        order = sorted(running.jobs, key=lambda j: (self._skipped.get(id(j), 0) < STARVATION_TICKS, left(j),
+                                                     j.enqueued))
         lead = order[0]
         picked, images = [lead], lead.images
         for job in order[1:]:
             if images + job.images <= self.max_batch:
                 picked.append(job)
                 images += job.images
-        for job in waiting:
+        for job in running.jobs:
             self._skipped[id(job)] = 0 if job in picked else self._skipped.get(id(job), 0) + 1
         return picked
 
@@ -270,12 +240,6 @@ class StepBatcher(Batcher):
             return
         picked = self._pick(running)
         runs = [j.run for j in picked if j.run is not None]
-        if not runs:  # only finished requests whose decode waited: decode them now
-            for job in list(running.jobs):
-                await self._finish(running, job)
-            if not running.jobs:
-                self.sets.pop(running.key, None)
-            return
         start = time.perf_counter()
         try:
             async with self.lock:
@@ -294,9 +258,8 @@ class StepBatcher(Batcher):
             if job.first_step_s is None:
                 job.first_step_s = now - job.enqueued
             self._shared[id(job)] = max(self._shared.get(id(job), 0), images)
-        finished = [j for j in running.jobs if j.run is not None and j.run.finished]
-        for job in sorted(finished, key=lambda j: j.images):  # the cheaper decodes first
-            if not self._defer(job):
+        for job in picked:
+            if job.run is not None and job.run.finished:
                 await self._finish(running, job)
         await self._boundary(running)
         if not running.jobs:
@@ -310,8 +273,6 @@ class StepBatcher(Batcher):
             if self.abandon:
                 self._leave(running, job, NotReadyError("server stopped before this request completed: retry it on "
                                                         "another replica"))
-            elif job.deadline is not None and now >= job.deadline and job.run is not None and job.run.finished:
-                await self._finish(running, job)  # its decode waited for shorter rows: it is done, answer it
             elif job.deadline is not None and now >= job.deadline:
                 done = job.run.steps_done if job.run is not None else 0
                 total = job.run.steps_total if job.run is not None else job.batch.steps
@@ -340,7 +301,6 @@ class StepBatcher(Batcher):
         self.running -= 1
         self._skipped.pop(id(job), None)
         self._shared.pop(id(job), None)
-        self._deferred.pop(id(job), None)
 
     async def _finish(self, running: RunningSet, job: Job, stopped: bool = False) -> None:
         if job not in running.jobs or job.run is None:

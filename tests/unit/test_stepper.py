@@ -263,28 +263,3 @@ def test_a_stream_of_short_requests_delays_a_long_one_but_never_stops_it(engine:
     assert with_long[0] == 0 and with_long[1] <= STARVATION_TICKS + 2, log[:20]
     assert with_long[1] < last_short  # it ran while short requests were still waiting
     assert all(len(t) <= 4 for t in log)  # the 4-image budget (max_batch) per call
-
-
-def test_a_larger_request_is_decoded_after_rows_almost_done(client: TestClient, engine: StepFakeEngine) -> None:
-    """A 4-image request finishing while a 1-image request with at most 8 steps left runs is decoded after it (its
-    decode costs more than the short one's last ticks); a 4-image request queued meanwhile is encoded after it too,
-    and neither waits longer than MAX_DEFERRALS ticks."""
-    engine.hold.clear()
-    results: dict[str, list[Any]] = {"long": [], "short": [], "later": []}
-    workers = [_post(client, {"prompt": "long", "steps": 6, "batch_size": 4}, results["long"])]
-    _begun(engine, 1)
-    workers.append(_post(client, {"prompt": "short", "steps": 8}, results["short"]))
-    _queued(client, 2)
-    engine.hold.set()
-    _begun(engine, 2)  # the short one is resident: the next 4-image request's encode waits for it
-    workers.append(_post(client, {"prompt": "later", "steps": 3, "batch_size": 4}, results["later"]))
-    for worker in workers:
-        worker.join(30)
-    assert all(r[0].status_code == 200 for r in results.values())
-    finished = [b.images[0].prompt for b in engine.batches]
-    assert finished.index("short") < finished.index("long")  # the long one's decode waited for the short rows
-    began = [r.batch.images[0].prompt for r in engine.runs]
-    assert began.index("later") > began.index("short")
-    log = engine.tick_log
-    assert log[:6] == [["long"]] * 6  # fewer steps left: the long one led, then its decode waited
-    assert all(len(t) == 1 for t in log)
