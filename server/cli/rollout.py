@@ -219,6 +219,9 @@ def register_gate(commands: Any) -> None:
     p.add_argument("--steps", type=int, default=20, help="bench's denoising steps per request")
     p.add_argument("--out", type=Path, default=None, help="folder for baseline.json and candidate.json "
                                                           "(default: a temporary one)")
+    p.add_argument("--p95-tolerance", type=float, default=0.10, help="`sdserve gate`'s allowed p95 increase")
+    p.add_argument("--throughput-tolerance", type=float, default=0.10, help="`sdserve gate`'s allowed throughput "
+                                                                            "drop")
     p.set_defaults(run=run_gate)
 
 
@@ -240,6 +243,8 @@ def run_gate(args: argparse.Namespace) -> int:
                     log.error("gate: the %s benchmark of %s failed (exit %d)", name, url, done.returncode)
                     return done.returncode
             return subprocess.run([*cli, "gate", "--baseline", str(out / "baseline.json"),
-                                   "--candidate", str(out / "candidate.json")], check=False).returncode
+                                   "--candidate", str(out / "candidate.json"),
+                                   "--p95-tolerance", str(args.p95_tolerance),
+                                   "--throughput-tolerance", str(args.throughput_tolerance)], check=False).returncode
     finally:
         forwarder.close()
