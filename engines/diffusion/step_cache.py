@@ -75,12 +75,12 @@ class Probe:
         return cls({np.dtype(d).name: make(build_probe_graph(d), f"cache_probe_{np.dtype(d).name}")
                     for d in dict.fromkeys(np.dtype(d).type for d in dtypes)})
 
-    def measure(self, value: ort.OrtValue, ring: list[ort.OrtValue], host: np.ndarray) -> tuple[float, float]:
-        """(mean|value - ring[0]|, mean|value|); ``value`` is copied into ring[1] and the ring turns, so ring[0]
-        holds it for the next measure."""
+    def measure(self, value: ort.OrtValue, ring: list[ort.OrtValue], host: np.ndarray,
+                scalars: dict[str, ort.OrtValue]) -> tuple[float, float]:
+        """(mean|value - ring[0]|, mean|value|) through ``scalars`` (OrtValues over ``host[0]``, ``host[1]``);
+        ``value`` is copied into ring[1] and the ring turns, so ring[0] holds it for the next measure."""
         session = self.sessions[np.dtype(_dtype_of(value)).name]
-        session.run({"a": value, "b": ring[0]}, {"change": _scalar(host, 0), "norm": _scalar(host, 1),
-                                                 "copy": ring[1]})
+        session.run({"a": value, "b": ring[0]}, {**scalars, "copy": ring[1]})
         ring.reverse()
         return float(host[0]), float(host[1])
 
@@ -117,6 +117,11 @@ class OutputCache:
     """Per evaluation decided so far: True where the last output was reused."""
     seen_input: bool = False
     seen_output: bool = False
+    scalars: dict[str, ort.OrtValue] = field(default_factory=dict)
+    """The probe's two outputs over ``host``, made once per request (not per evaluation)."""
+
+    def __post_init__(self) -> None:
+        self.scalars = {"change": _scalar(self.host, 0), "norm": _scalar(self.host, 1)}
 
     @classmethod
     def start(cls, spec: StepCache, evaluations: int, probe: Probe, model_in: ort.OrtValue,
@@ -140,7 +145,7 @@ class OutputCache:
     def reuse(self, i: int, model_in: ort.OrtValue) -> bool:
         """Decide evaluation ``i`` before the denoiser call: True reuses the last output (the caller leaves this
         request out of the call)."""
-        change, _ = self.probe.measure(model_in, self.inputs, self.host)
+        change, _ = self.probe.measure(model_in, self.inputs, self.host, self.scalars)
         self.input_change = change if self.seen_input else None
         self.seen_input = True
         skip = False
@@ -158,7 +163,7 @@ class OutputCache:
 
     def computed(self, model_out: ort.OrtValue) -> None:
         """After the denoiser wrote this request's output: the rate and the output norm for later decisions."""
-        change, norm = self.probe.measure(model_out, self.outputs, self.host)
+        change, norm = self.probe.measure(model_out, self.outputs, self.host, self.scalars)
         if self.seen_output and self.input_change:
             self.rate = change / self.input_change
         self.seen_output = True

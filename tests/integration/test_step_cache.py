@@ -44,6 +44,18 @@ def _pixels(result: BatchResult) -> np.ndarray:
     return np.stack([np.asarray(g.image) for g in result.images])
 
 
+def _together(engine: OrtEngine, batches: list[Batch]) -> list[BatchResult]:
+    """The batches begun together and ticked side by side (step-level batching) to the end; results in order."""
+    runs = [engine.begin(b) for b in batches]
+    results: dict[int, BatchResult] = {}
+    while len(results) < len(runs):
+        engine.tick([r for r in runs if id(r) not in results])
+        for run in runs:
+            if run.finished and id(run) not in results:
+                results[id(run)] = engine.finish(run)
+    return [results[id(r)] for r in runs]
+
+
 def _calls(engine: OrtEngine, runs_of: Callable[[], None]) -> int:
     """Denoiser calls made by ``runs_of``: counted at the pipeline's denoiser (our OrtModel, whose ``run`` binds
     and runs the real session; the session itself is untouched)."""
@@ -114,14 +126,7 @@ def test_a_reusing_row_leaves_the_joined_call_and_others_are_untouched(engine: O
     plain = _batch(20, "dpmpp_2m", seed=9)
     cached = _batch(20, "euler", seed=3, cache=CACHE)
     solo_plain, solo_cached = engine.generate(plain), engine.generate(cached)
-    runs = [engine.begin(plain), engine.begin(cached)]
-    results: dict[int, BatchResult] = {}
-    while runs:
-        engine.tick(runs)
-        for run in [r for r in runs if r.finished]:
-            results[id(run)] = engine.finish(run)
-            runs.remove(run)
-    joined_plain, joined_cached = list(results.values())
+    joined_plain, joined_cached = _together(engine, [plain, cached])
     assert joined_plain.cache is None and joined_cached.cache is not None
     assert joined_cached.cache.reused == solo_cached.cache.reused  # type: ignore[union-attr]
     assert np.abs(_pixels(joined_plain).astype(int) - _pixels(solo_plain)).max() <= 1
@@ -206,14 +211,7 @@ def test_the_first_block_cache_runs_through_the_engine_and_joins_uncached_rows(f
     solo_plain, solo_cached = flux_parts.generate(plain), flux_parts.generate(cached)
     assert solo_cached.cache is not None and solo_cached.cache.spec == spec
     assert 0 < solo_cached.cache.reused < solo_cached.cache.evaluations == 12
-    runs = [flux_parts.begin(plain), flux_parts.begin(cached)]
-    results: dict[int, BatchResult] = {}
-    while runs:
-        flux_parts.tick(runs)
-        for run in [r for r in runs if r.finished]:
-            results[id(run)] = flux_parts.finish(run)
-            runs.remove(run)
-    joined_plain, joined_cached = list(results.values())
+    joined_plain, joined_cached = _together(flux_parts, [plain, cached])
     assert joined_cached.cache == solo_cached.cache
     assert np.abs(_pixels(joined_plain).astype(int) - _pixels(solo_plain)).max() <= 1
     assert np.abs(_pixels(joined_cached).astype(int) - _pixels(solo_cached)).max() <= 1
