@@ -317,7 +317,7 @@ class QueueSettings(BaseModel):
     (the TensorRT profiles and the memory plan are sized for it)."""
     max_running: int = Field(32, ge=1, le=4096)
     """Step-level batching: images encoded and denoising at once (their latents and history stay on the device, a
-    few MB per image); each tick runs at most ``max_batch`` of them, shortest remaining first."""
+    few MB per image); each tick runs at most ``max_batch`` of them, the least work left first."""
     max_queue_delay_ms: float = Field(10.0, ge=0, le=10_000)
     """Micro-batching: how long the oldest request waits for compatible ones to join its batch (step-level
     batching needs no wait: a request joins at the next tick)."""

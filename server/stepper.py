@@ -1,32 +1,38 @@
 """Step-level batching: requests join and leave the running batch at step boundaries.
 
 Per step key (engines' ``Engine.step_key``: the size's pipeline, the latent shape and the LoRA set) a running set
-of rows; every tick runs one denoiser evaluation over all of a set's rows (CFG rows included), then each request's
-own step graph with its coefficients, timestep and history. A request that finished its steps is decoded and
-answered at once; a waiting compatible request is encoded and joins before the next tick. Rows may differ in prompt,
-seed, steps, sampler, guidance, strength (an edit joins at its start step) and CFG. A short request therefore
-waits one tick to start, never a whole long generation.
+of rows. The loop runs one *operation* at a time: a request's **begin** (encode, noise, edit preparation), a **tick**
+of one set (one denoiser evaluation over the picked rows, CFG rows included, then each request's own step graph
+with its coefficients, timestep and history) or a request's **finish** (decode, answered at once). Rows may differ
+in prompt, seed, steps, sampler, guidance, strength (an edit joins at its start step) and CFG.
 
-Policy:
-- **Row budget per tick**: one denoiser call takes at most ``max_batch`` images (the TensorRT profiles and the
-  memory plan are sized for it; a larger request runs alone). Up to ``max_running`` images are *resident*: encoded,
-  with their state on the device (latents, history, input and output: a few MB per image), waiting for their turn
-  at a tick.
-- **Who runs in a tick: shortest remaining first, filled to the budget.** Rows are taken by the evaluations they
-  have left, fewest first, until the call holds ``max_batch`` images: a 4-step request that arrives while 50-step
-  rows run is in the very next call and every call after it until it is done, and the rest of the budget goes to
-  the rows closest to finishing (each call as full as the budget allows: on a CPU a call of four images costs about
-  twice one image's, not four times). A row left out ``STARVATION_TICKS`` ticks in a row goes first in the next
-  one, so a stream of short requests delays a long one but never stops it. (Why not round robin inside a set: it
-  makes every request as slow as the set's total work; why not FIFO: that is head-of-line blocking again.)
-- **Across sets (sizes, LoRA sets): round robin**, one tick each in turn: every running size advances each round,
-  so a small size is never starved by a large one (a deadline-aware order would need per-shape tick costs the cost
-  model does not yet separate from encode and decode).
-- **Admission** keeps its meaning: requests become resident FIFO while the resident images stay within
-  ``max_running``; the queue, 429s and admission by cost are the micro-batcher's.
-- **At every tick boundary**: a row whose deadline passed leaves (504) and frees its slot; a row whose client went
-  away leaves; an interrupted row (``/sdapi/v1/interrupt``) is decoded where it is (A1111's interrupt); a stop
-  (``abandon``) ends every row; drain waits for the rows like for batches.
+Policy: **least work left first, bounded bypass, deadline guard**.
+- **Which operation runs next**: that of the request with the least work left: its images x (steps left +
+  ``FINISH_EVALS``, its decode), scaled by its size's work per step (pixels; a DiT's tokens); oldest first among
+  equals. A 1-image 4-step request (6 evaluations) that arrives while 4-image 50-step requests run is begun,
+  ticked and decoded before any of their operations, their decodes included (4 x 2 at the least): it waits for the
+  operation in flight only, never for a whole generation. A request whose steps are done has only its decode left,
+  so it is answered before longer work begins (its client's next request comes sooner). Across sets (sizes, LoRA
+  sets) the same order holds: the set of the request with the least work left ticks.
+  Why not round robin across sets or rows: it makes every request as slow as the total work in flight; why not
+  FIFO: that is head-of-line blocking again; why not steps left alone: a 4-image request two steps from its end
+  then goes before a 1-image 4-step one that has a third of its work.
+- **A tick is filled to the budget**: the lead row's set gives the call its other rows, least work first, until
+  the call holds ``max_batch`` images (the TensorRT profiles and the memory plan are sized for it; a larger
+  request runs alone). A queued request of that set that fits the room left begins first, so it joins this very
+  call: a call of four images costs about twice one image's on a CPU, and about one image's on a GPU.
+- **Bounded bypass**: each operation run for a smaller request while a larger one could have run counts as one
+  bypass of the larger one; after ``BYPASS_LIMIT`` bypasses in a row, the larger one's next operation goes first
+  (then it counts again). A stream of short requests therefore takes at most that many operations in a row from a
+  long one (which still fills their ticks when there is room), and never stops it.
+- **Deadline guard**: a request whose deadline is nearer than ``URGENT_FACTOR`` x its estimated remaining time is
+  urgent and goes first (earliest deadline first), so bypass never turns into a 504.
+- **Residency**: up to ``max_running`` images are encoded, with their state on the device (latents, history,
+  input and output: a few MB per image); a queued request begins when its images fit.
+- **Admission** keeps its meaning: the queue, 429s and admission by cost are the micro-batcher's.
+- **At every operation boundary**: a row whose deadline passed leaves (504) and frees its slot; a row whose client
+  went away leaves; an interrupted row (``/sdapi/v1/interrupt``) is decoded where it is, first (A1111's
+  interrupt); a stop (``abandon``) ends every row; drain waits for the rows like for batches.
 - Batches the engine runs whole (``step_key`` None: a pipeline without stages) run between two rounds of ticks,
   through the micro-batcher's path.
 """
@@ -35,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -51,8 +58,13 @@ from server.metrics import Metrics
 log = logging.getLogger(__name__)
 WHOLE = ("whole",)
 """The key of requests the engine runs whole."""
-STARVATION_TICKS = 16
-"""Ticks of its set a resident row may be left out of before it joins the next one whatever its length."""
+BYPASS_LIMIT = 16
+"""Operations a waiting request may be bypassed by smaller ones in a row before its own goes first."""
+FINISH_EVALS = 2
+"""A decode costs about this many denoiser evaluations of the same images (CPU and GPU alike, SD 1.5 to SDXL)."""
+URGENT_FACTOR = 2.0
+"""A request whose deadline is nearer than this many times its estimated remaining seconds goes first."""
+BEGIN, TICK, FINISH = "begin", "tick", "finish"
 
 
 @dataclass
@@ -65,6 +77,18 @@ class RunningSet:
         return sum(j.images for j in self.jobs)
 
 
+@dataclass
+class Operation:
+    """What the loop runs next: ``kind`` for ``lead`` (a tick also runs ``rows``, the lead's included)."""
+
+    kind: str
+    lead: Job
+    rows: list[Job] = field(default_factory=list)
+    running: RunningSet | None = None
+    waiting: list[Job] = field(default_factory=list)
+    """Every job that had an operation it could run (bypass counts)."""
+
+
 class StepBatcher(Batcher):
     """The queue of Batcher with a step-level loop: see the module docstring."""
 
@@ -72,16 +96,17 @@ class StepBatcher(Batcher):
                  max_delay_s: float, cost: CostModel | None = None, max_running: int = 32) -> None:
         super().__init__(engine, metrics, lock, max_queue, max_batch, max_delay_s, cost)
         self.max_running = max(max_running, max_batch)
-        self._skipped: dict[int, int] = {}
-        """Consecutive ticks of its set each resident job was left out of (by job id)."""
+        self._work: dict[int, float] = {}
+        """Each job's relative work per image-step at its size (by job id)."""
+        self._bypassed: dict[int, int] = {}
+        """Operations run for smaller requests in a row while each job waited (by job id)."""
         self._shared: dict[int, int] = {}
         """The most images any tick of each job ran with (by job id): its x-sdserve-batch-size."""
         self.sets: dict[Hashable, RunningSet] = {}
-        self._turn = 0
         self._keys: dict[int, Hashable] = {}
         """Each queued job's step key, computed once (by job id)."""
-        self._ticks_since_whole = 1 << 30
-        """Ticks since a request ran whole: the next one waits until every running set ticked once."""
+        self._ops_since_whole = 1 << 30
+        """Operations since a request ran whole: the next one waits until every running set had one."""
 
     def _rows(self) -> list[Job]:
         return [job for s in self.sets.values() for job in s.jobs]
@@ -121,14 +146,25 @@ class StepBatcher(Batcher):
                 self.sets.clear()
 
     async def _round(self) -> None:
-        whole = await self._admit()
+        whole = self._admit()
         if whole:
             await self._execute(whole)
-        key = self._next_key()
-        if key is not None:
-            await self._tick(self.sets[key])
-        elif not whole and self.queue:  # nothing could start (cannot happen: a full set is running); yield
+            return
+        self._boundary()
+        op = self._choose()
+        if op is None:  # nothing can start (cannot happen: something resident could); yield
             await asyncio.sleep(0)
+            return
+        self._ops_since_whole += 1
+        self._count_bypass(op)
+        if op.kind == BEGIN:
+            await self._begin(op.lead, self._key(op.lead))
+        elif op.kind == TICK and op.running is not None:
+            await self._tick(op.running, op.rows)
+        elif op.running is not None:
+            await self._finish(op.running, op.lead, stopped=op.lead.interrupted)
+        for key in [k for k, s in self.sets.items() if not s.jobs]:
+            self.sets.pop(key)
 
     def _key(self, job: Job) -> Hashable:
         if id(job) not in self._keys:
@@ -136,10 +172,9 @@ class StepBatcher(Batcher):
             self._keys[id(job)] = WHOLE if found is None else found
         return self._keys[id(job)]
 
-    async def _admit(self) -> list[Job]:
-        """Begin every queued request while the resident images stay within max_running (FIFO). Returns the oldest
-        whole-run request and those it merges with, when one is at the front of what can start."""
-        whole_waits = False
+    def _admit(self) -> list[Job]:
+        """Step keys of the queued requests (a refused one fails here). Returns the oldest whole-run request and
+        those it merges with, once every running set had an operation since the last whole run."""
         for job in list(self.queue):
             if job not in self.queue:  # dropped while an earlier one began
                 continue
@@ -148,16 +183,9 @@ class StepBatcher(Batcher):
             except Exception as exc:  # the engine refuses the batch (e.g. a size it does not serve)
                 self._fail_queued(job, exc)
                 continue
-            if key == WHOLE:
-                if not whole_waits and self._ticks_since_whole >= len(self.sets):
-                    self._ticks_since_whole = 0
-                    return self._take_whole(job)
-                whole_waits = True  # after every running set ticked once; requests behind it may begin
-                continue
-            resident = sum(s.images for s in self.sets.values())
-            if resident and resident + job.images > self.max_running:
-                break  # FIFO: nothing overtakes a request waiting for room
-            await self._begin(job, key)
+            if key == WHOLE and self._ops_since_whole >= len(self.sets):
+                self._ops_since_whole = 0
+                return self._take_whole(job)
         return []
 
     def _take_whole(self, head: Job) -> list[Job]:
@@ -170,15 +198,92 @@ class StepBatcher(Batcher):
                 taken.append(job)
                 images += job.images
         for job in taken:
-            self._keys.pop(id(job), None)
+            self._forget(job)
         self._gauge()
         return taken
 
     def _fail_queued(self, job: Job, exc: Exception) -> None:
         self._drop(job)
-        self._keys.pop(id(job), None)
+        self._forget(job)
         if not job.future.done():
             job.future.set_exception(exc)
+
+    def _forget(self, job: Job) -> None:
+        for table in (self._keys, self._work, self._bypassed, self._shared):
+            table.pop(id(job), None)
+
+    def _left(self, job: Job) -> float:
+        """The job's remaining work in image-evaluations at its size: its images x (steps left + its decode, about
+        ``FINISH_EVALS`` evaluations), scaled by the size's relative work per step (pixels, or a DiT's tokens)."""
+        b, run = job.batch, job.run
+        steps = b.steps if run is None else max(0, run.steps_total - run.steps_done)
+        if id(job) not in self._work:
+            self._work[id(job)] = self.cost.work(b.width, b.height) / self.cost.work(64, 64)
+        return job.images * (steps + FINISH_EVALS) * self._work[id(job)]
+
+    def _priority(self, job: Job, now: float) -> tuple[int, float, float]:
+        """Smaller first: (0, deadline, enqueued) for an interrupted, starved or urgent job, else (1, work left,
+        enqueued)."""
+        left = self._left(job)
+        due = job.deadline if job.deadline is not None else math.inf
+        if job.interrupted or self._bypassed.get(id(job), 0) >= BYPASS_LIMIT:
+            return (0, due, job.enqueued)
+        if job.deadline is not None:
+            estimate = self.cost.estimate(job.cost)
+            seconds = 0.0 if estimate is None else estimate.seconds * left / max(1e-9, self._left_at_start(job))
+            if job.deadline - now <= URGENT_FACTOR * seconds:
+                return (0, due, job.enqueued)
+        return (1, left, job.enqueued)
+
+    def _left_at_start(self, job: Job) -> float:
+        return job.images * (job.batch.steps + FINISH_EVALS) * self._work.get(id(job), 1.0)
+
+    def _candidates(self) -> list[tuple[str, Job, RunningSet | None]]:
+        """Every job with an operation it could run now: resident rows (tick, or finish when done or interrupted)
+        and queued requests whose images fit the residency budget (begin)."""
+        found: list[tuple[str, Job, RunningSet | None]] = []
+        for running in self.sets.values():
+            for job in running.jobs:
+                done = job.run is None or job.run.finished or job.interrupted
+                found.append((FINISH if done else TICK, job, running))
+        resident = sum(s.images for s in self.sets.values())
+        for job in self.queue:
+            if self._keys.get(id(job), WHOLE) == WHOLE:
+                continue
+            if not resident or resident + job.images <= self.max_running:
+                found.append((BEGIN, job, None))
+        return found
+
+    def _choose(self) -> Operation | None:
+        now = time.monotonic()
+        found = self._candidates()
+        if not found:
+            return None
+        order = sorted(found, key=lambda c: self._priority(c[1], now))
+        kind, lead, running = order[0]
+        op = Operation(kind, lead, [lead], running, [job for _, job, _ in found])
+        if kind == TICK and running is not None:
+            images = lead.images
+            for other_kind, job, other in order[1:]:
+                if other is running and other_kind == TICK and images + job.images <= self.max_batch:
+                    op.rows.append(job)
+                    images += job.images
+            for other_kind, job, _ in order[1:]:  # a queued request that fits the call's room begins first
+                if (other_kind == BEGIN and self._keys.get(id(job)) == running.key
+                        and images + job.images <= self.max_batch):
+                    return Operation(BEGIN, job, [job], None, op.waiting)
+        return op
+
+    def _count_bypass(self, op: Operation) -> None:
+        """Every waiting job larger than the lead that this operation leaves out is bypassed once more; a job that
+        runs starts counting again."""
+        lead_left = self._left(op.lead)
+        ran = {id(j) for j in op.rows}
+        for job in op.waiting:
+            if id(job) in ran:
+                self._bypassed.pop(id(job), None)
+            elif self._left(job) > lead_left:
+                self._bypassed[id(job)] = self._bypassed.get(id(job), 0) + 1
 
     async def _begin(self, job: Job, key: Hashable) -> None:
         self.queue.remove(job)
@@ -186,12 +291,14 @@ class StepBatcher(Batcher):
         self._gauge()
         if job.deadline is not None and time.monotonic() >= job.deadline:
             job.state = "dropped"
+            self._forget(job)
             self.metrics.cancelled.labels("deadline").inc()
             if not job.future.done():
                 job.future.set_exception(DeadlineExceededError("deadline passed before the request started"))
             return
         if job.cancelled or job.future.done():
             job.state = "dropped"
+            self._forget(job)
             return
         job.state, job.started = "running", time.perf_counter()
         self.metrics.queue_seconds.observe(time.monotonic() - job.enqueued)
@@ -206,39 +313,7 @@ class StepBatcher(Batcher):
             return
         self.sets.setdefault(key, RunningSet(key)).jobs.append(job)
 
-    def _next_key(self) -> Hashable | None:
-        keys = [k for k, s in self.sets.items() if s.jobs]
-        if not keys:
-            return None
-        key = keys[self._turn % len(keys)]
-        self._turn += 1
-        return key
-
-    def _pick(self, running: RunningSet) -> list[Job]:
-        """This tick's rows: starved rows first, then shortest remaining first, up to the budget (module doc)."""
-        def left(job: Job) -> int:
-            run = job.run
-            return 0 if run is None else max(0, run.steps_total - run.steps_done)
-
-        order = sorted(running.jobs, key=lambda j: (self._skipped.get(id(j), 0) < STARVATION_TICKS, left(j),
-                                                     j.enqueued))
-        lead = order[0]
-        picked, images = [lead], lead.images
-        for job in order[1:]:
-            if images + job.images <= self.max_batch:
-                picked.append(job)
-                images += job.images
-        for job in running.jobs:
-            self._skipped[id(job)] = 0 if job in picked else self._skipped.get(id(job), 0) + 1
-        return picked
-
-    async def _tick(self, running: RunningSet) -> None:
-        self._ticks_since_whole += 1
-        await self._boundary(running)
-        if not running.jobs:
-            self.sets.pop(running.key, None)
-            return
-        picked = self._pick(running)
+    async def _tick(self, running: RunningSet, picked: list[Job]) -> None:
         runs = [j.run for j in picked if j.run is not None]
         start = time.perf_counter()
         try:
@@ -250,40 +325,35 @@ class StepBatcher(Batcher):
             self.sets.pop(running.key, None)
             return
         elapsed = time.perf_counter() - start
-        self.metrics.batch_size.observe(sum(j.images for j in picked))
+        images = sum(j.images for j in picked)
+        self.metrics.batch_size.observe(images)
         self.metrics.unet_step_seconds.observe(elapsed)
         now = time.monotonic()
-        images = sum(j.images for j in picked)
         for job in picked:
             if job.first_step_s is None:
                 job.first_step_s = now - job.enqueued
             self._shared[id(job)] = max(self._shared.get(id(job), 0), images)
-        for job in picked:
-            if job.run is not None and job.run.finished:
-                await self._finish(running, job)
-        await self._boundary(running)
-        if not running.jobs:
-            self.sets.pop(running.key, None)
 
-    async def _boundary(self, running: RunningSet) -> None:
-        """Rows that stop here: a stop, a passed deadline, a client gone; an interrupted row is decoded where it
-        is."""
+    def _boundary(self) -> None:
+        """Rows that stop here: a stop, a passed deadline, a client gone (an interrupted row is decoded where it
+        is: its finish goes first)."""
         now = time.monotonic()
-        for job in list(running.jobs):
-            if self.abandon:
-                self._leave(running, job, NotReadyError("server stopped before this request completed: retry it on "
-                                                        "another replica"))
-            elif job.deadline is not None and now >= job.deadline:
-                done = job.run.steps_done if job.run is not None else 0
-                total = job.run.steps_total if job.run is not None else job.batch.steps
-                self.metrics.cancelled.labels("deadline").inc()
-                self._leave(running, job, DeadlineExceededError(
-                    f"deadline passed after {done} of {total} steps: the request left the running batch there, "
-                    "nothing more is computed for it"))
-            elif job.cancelled:
-                self._leave(running, job, None)
-        for job in [j for j in running.jobs if j.interrupted]:
-            await self._finish(running, job, stopped=True)
+        for running in list(self.sets.values()):
+            for job in list(running.jobs):
+                if self.abandon:
+                    self._leave(running, job, NotReadyError("server stopped before this request completed: retry "
+                                                            "it on another replica"))
+                elif job.deadline is not None and now >= job.deadline:
+                    done = job.run.steps_done if job.run is not None else 0
+                    total = job.run.steps_total if job.run is not None else job.batch.steps
+                    self.metrics.cancelled.labels("deadline").inc()
+                    self._leave(running, job, DeadlineExceededError(
+                        f"deadline passed after {done} of {total} steps: the request left the running batch there, "
+                        "nothing more is computed for it"))
+                elif job.cancelled:
+                    self._leave(running, job, None)
+            if not running.jobs:
+                self.sets.pop(running.key, None)
 
     def _leave(self, running: RunningSet, job: Job, exc: Exception | None) -> None:
         if job in running.jobs:
@@ -299,14 +369,14 @@ class StepBatcher(Batcher):
     def _done(self, job: Job) -> None:
         job.state = "done"
         self.running -= 1
-        self._skipped.pop(id(job), None)
-        self._shared.pop(id(job), None)
+        self._forget(job)
 
     async def _finish(self, running: RunningSet, job: Job, stopped: bool = False) -> None:
         if job not in running.jobs or job.run is None:
             return
         running.jobs.remove(job)
         run: StepRun = job.run
+        shared = self._shared.get(id(job), job.images)
         try:
             async with self.lock:
                 result = await run_in_threadpool(self.engine.finish, run, stopped)
@@ -315,7 +385,6 @@ class StepBatcher(Batcher):
             if not job.future.done():
                 job.future.set_exception(exc)
             return
-        shared = self._shared.get(id(job), job.images)
         self._done(job)
         elapsed = time.perf_counter() - job.started
         self.last_provider = result.provider

@@ -233,9 +233,14 @@ class StepFakeEngine(HashedEngine):
         self.hold = threading.Event()
         self.hold.set()
         self.ticked = threading.Event()
+        self.in_tick = threading.Event()
+        """Set when a tick starts (before the hold): the operation in flight is a tick."""
         self.runs: list[FakeRun] = []
         self.tick_log: list[list[str]] = []
         """The prompts of the first image of every run in each tick, in order."""
+        self.ops: list[tuple[str, str]] = []
+        """Every operation in order: ("begin" | "tick" | "finish", the lead run's first prompt; a tick's rows are
+        in tick_log)."""
 
     def step_key(self, batch: Batch) -> Hashable | None:
         return (batch.width, batch.height, batch.lora_key)
@@ -245,13 +250,16 @@ class StepFakeEngine(HashedEngine):
             raise NotReadyError("not loaded")
         run = FakeRun(batch)
         self.runs.append(run)
+        self.ops.append(("begin", batch.images[0].prompt))
         return run
 
     def tick(self, runs: Sequence[StepRun]) -> None:
+        self.in_tick.set()
         assert self.hold.wait(20), "the test never released the tick"
         fakes = [r for r in runs if isinstance(r, FakeRun)]
         assert len({self.step_key(r.batch) for r in fakes}) == 1, "a tick mixed step keys"
         self.tick_log.append([r.batch.images[0].prompt for r in fakes])
+        self.ops.append(("tick", fakes[0].batch.images[0].prompt))
         for run in fakes:
             assert not run.finished and not run.released
             run.steps_done += 1
@@ -262,6 +270,7 @@ class StepFakeEngine(HashedEngine):
         assert isinstance(run, FakeRun) and not run.released
         run.released = True
         self.batches.append(run.batch)
+        self.ops.append(("finish", run.batch.images[0].prompt))
         images = tuple(GeneratedImage(Image.fromarray(np.random.default_rng(s.seed).integers(
             0, 256, (run.batch.height, run.batch.width, 3), np.uint8)), s.seed) for s in run.batch.images)
         return BatchResult(images, self.provider, Timings(total=0.001), len(images), run.steps_done,

@@ -110,9 +110,11 @@ def test_calls_are_filled_to_the_budget_shortest_remaining_first(client: TestCli
     assert log[5:11] == [["b", "a"]] * 6 and log[11:] == [["a"]] * 19  # then b's last six, then a alone
 
 
-def test_the_tick_budget_holds_and_other_sizes_take_turns(client: TestClient, engine: StepFakeEngine) -> None:
+def test_the_tick_budget_holds_and_the_least_work_leads_across_sizes(client: TestClient,
+                                                                      engine: StepFakeEngine) -> None:
     """dev: max_batch 4. A 4-image request fills a tick, so a same-size 6-step request runs in ticks of its own
-    (it leads: fewer steps left); a request of another size starts a set of its own and the sets tick in turn."""
+    (it leads: 1 x (6 + 2) evaluations left against 4 x (6 + 2)); a 3-step request at 128x128 starts a set of its
+    own and goes before the 4-image one too (1 x (3 + 2) evaluations at four times the pixels)."""
     engine.hold.clear()
     results: dict[str, list[Any]] = {"full": [], "same": [], "other": []}
     workers = [_post(client, {"prompt": "full", "steps": 6, "batch_size": 4}, results["full"])]
@@ -129,7 +131,7 @@ def test_the_tick_budget_holds_and_other_sizes_take_turns(client: TestClient, en
     full_ticks = [i for i, t in enumerate(log) if "full" in t]
     other_ticks = [i for i, t in enumerate(log) if "other" in t]
     assert len(full_ticks) == 6 and len(other_ticks) == 3
-    assert min(other_ticks) < max(full_ticks)  # it did not wait for the 64x64 work: the sets alternated
+    assert max(other_ticks) < min(full_ticks[1:])  # after the held tick, it did not wait for the larger work
     assert [r.ticks for r in engine.runs if r.batch.width == 128] == [[1, 1, 1]]
 
 
@@ -233,33 +235,77 @@ def test_a_deadline_passed_in_the_queue_is_a_504_before_it_begins(engine: StepFa
     assert not engine.runs
 
 
+async def _release_after(engine: StepFakeEngine, batcher: StepBatcher, first: Batch, later: list[Batch],
+                         deadlines: dict[str, float] | None = None) -> None:
+    """``first`` begins and its first tick is held; every batch of ``later`` is queued; then the ticks run until
+    every request is answered."""
+    loop = asyncio.get_running_loop()
+    runner = loop.create_task(batcher.run())
+    engine.hold.clear()
+    due = deadlines or {}
+    engine.in_tick.clear()
+    tasks = [loop.create_task(batcher.submit(first, due.get(first.images[0].prompt)))]
+    while not engine.in_tick.is_set():  # its first tick is in flight (held)
+        await asyncio.sleep(0)
+    tasks += [loop.create_task(batcher.submit(b, due.get(b.images[0].prompt))) for b in later]
+    while len(batcher.queue) < len(later):
+        await asyncio.sleep(0)
+    engine.hold.set()
+    await asyncio.gather(*tasks)
+    runner.cancel()
+
+
+def _one(prompt: str, steps: int, images: int = 1) -> Batch:
+    return Batch(tuple(ImageSpec(prompt, seed=k) for k in range(images)), steps=steps)
+
+
 def test_a_stream_of_short_requests_delays_a_long_one_but_never_stops_it(engine: StepFakeEngine) -> None:
-    """Twenty 4-step requests queued behind a 50-step one lead every tick by length; the long row, left out
-    STARVATION_TICKS ticks in a row, then leads one itself (with the short rows filling the call)."""
-    from server.stepper import STARVATION_TICKS
+    """max_batch 1, so the long row cannot ride in the short ones' calls: twenty 4-step requests queued behind a
+    50-step one go first, but never more than BYPASS_LIMIT operations in a row; then the long one's goes first."""
+    from server.stepper import BYPASS_LIMIT
 
     engine.loaded = True
+    batcher = StepBatcher(engine, Metrics(), asyncio.Lock(), 64, 1, 0.0)
+    shorts = [_one(f"s{k}", 4) for k in range(20)]
+    asyncio.run(asyncio.wait_for(_release_after(engine, batcher, _one("long", 50), shorts), 30))
+    ops = engine.ops
+    mine = [i for i, (_, lead) in enumerate(ops) if lead == "long"]
+    last_short = max(i for i, (_, lead) in enumerate(ops) if lead.startswith("s"))
+    gaps = [b - a - 1 for a, b in zip(mine, mine[1:], strict=False) if b < last_short]
+    assert ops[2] == ("begin", "s0") and max(gaps) == BYPASS_LIMIT, (gaps, ops[:40])  # after its held tick
+    assert sum(1 for i in mine if i < last_short) >= 4  # it advanced while short requests were still waiting
+    assert all(len(t) == 1 for t in engine.tick_log)
 
-    async def scenario() -> None:
-        batcher = _batcher(engine)
-        loop = asyncio.get_running_loop()
-        runner = loop.create_task(batcher.run())
-        engine.hold.clear()
-        long = loop.create_task(batcher.submit(Batch((ImageSpec("long"),), steps=50), None))
-        while not engine.runs:
-            await asyncio.sleep(0)
-        shorts = [loop.create_task(batcher.submit(Batch((ImageSpec(f"s{k}"),), steps=4), None)) for k in range(20)]
-        while len(batcher.queue) < 20:
-            await asyncio.sleep(0)
-        engine.hold.set()
-        await asyncio.gather(long, *shorts)
-        runner.cancel()
 
-    asyncio.run(asyncio.wait_for(scenario(), 30))
-    log = engine.tick_log
-    with_long = [i for i, t in enumerate(log) if "long" in t]
-    last_short = max(i for i, t in enumerate(log) if any(p.startswith("s") for p in t))
-    # Left out at most that many ticks, plus one: short rows resident as long are starved too and lead by length.
-    assert with_long[0] == 0 and with_long[1] <= STARVATION_TICKS + 2, log[:20]
-    assert with_long[1] < last_short  # it ran while short requests were still waiting
-    assert all(len(t) <= 4 for t in log)  # the 4-image budget (max_batch) per call
+def test_a_long_request_decodes_after_a_short_one_that_arrived_during_its_last_tick(engine: StepFakeEngine) -> None:
+    """A 4-image 1-step request finishes its tick while a 1-image 4-step one waits: the short one is begun,
+    ticked and decoded (less work left: 1 x (4 + 2) against 4 x 2 evaluations) before the long one's decode."""
+    engine.loaded = True
+    batcher = _batcher(engine)
+    asyncio.run(asyncio.wait_for(_release_after(engine, batcher, _one("long", 1, images=4), [_one("short", 4)]), 30))
+    assert engine.ops == [("begin", "long"), ("tick", "long"), ("begin", "short"), *[("tick", "short")] * 4,
+                          ("finish", "short"), ("finish", "long")]
+
+
+def test_a_finished_row_is_decoded_before_longer_work_begins(engine: StepFakeEngine) -> None:
+    """Least work left first: a 1-image request whose last step ran (2 evaluations of decode left) is answered
+    before a queued 1-image 30-step request begins."""
+    engine.loaded = True
+    batcher = _batcher(engine)
+    asyncio.run(asyncio.wait_for(_release_after(engine, batcher, _one("done", 1), [_one("next", 30)]), 30))
+    assert engine.ops[:4] == [("begin", "done"), ("tick", "done"), ("finish", "done"), ("begin", "next")]
+
+
+def test_a_request_near_its_deadline_goes_before_smaller_ones(engine: StepFakeEngine) -> None:
+    """The deadline guard: with 100 s per image-step measured, a 50-step request due in an hour has less than
+    twice its remaining time left, so it is urgent and leads every operation before a 4-step request without a
+    deadline (which rides in its calls: room is left)."""
+    import time
+
+    engine.loaded = True
+    batcher = _batcher(engine)
+    batcher.cost.seed(64, 64, 1, 1, 100.0)
+    due = {"urgent": time.monotonic() + 3600.0}
+    asyncio.run(asyncio.wait_for(_release_after(engine, batcher, _one("short", 4), [_one("urgent", 50)], due), 30))
+    assert engine.ops[:3] == [("begin", "short"), ("tick", "short"), ("begin", "urgent")]
+    assert engine.tick_log[1:4] == [["urgent", "short"]] * 3  # it leads; the short row's last three fill its calls
