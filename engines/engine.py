@@ -504,6 +504,11 @@ class OrtEngine:
         for s in steps:  # each batch's share of the tick, by its images
             s.begun.denoise_s += elapsed * len(s.begun.batch.images) / rows
 
+    def decode(self, run: StepRun, images: int) -> None:
+        s = _stepping(run)
+        with self._lock, s.pipeline.runtime.scoped(s.scope):
+            s.stages.decode(s.begun, images)
+
     def finish(self, run: StepRun, stopped: bool = False) -> BatchResult:
         s = _stepping(run)
         s.begun.stopped = s.begun.stopped or stopped

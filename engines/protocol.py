@@ -640,7 +640,8 @@ class Capabilities(_Frozen):
 
 class StepRun(Protocol):
     """One admitted batch denoised step by step beside others (step-level batching): Engine.begin makes it,
-    Engine.tick advances it one denoiser evaluation, Engine.finish decodes it, Engine.discard drops it."""
+    Engine.tick advances it one denoiser evaluation, Engine.decode decodes a part of it, Engine.finish decodes the
+    rest and returns it, Engine.discard drops it."""
 
     @property
     def steps_done(self) -> int: ...
@@ -681,9 +682,13 @@ class Engine(Protocol):
         """One denoiser evaluation for every run (equal step keys, none finished), in one call where the model
         allows, then each run's own step."""
 
+    def decode(self, run: StepRun, images: int) -> None:
+        """Decode up to ``images`` more of a run's images (kept with it) once its denoising is over: a decode
+        split in parts, so a short request waits for one part at most, not a whole batch's."""
+
     def finish(self, run: StepRun, stopped: bool = False) -> BatchResult:
-        """Decode ``run`` where its denoising is (all steps, or where ``stopped`` cut it: an interrupt) and free
-        its state."""
+        """Decode ``run`` where its denoising is (all steps, or where ``stopped`` cut it: an interrupt), what
+        ``decode`` did not yet, and free its state."""
 
     def discard(self, run: StepRun) -> None:
         """Free a run that will not be finished (deadline, cancelled, stop)."""

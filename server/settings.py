@@ -318,6 +318,10 @@ class QueueSettings(BaseModel):
     max_running: int = Field(32, ge=1, le=4096)
     """Step-level batching: images encoded and denoising at once (their latents and history stay on the device, a
     few MB per image); each tick runs at most ``max_batch`` of them, the least work left first."""
+    decode_images: int = Field(1, ge=1, le=64)
+    """Step-level batching: images one decode operation takes; a request's decode is split in parts of this many,
+    so a short request arriving meanwhile waits for one part, not the whole batch's decode (more: fewer, larger
+    VAE calls)."""
     max_queue_delay_ms: float = Field(10.0, ge=0, le=10_000)
     """Micro-batching: how long the oldest request waits for compatible ones to join its batch (step-level
     batching needs no wait: a request joins at the next tick)."""

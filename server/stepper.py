@@ -3,20 +3,28 @@
 Per step key (engines' ``Engine.step_key``: the size's pipeline, the latent shape and the LoRA set) a running set
 of rows. The loop runs one *operation* at a time: a request's **begin** (encode, noise, edit preparation), a **tick**
 of one set (one denoiser evaluation over the picked rows, CFG rows included, then each request's own step graph
-with its coefficients, timestep and history) or a request's **finish** (decode, answered at once). Rows may differ
+with its coefficients, timestep and history), a part of a request's **decode**, or its **finish** (the last part of
+its decode; answered at once). Rows may differ
 in prompt, seed, steps, sampler, guidance, strength (an edit joins at its start step) and CFG.
 
-Policy: **least work left first, bounded bypass, deadline guard**.
-- **Which operation runs next**: that of the request with the least work left: its images x (steps left +
-  ``FINISH_EVALS``, its decode), scaled by its size's work per step (pixels; a DiT's tokens); oldest first among
-  equals. A 1-image 4-step request (6 evaluations) that arrives while 4-image 50-step requests run is begun,
-  ticked and decoded before any of their operations, their decodes included (4 x 2 at the least): it waits for the
-  operation in flight only, never for a whole generation. A request whose steps are done has only its decode left,
-  so it is answered before longer work begins (its client's next request comes sooner). Across sets (sizes, LoRA
-  sets) the same order holds: the set of the request with the least work left ticks.
+Policy: **smallest slowdown first, bounded bypass, deadline guard**.
+- **Which operation runs next**: that of the request with the smallest *work left x whole work*, where work is
+  images x (steps + ``FINISH_EVALS`` for the decode) x the size's work per step (pixels; a DiT's tokens); oldest
+  first among equals. This is Smith's rule weighted by 1 / whole work: the order that keeps the sum of slowdowns
+  (latency over solo latency) smallest. A 1-image 4-step request (6 x 6) that arrives while 4-image 50-step
+  requests run (208 x 208 at the start, 8 x 208 with only their decode left) is begun, ticked and decoded before
+  any of their operations: it waits for the operation in flight only, never for a whole generation. Among requests
+  of equal size the one with the least left goes first, and a request with only its decode left goes before longer
+  work begins (a 1-image request's decode, 2 x 52, before a new 20-step one, 22 x 22). Across sets (sizes, LoRA
+  sets) the same order holds: the set of the request that ranks first ticks.
   Why not round robin across sets or rows: it makes every request as slow as the total work in flight; why not
-  FIFO: that is head-of-line blocking again; why not steps left alone: a 4-image request two steps from its end
-  then goes before a 1-image 4-step one that has a third of its work.
+  FIFO: that is head-of-line blocking again; why not the work left alone (SRPT, best for the mean latency): a
+  4-image request a few steps or a decode from its end then goes before a 1-image request that just arrived,
+  which costs the short one about its own length again and the long one nothing it would notice.
+- **A decode is split in parts** of ``decode_images`` images (``[queue] decode_images``, 1 by default), each an
+  operation of its own: a short request that arrives while a 4-image request decodes waits for one image's decode,
+  not four (on a CPU a decode costs the same per image either way; on a GPU one image already fills it at the
+  served sizes).
 - **A tick is filled to the budget**: the lead row's set gives the call its other rows, least work first, until
   the call holds ``max_batch`` images (the TensorRT profiles and the memory plan are sized for it; a larger
   request runs alone). A queued request of that set that fits the room left begins first, so it joins this very
@@ -93,9 +101,13 @@ class StepBatcher(Batcher):
     """The queue of Batcher with a step-level loop: see the module docstring."""
 
     def __init__(self, engine: Engine, metrics: Metrics, lock: asyncio.Lock, max_queue: int, max_batch: int,
-                 max_delay_s: float, cost: CostModel | None = None, max_running: int = 32) -> None:
+                 max_delay_s: float, cost: CostModel | None = None, max_running: int = 32,
+                 decode_images: int = 1) -> None:
         super().__init__(engine, metrics, lock, max_queue, max_batch, max_delay_s, cost)
         self.max_running = max(max_running, max_batch)
+        self.decode_images = max(1, decode_images)
+        self._decoded: dict[int, int] = {}
+        """Images of each finished job decoded so far (by job id)."""
         self._work: dict[int, float] = {}
         """Each job's relative work per image-step at its size (by job id)."""
         self._bypassed: dict[int, int] = {}
@@ -161,6 +173,8 @@ class StepBatcher(Batcher):
             await self._begin(op.lead, self._key(op.lead))
         elif op.kind == TICK and op.running is not None:
             await self._tick(op.running, op.rows)
+        elif op.running is not None and op.lead.images - self._decoded.get(id(op.lead), 0) > self.decode_images:
+            await self._decode(op.running, op.lead)
         elif op.running is not None:
             await self._finish(op.running, op.lead, stopped=op.lead.interrupted)
         for key in [k for k, s in self.sets.items() if not s.jobs]:
@@ -209,20 +223,28 @@ class StepBatcher(Batcher):
             job.future.set_exception(exc)
 
     def _forget(self, job: Job) -> None:
-        for table in (self._keys, self._work, self._bypassed, self._shared):
+        for table in (self._keys, self._work, self._bypassed, self._shared, self._decoded):
             table.pop(id(job), None)
 
     def _left(self, job: Job) -> float:
         """The job's remaining work in image-evaluations at its size: its images x (steps left + its decode, about
-        ``FINISH_EVALS`` evaluations), scaled by the size's relative work per step (pixels, or a DiT's tokens)."""
+        ``FINISH_EVALS`` evaluations; once its steps are done, the images not yet decoded x ``FINISH_EVALS``),
+        scaled by the size's relative work per step (pixels, or a DiT's tokens)."""
         b, run = job.batch, job.run
-        steps = b.steps if run is None else max(0, run.steps_total - run.steps_done)
         if id(job) not in self._work:
             self._work[id(job)] = self.cost.work(b.width, b.height) / self.cost.work(64, 64)
+        if run is not None and (run.finished or job.interrupted):  # its decode only, what is left of it
+            return (job.images - self._decoded.get(id(job), 0)) * FINISH_EVALS * self._work[id(job)]
+        steps = b.steps if run is None else max(0, run.steps_total - run.steps_done)
         return job.images * (steps + FINISH_EVALS) * self._work[id(job)]
 
+    def _rank(self, job: Job) -> float:
+        """Work left x whole work: Smith's rule with weights 1 / whole work, the order that keeps the sum of
+        slowdowns (latency over solo latency) smallest; among requests of equal work, the least left first."""
+        return self._left(job) * self._left_at_start(job)
+
     def _priority(self, job: Job, now: float) -> tuple[int, float, float]:
-        """Smaller first: (0, deadline, enqueued) for an interrupted, starved or urgent job, else (1, work left,
+        """Smaller first: (0, deadline, enqueued) for an interrupted, starved or urgent job, else (1, rank,
         enqueued)."""
         left = self._left(job)
         due = job.deadline if job.deadline is not None else math.inf
@@ -233,7 +255,7 @@ class StepBatcher(Batcher):
             seconds = 0.0 if estimate is None else estimate.seconds * left / max(1e-9, self._left_at_start(job))
             if job.deadline - now <= URGENT_FACTOR * seconds:
                 return (0, due, job.enqueued)
-        return (1, left, job.enqueued)
+        return (1, self._rank(job), job.enqueued)
 
     def _left_at_start(self, job: Job) -> float:
         return job.images * (job.batch.steps + FINISH_EVALS) * self._work.get(id(job), 1.0)
@@ -277,12 +299,12 @@ class StepBatcher(Batcher):
     def _count_bypass(self, op: Operation) -> None:
         """Every waiting job larger than the lead that this operation leaves out is bypassed once more; a job that
         runs starts counting again."""
-        lead_left = self._left(op.lead)
+        lead = self._rank(op.lead)
         ran = {id(j) for j in op.rows}
         for job in op.waiting:
             if id(job) in ran:
                 self._bypassed.pop(id(job), None)
-            elif self._left(job) > lead_left:
+            elif self._rank(job) > lead:
                 self._bypassed[id(job)] = self._bypassed.get(id(job), 0) + 1
 
     async def _begin(self, job: Job, key: Hashable) -> None:
@@ -370,6 +392,19 @@ class StepBatcher(Batcher):
         job.state = "done"
         self.running -= 1
         self._forget(job)
+
+    async def _decode(self, running: RunningSet, job: Job) -> None:
+        """A part of a finished job's decode (``decode_images`` images); the last part is its finish."""
+        run = job.run
+        if run is None:
+            return
+        try:
+            async with self.lock:
+                await run_in_threadpool(self.engine.decode, run, self.decode_images)
+        except Exception as exc:
+            self._leave(running, job, exc)
+            return
+        self._decoded[id(job)] = self._decoded.get(id(job), 0) + self.decode_images
 
     async def _finish(self, running: RunningSet, job: Job, stopped: bool = False) -> None:
         if job not in running.jobs or job.run is None:

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 class Stepwise(Protocol):
     """A pipeline whose stages run one denoiser evaluation at a time for many batches (step-level batching,
     server/stepper.py): each batch begins (encode, noise, edit preparation), ticks (one joined denoiser call over
-    every running batch, then each batch's own step graph) and finishes (decode)."""
+    every running batch, then each batch's own step graph) and finishes (decode, a few images at a time or all at
+    once)."""
 
     def begin(self, batch: Batch, latents: np.ndarray | None = None, adapters: Adapters | None = None) -> Begun: ...
 
@@ -31,7 +32,11 @@ class Stepwise(Protocol):
     def advance(self, state: Any) -> bool:
         """The state's own step after the denoiser wrote its output; True when a sampler step completed."""
 
-    def finish(self, run: Begun) -> PipelineOutput: ...
+    def decode(self, run: Begun, images: int) -> None:
+        """Decode up to ``images`` more of a run's images (kept with it) once its denoising is over or stopped."""
+
+    def finish(self, run: Begun) -> PipelineOutput:
+        """Decode what ``decode`` did not yet and return the batch."""
 
     def joinable(self) -> bool:
         """Whether rows at different timesteps share one denoiser call (else one call per timestep value)."""

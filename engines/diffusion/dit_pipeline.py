@@ -359,17 +359,29 @@ class DitOnnx:
                 state.first_block = self.first_block.start(state.model_in, batch.cache.threshold)
         return Begun(batch, state, cond, None, len(schedule), (t0, t1, t2))
 
-    def finish(self, run: Begun) -> PipelineOutput:
-        """Decode where the denoising is: latents / scaling + shift through the VAE; the image comes down once."""
+    def decode(self, run: Begun, images: int) -> None:
+        """Decode up to ``images`` more of the batch's images where the denoising is (their rows of the latents
+        taken on the device): latents / scaling + shift through the VAE; the images come down once."""
+        start, stop = run.next_rows(images)
+        if start >= stop:
+            return
         t3 = time.perf_counter()
         state = run.state
         assert isinstance(state, DitDenoising)
         h, w = state.latent_size
-        images = self._decode(state.lat[0], len(run.batch.images), h, w)
-        t4 = time.perf_counter()
+        part = self.rows.take("latents", state.lat[0], start, stop)
+        run.decoded.append(self._decode(part, stop - start, h, w))
+        run.decode_s += time.perf_counter() - t3
+
+    def finish(self, run: Begun) -> PipelineOutput:
+        """Decode what ``decode`` did not yet (all of it, when it was not called) and return the batch."""
+        state = run.state
+        assert isinstance(state, DitDenoising)
+        self.decode(run, len(run.batch.images))
+        images = run.all_decoded()
         t0, t1, t2 = run.started
-        timings = Timings(text_encoder=t1 - t0, denoise=run.denoise_s, vae_decode=t4 - t3,
-                          total=(t2 - t0) + run.denoise_s + (t4 - t3), vae_encode=t2 - t1)
+        timings = Timings(text_encoder=t1 - t0, denoise=run.denoise_s, vae_decode=run.decode_s,
+                          total=(t2 - t0) + run.denoise_s + run.decode_s, vae_encode=t2 - t1)
         first = state.first_block
         use = cache_use(state) or (CacheUse(run.batch.cache, first.reused, first.reused + first.computed)
                                    if first is not None and run.batch.cache is not None else None)

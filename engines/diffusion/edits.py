@@ -169,6 +169,14 @@ def paste_back(images: np.ndarray, inputs: EditInputs) -> np.ndarray:
     return np.ascontiguousarray(np.clip(mixed.round(), 0, 255).astype(np.uint8))
 
 
+def rows_of(inputs: EditInputs, start: int, stop: int) -> EditInputs:
+    """The inputs of images ``start:stop`` of the batch (a decode of a few of them pastes back theirs)."""
+    def part(array: np.ndarray | None) -> np.ndarray | None:
+        return None if array is None else array[start:stop]
+
+    return EditInputs(inputs.pixels[start:stop], part(inputs.mask), part(inputs.overlay), part(inputs.originals))
+
+
 Run = Callable[[dict[str, ort.OrtValue | np.ndarray], dict[str, ort.OrtValue]], None]
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeAlias
 
@@ -28,7 +28,7 @@ import onnxruntime as ort
 
 from engines.artifacts import MANIFEST, TRT_DIR, read_manifest
 from engines.diffusion import family as families
-from engines.diffusion.edits import Editor, Mixer, Prepared, paste_back, strength_start
+from engines.diffusion.edits import Editor, Mixer, Prepared, paste_back, rows_of, strength_start
 from engines.diffusion.family import Family, read_json
 from engines.diffusion.multistep import MAX_HISTORY
 from engines.diffusion.plan import Step
@@ -227,10 +227,21 @@ class Begun:
     """perf_counter at the start, after encoding, after preparing the latents."""
     denoise_s: float = 0.0
     stopped: bool = False
+    decoded: list[np.ndarray] = field(default_factory=list)
+    """The images decoded so far (``decode``: a few at a time under step-level batching), in order."""
+    decode_s: float = 0.0
 
     @property
     def finished(self) -> bool:
         return self.stopped or bool(self.state.next_eval >= self.state.evaluations)
+
+    def next_rows(self, images: int) -> tuple[int, int]:
+        """The rows the next decode of at most ``images`` images takes: (start, stop)."""
+        start = sum(len(part) for part in self.decoded)
+        return start, min(len(self.batch.images), start + max(1, images))
+
+    def all_decoded(self) -> np.ndarray:
+        return self.decoded[0] if len(self.decoded) == 1 else np.concatenate(self.decoded)
 
 
 class StableDiffusionOnnx:
@@ -440,20 +451,31 @@ class StableDiffusionOnnx:
                                             state.model_out, self.runtime.buffer)
         return Begun(batch, state, cond, prepared, len(plan.steps), (t0, t1, t2))
 
-    def finish(self, run: Begun) -> PipelineOutput:
-        """Decode the latents the denoising reached (all steps, or where it stopped) on the device; the image comes
-        down once (inpainting: the init image pasted back outside the mask)."""
+    def decode(self, run: Begun, images: int) -> None:
+        """Decode up to ``images`` more of the batch's images where the denoising is, on the device (their rows of
+        the latents taken there); the images come down once (inpainting: the init image pasted back outside the
+        mask)."""
+        start, stop = run.next_rows(images)
+        if start >= stop:
+            return
         t3 = time.perf_counter()
+        part = self.rows.take("latents", run.state.lat[0], start, stop)
+        out = self._decode(part, run.batch)
+        if run.prepared is not None:
+            out = paste_back(out, rows_of(run.prepared.inputs, start, stop))
+        run.decoded.append(out)
+        run.decode_s += time.perf_counter() - t3
+
+    def finish(self, run: Begun) -> PipelineOutput:
+        """Decode what ``decode`` did not yet (all of it, when it was not called) and return the batch."""
         final = run.state.lat[0]
         kept = np.array(final.numpy(), dtype=np.float32) if any(s.keep_latents for s in run.batch.images) else None
-        images = self._decode(final, run.batch)
-        if run.prepared is not None:
-            images = paste_back(images, run.prepared.inputs)
-        t4 = time.perf_counter()
+        self.decode(run, len(run.batch.images))
+        images = run.all_decoded()
         t0, t1, t2 = run.started
         # Compute seconds of this batch (under step-level batching its share of the ticks, not its wall time).
-        timings = Timings(text_encoder=t1 - t0, denoise=run.denoise_s, vae_decode=t4 - t3,
-                          total=(t2 - t0) + run.denoise_s + (t4 - t3), vae_encode=t2 - t1)
+        timings = Timings(text_encoder=t1 - t0, denoise=run.denoise_s, vae_decode=run.decode_s,
+                          total=(t2 - t0) + run.denoise_s + run.decode_s, vae_encode=t2 - t1)
         return PipelineOutput(images, run.cond.truncated, run.cond.negative_truncated, timings, run.state.done,
                               run.steps_total, kept, cache_use(run.state))
 
@@ -652,7 +674,7 @@ class StableDiffusionOnnx:
         return hidden, embeds
 
     def _decode(self, latents: ort.OrtValue, batch: Batch) -> np.ndarray:
-        n = len(batch.images)
+        n = int(latents.shape()[0])
         vae_in = next(iter(self.vae_decoder.inputs))
         # latents / scaling_factor, on the device, written in the VAE's input dtype into a device buffer.
         scaled = self.runtime.buffer("vae_in", tuple(latents.shape()), self.vae_decoder.input_dtype(vae_in))

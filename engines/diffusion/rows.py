@@ -3,7 +3,8 @@
 Each running request keeps its own device state (latents, history, the UNet's input and output; Runtime.scoped).
 At a tick the UNet inputs of every request in the running set are joined along the batch axis by a two-input
 ``Concat`` graph applied in a chain, the UNet runs once, and a ``Slice`` graph copies each request's rows of the
-output back into its own output buffer; nothing comes to the host. Concat and Slice are exact copies, so a row's
+output back into its own output buffer; nothing comes to the host. A decode of a few of a request's images takes
+their rows of the latents the same way (``take``). Concat and Slice are exact copies, so a row's
 result differs from its solo run only by the UNet's own batch-size numerics (within 1/255 on the images:
 tests/integration/test_step_batching.py). ``Slice`` reads its ``starts``/``ends`` from host memory on CUDA (the
 kernel registers inputs 1-4 as OrtMemTypeCPUInput, onnxruntime/core/providers/cuda/tensor/slice.cc), so they are
@@ -70,16 +71,24 @@ def _int_elem(dtype: type[np.generic]) -> int:
     return {np.dtype(np.int64): TensorProto.INT64, np.dtype(np.int32): TensorProto.INT32}[np.dtype(dtype)]
 
 
+LATENTS: tuple[tuple[type[np.generic], int], ...] = ((np.float32, 3), (np.float32, 4))
+"""The latents' kinds (float32; packed tokens or channels-first images): a decode takes a few images of them."""
+
+
 class RowPacker:
     """Joins per-request tensors along rows and splits a joined output back, on the device."""
 
     def __init__(self, buffers: Buffers, make: Callable[[bytes, str], Runnable],
-                 kinds: Sequence[tuple[type[np.generic], int]], out: tuple[type[np.generic], int]) -> None:
-        """``kinds``: the (dtype, rank) of every input to join; ``out``: the output's, to split."""
+                 kinds: Sequence[tuple[type[np.generic], int]], out: tuple[type[np.generic], int],
+                 takes: Sequence[tuple[type[np.generic], int]] = LATENTS) -> None:
+        """``kinds``: the (dtype, rank) of every input to join; ``out``: the output's, to split; ``takes``: those
+        a part of is taken (``take``: the latents a decode reads a few images of)."""
         self.buffers = buffers
         self._concat = {self._key(d, r): make(build_concat_graph(d, r), f"rows_concat_{self._key(d, r)}")
                         for d, r in dict.fromkeys(kinds)}
-        self._slice = make(build_slice_graph(*out), f"rows_slice_{self._key(*out)}")
+        self._slices = {self._key(d, r): make(build_slice_graph(d, r), f"rows_slice_{self._key(d, r)}")
+                        for d, r in dict.fromkeys([out, *takes])}
+        self._slice = self._slices[self._key(*out)]
 
     @staticmethod
     def _key(dtype: type[np.generic], rank: int) -> str:
@@ -95,6 +104,18 @@ class RowPacker:
             self._concat[self._key(dtype, len(shape))].run({"a": joined, "b": value}, {"out": out})
             joined = out
         return joined
+
+    def take(self, tag: str, value: ort.OrtValue, start: int, stop: int) -> ort.OrtValue:
+        """Rows ``start:stop`` of ``value`` in a device tensor of their own (the value itself when that is all of
+        it)."""
+        shape = tuple(value.shape())
+        if (start, stop) == (0, shape[0]):
+            return value
+        dtype = _numpy_type(value)
+        out = self.buffers.buffer(f"rows_take_{tag}", (stop - start, *shape[1:]), dtype)
+        self._slices[self._key(dtype, len(shape))].run({"x": value, "starts": _shape(start), "ends": _shape(stop)},
+                                                       {"out": out})
+        return out
 
     def split(self, joined: ort.OrtValue, parts: Sequence[ort.OrtValue]) -> None:
         """Copy consecutive row ranges of ``joined`` into ``parts`` (their row counts sum to joined's)."""

@@ -179,6 +179,48 @@ def test_dit_rows_joining_mid_way_get_their_solo_images(dit_build: Callable[[str
         assert _close(joined_long, alone_long) <= 1, family
 
 
+def _decoded_in_parts(engine: OrtEngine, batch: Batch, parts: list[int]) -> BatchResult:
+    run = engine.begin(batch)
+    while not run.finished:
+        engine.tick([run])
+    for images in parts:
+        engine.decode(run, images)
+    return engine.finish(run)
+
+
+def test_a_decode_in_parts_gives_the_images_of_a_whole_one(engine: OrtEngine) -> None:
+    """Step-level batching decodes a request a few images at a time (queue.decode_images): each part takes its
+    rows of the latents on the device (rows.py ``take``) and an inpainting part pastes back its own init images;
+    the images equal a whole decode's and come back in order."""
+    txt = _batch("a harbour at night", 11, 5, "dpmpp_2m", n=3)
+    whole = engine.generate(txt)
+    for parts in ([1], [1, 1], [2]):
+        split = _decoded_in_parts(engine, txt, parts)
+        assert [g.seed for g in split.images] == [g.seed for g in whole.images]
+        assert _close(split, whole) <= 1, parts
+        assert split.timings.vae_decode > 0
+    inpaint = _batch("a window", 21, 4, "euler", n=2, edit=EditImage(init_image(), square_mask()))
+    whole = engine.generate(inpaint)
+    split = _decoded_in_parts(engine, inpaint, [1])
+    assert _close(split, whole) <= 1
+    outside = square_mask() == 0
+    for pixels in _pixels(split):
+        assert np.array_equal(pixels[outside], init_image().astype(np.int16)[outside])
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3", "qwen-image"])
+def test_a_dit_decode_in_parts_gives_the_images_of_a_whole_one(dit_build: Callable[[str], tuple[Path, Path]],
+                                                               family: str) -> None:
+    """The same for the DiT families' decode (Flux's and Qwen-Image's unpacking of each part's tokens)."""
+    dit = _engine(dit_build(family)[0])
+    size = dit.pipeline.default_size
+    batch = dataclasses.replace(_batch("a lighthouse", 8, 3, "euler", n=3), width=size, height=size)
+    whole = dit.generate(batch)
+    split = _decoded_in_parts(dit, batch, [1, 1])
+    assert _close(split, whole) <= 1, family
+    assert not np.array_equal(_pixels(split)[0], _pixels(split)[1])
+
+
 def test_a_joined_tick_copies_nothing_from_the_host(engine: OrtEngine) -> None:
     """Per-row state stays on the device: a tick joining three runs (CFG and no-CFG rows, two samplers) reads no
     host memory (Runtime.host_reads records every host->device copy and host feed; Slice's bounds are shape feeds,

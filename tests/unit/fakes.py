@@ -109,6 +109,9 @@ class FakeEngine:
     def tick(self, runs: Sequence[StepRun]) -> None:
         raise NotImplementedError("the fake runs batches whole")
 
+    def decode(self, run: StepRun, images: int) -> None:
+        raise NotImplementedError("the fake runs batches whole")
+
     def finish(self, run: StepRun, stopped: bool = False) -> BatchResult:
         raise NotImplementedError("the fake runs batches whole")
 
@@ -214,6 +217,8 @@ class FakeRun:
     released: bool = False
     ticks: list[int] = field(default_factory=list)
     """The size of every tick this run took part in (rows of the set)."""
+    decoded: int = 0
+    """Images decoded by ``decode`` so far."""
 
     @property
     def steps_total(self) -> int:
@@ -235,6 +240,10 @@ class StepFakeEngine(HashedEngine):
         self.ticked = threading.Event()
         self.in_tick = threading.Event()
         """Set when a tick starts (before the hold): the operation in flight is a tick."""
+        self.decode_hold = threading.Event()
+        self.decode_hold.set()
+        self.in_decode = threading.Event()
+        """Set when a part of a decode starts (before ``decode_hold``)."""
         self.runs: list[FakeRun] = []
         self.tick_log: list[list[str]] = []
         """The prompts of the first image of every run in each tick, in order."""
@@ -265,6 +274,13 @@ class StepFakeEngine(HashedEngine):
             run.steps_done += 1
             run.ticks.append(len(fakes))
         self.ticked.set()
+
+    def decode(self, run: StepRun, images: int) -> None:
+        assert isinstance(run, FakeRun) and not run.released and run.decoded < len(run.batch.images)
+        self.in_decode.set()
+        assert self.decode_hold.wait(20), "the test never released the decode"
+        run.decoded = min(len(run.batch.images), run.decoded + images)
+        self.ops.append(("decode", run.batch.images[0].prompt))
 
     def finish(self, run: StepRun, stopped: bool = False) -> BatchResult:
         assert isinstance(run, FakeRun) and not run.released

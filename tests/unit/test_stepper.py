@@ -1,5 +1,5 @@
 """The step scheduler's policy (server/stepper.py) on the real app, behind the engine protocol: who joins at which
-tick, the row budget, round robin across sets, deadlines, interrupts and departures at tick boundaries. Every wait is
+tick, the row budget, the order across sets, deadlines, interrupts and departures at tick boundaries. Every wait is
 on an event or a state (a held tick, /sdapi/v1/progress), never on a sleep. The images themselves are the
 integration tests' (tests/integration/test_step_batching.py)."""
 
@@ -66,9 +66,8 @@ def _queued(client: TestClient, jobs: int) -> None:
 
 def test_a_short_request_runs_at_the_next_boundary_and_leaves_first(client: TestClient,
                                                                     engine: StepFakeEngine) -> None:
-    """Shortest remaining first: a 4-step request arriving while a 4-image 30-step one runs (the whole 4-image
-    budget of a call) takes the next four ticks, then the long one resumes; nothing waits for a whole
-    generation."""
+    """A 4-step request arriving while a 4-image 30-step one runs (the whole 4-image budget of a call) takes the
+    next four ticks, then the long one resumes; nothing waits for a whole generation."""
     engine.hold.clear()
     long: list[Any] = []
     short: list[Any] = []
@@ -90,10 +89,10 @@ def test_a_short_request_runs_at_the_next_boundary_and_leaves_first(client: Test
     assert "first-step;dur=" in short[0].headers["server-timing"]
 
 
-def test_calls_are_filled_to_the_budget_shortest_remaining_first(client: TestClient,
-                                                                  engine: StepFakeEngine) -> None:
+def test_calls_are_filled_to_the_budget_the_least_work_first(client: TestClient,
+                                                          engine: StepFakeEngine) -> None:
     """Requests with different step counts, samplers, guidance and seeds of one size share every call the budget
-    allows (dev: 4 images); the one with the fewest steps left leads."""
+    allows (dev: 4 images); the one with the least work leads."""
     engine.hold.clear()
     results: list[Any] = []
     workers = [_post(client, {"prompt": "a", "steps": 30, "sampler_name": "Euler a"}, results)]
@@ -106,7 +105,7 @@ def test_calls_are_filled_to_the_budget_shortest_remaining_first(client: TestCli
         worker.join(20)
     assert [r.status_code for r in results] == [200] * 3
     log = engine.tick_log
-    assert log[1:5] == [["c", "b", "a"]] * 4  # one call for the three, shortest remaining first
+    assert log[1:5] == [["c", "b", "a"]] * 4  # one call for the three, the least work first
     assert log[5:11] == [["b", "a"]] * 6 and log[11:] == [["a"]] * 19  # then b's last six, then a alone
 
 
@@ -236,21 +235,22 @@ def test_a_deadline_passed_in_the_queue_is_a_504_before_it_begins(engine: StepFa
 
 
 async def _release_after(engine: StepFakeEngine, batcher: StepBatcher, first: Batch, later: list[Batch],
-                         deadlines: dict[str, float] | None = None) -> None:
-    """``first`` begins and its first tick is held; every batch of ``later`` is queued; then the ticks run until
-    every request is answered."""
+                         deadlines: dict[str, float] | None = None, at_decode: bool = False) -> None:
+    """``first`` begins and its first tick (``at_decode``: the first part of its decode) is held; every batch of
+    ``later`` is queued; then the operations run until every request is answered."""
     loop = asyncio.get_running_loop()
     runner = loop.create_task(batcher.run())
-    engine.hold.clear()
+    hold, entered = (engine.decode_hold, engine.in_decode) if at_decode else (engine.hold, engine.in_tick)
+    hold.clear()
+    entered.clear()
     due = deadlines or {}
-    engine.in_tick.clear()
     tasks = [loop.create_task(batcher.submit(first, due.get(first.images[0].prompt)))]
-    while not engine.in_tick.is_set():  # its first tick is in flight (held)
+    while not entered.is_set():  # the operation is in flight (held)
         await asyncio.sleep(0)
     tasks += [loop.create_task(batcher.submit(b, due.get(b.images[0].prompt))) for b in later]
     while len(batcher.queue) < len(later):
         await asyncio.sleep(0)
-    engine.hold.set()
+    hold.set()
     await asyncio.gather(*tasks)
     runner.cancel()
 
@@ -279,17 +279,29 @@ def test_a_stream_of_short_requests_delays_a_long_one_but_never_stops_it(engine:
 
 def test_a_long_request_decodes_after_a_short_one_that_arrived_during_its_last_tick(engine: StepFakeEngine) -> None:
     """A 4-image 1-step request finishes its tick while a 1-image 4-step one waits: the short one is begun,
-    ticked and decoded (less work left: 1 x (4 + 2) against 4 x 2 evaluations) before the long one's decode."""
+    ticked and decoded (rank 6 x 6 against the long one's decode, 8 x 12) before the long one's decode, which then
+    runs one image at a time (dev: decode_images 1)."""
     engine.loaded = True
     batcher = _batcher(engine)
     asyncio.run(asyncio.wait_for(_release_after(engine, batcher, _one("long", 1, images=4), [_one("short", 4)]), 30))
     assert engine.ops == [("begin", "long"), ("tick", "long"), ("begin", "short"), *[("tick", "short")] * 4,
-                          ("finish", "short"), ("finish", "long")]
+                          ("finish", "short"), *[("decode", "long")] * 3, ("finish", "long")]
+
+
+def test_a_short_request_arriving_during_a_decode_waits_for_one_part_of_it(engine: StepFakeEngine) -> None:
+    """dev: decode_images 1. A 4-image request's decode runs one image at a time: a short request that arrives
+    while the first image decodes goes next, before the other three (its decode is split too, after its ticks)."""
+    engine.loaded = True
+    batcher = _batcher(engine)
+    asyncio.run(asyncio.wait_for(_release_after(engine, batcher, _one("long", 1, images=4), [_one("short", 4)],
+                                                at_decode=True), 30))
+    assert engine.ops == [("begin", "long"), ("tick", "long"), ("decode", "long"), ("begin", "short"),
+                          *[("tick", "short")] * 4, ("finish", "short"), *[("decode", "long")] * 2, ("finish", "long")]
 
 
 def test_a_finished_row_is_decoded_before_longer_work_begins(engine: StepFakeEngine) -> None:
-    """Least work left first: a 1-image request whose last step ran (2 evaluations of decode left) is answered
-    before a queued 1-image 30-step request begins."""
+    """A 1-image request whose last step ran (its decode left: rank 2 x 3) is answered before a queued 1-image
+    30-step request (32 x 32) begins."""
     engine.loaded = True
     batcher = _batcher(engine)
     asyncio.run(asyncio.wait_for(_release_after(engine, batcher, _one("done", 1), [_one("next", 30)]), 30))
