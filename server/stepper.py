@@ -226,39 +226,45 @@ class StepBatcher(Batcher):
         for table in (self._keys, self._work, self._bypassed, self._shared, self._decoded):
             table.pop(id(job), None)
 
+    def _scale(self, job: Job) -> float:
+        """The job's work per image-step relative to 64x64 (pixels, or a DiT's tokens), computed once."""
+        if id(job) not in self._work:
+            b = job.batch
+            self._work[id(job)] = self.cost.work(b.width, b.height) / self.cost.work(64, 64)
+        return self._work[id(job)]
+
+    def _whole(self, job: Job) -> float:
+        """The job's whole work in image-evaluations at its size: images x (steps + ``FINISH_EVALS``)."""
+        return job.images * (job.batch.steps + FINISH_EVALS) * self._scale(job)
+
     def _left(self, job: Job) -> float:
         """The job's remaining work in image-evaluations at its size: its images x (steps left + its decode, about
         ``FINISH_EVALS`` evaluations; once its steps are done, the images not yet decoded x ``FINISH_EVALS``),
         scaled by the size's relative work per step (pixels, or a DiT's tokens)."""
-        b, run = job.batch, job.run
-        if id(job) not in self._work:
-            self._work[id(job)] = self.cost.work(b.width, b.height) / self.cost.work(64, 64)
+        run = job.run
         if run is not None and (run.finished or job.interrupted):  # its decode only, what is left of it
-            return (job.images - self._decoded.get(id(job), 0)) * FINISH_EVALS * self._work[id(job)]
-        steps = b.steps if run is None else max(0, run.steps_total - run.steps_done)
-        return job.images * (steps + FINISH_EVALS) * self._work[id(job)]
+            return (job.images - self._decoded.get(id(job), 0)) * FINISH_EVALS * self._scale(job)
+        steps = job.batch.steps if run is None else max(0, run.steps_total - run.steps_done)
+        return job.images * (steps + FINISH_EVALS) * self._scale(job)
 
     def _rank(self, job: Job) -> float:
         """Work left x whole work: Smith's rule with weights 1 / whole work, the order that keeps the sum of
         slowdowns (latency over solo latency) smallest; among requests of equal work, the least left first."""
-        return self._left(job) * self._left_at_start(job)
+        return self._left(job) * self._whole(job)
 
     def _priority(self, job: Job, now: float) -> tuple[int, float, float]:
         """Smaller first: (0, deadline, enqueued) for an interrupted, starved or urgent job, else (1, rank,
         enqueued)."""
-        left = self._left(job)
         due = job.deadline if job.deadline is not None else math.inf
         if job.interrupted or self._bypassed.get(id(job), 0) >= BYPASS_LIMIT:
             return (0, due, job.enqueued)
+        left, whole = self._left(job), self._whole(job)
         if job.deadline is not None:
             estimate = self.cost.estimate(job.cost)
-            seconds = 0.0 if estimate is None else estimate.seconds * left / max(1e-9, self._left_at_start(job))
+            seconds = 0.0 if estimate is None else estimate.seconds * left / whole
             if job.deadline - now <= URGENT_FACTOR * seconds:
                 return (0, due, job.enqueued)
-        return (1, self._rank(job), job.enqueued)
-
-    def _left_at_start(self, job: Job) -> float:
-        return job.images * (job.batch.steps + FINISH_EVALS) * self._work.get(id(job), 1.0)
+        return (1, left * whole, job.enqueued)
 
     def _candidates(self) -> list[tuple[str, Job, RunningSet | None]]:
         """Every job with an operation it could run now: resident rows (tick, or finish when done or interrupted)
