@@ -148,7 +148,13 @@ class Batcher:
         running = [j for j in [*self._live, *self._rows()] if j.owner == owner and not j.interrupted]
         for job in running:
             job.interrupted = True
+        if running:
+            self._notify()
         return len(running), len(queued)
+
+    def _notify(self) -> None:
+        """Something the loop must decide on happened (a request queued, interrupted or gone)."""
+        self._wake.set()
 
     async def submit(self, batch: Batch, deadline: float | None, owner: str | None = None) -> BatchResult:
         """Queue ``batch`` and wait for its result; raises QueueFullError, DeadlineExceededError, NotReadyError,
@@ -161,7 +167,7 @@ class Batcher:
         self.queue.append(job)
         self.peak_queue = max(self.peak_queue, len(self.queue))
         self._gauge()
-        self._wake.set()
+        self._notify()
         try:
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
             return await asyncio.wait_for(asyncio.shield(job.future), timeout)
@@ -176,6 +182,7 @@ class Batcher:
             if job.state == "queued":
                 self._drop(job)
             job.cancelled = True
+            self._notify()
             raise
 
     def _drop(self, job: Job) -> None:

@@ -29,10 +29,13 @@ Policy: **smallest slowdown first, bounded bypass, deadline guard**.
   the call holds ``max_batch`` images (the TensorRT profiles and the memory plan are sized for it; a larger
   request runs alone). A queued request of that set that fits the room left begins first, so it joins this very
   call: a call of four images costs about twice one image's on a CPU, and about one image's on a GPU.
-- **Bounded bypass**: each operation run for a smaller request while a larger one could have run counts as one
-  bypass of the larger one; after ``BYPASS_LIMIT`` bypasses in a row, the larger one's next operation goes first
-  (then it counts again). A stream of short requests therefore takes at most that many operations in a row from a
-  long one (which still fills their ticks when there is room), and never stops it.
+- **Bounded bypass**: each operation run for a smaller request (less whole work) while a larger one could have
+  run counts as one bypass of the larger one; after ``BYPASS_LIMIT`` bypasses in a row, the larger one's next
+  operation goes first (then it counts again). A stream of short requests therefore takes at most that many
+  operations in a row from a long one (which still fills their ticks when there is room), and never stops it.
+  Requests of equal whole work do not count against each other: among them the one with the least left goes
+  first, which finishes them in order without starving any (a later equal request has more left), so equal long
+  requests do not push each other, or a starved one, ahead of short requests every few operations.
 - **Deadline guard**: a request whose deadline is nearer than ``URGENT_FACTOR`` x its estimated remaining time is
   urgent and goes first (earliest deadline first), so bypass never turns into a 504.
 - **Residency**: up to ``max_running`` images are encoded, with their state on the device (latents, history,
@@ -50,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -72,6 +76,8 @@ FINISH_EVALS = 2
 """A decode costs about this many denoiser evaluations of the same images (CPU and GPU alike, SD 1.5 to SDXL)."""
 URGENT_FACTOR = 2.0
 """A request whose deadline is nearer than this many times its estimated remaining seconds goes first."""
+MAX_RUN = 64
+"""Operations of one kind for the same rows run back to back in the engine's thread at most (a run)."""
 BEGIN, TICK, FINISH = "begin", "tick", "finish"
 
 
@@ -95,6 +101,8 @@ class Operation:
     running: RunningSet | None = None
     waiting: list[Job] = field(default_factory=list)
     """Every job that had an operation it could run (bypass counts)."""
+    first: bool = False
+    """The lead goes first as interrupted, starved or urgent (tier 0): the loop decides again after it."""
 
 
 class StepBatcher(Batcher):
@@ -119,6 +127,12 @@ class StepBatcher(Batcher):
         """Each queued job's step key, computed once (by job id)."""
         self._ops_since_whole = 1 << 30
         """Operations since a request ran whole: the next one waits until every running set had one."""
+        self._nudged = threading.Event()
+        """Set when a request is queued, interrupted or gone: a run of operations ends at the next boundary."""
+
+    def _notify(self) -> None:
+        self._nudged.set()
+        super()._notify()
 
     def _rows(self) -> list[Job]:
         return [job for s in self.sets.values() for job in s.jobs]
@@ -158,24 +172,28 @@ class StepBatcher(Batcher):
                 self.sets.clear()
 
     async def _round(self) -> None:
+        self._nudged.clear()  # what happens from here on ends a run of operations (_run_bound)
         whole = self._admit()
         if whole:
             await self._execute(whole)
             return
         self._boundary()
-        op = self._choose()
+        now = time.monotonic()
+        op = self._choose(now)
         if op is None:  # nothing can start (cannot happen: something resident could); yield
             await asyncio.sleep(0)
             return
-        self._ops_since_whole += 1
-        self._count_bypass(op)
+        left = op.lead.images - self._decoded.get(id(op.lead), 0)
         if op.kind == BEGIN:
+            self._count_bypass(op, 1)
             await self._begin(op.lead, self._key(op.lead))
         elif op.kind == TICK and op.running is not None:
-            await self._tick(op.running, op.rows)
-        elif op.running is not None and op.lead.images - self._decoded.get(id(op.lead), 0) > self.decode_images:
-            await self._decode(op.running, op.lead)
+            await self._tick(op.running, op, *self._run_bound(op, now))
+        elif op.running is not None and left > self.decode_images:
+            most, until = self._run_bound(op, now)
+            await self._decode(op.running, op, min(most, math.ceil(left / self.decode_images) - 1), until)
         elif op.running is not None:
+            self._count_bypass(op, 1)
             await self._finish(op.running, op.lead, stopped=op.lead.interrupted)
         for key in [k for k, s in self.sets.items() if not s.jobs]:
             self.sets.pop(key)
@@ -247,14 +265,10 @@ class StepBatcher(Batcher):
         steps = job.batch.steps if run is None else max(0, run.steps_total - run.steps_done)
         return job.images * (steps + FINISH_EVALS) * self._scale(job)
 
-    def _rank(self, job: Job) -> float:
-        """Work left x whole work: Smith's rule with weights 1 / whole work, the order that keeps the sum of
-        slowdowns (latency over solo latency) smallest; among requests of equal work, the least left first."""
-        return self._left(job) * self._whole(job)
-
     def _priority(self, job: Job, now: float) -> tuple[int, float, float]:
-        """Smaller first: (0, deadline, enqueued) for an interrupted, starved or urgent job, else (1, rank,
-        enqueued)."""
+        """Smaller first: (0, deadline, enqueued) for an interrupted, starved or urgent job, else (1, work left x
+        whole work, enqueued): Smith's rule with weights 1 / whole work, the order that keeps the sum of slowdowns
+        (latency over solo latency) smallest; among requests of equal work, the least left first."""
         due = job.deadline if job.deadline is not None else math.inf
         if job.interrupted or self._bypassed.get(id(job), 0) >= BYPASS_LIMIT:
             return (0, due, job.enqueued)
@@ -282,14 +296,14 @@ class StepBatcher(Batcher):
                 found.append((BEGIN, job, None))
         return found
 
-    def _choose(self) -> Operation | None:
-        now = time.monotonic()
+    def _choose(self, now: float) -> Operation | None:
         found = self._candidates()
         if not found:
             return None
-        order = sorted(found, key=lambda c: self._priority(c[1], now))
+        ranked = sorted((self._priority(c[1], now), k) for k, c in enumerate(found))  # each priority once
+        order = [found[k] for _, k in ranked]
         kind, lead, running = order[0]
-        op = Operation(kind, lead, [lead], running, [job for _, job, _ in found])
+        op = Operation(kind, lead, [lead], running, [job for _, job, _ in found], ranked[0][0][0] == 0)
         if kind == TICK and running is not None:
             images = lead.images
             for other_kind, job, other in order[1:]:
@@ -299,19 +313,50 @@ class StepBatcher(Batcher):
             for other_kind, job, _ in order[1:]:  # a queued request that fits the call's room begins first
                 if (other_kind == BEGIN and self._keys.get(id(job)) == running.key
                         and images + job.images <= self.max_batch):
-                    return Operation(BEGIN, job, [job], None, op.waiting)
+                    return Operation(BEGIN, job, [job], None, op.waiting, op.first)
         return op
 
-    def _count_bypass(self, op: Operation) -> None:
-        """Every waiting job larger than the lead that this operation leaves out is bypassed once more; a job that
-        runs starts counting again."""
-        lead = self._rank(op.lead)
+    def _count_bypass(self, op: Operation, times: int) -> None:
+        """Every waiting job with more whole work than the lead that ``times`` operations like this one leave out
+        is bypassed that many times more; a job that runs starts counting again."""
+        lead = self._whole(op.lead)
         ran = {id(j) for j in op.rows}
+        self._ops_since_whole += times
         for job in op.waiting:
             if id(job) in ran:
                 self._bypassed.pop(id(job), None)
-            elif self._rank(job) > lead:
-                self._bypassed[id(job)] = self._bypassed.get(id(job), 0) + 1
+            elif self._whole(job) > lead:
+                self._bypassed[id(job)] = self._bypassed.get(id(job), 0) + times
+
+    def _run_bound(self, op: Operation, now: float) -> tuple[int, float]:
+        """How many operations like ``op`` (a tick of the same rows, the next parts of the same decode) may run
+        back to back in the engine's thread, and until when (monotonic): a *run*, one thread hop instead of one
+        per operation. With nothing new, they are what the loop would choose one by one: the rows they run only
+        move further ahead of the rest. What changes the choice without news bounds them: a waiting request
+        reaching its bypass limit (the count), a deadline passing or a request turning urgent (the time). A row
+        finishing, a request queued, interrupted or gone, and a stop end the run at the next boundary
+        (``_nudged``, checked after every operation); a lead that goes first as urgent or starved runs one."""
+        if op.first:
+            return 1, now
+        ran = {id(j) for j in op.rows}
+        lead = self._whole(op.lead)
+        most, until = MAX_RUN, math.inf
+        for job in op.waiting:
+            if id(job) not in ran and self._whole(job) > lead:
+                most = min(most, BYPASS_LIMIT - self._bypassed.get(id(job), 0))
+        for job in [*self._rows(), *self.queue]:
+            if job.deadline is None:
+                continue
+            until = min(until, job.deadline)
+            estimate = self.cost.estimate(job.cost)
+            if id(job) not in ran and estimate is not None:
+                until = min(until, job.deadline - URGENT_FACTOR * estimate.seconds * self._left(job) / self._whole(job))
+        return max(1, most), until
+
+    def _go_on(self, runs: list[StepRun], done: int, most: int, until: float) -> bool:
+        """Whether a run of operations goes on after ``done`` of them (in the engine's thread: reads flags only)."""
+        return (done < most and not self._nudged.is_set() and not self.abandon and time.monotonic() < until
+                and not any(r.finished for r in runs))
 
     async def _begin(self, job: Job, key: Hashable) -> None:
         self.queue.remove(job)
@@ -341,25 +386,35 @@ class StepBatcher(Batcher):
             return
         self.sets.setdefault(key, RunningSet(key)).jobs.append(job)
 
-    async def _tick(self, running: RunningSet, picked: list[Job]) -> None:
+    def _ticks(self, runs: list[StepRun], most: int, until: float) -> list[tuple[float, float]]:
+        """Ticks of ``runs`` back to back (a run, ``_run_bound``): (seconds, monotonic end) of each."""
+        done: list[tuple[float, float]] = []
+        while not done or self._go_on(runs, len(done), most, until):
+            start = time.perf_counter()
+            self.engine.tick(runs)
+            done.append((time.perf_counter() - start, time.monotonic()))
+        return done
+
+    async def _tick(self, running: RunningSet, op: Operation, most: int, until: float) -> None:
+        picked = op.rows
         runs = [j.run for j in picked if j.run is not None]
-        start = time.perf_counter()
         try:
             async with self.lock:
-                await run_in_threadpool(self.engine.tick, runs)
+                ticks = await run_in_threadpool(self._ticks, runs, most, until)
         except Exception as exc:  # every row of the set gets the failure; none hangs
+            self._count_bypass(op, 1)
             for job in list(running.jobs):
                 self._leave(running, job, exc)
             self.sets.pop(running.key, None)
             return
-        elapsed = time.perf_counter() - start
+        self._count_bypass(op, len(ticks))
         images = sum(j.images for j in picked)
-        self.metrics.batch_size.observe(images)
-        self.metrics.unet_step_seconds.observe(elapsed)
-        now = time.monotonic()
+        for elapsed, _ in ticks:
+            self.metrics.batch_size.observe(images)
+            self.metrics.unet_step_seconds.observe(elapsed)
         for job in picked:
             if job.first_step_s is None:
-                job.first_step_s = now - job.enqueued
+                job.first_step_s = ticks[0][1] - job.enqueued
             self._shared[id(job)] = max(self._shared.get(id(job), 0), images)
 
     def _boundary(self) -> None:
@@ -399,18 +454,30 @@ class StepBatcher(Batcher):
         self.running -= 1
         self._forget(job)
 
-    async def _decode(self, running: RunningSet, job: Job) -> None:
-        """A part of a finished job's decode (``decode_images`` images); the last part is its finish."""
-        run = job.run
+    def _decodes(self, run: StepRun, most: int, until: float) -> int:
+        """Parts of ``run``'s decode back to back (a run, ``_run_bound``); returns how many."""
+        done = 0
+        while not done or self._go_on([], done, most, until):
+            self.engine.decode(run, self.decode_images)
+            done += 1
+        return done
+
+    async def _decode(self, running: RunningSet, op: Operation, most: int, until: float) -> None:
+        """Parts of a finished job's decode (``decode_images`` images each, at most ``most``); the last part is its
+        finish."""
+        job, run = op.lead, op.lead.run
         if run is None:
             return
+        parts = 1
         try:
             async with self.lock:
-                await run_in_threadpool(self.engine.decode, run, self.decode_images)
+                parts = await run_in_threadpool(self._decodes, run, max(1, most), until)
         except Exception as exc:
+            self._count_bypass(op, parts)
             self._leave(running, job, exc)
             return
-        self._decoded[id(job)] = self._decoded.get(id(job), 0) + self.decode_images
+        self._count_bypass(op, parts)
+        self._decoded[id(job)] = self._decoded.get(id(job), 0) + parts * self.decode_images
 
     async def _finish(self, running: RunningSet, job: Job, stopped: bool = False) -> None:
         if job not in running.jobs or job.run is None:

@@ -240,6 +240,9 @@ class StepFakeEngine(HashedEngine):
         self.ticked = threading.Event()
         self.in_tick = threading.Event()
         """Set when a tick starts (before the hold): the operation in flight is a tick."""
+        self.gate: threading.Semaphore | None = None
+        """When set, each tick takes one of its permits after the hold: a test lets ticks through one at a time
+        (the step loop runs ticks of the same rows back to back)."""
         self.decode_hold = threading.Event()
         self.decode_hold.set()
         self.in_decode = threading.Event()
@@ -265,6 +268,8 @@ class StepFakeEngine(HashedEngine):
     def tick(self, runs: Sequence[StepRun]) -> None:
         self.in_tick.set()
         assert self.hold.wait(20), "the test never released the tick"
+        gate = self.gate
+        assert gate is None or gate.acquire(timeout=20), "the test never let the tick through"
         fakes = [r for r in runs if isinstance(r, FakeRun)]
         assert len({self.step_key(r.batch) for r in fakes}) == 1, "a tick mixed step keys"
         self.tick_log.append([r.batch.images[0].prompt for r in fakes])

@@ -13,8 +13,10 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from starlette.concurrency import run_in_threadpool
 
 from engines.protocol import Batch, ImageSpec
+from server import stepper
 from server.batcher import Batcher
 from server.errors import DeadlineExceededError
 from server.metrics import Metrics
@@ -31,6 +33,8 @@ def engine() -> Iterator[StepFakeEngine]:
     fake = StepFakeEngine()
     yield fake
     fake.hold.set()  # a failed test never leaves the server's tick held
+    if fake.gate is not None:
+        fake.gate.release(100)
 
 
 def _begun(engine: StepFakeEngine, count: int) -> list[FakeRun]:
@@ -167,17 +171,14 @@ def test_an_interrupt_decodes_the_row_where_it_is_and_spares_the_others(client: 
 
 
 def test_progress_reports_the_running_request_step(client: TestClient, engine: StepFakeEngine) -> None:
-    engine.hold.clear()
+    gate = engine.gate = threading.Semaphore(1)  # the first tick passes, the second waits
     results: list[Any] = []
     worker = _post(client, {"prompt": "a", "steps": 8}, results)
-    _begun(engine, 1)
-    engine.ticked.clear()
-    engine.hold.set()
-    assert engine.ticked.wait(10)
-    engine.hold.clear()
     busy = _wait(client, PROGRESS, lambda r: r.json()["state"]["sampling_step"] >= 1)
-    assert busy["state"]["sampling_steps"] == 8 and busy["state"]["job"] == "sdserve: generating"
-    engine.hold.set()
+    assert busy["state"]["sampling_step"] == 1 and busy["state"]["sampling_steps"] == 8
+    assert busy["state"]["job"] == "sdserve: generating"
+    engine.gate = None
+    gate.release(8)
     worker.join(20)
     assert results[0].status_code == 200
 
@@ -321,3 +322,41 @@ def test_a_request_near_its_deadline_goes_before_smaller_ones(engine: StepFakeEn
     asyncio.run(asyncio.wait_for(_release_after(engine, batcher, _one("short", 4), [_one("urgent", 50)], due), 30))
     assert engine.ops[:3] == [("begin", "short"), ("tick", "short"), ("begin", "urgent")]
     assert engine.tick_log[1:4] == [["urgent", "short"]] * 3  # it leads; the short row's last three fill its calls
+
+
+def test_a_lone_request_runs_its_ticks_and_its_decode_in_one_engine_call_each(engine: StepFakeEngine,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing to decide between them: the ticks of the same rows run back to back in the engine's thread (one
+    hop, not one per step), and so do the parts of the decode but the last (the finish); the operations are the
+    ones the loop would have chosen one by one."""
+    engine.loaded = True
+    batcher = _batcher(engine)
+    hops: list[str] = []
+
+    async def counting(func: Any, *args: Any) -> Any:
+        hops.append(func.__name__)
+        return await run_in_threadpool(func, *args)
+
+    monkeypatch.setattr(stepper, "run_in_threadpool", counting)
+
+    async def scenario() -> None:
+        runner = asyncio.get_running_loop().create_task(batcher.run())
+        await batcher.submit(_one("lone", 8, images=4), None)
+        runner.cancel()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert engine.ops == [("begin", "lone"), *[("tick", "lone")] * 8, *[("decode", "lone")] * 3, ("finish", "lone")]
+    assert hops == ["begin", "_ticks", "_decodes", "finish"]
+
+
+def test_equal_requests_finish_in_order_without_pushing_each_other_ahead(engine: StepFakeEngine) -> None:
+    """Three equal 4-image 40-step requests (each fills max_batch 4): the first runs all its steps and its decode
+    before the second begins, and so on; equal requests never count as bypassing each other, so none is promoted
+    after BYPASS_LIMIT operations (which would put a starved long request before a short one arriving then)."""
+    engine.loaded = True
+    batcher = _batcher(engine)
+    later = [_one("b", 40, images=4), _one("c", 40, images=4)]
+    asyncio.run(asyncio.wait_for(_release_after(engine, batcher, _one("a", 40, images=4), later), 30))
+    expected = [op for name in "abc" for op in [("begin", name), *[("tick", name)] * 40, *[("decode", name)] * 3,
+                                                 ("finish", name)]]
+    assert engine.ops == expected
