@@ -103,6 +103,17 @@ class Operation:
     """Every job that had an operation it could run (bypass counts)."""
     first: bool = False
     """The lead goes first as interrupted, starved or urgent (tier 0): the loop decides again after it."""
+    runner_up: tuple[int, float, float] | None = None
+    """The best priority among the candidates this operation leaves out (None: none)."""
+
+
+@dataclass
+class Ended:
+    """A job's finish (its result, or its failure) run in the engine's thread at the end of a run of operations."""
+
+    job: Job
+    result: BatchResult | None = None
+    error: Exception | None = None
 
 
 class StepBatcher(Batcher):
@@ -190,8 +201,7 @@ class StepBatcher(Batcher):
         elif op.kind == TICK and op.running is not None:
             await self._tick(op.running, op, *self._run_bound(op, now))
         elif op.running is not None and left > self.decode_images:
-            most, until = self._run_bound(op, now)
-            await self._decode(op.running, op, min(most, math.ceil(left / self.decode_images) - 1), until)
+            await self._decode(op.running, op, *self._run_bound(op, now))
         elif op.running is not None:
             self._count_bypass(op, 1)
             await self._finish(op.running, op.lead, stopped=op.lead.interrupted)
@@ -314,6 +324,8 @@ class StepBatcher(Batcher):
                 if (other_kind == BEGIN and self._keys.get(id(job)) == running.key
                         and images + job.images <= self.max_batch):
                     return Operation(BEGIN, job, [job], None, op.waiting, op.first)
+        ran = {id(job) for job in op.rows}
+        op.runner_up = next((p for p, k in ranked if id(found[k][1]) not in ran), None)
         return op
 
     def _count_bypass(self, op: Operation, times: int) -> None:
@@ -358,6 +370,26 @@ class StepBatcher(Batcher):
         return (done < most and not self._nudged.is_set() and not self.abandon and time.monotonic() < until
                 and not any(r.finished for r in runs))
 
+    def _then_finish(self, jobs: list[Job], done: int, most: int, until: float,
+                     runner_up: tuple[int, float, float] | None) -> Ended | None:
+        """The finish of one of ``jobs`` that a run of operations just completed, in the same thread call, when it
+        is the operation the loop would choose next: nothing new arrived, the run's bounds leave room for one more,
+        it ranks before the run's other rows and every request the run left out (their priorities do not change
+        within the bounds), and what is left of its decode is one part. Runs in the engine's thread while the loop
+        waits for it (the scheduler's tables are not written meanwhile); the loop applies the result."""
+        if done >= most or self._nudged.is_set() or self.abandon or time.monotonic() >= until:
+            return None
+        now = time.monotonic()
+        best, k = min((self._priority(job, now), k) for k, job in enumerate(jobs))
+        job, run = jobs[k], jobs[k].run
+        if (run is None or not run.finished or job.interrupted or (runner_up is not None and not best < runner_up)
+                or job.images - self._decoded.get(id(job), 0) > self.decode_images):
+            return None
+        try:
+            return Ended(job, self.engine.finish(run, False))
+        except Exception as exc:  # the loop answers it, like a finish it ran itself
+            return Ended(job, error=exc)
+
     async def _begin(self, job: Job, key: Hashable) -> None:
         self.queue.remove(job)
         self._keys.pop(id(job), None)
@@ -386,21 +418,22 @@ class StepBatcher(Batcher):
             return
         self.sets.setdefault(key, RunningSet(key)).jobs.append(job)
 
-    def _ticks(self, runs: list[StepRun], most: int, until: float) -> list[tuple[float, float]]:
-        """Ticks of ``runs`` back to back (a run, ``_run_bound``): (seconds, monotonic end) of each."""
+    def _ticks(self, op: Operation, most: int, until: float) -> tuple[list[tuple[float, float]], Ended | None]:
+        """Ticks of the operation's rows back to back (a run, ``_run_bound``): (seconds, monotonic end) of each;
+        then the finish of a row they completed when it goes next (``_then_finish``)."""
+        runs = [j.run for j in op.rows if j.run is not None]
         done: list[tuple[float, float]] = []
         while not done or self._go_on(runs, len(done), most, until):
             start = time.perf_counter()
             self.engine.tick(runs)
             done.append((time.perf_counter() - start, time.monotonic()))
-        return done
+        return done, self._then_finish(op.rows, len(done), most, until, op.runner_up)
 
     async def _tick(self, running: RunningSet, op: Operation, most: int, until: float) -> None:
         picked = op.rows
-        runs = [j.run for j in picked if j.run is not None]
         try:
             async with self.lock:
-                ticks = await run_in_threadpool(self._ticks, runs, most, until)
+                ticks, ended = await run_in_threadpool(self._ticks, op, most, until)
         except Exception as exc:  # every row of the set gets the failure; none hangs
             self._count_bypass(op, 1)
             for job in list(running.jobs):
@@ -416,6 +449,9 @@ class StepBatcher(Batcher):
             if job.first_step_s is None:
                 job.first_step_s = ticks[0][1] - job.enqueued
             self._shared[id(job)] = max(self._shared.get(id(job), 0), images)
+        if ended is not None:
+            self._count_bypass(Operation(FINISH, ended.job, [ended.job], running, op.waiting), 1)
+            self._finished(running, ended)
 
     def _boundary(self) -> None:
         """Rows that stop here: a stop, a passed deadline, a client gone (an interrupted row is decoded where it
@@ -454,46 +490,58 @@ class StepBatcher(Batcher):
         self.running -= 1
         self._forget(job)
 
-    def _decodes(self, run: StepRun, most: int, until: float) -> int:
-        """Parts of ``run``'s decode back to back (a run, ``_run_bound``); returns how many."""
-        done = 0
-        while not done or self._go_on([], done, most, until):
+    def _decodes(self, op: Operation, most: int, until: float) -> tuple[int, Ended | None]:
+        """Parts of the lead's decode back to back (a run, ``_run_bound``), all but the last; then its finish when
+        it goes next (``_then_finish``). Returns how many parts ran."""
+        job, run = op.lead, op.lead.run
+        assert run is not None
+        parts = 0
+        while not parts or (self._go_on([], parts, most, until)
+                            and job.images - self._decoded.get(id(job), 0) > self.decode_images):
             self.engine.decode(run, self.decode_images)
-            done += 1
-        return done
+            self._decoded[id(job)] = self._decoded.get(id(job), 0) + self.decode_images
+            parts += 1
+        return parts, self._then_finish([job], parts, most, until, op.runner_up)
 
     async def _decode(self, running: RunningSet, op: Operation, most: int, until: float) -> None:
         """Parts of a finished job's decode (``decode_images`` images each, at most ``most``); the last part is its
         finish."""
-        job, run = op.lead, op.lead.run
-        if run is None:
+        if op.lead.run is None:
             return
-        parts = 1
         try:
             async with self.lock:
-                parts = await run_in_threadpool(self._decodes, run, max(1, most), until)
+                parts, ended = await run_in_threadpool(self._decodes, op, max(1, most), until)
         except Exception as exc:
-            self._count_bypass(op, parts)
-            self._leave(running, job, exc)
+            self._count_bypass(op, 1)
+            self._leave(running, op.lead, exc)
             return
         self._count_bypass(op, parts)
-        self._decoded[id(job)] = self._decoded.get(id(job), 0) + parts * self.decode_images
+        if ended is not None:
+            self._count_bypass(Operation(FINISH, ended.job, [ended.job], running, op.waiting), 1)
+            self._finished(running, ended)
 
     async def _finish(self, running: RunningSet, job: Job, stopped: bool = False) -> None:
         if job not in running.jobs or job.run is None:
             return
-        running.jobs.remove(job)
         run: StepRun = job.run
-        shared = self._shared.get(id(job), job.images)
         try:
             async with self.lock:
-                result = await run_in_threadpool(self.engine.finish, run, stopped)
+                ended = Ended(job, await run_in_threadpool(self.engine.finish, run, stopped))
         except Exception as exc:
-            self._done(job)
-            if not job.future.done():
-                job.future.set_exception(exc)
-            return
+            ended = Ended(job, error=exc)
+        self._finished(running, ended)
+
+    def _finished(self, running: RunningSet, ended: Ended) -> None:
+        """Answer a finished job (its images, or its failure) and account for it."""
+        job, result = ended.job, ended.result
+        if job in running.jobs:
+            running.jobs.remove(job)
+        shared = self._shared.get(id(job), job.images)
         self._done(job)
+        if result is None:
+            if not job.future.done():
+                job.future.set_exception(ended.error or RuntimeError("finish returned nothing"))
+            return
         elapsed = time.perf_counter() - job.started
         self.last_provider = result.provider
         self.cost.observe(Cost(job.batch.width, job.batch.height, result.steps_done, job.images),

@@ -15,7 +15,8 @@ import pytest
 from fastapi.testclient import TestClient
 from starlette.concurrency import run_in_threadpool
 
-from engines.protocol import Batch, ImageSpec
+from engines.errors import InferenceError
+from engines.protocol import Batch, BatchResult, ImageSpec, StepRun
 from server import stepper
 from server.batcher import Batcher
 from server.errors import DeadlineExceededError
@@ -327,8 +328,8 @@ def test_a_request_near_its_deadline_goes_before_smaller_ones(engine: StepFakeEn
 def test_a_lone_request_runs_its_ticks_and_its_decode_in_one_engine_call_each(engine: StepFakeEngine,
                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Nothing to decide between them: the ticks of the same rows run back to back in the engine's thread (one
-    hop, not one per step), and so do the parts of the decode but the last (the finish); the operations are the
-    ones the loop would have chosen one by one."""
+    hop, not one per step), and so do the parts of the decode, the finish included when it goes next; the
+    operations are the ones the loop would have chosen one by one. A 1-image request: its ticks and its finish."""
     engine.loaded = True
     batcher = _batcher(engine)
     hops: list[str] = []
@@ -342,11 +343,13 @@ def test_a_lone_request_runs_its_ticks_and_its_decode_in_one_engine_call_each(en
     async def scenario() -> None:
         runner = asyncio.get_running_loop().create_task(batcher.run())
         await batcher.submit(_one("lone", 8, images=4), None)
+        await batcher.submit(_one("one", 3), None)
         runner.cancel()
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
-    assert engine.ops == [("begin", "lone"), *[("tick", "lone")] * 8, *[("decode", "lone")] * 3, ("finish", "lone")]
-    assert hops == ["begin", "_ticks", "_decodes", "finish"]
+    assert engine.ops == [("begin", "lone"), *[("tick", "lone")] * 8, *[("decode", "lone")] * 3, ("finish", "lone"),
+                          ("begin", "one"), *[("tick", "one")] * 3, ("finish", "one")]
+    assert hops == ["begin", "_ticks", "_decodes", "begin", "_ticks"]
 
 
 def test_equal_requests_finish_in_order_without_pushing_each_other_ahead(engine: StepFakeEngine) -> None:
@@ -360,3 +363,33 @@ def test_equal_requests_finish_in_order_without_pushing_each_other_ahead(engine:
     expected = [op for name in "abc" for op in [("begin", name), *[("tick", name)] * 40, *[("decode", name)] * 3,
                                                  ("finish", name)]]
     assert engine.ops == expected
+
+
+class _FailingFinish(StepFakeEngine):
+    def finish(self, run: StepRun, stopped: bool = False) -> BatchResult:
+        assert isinstance(run, FakeRun)
+        if run.batch.images[0].prompt == "boom":
+            run.released = True
+            raise InferenceError("the decode failed")
+        return super().finish(run, stopped)
+
+
+def test_a_finish_that_fails_in_a_run_answers_its_request_and_the_loop_goes_on() -> None:
+    """A 1-image request's finish runs at the end of its run of ticks, in the engine's thread: when it fails, that
+    request gets the failure, its slot is freed, and the next request is served."""
+    engine = _FailingFinish()
+    engine.loaded = True
+    batcher = _batcher(engine)
+
+    async def scenario() -> BatchResult:
+        runner = asyncio.get_running_loop().create_task(batcher.run())
+        with pytest.raises(InferenceError, match="the decode failed"):
+            await batcher.submit(_one("boom", 3), None)
+        result = await batcher.submit(_one("fine", 3), None)
+        runner.cancel()
+        return result
+
+    result = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert result.steps_done == 3 and batcher.running == 0 and not batcher.sets
+    assert engine.ops == [("begin", "boom"), *[("tick", "boom")] * 3, ("begin", "fine"), *[("tick", "fine")] * 3,
+                          ("finish", "fine")]
