@@ -362,6 +362,8 @@ class StepBatcher(Batcher):
         for job in op.waiting:
             if id(job) not in ran and self._whole(job) > lead:
                 most = min(most, BYPASS_LIMIT - self._bypassed.get(id(job), 0))
+        if any(self._keys.get(id(job)) == WHOLE for job in self.queue):  # it runs once every set had an operation
+            most = min(most, len(self.sets) - self._ops_since_whole)
         for job in [*self._rows(), *self.queue]:
             if job.deadline is None:
                 continue
@@ -386,6 +388,8 @@ class StepBatcher(Batcher):
         if done >= most or self._nudged.is_set() or self.abandon or time.monotonic() >= until:
             return None
         now = time.monotonic()
+        for job in jobs:  # they ran: their bypass counts start again (as _count_bypass does after the run)
+            self._bypassed.pop(id(job), None)
         best, k = min((self._priority(job, now), k) for k, job in enumerate(jobs))
         job, run = jobs[k], jobs[k].run
         if (run is None or not run.finished or job.interrupted or (runner_up is not None and not best < runner_up)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 import pytest
@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from starlette.concurrency import run_in_threadpool
 
 from engines.errors import InferenceError
-from engines.protocol import Batch, BatchResult, ImageSpec, StepRun
+from engines.protocol import Batch, BatchResult, ImageSpec, StepHook, StepRun
 from server import stepper
 from server.batcher import Batcher
 from server.errors import DeadlineExceededError
@@ -393,3 +393,27 @@ def test_a_finish_that_fails_in_a_run_answers_its_request_and_the_loop_goes_on()
     assert result.steps_done == 3 and batcher.running == 0 and not batcher.sets
     assert engine.ops == [("begin", "boom"), *[("tick", "boom")] * 3, ("begin", "fine"), *[("tick", "fine")] * 3,
                           ("finish", "fine")]
+
+
+class _SomeWhole(StepFakeEngine):
+    """Requests whose prompt starts with "whole" run whole (a pipeline without stages: step_key None)."""
+
+    def step_key(self, batch: Batch) -> Hashable | None:
+        return None if batch.images[0].prompt.startswith("whole") else super().step_key(batch)
+
+    def generate(self, batch: Batch, on_step: StepHook | None = None) -> BatchResult:
+        self.ops.append(("whole", batch.images[0].prompt))
+        return super().generate(batch, on_step)
+
+
+def test_a_request_run_whole_waits_for_one_operation_per_running_set_not_for_a_run() -> None:
+    """A request the engine runs whole goes once every running set had an operation since the last one: two are
+    queued while a 30-step request's tick is held; the first runs, then the second after one tick of the running
+    set, not after the rest of its ticks (a run of ticks is bounded by it)."""
+    engine = _SomeWhole()
+    engine.loaded = True
+    batcher = _batcher(engine)
+    later = [_one("whole one", 3), _one("whole two", 5)]
+    asyncio.run(asyncio.wait_for(_release_after(engine, batcher, _one("long", 30), later), 30))
+    assert engine.ops[:5] == [("begin", "long"), ("tick", "long"), ("whole", "whole one"), ("tick", "long"),
+                              ("whole", "whole two")]
