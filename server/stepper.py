@@ -459,9 +459,7 @@ class StepBatcher(Batcher):
             if job.first_step_s is None:
                 job.first_step_s = ticks[0][1] - job.enqueued
             self._shared[id(job)] = max(self._shared.get(id(job), 0), images)
-        if ended is not None:
-            self._count_bypass(Operation(FINISH, ended.job, [ended.job], running, op.waiting), 1)
-            self._finished(running, ended)
+        self._end_run(running, op, ended)
 
     def _boundary(self) -> None:
         """Rows that stop here: a stop, a passed deadline, a client gone (an interrupted row is decoded where it
@@ -520,12 +518,16 @@ class StepBatcher(Batcher):
             return
         try:
             async with self.lock:
-                parts, ended = await run_in_threadpool(self._decodes, op, max(1, most), until)
+                parts, ended = await run_in_threadpool(self._decodes, op, most, until)
         except Exception as exc:
             self._count_bypass(op, 1)
             self._leave(running, op.lead, exc)
             return
         self._count_bypass(op, parts)
+        self._end_run(running, op, ended)
+
+    def _end_run(self, running: RunningSet, op: Operation, ended: Ended | None) -> None:
+        """Account for and answer the finish a run ended with (``_then_finish``), if it did: one more operation."""
         if ended is not None:
             self._count_bypass(Operation(FINISH, ended.job, [ended.job], running, op.waiting), 1)
             self._finished(running, ended)

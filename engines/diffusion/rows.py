@@ -120,17 +120,15 @@ class RowPacker:
     def join(self, tag: str, values: Sequence[ort.OrtValue]) -> ort.OrtValue:
         """The rows of every value in order, in one device tensor (the value itself when there is one): one call
         per ``JOIN_MAX`` values."""
-        joined = list(values)
-        for k in range(len(values)):
-            if len(joined) == 1:
-                break
+        joined, k = list(values), 0
+        while len(joined) > 1:
             part = joined[:JOIN_MAX]
             shape = tuple(part[0].shape())
             dtype = _numpy_type(part[0])
             out = self.buffers.buffer(f"rows_{tag}{k}", (sum(v.shape()[0] for v in part), *shape[1:]), dtype)
             self._concat[(self._key(dtype, len(shape)), len(part))].run(
                 {f"x{i}": value for i, value in enumerate(part)}, {"out": out})
-            joined = [out, *joined[JOIN_MAX:]]
+            joined, k = [out, *joined[JOIN_MAX:]], k + 1
         return joined[0]
 
     def take(self, tag: str, value: ort.OrtValue, start: int, stop: int) -> ort.OrtValue:
