@@ -29,7 +29,7 @@ PROMPT = "a photo of an astronaut riding a horse"
 
 def _ours(folder: Path) -> Any:
     from engines.config import RuntimeSettings
-    from engines.diffusion.dit_pipeline import DitOnnx
+    from engines.pipelines.flow import DitOnnx
     from engines.runtime.sessions import Runtime
 
     return DitOnnx(folder, Runtime(RuntimeSettings(providers=("CPUExecutionProvider",), allow_cpu=True)))

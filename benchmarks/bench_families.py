@@ -20,7 +20,7 @@ from bench_pipeline import interleaved, summarize
 
 from engines.build.tiny import build_tiny
 from engines.config import RuntimeSettings
-from engines.diffusion.pipeline import StableDiffusionOnnx
+from engines.pipelines.unet import StableDiffusionOnnx
 from engines.protocol import Batch, ImageSpec
 from engines.runtime.sessions import Runtime
 

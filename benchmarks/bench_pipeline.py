@@ -78,7 +78,7 @@ def speed_rows(onnx_dir: Path, torch_dir: Path, cases: list[tuple[int, int, int]
     import torch
 
     from engines.config import RuntimeSettings
-    from engines.diffusion.pipeline import StableDiffusionOnnx
+    from engines.pipelines.unet import StableDiffusionOnnx
     from engines.protocol import Batch, ImageSpec
     from engines.runtime.sessions import Runtime
 

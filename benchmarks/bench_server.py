@@ -31,7 +31,7 @@ import httpx
 from readme import write_section
 
 from engines.config import RuntimeSettings
-from engines.diffusion.pipeline import StableDiffusionOnnx
+from engines.pipelines.unet import StableDiffusionOnnx
 from engines.protocol import Batch, ImageSpec
 from engines.runtime.sessions import Runtime
 from server.cli import bench

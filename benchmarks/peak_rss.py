@@ -16,7 +16,7 @@ from pathlib import Path
 
 def ours(model: Path, size: int, batch: int, steps: int) -> None:
     from engines.config import RuntimeSettings
-    from engines.diffusion.pipeline import StableDiffusionOnnx
+    from engines.pipelines.unet import StableDiffusionOnnx
     from engines.protocol import Batch, ImageSpec
     from engines.runtime.sessions import Runtime
 

@@ -291,7 +291,7 @@ SCHEDULER_NAMES: tuple[str, ...] = (
     *(f"{sampler}_{schedule}" for sampler in ("lms", "unipc", "heun")
       for schedule in ("karras", "exponential", "uniform", "sgm_uniform")))
 """Scheduler names as the API accepts them: a sampler, then optionally a sigma schedule (DDIM and PLMS take none).
-engines/diffusion/schedulers.py implements each, in this order (tests/unit/test_samplers_a1111.py checks)."""
+engines/numerics/schedulers.py implements each, in this order (tests/unit/test_samplers_a1111.py checks)."""
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -455,7 +455,7 @@ class SloWindow(BaseModel):
     """Bound on the p95 of the timed canary batches, seconds."""
     min_gpu_util_percent: float | None = Field(None, ge=0, le=100)
     family: str | None = None
-    """The model family this window judges (engines/diffusion/family.py, dit_family.py); a window without one
+    """The model family this window judges (engines/pipelines/unet_family.py, dit_family.py); a window without one
     judges the families that have no window of their own in the profile."""
 
 

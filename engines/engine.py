@@ -28,12 +28,12 @@ from engines.config import (
     Shape,
     SignatureThresholds,
 )
-from engines.diffusion.contract import Pipeline, Stepwise
-from engines.diffusion.dit_family import detect_dit, is_dit_folder
-from engines.diffusion.dit_pipeline import DitOnnx
-from engines.diffusion.pipeline import Begun, OrtModel, PipelineOutput, StableDiffusionOnnx
-from engines.diffusion.qwen_pipeline import QwenOnnx
-from engines.diffusion.schedulers import EDIT_SCHEDULERS, SCHEDULERS
+from engines.pipelines.contract import Pipeline, Stepwise
+from engines.pipelines.flow_family import detect_dit, is_dit_folder
+from engines.pipelines.flow import DitOnnx
+from engines.pipelines.unet import Begun, OrtModel, PipelineOutput, StableDiffusionOnnx
+from engines.pipelines.qwen import QwenOnnx
+from engines.numerics.schedulers import EDIT_SCHEDULERS, SCHEDULERS
 from engines.errors import (
     ArtifactError,
     GpuUnavailableError,

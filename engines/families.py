@@ -1,8 +1,8 @@
 """The family registry: what each model family sdserve serves is, in one place, read by everything else.
 
 A family is a name over an architecture (its ``base``: the UNet of SD 1.x, SD 2.x or SDXL, or the transformer of
-Flux.1, SD 3 or Qwen-Image). Detection reads a folder's JSON files, finds the base (engines/diffusion/family.py for
-the UNets, engines/diffusion/dit_family.py for the transformers), then asks the registry which family of that base
+Flux.1, SD 3 or Qwen-Image). Detection reads a folder's JSON files, finds the base (engines/pipelines/unet_family.py for
+the UNets, engines/pipelines/flow_family.py for the transformers), then asks the registry which family of that base
 the folder is: the first registered family whose ``claim`` accepts the folder's configs, else the family named after
 the base.
 Everything a caller needs to know about a family beyond its base (request defaults, the SDXL-only request fields,

@@ -72,7 +72,7 @@ class ImageSpec:
 Mode = Literal["txt2img", "img2img", "inpaint"]
 
 CACHE_METHODS = ("output", "first-block")
-"""Step cache methods: ``output`` reuses the denoiser's last output for every family (engines/diffusion/
+"""Step cache methods: ``output`` reuses the denoiser's last output for every family (engines/pipelines/
 step_cache.py); ``first-block`` runs the DiT transformer's first block and skips the rest (first_block.py)."""
 CACHE_MIN_STEPS = 9
 """A cache never runs on a request with fewer steps: few-step models (Turbo, schnell) gain nothing and every
@@ -293,7 +293,7 @@ class ModelInfo:
     digest: str = ""
     """sha256 of the UNet file from the model's manifest, read once at load ("" when there is no manifest)."""
     family: str = "sd1"
-    """sd1 | sd2 | sdxl | turbo (engines/diffusion/family.py); ``default_size`` is its native size."""
+    """sd1 | sd2 | sdxl | turbo (engines/pipelines/unet_family.py); ``default_size`` is its native size."""
     prediction_type: str = "epsilon"
     text_encoders: int = 1
     vae_scaling_factor: float = 0.18215

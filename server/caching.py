@@ -1,4 +1,4 @@
-"""Step caching policy and its quality gate: which requests run with a step cache (engines/diffusion/step_cache.py,
+"""Step caching policy and its quality gate: which requests run with a step cache (engines/numerics/step_cache.py,
 first_block.py), and the gate that decides, per served shape, whether the configured cache may run at all.
 
 The gate runs the canaries cached and uncached with the same seeds and steps and compares the images (PSNR, numpy):

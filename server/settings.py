@@ -208,7 +208,7 @@ FAMILY_DEFAULTS = {name: Defaults(steps=f.steps, guidance_scale=f.guidance, sche
 """Built-in request defaults where the profile's [defaults] would be wrong for the family: few-step (Turbo)
 models are distilled for 1-4 steps without CFG (their model cards: 1 step, guidance 0); the flow-matching DiT
 families sample with Euler at their model cards' steps and guidance (Flux dev 28 / 3.5 embedded, schnell 4 / none,
-SD 3 28 / 7.0, SD 3.5 28 / 4.5; engines/diffusion/dit_family.py DEFAULTS)."""
+SD 3 28 / 7.0, SD 3.5 28 / 4.5; engines/pipelines/flow_family.py DEFAULTS)."""
 
 
 class Serving(BaseModel):
@@ -399,7 +399,7 @@ PROVENANCE_MODES = ("off", "sign", "require")
 
 
 class CacheSettings(BaseModel):
-    """Step caching (engines/diffusion/step_cache.py, first_block.py): skip denoiser evaluations whose output
+    """Step caching (engines/numerics/step_cache.py, first_block.py): skip denoiser evaluations whose output
     barely changes. Off by default; served only for shapes whose quality gate passed on this model at boot."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")

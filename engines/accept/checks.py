@@ -18,7 +18,7 @@ from engines.accept import proofs as acc
 from engines.accept import report as rep
 from engines.accept.state import COMPONENTS, PROMPT, Run, job, reference_key, strict
 from engines.config import RuntimeSettings
-from engines.diffusion.pipeline import StableDiffusionOnnx
+from engines.pipelines.unet import StableDiffusionOnnx
 from engines.errors import ArtifactError, ModelLoadError, NotReadyError
 from engines.runtime import enginecheck
 from engines.runtime.dataflow import classify_cpu_nodes, partitioned_graph

@@ -67,7 +67,7 @@ def clip_vocab(source: Path) -> tuple[dict[str, int], list[tuple[str, str]]]:
 
 def write_tokenizer(source: Path, out: Path) -> None:
     """Write vocab.json, merges.txt, tokenizer.json and the configs in the layout diffusers/optimum use."""
-    from engines.diffusion.tokenizer import build_clip_tokenizer
+    from engines.numerics.tokenizer import build_clip_tokenizer
 
     vocab, merges = clip_vocab(source)
     out.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ The transformer takes ``hidden_states`` (Flux: packed [B, tokens, 64]; SD 3: [B,
 Flux's rotary position tables are transformer *inputs* (``rope_cos``, ``rope_sin``: [text + image tokens,
 head_dim], fp32): diffusers' ``FluxPosEmbed`` computes them in float64, which would put double ops in the graph
 (TensorRT has none); the serving pipeline computes them on the host in float64 from ``txt_ids``/``img_ids`` exactly
-as diffusers does and casts them to fp32 (engines/diffusion/dit_pipeline.py ``flux_rope``).
+as diffusers does and casts them to fp32 (engines/pipelines/flow.py ``flux_rope``).
 
 Half precision (``--dtype fp16`` / ``bf16``, ``PRECISION``): the networks are cast in torch and traced in that
 dtype, so the graph holds exactly what diffusers and transformers run in it: T5 keeps the modules its model class
@@ -421,7 +421,7 @@ def export_dit(components: dict[str, Any], tokenizer_dirs: dict[str, Path], out:
                              "scheduler": ["diffusers", type(scheduler).__name__],
                              **{n: onnx for n in [*names, *vaes]},
                              **{n: ["tokenizers", "Tokenizer"] for n in tokenizer_dirs}}
-    if native_size is not None:  # engines/diffusion/dit_pipeline.py NATIVE_SIZE_KEY
+    if native_size is not None:  # engines/pipelines/flow.py NATIVE_SIZE_KEY
         index["_sdserve_native_size"] = native_size
     write_json(out / "model_index.json", index)
     write_manifest(out, source)
@@ -430,7 +430,7 @@ def export_dit(components: dict[str, Any], tokenizer_dirs: dict[str, Path], out:
 
 def is_dit_source(src: Path) -> bool:
     """Whether a folder's model_index.json names a DiT pipeline, served or refused (`sdserve engines export`)."""
-    from engines.diffusion.dit_family import is_dit_folder
+    from engines.pipelines.flow_family import is_dit_folder
 
     return is_dit_folder(src)
 
@@ -443,7 +443,7 @@ def export_dit_folder(src: Path, out: Path, dtype: str = "fp32", first_block: bo
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel, SD3Transformer2DModel
     from transformers import CLIPTextModel, CLIPTextModelWithProjection, T5EncoderModel
 
-    from engines.diffusion.dit_family import detect_dit
+    from engines.pipelines.flow_family import detect_dit
     from engines.errors import ModelLoadError
 
     family = detect_dit(src)

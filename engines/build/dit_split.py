@@ -1,4 +1,4 @@
-"""The DiT transformer exported in parts for the first-block cache (engines/diffusion/first_block.py), split where
+"""The DiT transformer exported in parts for the first-block cache (engines/pipelines/first_block.py), split where
 diffusers' ``apply_first_block_cache`` (diffusers/hooks/first_block_cache.py) splits it. Build-time only: imports
 torch and diffusers.
 
@@ -11,7 +11,7 @@ output is its head (norm_out, proj_out; SD 3 also unpatchifies) applied to ``hea
 hook caches an encoder-state tail residual too, but nothing after the last block reads encoder states (Flux's and
 SD 3's heads take the image tokens only), so no part computes it.
 
-Parts (each ``<part>/model.onnx``; names in engines/diffusion/first_block.py ``PARTS``):
+Parts (each ``<part>/model.onnx``; names in engines/pipelines/first_block.py ``PARTS``):
 
 - ``transformer_first``: the full transformer's inputs -> ``first_hidden_states``, ``first_encoder_hidden_states``
   (after the head block), ``temb`` (the embedded timestep, guidance and pooled text) and ``first_residual``.
@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from engines.diffusion.first_block import FIRST, MID, REST, SKIP
+from engines.pipelines.first_block import FIRST, MID, REST, SKIP
 
 
 def _blocks(model: Any) -> list[torch.nn.Module]:

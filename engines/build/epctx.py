@@ -44,7 +44,7 @@ DIT_COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "transform
 
 
 def components(model_dir: Path) -> list[str]:
-    from engines.diffusion.dit_family import is_dit_folder
+    from engines.pipelines.flow_family import is_dit_folder
 
     if is_dit_folder(model_dir):
         return [c for c in DIT_COMPONENTS if (model_dir / c / "model.onnx").is_file()]

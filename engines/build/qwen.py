@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from engines.build.clip_vocab import clip_vocab, find_bpe_source
-from engines.diffusion.qwen_tokenizer import TEMPLATE, TEMPLATE_DROP
+from engines.numerics.qwen_tokenizer import TEMPLATE, TEMPLATE_DROP
 
 log = logging.getLogger(__name__)
 SEED = 0

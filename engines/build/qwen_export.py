@@ -14,7 +14,7 @@ Output layout (ONNX, legacy exporter, fp32)::
   ``encoder_hidden_states_mask`` [B, T] float (1 valid, 0 padding: the joint attention's key mask), ``timestep``
   [B] (t / 1000), ``rope_cos``/``rope_sin`` [T + image tokens, head_dim] fp32 -> ``out_hidden_states``. diffusers
   rotates q/k with complex tables (``torch.polar``, ``view_as_complex``: no ONNX); the same rotation on interleaved
-  real pairs with host-computed tables (engines/diffusion/qwen_pipeline.py ``qwen_rope``) is applied here to the
+  real pairs with host-computed tables (engines/pipelines/qwen.py ``qwen_rope``) is applied here to the
   joint (text, image) sequence, which equals rotating each stream before concatenating them.
 - ``vae_decoder`` / ``vae_encoder``: ``AutoencoderKLQwenImage`` (a causal 3D VAE) used for single images: one
   frame, 4D at the graph's edges. Its per-channel normalisation is folded in: the decoder takes the transformer's
@@ -42,7 +42,7 @@ from engines.build.export import OPSET, write_manifest
 
 log = logging.getLogger(__name__)
 CLASS_NAME = "OnnxQwenImagePipeline"
-"""model_index.json ``_class_name`` of an exported folder (engines/diffusion/dit_family.py QWEN_CLASSES)."""
+"""model_index.json ``_class_name`` of an exported folder (engines/pipelines/flow_family.py QWEN_CLASSES)."""
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -278,7 +278,7 @@ def export_qwen(components: dict[str, Any], tokenizer_dir: Path, out: Path, sour
     index: dict[str, Any] = {"_class_name": CLASS_NAME, "scheduler": ["diffusers", type(scheduler).__name__],
                              "tokenizer": ["tokenizers", "Tokenizer"],
                              **{n: onnx for n in ["text_encoder", "transformer", *vaes]}}
-    if native_size is not None:  # engines/diffusion/dit_pipeline.py NATIVE_SIZE_KEY
+    if native_size is not None:  # engines/pipelines/flow.py NATIVE_SIZE_KEY
         index["_sdserve_native_size"] = native_size
     write_json(out / "model_index.json", index)
     write_manifest(out, source)
@@ -291,7 +291,7 @@ def export_qwen_folder(src: Path, out: Path) -> Path:
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from engines.diffusion.dit_family import detect_dit
+    from engines.pipelines.flow_family import detect_dit
     from engines.errors import ModelLoadError
 
     family = detect_dit(src)

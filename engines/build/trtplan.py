@@ -27,7 +27,7 @@ from typing import Any
 import onnx
 
 from engines.artifacts import COMPONENTS, TRT_DIR
-from engines.diffusion.dit_family import DitFamily, detect_dit
+from engines.pipelines.flow_family import DitFamily, detect_dit
 from engines.errors import ArtifactError
 
 ENGINE_CACHE = "engines"
@@ -185,7 +185,7 @@ def fp32_components(model_dir: Path) -> tuple[str, ...]:
     """Components whose engine must stay fp32 whatever ``BuildFlags.fp16`` says: the VAE of a family whose config
     keeps ``force_upcast`` (SDXL's VAE overflows to NaN in fp16). The ONNX dtype does not decide it: TensorRT's
     ``trt_fp16_enable`` lets the builder pick fp16 kernels inside an fp32 graph."""
-    from engines.diffusion.family import detect
+    from engines.pipelines.unet_family import detect
     from engines.errors import ModelLoadError
 
     try:
@@ -270,13 +270,13 @@ def plan(model_dir: Path, profiles: list[ShapeProfile], flags: BuildFlags, devic
 
 
 def _dit_family(model_dir: Path) -> DitFamily | None:
-    from engines.diffusion.dit_family import is_dit_folder
+    from engines.pipelines.flow_family import is_dit_folder
 
     return detect_dit(model_dir) if is_dit_folder(model_dir) else None
 
 
 def _architecture(model_dir: Path) -> str:
-    from engines.diffusion.family import detect
+    from engines.pipelines.unet_family import detect
     from engines.errors import ModelLoadError
 
     try:

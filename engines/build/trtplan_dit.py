@@ -1,14 +1,14 @@
 """TensorRT build plan for the DiT families (Flux.1 dev/schnell, SD 3 / 3.5, Qwen-Image): per served size and
 component, the exact provider options of one engine, as engines/build/trtplan.py plans the UNet families.
 
-Every symbolic dim comes from the folder and the serving pipeline's own rules (engines/diffusion/dit_pipeline.py):
+Every symbolic dim comes from the folder and the serving pipeline's own rules (engines/pipelines/flow.py):
 rows are the images, doubled under classifier-free guidance (SD 3: negatives first; Flux never doubles); Flux's
 transformer takes the 2x2-packed latent tokens ``(H/16)*(W/16)`` and ``text_tokens`` = the T5 length, with rope
 tables over text + image tokens; SD 3's takes latents ``[rows, 16, H/8, W/8]`` and CLIP (77) + T5 tokens; the T5
 length is the family's ``max_sequence_length`` capped by the tokenizer's. A dim that is fixed in the graph is
 kept; one that is neither fixed nor known refuses the plan (trtplan.resolve).
 
-Qwen-Image (engines/diffusion/qwen_pipeline.py, qwen_tokenizer.py): the transformer takes the 2x2-packed tokens
+Qwen-Image (engines/pipelines/qwen.py, qwen_tokenizer.py): the transformer takes the 2x2-packed tokens
 like Flux, and ``max_sequence_length`` (512) text states, every row zero-padded to that fixed length, with the key
 mask ``encoder_hidden_states_mask`` [rows, 512] beside them; rows doubled under true CFG (negatives first); rope
 tables over 512 + image tokens. Its text encoder is fed *variable-length* ids: each batch's rows right-padded to
@@ -30,8 +30,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from engines.diffusion.dit_family import DitFamily
-from engines.diffusion.qwen_tokenizer import TEMPLATE_DROP
+from engines.pipelines.flow_family import DitFamily
+from engines.numerics.qwen_tokenizer import TEMPLATE_DROP
 
 PRECISION: dict[str, str] = {"text_encoder": "fp16", "text_encoder_2": "fp16", "text_encoder_3": "bf16",
                              "transformer": "bf16", "vae_decoder": "bf16", "vae_encoder": "bf16"}

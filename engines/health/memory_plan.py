@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from engines.config import RuntimeSettings
-from engines.diffusion.qwen_tokenizer import TEMPLATE_DROP
+from engines.numerics.qwen_tokenizer import TEMPLATE_DROP
 from engines.errors import ModelLoadError
 from engines.health.onnx_scan import scan_onnx
 from engines.health.param_counts import (
@@ -116,7 +116,7 @@ def _vae_parts(folder: Path, prefix: str = "") -> dict[str, str]:
 
 QWEN_TEMPLATE_TOKENS = TEMPLATE_DROP + 5
 """Tokens the Qwen2.5-VL encoder reads around the kept ones: the chat template's 34-token system prefix
-(engines/diffusion/qwen_tokenizer.py TEMPLATE_DROP) and its 5-token suffix (``<|im_end|>``, a newline,
+(engines/numerics/qwen_tokenizer.py TEMPLATE_DROP) and its 5-token suffix (``<|im_end|>``, a newline,
 ``<|im_start|>assistant``, a newline, in the released vocabulary)."""
 
 
@@ -126,9 +126,9 @@ def qwen_parts(folder: Path) -> dict[str, str]:
 
 
 def layout(folder: Path) -> Layout:
-    """The folder's family and components, from its JSON files (engines/diffusion/dit_family.py and family.py);
+    """The folder's family and components, from its JSON files (engines/pipelines/flow_family.py and family.py);
     ModelLoadError when it is no family sdserve serves."""
-    from engines.diffusion.dit_family import detect_dit, is_dit_folder
+    from engines.pipelines.flow_family import detect_dit, is_dit_folder
 
     if not folder.is_dir():
         raise ModelLoadError(f"{folder} is not a folder")
@@ -147,7 +147,7 @@ def layout(folder: Path) -> Layout:
         parts |= _vae_parts(folder)
         return Layout(dit.name, parts, dit.cfg, dit.max_sequence_length, {p: precision(dit, p) for p in parts},
                       _factor(folder))
-    from engines.diffusion.family import detect
+    from engines.pipelines.unet_family import detect
 
     fam = detect(folder)
     parts = {"text_encoder": "clip", **({"text_encoder_2": "clip_projection"} if fam.xl else {}), "unet": "unet"}
@@ -170,7 +170,7 @@ def config(folder: Path, name: str) -> dict[str, Any]:
 
 
 def _config(folder: Path, name: str) -> dict[str, Any]:
-    from engines.diffusion.family import read_json
+    from engines.pipelines.unet_family import read_json
 
     found = read_json(folder / name / "config.json")
     return found or (read_json(folder / "vae" / "config.json") if name.startswith("vae_") else {})

@@ -52,7 +52,7 @@ where the arena's power-of-two regions round up the most), 1.03 at 1024x1024; wi
 (another model, the CUDA arena, whose regions count whole on the device where the CPU's count only touched pages)."""
 IMAGE_BUFFER_BYTES = 3 * 4 * 5
 """Host bytes per decoded pixel: the float32 staging buffer the VAE writes, its copy, the clipped and scaled
-copies, then the uint8 image (engines/diffusion/pipeline.py ``_decode``)."""
+copies, then the uint8 image (engines/pipelines/unet.py ``_decode``)."""
 GIB = 1 << 30
 
 

@@ -1,5 +1,5 @@
 """The LoRA weights one batch binds: passed with the call, from the engine through the pipeline to every component
-that can be adapted (engines/diffusion/pipeline.py OrtModel.run / bound), never read from ambient state, so a
+that can be adapted (engines/pipelines/unet.py OrtModel.run / bound), never read from ambient state, so a
 reader and the type checker see each hop, and two batches can never see each other's weights.
 """
 

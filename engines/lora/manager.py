@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 
 class Model(Protocol):
-    """What the manager needs of a component session (engines/diffusion/pipeline.py OrtModel is one): the LoRA
+    """What the manager needs of a component session (engines/pipelines/unet.py OrtModel is one): the LoRA
     rooms stay below the pipelines, which hand their session class in."""
 
     name: str

@@ -242,7 +242,7 @@ def session_providers(settings: RuntimeSettings, in_process: bool, model_dir: Pa
                       total_memory: int | None = None) -> list[tuple[str, dict[str, str]]]:
     """The providers of one component: the policy's, except that graphs built in process get CUDA only.
 
-    Why: such a graph (the 10-node scheduler step of engines/diffusion/step_graph.py, the VAE input scale) has no
+    Why: such a graph (the 10-node scheduler step of engines/numerics/step_graph.py, the VAE input scale) has no
     prebuilt engine, so under a TensorRT policy TensorRT would build one on the node at the first request, and
     again per new shape. Its own policy is CUDA only: no build, the same math, still on the GPU."""
     providers = provider_options(settings, model_dir, total_memory)

@@ -60,7 +60,7 @@ UNSERVED: dict[str, str] = {
     "DDIM CFG++": "it re-noises with the unconditional prediction alone",
     "LCM": "it needs LCM-distilled weights",
 }
-"""A1111 samplers sdserve refuses, and why (engines/diffusion/schedulers.py's docstring has the details)."""
+"""A1111 samplers sdserve refuses, and why (engines/numerics/schedulers.py's docstring has the details)."""
 _BY_NAME = {alias.lower(): name for name, (_, aliases, _) in SAMPLERS.items() for alias in (name, *aliases)}
 _SCHEDULE_BY_NAME = {alias.lower(): label for label, (_, aliases) in SCHEDULES.items() for alias in (label, *aliases)}
 _A1111_SCHEDULES = ("Polyexponential", "KL Optimal", "Align Your Steps", "Simple", "Normal", "Beta",

@@ -14,7 +14,7 @@ import pytest
 from engines.artifacts import verify_model
 from engines.build.trtplan import graph_inputs
 from engines.config import RuntimeSettings
-from engines.diffusion.pipeline import StableDiffusionOnnx
+from engines.pipelines.unet import StableDiffusionOnnx
 from engines.errors import ArtifactError
 from engines.protocol import Batch, ImageSpec
 from engines.runtime.sessions import Runtime

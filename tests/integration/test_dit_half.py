@@ -29,7 +29,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from engines.config import RuntimeSettings
-from engines.diffusion.dit_pipeline import DitOnnx
+from engines.pipelines.flow import DitOnnx
 from engines.errors import ModelLoadError
 from engines.protocol import Batch, ImageSpec
 from engines.runtime.sessions import Runtime

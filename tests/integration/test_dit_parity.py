@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from engines.config import RuntimeSettings
-from engines.diffusion.dit_family import detect_dit
-from engines.diffusion.dit_pipeline import DitOnnx, pack_latents
-from engines.diffusion.pipeline import image_rng
+from engines.pipelines.flow_family import detect_dit
+from engines.pipelines.flow import DitOnnx, pack_latents
+from engines.pipelines.unet import image_rng
 from engines.errors import InvalidRequestError, ModelLoadError
 from engines.protocol import Batch, EditImage, ImageSpec
 from engines.runtime.sessions import Runtime
@@ -186,8 +186,8 @@ def test_tokenizers_match_transformers(dit_build: Builder) -> None:
     folder: T5 with truncation at max_sequence_length, and SD 3's CLIP-G padding with ``!``."""
     from transformers import CLIPTokenizer, T5TokenizerFast
 
-    from engines.diffusion.t5_tokenizer import T5Tokenizer
-    from engines.diffusion.tokenizer import ClipTokenizer
+    from engines.numerics.t5_tokenizer import T5Tokenizer
+    from engines.numerics.tokenizer import ClipTokenizer
 
     onnx_dir, diffusers_dir = dit_build("sd3")
     prompts = ["a cat", "A photo of an ASTRONAUT riding a horse on Mars, 8k, détaillé",
@@ -229,7 +229,7 @@ def test_t5_truncation_is_reported_or_refused(dit_build: Builder) -> None:
 def test_serving_the_dit_pipeline_imports_no_torch(dit_build: Builder) -> None:
     folder = dit_build("sd35")[0]
     code = ("import sys; from engines.config import RuntimeSettings; from engines.runtime.sessions import Runtime; "
-            "from engines.diffusion.dit_pipeline import DitOnnx; from engines.protocol import Batch, ImageSpec; "
+            "from engines.pipelines.flow import DitOnnx; from engines.protocol import Batch, ImageSpec; "
             f"p = DitOnnx(__import__('pathlib').Path({str(folder)!r}), "
             "Runtime(RuntimeSettings(providers=('CPUExecutionProvider',), allow_cpu=True))); "
             "p(Batch((ImageSpec('a cat', guidance_scale=5.0),), width=32, height=32, steps=1)); "

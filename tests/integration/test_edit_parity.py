@@ -21,7 +21,7 @@ from PIL import Image
 
 from engines.build.tiny import build_tiny
 from engines.config import RuntimeSettings
-from engines.diffusion.pipeline import StableDiffusionOnnx, image_rng
+from engines.pipelines.unet import StableDiffusionOnnx, image_rng
 from engines.health import selftest
 from engines.protocol import Batch, EditImage, ImageSpec
 from engines.runtime.sessions import Runtime

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from engines.config import RuntimeSettings
-from engines.diffusion.pipeline import StableDiffusionOnnx
+from engines.pipelines.unet import StableDiffusionOnnx
 from engines.errors import InvalidRequestError
 from engines.protocol import Batch, EditImage, ImageSpec
 from engines.runtime.sessions import Runtime

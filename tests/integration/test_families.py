@@ -18,8 +18,8 @@ from onnx import TensorProto, helper
 
 from engines.build.tiny import build_tiny
 from engines.config import RuntimeSettings
-from engines.diffusion import family as families
-from engines.diffusion.pipeline import StableDiffusionOnnx, image_rng
+from engines.pipelines import unet_family as families
+from engines.pipelines.unet import StableDiffusionOnnx, image_rng
 from engines.errors import ModelLoadError
 from engines.protocol import Batch, ImageSpec
 from engines.runtime.sessions import Runtime

@@ -1,4 +1,4 @@
-"""The first-block cache (engines/diffusion/first_block.py, parts from engines/build/dit_split.py) against diffusers'
+"""The first-block cache (engines/pipelines/first_block.py, parts from engines/build/dit_split.py) against diffusers'
 own ``apply_first_block_cache`` on tiny Flux dev and tiny SD 3.5 (the SD 3 family with two blocks; one-block SD 3
 has nothing to skip): the same initial latents and threshold give the same skip decisions step by step, the same
 relative changes, the same latents after every step and the same images; with threshold 0 the parts give the full
@@ -26,9 +26,9 @@ import pytest
 import torch
 
 from engines.config import RuntimeSettings
-from engines.diffusion.dit_pipeline import DitOnnx, pack_latents
-from engines.diffusion.first_block import FirstBlockRunner
-from engines.diffusion.pipeline import image_rng
+from engines.pipelines.flow import DitOnnx, pack_latents
+from engines.pipelines.first_block import FirstBlockRunner
+from engines.pipelines.unet import image_rng
 from engines.errors import InferenceError
 from engines.lora.active import Adapters
 from engines.protocol import Batch, ImageSpec

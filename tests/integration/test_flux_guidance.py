@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from engines.config import RuntimeSettings
-from engines.diffusion.dit_pipeline import DitOnnx, pack_latents
-from engines.diffusion.pipeline import image_rng
+from engines.pipelines.flow import DitOnnx, pack_latents
+from engines.pipelines.unet import image_rng
 from engines.protocol import Batch, ImageSpec
 from engines.runtime.sessions import Runtime
 

@@ -17,8 +17,8 @@ import pytest
 
 from engines.build.optimize import FP32_KEEP
 from engines.config import RuntimeSettings
-from engines.diffusion.pipeline import OrtModel, StableDiffusionOnnx
-from engines.diffusion.step_graph import build_step_graph
+from engines.pipelines.unet import OrtModel, StableDiffusionOnnx
+from engines.numerics.step_graph import build_step_graph
 from engines.protocol import Batch, ImageSpec
 from engines.runtime.sessions import Runtime
 

@@ -19,7 +19,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from engines.config import RuntimeSettings
-from engines.diffusion.step_graph import build_step_graph
+from engines.numerics.step_graph import build_step_graph
 from engines.errors import ArtifactError, GpuUnavailableError, PlacementError
 from engines.runtime import enginecheck, libdeps, placement
 from engines.runtime.dataflow import partitioned_graph, shape_tensors

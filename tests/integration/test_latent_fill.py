@@ -18,7 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
-from engines.diffusion.pipeline import StableDiffusionOnnx
+from engines.pipelines.unet import StableDiffusionOnnx
 from engines.protocol import Batch, EditImage, ImageSpec, LatentFill
 from tests.integration.test_edit_parity import (
     GUIDANCE,

@@ -26,7 +26,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from engines.config import LoraSettings, RuntimeSettings
-from engines.diffusion.pipeline import image_rng
+from engines.pipelines.unet import image_rng
 from engines.engine import OrtEngine
 from engines.errors import InvalidRequestError
 from engines.lora.active import Adapters
@@ -380,7 +380,7 @@ def test_a_dit_text_encoder_lora_changes_the_image_it_claims_and_matches_diffuse
     infotext and the signed manifest said the LoRA applied."""
     import diffusers
 
-    from engines.diffusion.dit_pipeline import pack_latents
+    from engines.pipelines.flow import pack_latents
 
     onnx_dir, diffusers_dir = dit_build(family)
     kind = diffusers.FluxPipeline if family == "flux" else diffusers.StableDiffusion3Pipeline
@@ -426,7 +426,7 @@ def test_flux_transformer_lora_matches_diffusers(dit_build: Callable[[str], tupl
     """A diffusers-format Flux LoRA (``transformer.<module>.lora_A.weight``) on attention and MLP."""
     import diffusers
 
-    from engines.diffusion.dit_pipeline import pack_latents
+    from engines.pipelines.flow import pack_latents
 
     onnx_dir, diffusers_dir = dit_build("flux")
     pipe = diffusers.FluxPipeline.from_pretrained(diffusers_dir)

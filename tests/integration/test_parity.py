@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from engines.config import RuntimeSettings
-from engines.diffusion.pipeline import StableDiffusionOnnx, image_rng
+from engines.pipelines.unet import StableDiffusionOnnx, image_rng
 from engines.protocol import Batch, ImageSpec
 from engines.runtime.sessions import Runtime
 
 SCHEDULERS = {"euler": "EulerDiscreteScheduler", "euler_a": "EulerAncestralDiscreteScheduler",
               "ddim": "DDIMScheduler", "dpmpp_2m": "DPMSolverMultistepScheduler",
-              # multistep (engines/diffusion/multistep.py): history ring, and Heun's/PLMS's second UNet call
+              # multistep (engines/numerics/multistep.py): history ring, and Heun's/PLMS's second UNet call
               "plms": "PNDMScheduler", "lms": "LMSDiscreteScheduler", "unipc": "UniPCMultistepScheduler",
               "heun": "HeunDiscreteScheduler"}
 """Each diffusers scheduler gets the tiny model's scheduler_config.json (PNDM, skip_prk_steps) via from_config."""

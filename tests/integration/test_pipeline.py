@@ -12,8 +12,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from engines.config import RuntimeSettings
-from engines.diffusion.pipeline import StableDiffusionOnnx
-from engines.diffusion.tokenizer import ClipTokenizer
+from engines.pipelines.unet import StableDiffusionOnnx
+from engines.numerics.tokenizer import ClipTokenizer
 from engines.protocol import Batch, ImageSpec
 from engines.runtime.sessions import Runtime
 from server.service import encode_png

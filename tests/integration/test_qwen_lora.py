@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from engines.config import LoraSettings, RuntimeSettings
-from engines.diffusion.dit_pipeline import pack_latents
-from engines.diffusion.pipeline import image_rng
+from engines.pipelines.flow import pack_latents
+from engines.pipelines.unet import image_rng
 from engines.engine import OrtEngine
 from engines.protocol import Batch, ImageSpec, LoraUse
 from tests import lora_files as lf

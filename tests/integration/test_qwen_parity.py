@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from engines.config import RuntimeSettings
-from engines.diffusion.dit_family import detect_dit
-from engines.diffusion.dit_pipeline import pack_latents
-from engines.diffusion.pipeline import image_rng
-from engines.diffusion.qwen_pipeline import QwenOnnx, qwen_rope
-from engines.diffusion.qwen_tokenizer import TEMPLATE, TEMPLATE_DROP, QwenTokenizer
+from engines.pipelines.flow_family import detect_dit
+from engines.pipelines.flow import pack_latents
+from engines.pipelines.unet import image_rng
+from engines.pipelines.qwen import QwenOnnx, qwen_rope
+from engines.numerics.qwen_tokenizer import TEMPLATE, TEMPLATE_DROP, QwenTokenizer
 from engines.engine import OrtEngine
 from engines.errors import ModelLoadError
 from engines.protocol import Batch, BatchResult, EditImage, ImageSpec, StepRun

@@ -1,4 +1,4 @@
-"""The row packer of step-level batching (engines/diffusion/rows.py) on real ONNX Runtime sessions: one call joins up
+"""The row packer of step-level batching (engines/numerics/rows.py) on real ONNX Runtime sessions: one call joins up
 to JOIN_MAX requests' rows and one call splits them back; more requests chain the calls. Concat and Slice copy, so
 the results are exact."""
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from engines.config import RuntimeSettings
-from engines.diffusion.pipeline import OrtModel
-from engines.diffusion.rows import JOIN_MAX, RowPacker
+from engines.pipelines.unet import OrtModel
+from engines.numerics.rows import JOIN_MAX, RowPacker
 from engines.runtime.sessions import Runtime
 
 

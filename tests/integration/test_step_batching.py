@@ -1,6 +1,6 @@
 """Step-level batching on real ONNX Runtime sessions: a request's image is the same (within 1/255) whether it ran
 alone or joined a running set mid-way, whatever the other rows do (engines/engine.py begin/tick/finish,
-engines/diffusion/rows.py). The rows differ in prompt, seed, steps, sampler, guidance (with and without CFG) and
+engines/numerics/rows.py). The rows differ in prompt, seed, steps, sampler, guidance (with and without CFG) and
 mode; every sampler family is covered: single-history (Euler), ancestral noise streams (Euler a, DPM++ 2M SDE),
 multistep history (DPM++ 2M, PLMS, LMS, UniPC) and two evaluations per step (Heun, DPM++ 2M SDE Heun).
 """

@@ -1,4 +1,4 @@
-"""The output-level step cache on real ONNX Runtime sessions (engines/diffusion/step_cache.py): decisions follow
+"""The output-level step cache on real ONNX Runtime sessions (engines/numerics/step_cache.py): decisions follow
 EasyCache's rule, a reusing row is left out of the tick's denoiser call, the images stay close to the uncached ones
 on every family, and the gate (server/caching.py) passes or refuses a configuration by its measured PSNR."""
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from engines.config import Canary, RuntimeSettings
-from engines.diffusion.step_cache import OutputCache
+from engines.numerics.step_cache import OutputCache
 from engines.engine import OrtEngine
 from engines.errors import InvalidRequestError
 from engines.protocol import Batch, BatchResult, ImageSpec, StepCache

@@ -13,7 +13,7 @@ import onnxruntime as ort
 import pytest
 
 from engines.config import RuntimeSettings
-from engines.diffusion.pipeline import StableDiffusionOnnx
+from engines.pipelines.unet import StableDiffusionOnnx
 from engines.protocol import Batch, ImageSpec
 from engines.runtime.sessions import Runtime
 
@@ -71,7 +71,7 @@ def test_a_dit_request_binds_no_pageable_feed_but_the_shapes(family: str, dit_bu
     A DiT request's text ids, edit sigma and per-request tables go up through the runtime's staging (pinned on a
     GPU); only the Reshape targets of Flux's unpacking stay host feeds, which ORT's CUDA and TensorRT providers read
     from host memory, and which are not recorded as copies (before, they made the check fail on every Flux)."""
-    from engines.diffusion.dit_pipeline import DitOnnx
+    from engines.pipelines.flow import DitOnnx
 
     model, _ = dit_build(family)
     pipe = DitOnnx(model, Runtime(CPU))

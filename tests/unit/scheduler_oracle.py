@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engines.diffusion.plan import Lin, SchedulePlan
+from engines.numerics.plan import Lin, SchedulePlan
 
 
 def apply(lin: Lin, x: np.ndarray, out: np.ndarray, history: list[np.ndarray], noise: np.ndarray) -> np.ndarray:

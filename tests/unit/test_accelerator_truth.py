@@ -17,7 +17,7 @@ from engines import artifacts
 from engines.accept import run as accept_run
 from engines.build import trtplan
 from engines.config import Matrix, PluginEp, PluginMatrix, RuntimeSettings
-from engines.diffusion.pipeline import check_output_type
+from engines.pipelines.unet import check_output_type
 from engines.engine import GPU_MEM_LIMIT_SCOPE, OrtEngine
 from engines.errors import ArtifactError, GpuUnavailableError, InferenceError
 from engines.health.preflight import Observations, decode_version, evaluate, library_or_pip, tensorrt_install

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from engines.diffusion.dit_family import detect_dit, is_dit_folder
+from engines.pipelines.flow_family import detect_dit, is_dit_folder
 from engines.errors import ModelLoadError
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from engines.diffusion.dit_pipeline import flux_rope, image_ids, pack_latents, unpack_latents
+from engines.pipelines.flow import flux_rope, image_ids, pack_latents, unpack_latents
 
 
 @pytest.mark.parametrize(("h", "w"), [(8, 8), (4, 6), (12, 2)])

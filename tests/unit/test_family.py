@@ -12,9 +12,9 @@ import onnxruntime as ort
 import pytest
 
 from engines.config import Shape, load_canaries
-from engines.diffusion import family as families
-from engines.diffusion.schedulers import Lin
-from engines.diffusion.step_graph import build_step_graph, build_text_join_graph, step_coefficients
+from engines.pipelines import unet_family as families
+from engines.numerics.schedulers import Lin
+from engines.numerics.step_graph import build_step_graph, build_text_join_graph, step_coefficients
 from engines.errors import ModelLoadError
 from server.settings import Settings
 
@@ -157,7 +157,7 @@ def test_canary_set_per_family_from_the_shipped_file() -> None:
     from server.settings import CONFIG_DIR
 
     suite = load_canaries(CONFIG_DIR / "canaries.toml")
-    from engines.diffusion.dit_family import DIT_FAMILIES
+    from engines.pipelines.flow_family import DIT_FAMILIES
 
     assert set(suite.family) == set(families.FAMILY_NAMES) | set(DIT_FAMILIES)  # every family its own canary set
     turbo = suite.for_family("turbo")

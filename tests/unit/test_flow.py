@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from engines.diffusion.flow import FlowMatchConfig, calculate_shift, euler_step, flow_schedule, flux_sigmas
+from engines.numerics.flow_schedule import FlowMatchConfig, calculate_shift, euler_step, flow_schedule, flux_sigmas
 
 FLOW = {"num_train_timesteps": 1000, "base_shift": 0.5, "max_shift": 1.15, "base_image_seq_len": 256,
         "max_image_seq_len": 4096}
@@ -101,7 +101,7 @@ def _session(model: bytes) -> Any:
 def test_step_graph_is_the_euler_step_with_cfg(cfg: bool, shape: tuple[int, ...]) -> None:
     """The device step graph equals euler_step on the guided velocity; an image with guidance <= 1 inside a CFG
     batch takes its text prediction alone."""
-    from engines.diffusion.flow_graph import build_flow_step_graph, flow_coefficients
+    from engines.numerics.flow_graph import build_flow_step_graph, flow_coefficients
 
     rng = np.random.default_rng(3)
     sample = rng.standard_normal(shape, dtype=np.float32)
@@ -124,8 +124,8 @@ def test_step_graph_is_the_euler_step_with_cfg(cfg: bool, shape: tuple[int, ...]
 def test_decode_graph_unpacks_and_rescales_like_diffusers() -> None:
     from diffusers import FluxPipeline
 
-    from engines.diffusion.dit_pipeline import pack_latents
-    from engines.diffusion.flow_graph import build_flow_decode_graph
+    from engines.pipelines.flow import pack_latents
+    from engines.numerics.flow_graph import build_flow_decode_graph
 
     latents = np.random.default_rng(4).standard_normal((2, 16, 4, 6), dtype=np.float32)
     packed = pack_latents(latents)
@@ -142,7 +142,7 @@ def test_decode_graph_unpacks_and_rescales_like_diffusers() -> None:
 def test_flow_start_is_the_dit_img2img_get_timesteps(steps: int, strength: float) -> None:
     from diffusers import FluxImg2ImgPipeline
 
-    from engines.diffusion.flow_graph import flow_start
+    from engines.numerics.flow_graph import flow_start
 
     scheduler = _theirs(CONFIGS["flux-schnell"], steps, True, None)
     holder = type("P", (), {"scheduler": scheduler})()
@@ -154,7 +154,7 @@ def test_flow_start_is_the_dit_img2img_get_timesteps(steps: int, strength: float
 
 @pytest.mark.parametrize("strength", [0.0, -0.5, 1.5])
 def test_flow_start_refuses_strengths_outside_the_unit_interval(strength: float) -> None:
-    from engines.diffusion.flow_graph import flow_start
+    from engines.numerics.flow_graph import flow_start
 
     with pytest.raises(ValueError, match="strength"):
         flow_start(4, strength)
@@ -164,7 +164,7 @@ def test_flow_start_refuses_strengths_outside_the_unit_interval(strength: float)
 def test_noise_graph_is_scale_noise_then_packing(packed: bool) -> None:
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
-    from engines.diffusion.flow_graph import build_flow_noise_graph
+    from engines.numerics.flow_graph import build_flow_noise_graph
 
     rng = np.random.default_rng(5)
     sample, noise = (rng.standard_normal((2, 16, 4, 6), dtype=np.float32) for _ in range(2))

@@ -14,7 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engines.config import SCHEDULER_NAMES
-from engines.diffusion.schedulers import SCHEDULERS, SIGMA_SCHEDULES, NoiseSchedule, make_plan
+from engines.numerics.schedulers import SCHEDULERS, SIGMA_SCHEDULES, NoiseSchedule, make_plan
 from server.app import create_app
 from server.routes.a1111 import SCHEDULES, UNSERVED, resolve_sampler
 from server.settings import load_settings
@@ -108,7 +108,7 @@ def test_the_config_names_are_the_implemented_names_in_order() -> None:
 
 
 def test_the_module_docstring_says_why_each_unserved_sampler_is_refused() -> None:
-    import engines.diffusion.schedulers as module
+    import engines.numerics.schedulers as module
 
     doc = module.__doc__ or ""
     for name in ("lms", "plms", "unipc", "heun", "dpm2", "dpmpp_sde", "dpmpp_2s_a", "dpmpp_3m_sde", "dpm_fast",

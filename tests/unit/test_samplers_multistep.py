@@ -1,4 +1,4 @@
-"""PLMS, LMS, UniPC and Heun (engines/diffusion/multistep.py) vs diffusers' schedulers of the same config, evaluation
+"""PLMS, LMS, UniPC and Heun (engines/numerics/multistep.py) vs diffusers' schedulers of the same config, evaluation
 by evaluation on the same random model outputs; the history-carrying step graph vs a float64 reference."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from engines.diffusion.multistep import MAX_HISTORY
-from engines.diffusion.schedulers import SCHEDULERS, Lin, NoiseSchedule, SchedulePlan, Step, make_plan
-from engines.diffusion.step_graph import build_step_graph, step_coefficients
+from engines.numerics.multistep import MAX_HISTORY
+from engines.numerics.schedulers import SCHEDULERS, Lin, NoiseSchedule, SchedulePlan, Step, make_plan
+from engines.numerics.step_graph import build_step_graph, step_coefficients
 from tests.unit.scheduler_oracle import apply, trajectory_errors
 
 BASE = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "num_train_timesteps": 1000,

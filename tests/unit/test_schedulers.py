@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from engines.diffusion.schedulers import NoiseSchedule, make_plan
+from engines.numerics.schedulers import NoiseSchedule, make_plan
 from tests.unit.scheduler_oracle import trajectory_errors
 
 BASE = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "num_train_timesteps": 1000,

@@ -7,8 +7,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from engines.diffusion.schedulers import NoiseSchedule, make_plan
-from engines.diffusion.step_graph import build_scale_graph, build_step_graph, step_coefficients
+from engines.numerics.schedulers import NoiseSchedule, make_plan
+from engines.numerics.step_graph import build_scale_graph, build_step_graph, step_coefficients
 
 B, SHAPE = 2, (2, 4, 8, 8)
 FLOAT32_BOUND = 2e-6

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from engines.build.clip_vocab import clip_vocab, find_bpe_source, write_tokenizer
-from engines.diffusion.tokenizer import ClipTokenizer
+from engines.numerics.tokenizer import ClipTokenizer
 
 PROMPTS = ["a photo of an astronaut riding a horse", "  Hello,   WORLD!! it's 2026 café  ",
            "naïve résumé — 東京 😀 <|endoftext|> x", "", "masterpiece, (best quality:1.2), 8k uhd, dslr"]
@@ -29,7 +29,7 @@ def test_vocabulary_is_clips() -> None:
 
 def test_known_ids() -> None:
     vocab, merges = clip_vocab(find_bpe_source())
-    from engines.diffusion.tokenizer import build_clip_tokenizer
+    from engines.numerics.tokenizer import build_clip_tokenizer
 
     ids = build_clip_tokenizer(vocab, merges).encode("a photo of an astronaut riding a horse").ids
     assert ids == [49406, 320, 1125, 539, 550, 18376, 6765, 320, 4558, 49407]

@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import NodeProto, TensorProto, ValueInfoProto, helper, numpy_helper
 
-from engines.diffusion.schedulers import Lin
+from engines.numerics.schedulers import Lin
 
 BASIS = ("sample", "uncond", "text", "prev", "noise")
 STATE_DTYPE = np.float32

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
-from engines.diffusion.step_graph import elem_type, serialize
+from engines.numerics.step_graph import elem_type, serialize
 
 STATE = np.float32
 

@@ -1,7 +1,7 @@
 """A sampler's plan: per-step coefficients over the step graph's basis, computed on the host, no tensors.
 
-engines/diffusion/schedulers.py and multistep.py build plans; the pipeline runs them with the step graph
-(engines/diffusion/step_graph.py), one UNet evaluation at a time.
+engines/numerics/schedulers.py and multistep.py build plans; the pipeline runs them with the step graph
+(engines/numerics/step_graph.py), one UNet evaluation at a time.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ class Lin:
     """Coefficients over the step basis (sample, model_output, prev_denoised, noise, earlier history entries).
 
     ``prev`` is the entry the previous evaluation pushed (its ``Step.denoised``); ``earlier[k]`` the one pushed
-    ``k + 2`` evaluations back (multistep samplers only; engines/diffusion/multistep.py)."""
+    ``k + 2`` evaluations back (multistep samplers only; engines/numerics/multistep.py)."""
 
     sample: float = 0.0
     model: float = 0.0
@@ -125,7 +125,7 @@ class SchedulePlan:
 
 
 class Schedule(Protocol):
-    """What a sampler reads of the training noise schedule (engines/diffusion/schedulers.py NoiseSchedule)."""
+    """What a sampler reads of the training noise schedule (engines/numerics/schedulers.py NoiseSchedule)."""
 
     @property
     def alphas_cumprod(self) -> np.ndarray: ...

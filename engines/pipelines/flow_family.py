@@ -9,7 +9,7 @@ folder's ``model_index.json`` and component configs before any session runs.
 - ``sd35``: SD 3.5: the same with ``qk_norm`` (and, for 3.5 Medium, dual attention layers).
 - ``qwen-image``: Qwen-Image: a Qwen2.5-VL text encoder's last states (a chat template, its system prefix dropped),
   2×2-packed latents with centred rotary positions, true CFG with a negative prompt and norm rescaling
-  (engines/diffusion/qwen_pipeline.py).
+  (engines/pipelines/qwen.py).
 
 Refused by name: Flux.1 Kontext (image-conditioned editing: reference-image tokens in the sequence), Flux.2
 (another transformer, text encoder and VAE), the Flux tools (Fill, Canny/Depth control, Redux) and ControlNets;
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from engines import families
-from engines.diffusion.family import read_json
+from engines.pipelines.unet_family import read_json
 from engines.errors import ModelLoadError
 
 DIT_FAMILIES = families.names("transformer")

@@ -25,7 +25,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from engines.diffusion.step_graph import elem_type, serialize
+from engines.numerics.step_graph import elem_type, serialize
 
 
 class ShapeFeed(np.ndarray):

@@ -35,7 +35,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import helper
 
-from engines.diffusion.step_graph import elem_type, serialize
+from engines.numerics.step_graph import elem_type, serialize
 from engines.protocol import CacheUse, StepCache
 
 
@@ -95,7 +95,7 @@ def _scalar(host: np.ndarray, index: int) -> ort.OrtValue:
 
 @dataclass
 class OutputCache:
-    """One request's output-level cache state (engines/diffusion/step_cache.py): its buffers live on the device
+    """One request's output-level cache state (engines/numerics/step_cache.py): its buffers live on the device
     under the request's scope, its decisions are made on two host scalars per evaluation."""
 
     spec: StepCache

@@ -1,7 +1,7 @@
 """img2img for the flow-matching DiT families, on the device, as diffusers' FluxImg2ImgPipeline and
 StableDiffusion3Img2ImgPipeline (0.42) do it:
 
-- the init image (uint8 -> [-1, 1], engines/diffusion/edits.py ``edit_inputs``) goes up once; the VAE encoder gives
+- the init image (uint8 -> [-1, 1], engines/pipelines/unet_edits.py ``edit_inputs``) goes up once; the VAE encoder gives
   the latent distribution's moments and the latents are sampled with the image's own stream
   (``mean + exp(0.5 * clamp(logvar, -30, 20)) * eps``, edits.py ``build_sample_graph``);
 - the model's latents are ``(sample - shift_factor) * scaling_factor``, noised to the first step's level by the
@@ -21,10 +21,10 @@ from collections.abc import Callable
 import numpy as np
 import onnxruntime as ort
 
-from engines.diffusion.edits import ENCODER_OUTPUT, build_sample_graph, edit_inputs
-from engines.diffusion.flow_graph import build_flow_noise_graph
-from engines.diffusion.pipeline import OrtModel
-from engines.diffusion.rows import shape_feed
+from engines.pipelines.unet_edits import ENCODER_OUTPUT, build_sample_graph, edit_inputs
+from engines.numerics.flow_graph import build_flow_noise_graph
+from engines.pipelines.unet import OrtModel
+from engines.numerics.rows import shape_feed
 from engines.protocol import Batch
 from engines.runtime.sessions import Runtime
 

@@ -1,4 +1,4 @@
-"""The pipeline contract: what the engine asks of a family's pipeline (engines/diffusion/pipeline.py for the UNet
+"""The pipeline contract: what the engine asks of a family's pipeline (engines/pipelines/unet.py for the UNet
 families, dit_pipeline.py for the flow-matching transformers), so it holds one type instead of a union and
 branches on no pipeline class. A pipeline composes its stages (encode, prepare the latents, denoise step by step,
 decode) in ``__call__``; the component sessions it exposes are what LoRA adapts and what placement audits."""
@@ -13,7 +13,7 @@ import numpy as np
 from engines.protocol import Batch, StepHook
 
 if TYPE_CHECKING:
-    from engines.diffusion.pipeline import Begun, OrtModel, PipelineOutput
+    from engines.pipelines.unet import Begun, OrtModel, PipelineOutput
     from engines.lora.active import Adapters
     from engines.runtime.sessions import Runtime
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from engines.diffusion.tokenizer import Tokens
+from engines.numerics.tokenizer import Tokens
 from engines.errors import ModelLoadError
 
 PAD = "<pad>"

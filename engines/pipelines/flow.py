@@ -1,7 +1,7 @@
 """Flow-matching DiT txt2img and img2img on ONNX Runtime (no torch): Flux.1 dev/schnell and Stable Diffusion
 3 / 3.5.
 
-The folder is the layout engines/build/dit_export.py writes (family: engines/diffusion/dit_family.py). What the two
+The folder is the layout engines/build/dit_export.py writes (family: engines/pipelines/flow_family.py). What the two
 bases do, as diffusers' FluxPipeline and StableDiffusion3Pipeline do it:
 
 - Flux: CLIP-L's pooled output and T5's states condition the transformer; the 16-channel latents are packed 2×2
@@ -21,9 +21,9 @@ batch does not truncate.
 Sessions are built by the Runtime (providers under the policy) and run through IO binding. The text encoders run
 once per request with host outputs (the conditioning is assembled on the host and uploaded once); the denoising
 loop keeps the latents, the transformer input and output and the per-step timesteps and coefficients on the device:
-a small step graph (engines/diffusion/flow_graph.py) applies the Euler step and CFG as a linear combination whose
-coefficients the flow schedule (engines/diffusion/flow.py) gives, and a decode graph unpacks and rescales the
-latents for the VAE. Only the initial noise goes up and the image comes down. img2img (engines/diffusion/
+a small step graph (engines/numerics/flow_graph.py) applies the Euler step and CFG as a linear combination whose
+coefficients the flow schedule (engines/numerics/flow_schedule.py) gives, and a decode graph unpacks and rescales the
+latents for the VAE. Only the initial noise goes up and the image comes down. img2img (engines/pipelines/
 dit_edits.py) encodes the init image on the device and enters the same loop at the step its strength picks.
 
 Element types come from the sessions (``OrtModel.input_dtype``/``output_dtype``): fp32 and fp16 graph inputs and
@@ -45,18 +45,18 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from engines.diffusion.dit_edits import DitEditor
-from engines.diffusion.dit_family import DitFamily, detect_dit
-from engines.diffusion.family import read_json
-from engines.diffusion.first_block import PARTS as FIRST_BLOCK_PARTS
-from engines.diffusion.first_block import FirstBlockRunner, FirstBlockState
-from engines.diffusion.flow import FlowMatchConfig, FlowSchedule, flow_schedule, flux_sigmas
-from engines.diffusion.flow_graph import build_flow_decode_graph, build_flow_step_graph, flow_coefficients, flow_start
-from engines.diffusion.pipeline import Begun, Feed, OrtModel, PipelineOutput, image_rng
-from engines.diffusion.rows import RowPacker, shape_feed
-from engines.diffusion.step_cache import OutputCache, Probe, cache_use, partition, record
-from engines.diffusion.t5_tokenizer import T5Tokenizer
-from engines.diffusion.tokenizer import ClipTokenizer
+from engines.pipelines.flow_edits import DitEditor
+from engines.pipelines.flow_family import DitFamily, detect_dit
+from engines.pipelines.unet_family import read_json
+from engines.pipelines.first_block import PARTS as FIRST_BLOCK_PARTS
+from engines.pipelines.first_block import FirstBlockRunner, FirstBlockState
+from engines.numerics.flow_schedule import FlowMatchConfig, FlowSchedule, flow_schedule, flux_sigmas
+from engines.numerics.flow_graph import build_flow_decode_graph, build_flow_step_graph, flow_coefficients, flow_start
+from engines.pipelines.unet import Begun, Feed, OrtModel, PipelineOutput, image_rng
+from engines.numerics.rows import RowPacker, shape_feed
+from engines.numerics.step_cache import OutputCache, Probe, cache_use, partition, record
+from engines.numerics.t5_tokenizer import T5Tokenizer
+from engines.numerics.tokenizer import ClipTokenizer
 from engines.errors import InferenceError, InvalidRequestError, ModelLoadError
 from engines.lora.active import Adapters
 from engines.protocol import CACHE_MIN_STEPS, Batch, CacheUse, ModelInfo, StepHook, Timings
@@ -133,7 +133,7 @@ class DitConditioning:
 
 ROW_INPUTS = ("encoder_hidden_states", "pooled_projections", "guidance", "encoder_hidden_states_mask")
 """Transformer inputs with a row per image (besides hidden_states and timestep); the others (Flux's rope tables)
-depend on the size only. (Qwen-Image's key mask: engines/diffusion/qwen_pipeline.py.)"""
+depend on the size only. (Qwen-Image's key mask: engines/pipelines/qwen.py.)"""
 
 
 @dataclass
@@ -155,9 +155,9 @@ class DitDenoising:
     next_eval: int = 0
     done: int = 0
     cache: OutputCache | None = None
-    """The request's output-level step cache (engines/diffusion/step_cache.py), or None: every evaluation runs."""
+    """The request's output-level step cache (engines/numerics/step_cache.py), or None: every evaluation runs."""
     first_block: FirstBlockState | None = None
-    """The request's first-block cache state (engines/diffusion/first_block.py), or None."""
+    """The request's first-block cache state (engines/pipelines/first_block.py), or None."""
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ own ``scheduler_config.json`` decides. DDIM and PLMS take no suffix. diffusers' 
 Karras/exponential option: ``euler_a_karras`` and ``euler_a_exponential`` run its ancestral step on the sigmas
 EulerDiscreteScheduler computes for that option.
 
-Served by engines/diffusion/multistep.py, reading up to 3 earlier history entries (``Lin.earlier``) or running a
+Served by engines/numerics/multistep.py, reading up to 3 earlier history entries (``Lin.earlier``) or running a
 second UNet evaluation within a step (``Step.then``):
 - plms / lms / unipc / heun: PNDMScheduler (skip_prk_steps), LMSDiscreteScheduler, UniPCMultistepScheduler, Heun.
 
@@ -45,11 +45,11 @@ from typing import Any
 
 import numpy as np
 
-from engines.diffusion import multistep
-from engines.diffusion.plan import NOISE, PREV, SAMPLE
-from engines.diffusion.plan import Lin as Lin  # re-exported: callers and tests import the plan types from here
-from engines.diffusion.plan import SchedulePlan as SchedulePlan
-from engines.diffusion.plan import Step as Step
+from engines.numerics import multistep
+from engines.numerics.plan import NOISE, PREV, SAMPLE
+from engines.numerics.plan import Lin as Lin  # re-exported: callers and tests import the plan types from here
+from engines.numerics.plan import SchedulePlan as SchedulePlan
+from engines.numerics.plan import Step as Step
 from engines.errors import InvalidRequestError
 
 
@@ -316,7 +316,7 @@ def unipc(schedule: NoiseSchedule, n: int, kind: str | None = None) -> ScheduleP
 
 
 MULTISTEP: dict[str, Callable[..., SchedulePlan]] = {"lms": lms, "unipc": unipc, "heun": heun}
-"""The multistep and two-call samplers (engines/diffusion/multistep.py) on this module's sigma schedules; they take
+"""The multistep and two-call samplers (engines/numerics/multistep.py) on this module's sigma schedules; they take
 a schedule suffix (PLMS, like DDIM, does not)."""
 
 SCHEDULERS: dict[str, Callable[[NoiseSchedule, int], SchedulePlan]] = {

@@ -5,11 +5,11 @@ Text embeddings, latents, noise predictions and the UNet input live in device bu
 up and the image comes down: the latents are scaled for the VAE on the device too. Latents and scheduler state are
 float32 even for fp16 UNets (see step_graph.py); only the UNet's input is cast to its dtype.
 
-The model family (engines/diffusion/family.py) decides what differs between SD 1.x, SD 2.x, SDXL and Turbo: one or
+The model family (engines/pipelines/unet_family.py) decides what differs between SD 1.x, SD 2.x, SDXL and Turbo: one or
 two text encoders, SDXL's extra UNet inputs, the CFG default; the loop is shared. When every image of a batch has
 guidance <= 1 (Turbo's 0 included) the UNet runs on the conditional rows only: n rows, not 2n.
 
-Edits (img2img, inpainting; engines/diffusion/edits.py) need the folder's vae_encoder: they encode the image on the
+Edits (img2img, inpainting; engines/pipelines/unet_edits.py) need the folder's vae_encoder: they encode the image on the
 device and enter the same loop at the step their strength picks. Without a vae_encoder the folder serves txt2img
 only (``edits_unavailable`` says why).
 """
@@ -27,22 +27,22 @@ import numpy as np
 import onnxruntime as ort
 
 from engines.artifacts import MANIFEST, TRT_DIR, read_manifest
-from engines.diffusion import family as families
-from engines.diffusion.edits import Editor, Mixer, Prepared, paste_back, rows_of, strength_start
-from engines.diffusion.family import Family, read_json
-from engines.diffusion.multistep import MAX_HISTORY
-from engines.diffusion.plan import Step
-from engines.diffusion.rows import RowPacker, ShapeFeed
-from engines.diffusion.schedulers import EDIT_SCHEDULERS, SCHEDULERS, NoiseSchedule, SchedulePlan, make_plan
-from engines.diffusion.step_cache import OutputCache, Probe, cache_use, partition, record
-from engines.diffusion.step_graph import (
+from engines.pipelines import unet_family as families
+from engines.pipelines.unet_edits import Editor, Mixer, Prepared, paste_back, rows_of, strength_start
+from engines.pipelines.unet_family import Family, read_json
+from engines.numerics.multistep import MAX_HISTORY
+from engines.numerics.plan import Step
+from engines.numerics.rows import RowPacker, ShapeFeed
+from engines.numerics.schedulers import EDIT_SCHEDULERS, SCHEDULERS, NoiseSchedule, SchedulePlan, make_plan
+from engines.numerics.step_cache import OutputCache, Probe, cache_use, partition, record
+from engines.numerics.step_graph import (
     STATE_DTYPE,
     build_scale_graph,
     build_step_graph,
     build_text_join_graph,
     step_coefficients,
 )
-from engines.diffusion.tokenizer import ClipTokenizer
+from engines.numerics.tokenizer import ClipTokenizer
 from engines.errors import InferenceError, InvalidRequestError, ModelLoadError
 from engines.lora.active import Adapters
 from engines.protocol import CACHE_MIN_STEPS, Batch, CacheUse, StepHook, Timings
@@ -203,7 +203,7 @@ class Denoising:
     """Each evaluation's timestep on the host: rows of a UNet with one timestep per call share a call only at
     equal timesteps."""
     cache: OutputCache | None = None
-    """The request's output-level step cache (engines/diffusion/step_cache.py), or None: every evaluation runs."""
+    """The request's output-level step cache (engines/numerics/step_cache.py), or None: every evaluation runs."""
 
     @property
     def evaluations(self) -> int:
@@ -557,7 +557,7 @@ class StableDiffusionOnnx:
     def run_denoiser(self, states: Sequence[Denoising]) -> None:
         """One UNet evaluation for each state at its next evaluation, every state's rows in one call where the
         UNet takes a timestep per row (else one call per timestep value): each state's input buffers are joined on
-        the device and its output rows copied back into its own output buffer (engines/diffusion/rows.py). A
+        the device and its output rows copied back into its own output buffer (engines/numerics/rows.py). A
         single state binds its own buffers, exactly the solo path."""
         running = partition(states)  # a cached state reusing its output is left out of the call
         groups: dict[float, list[Denoising]] = {}

@@ -104,7 +104,7 @@ class Family:
 
 
 def _scheduler_value(config: Mapping[str, Any], key: str, default: str) -> str:
-    # Keys diffusers listed as defaulted are unset (engines/diffusion/schedulers.py NoiseSchedule.from_config).
+    # Keys diffusers listed as defaulted are unset (engines/numerics/schedulers.py NoiseSchedule.from_config).
     if key in config.get("_use_default_values", ()):
         return default
     value = config.get(key, default)

@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 
-from engines.diffusion.plan import MODEL, PREV, SAMPLE, Lin, Schedule, SchedulePlan, Step, hist
+from engines.numerics.plan import MODEL, PREV, SAMPLE, Lin, Schedule, SchedulePlan, Step, hist
 
 MAX_HISTORY = 3
 """History entries the multistep step graph carries (LMS order 4 and PLMS: the current output plus 3)."""

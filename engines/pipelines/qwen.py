@@ -5,13 +5,13 @@ output-level step cache, ``finish`` and the checks are DitOnnx's.
 
 The folder is the layout engines/build/qwen_export.py writes. Per batch:
 
-1. Text: each prompt in the chat template (engines/diffusion/qwen_tokenizer.py), the Qwen2.5-VL language model's
+1. Text: each prompt in the chat template (engines/numerics/qwen_tokenizer.py), the Qwen2.5-VL language model's
    last hidden states, the system prefix's 34 tokens dropped, at most ``max_sequence_length`` (512) kept; rows are
    zero-padded to that length with a key mask (``encoder_hidden_states_mask``): diffusers pads a batch to its
    longest prompt and masks the rest, a lone prompt unpadded; a masked key changes nothing, and a fixed length
    lets the rows of any requests share a transformer call.
 2. Latents: 16 channels, 2×2-packed as Flux's; the schedule is Flux's evenly spaced sigmas, shifted by ``mu`` of
-   the packed token count and stretched to ``shift_terminal`` (engines/diffusion/flow.py).
+   the packed token count and stretched to ``shift_terminal`` (engines/numerics/flow_schedule.py).
 3. Transformer: timestep ``t / 1000``; rotary tables computed here (``qwen_rope``) as ``QwenEmbedRope`` computes
    them in float32 (``scale_rope``: image rows and columns centred on 0, text positions after the image's largest
    half-side, the same on the three axes).
@@ -21,7 +21,7 @@ The folder is the layout engines/build/qwen_export.py writes. Per batch:
 5. Decode: unpack; the VAE decoder (one frame) applies the latents' per-channel mean/std itself (folded in at
    export), so the decode graph scales by 1.
 
-img2img (engines/diffusion/dit_edits.py): the encoder's moments are those of the normalised latents (folded in at
+img2img (engines/pipelines/flow_edits.py): the encoder's moments are those of the normalised latents (folded in at
 export), sampled with the image's stream and noised by ``scale_noise``; ``strength`` picks the first step.
 """
 
@@ -35,17 +35,17 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from engines.diffusion.dit_edits import DitEditor
-from engines.diffusion.dit_family import QWEN_VARIANT_KEYS, detect_dit
-from engines.diffusion.dit_pipeline import NATIVE_SIZE_KEY, SAMPLERS, DitDenoising, DitOnnx, pack_latents, run
-from engines.diffusion.family import read_json
-from engines.diffusion.flow import FlowMatchConfig, FlowSchedule, flow_schedule, flux_sigmas
-from engines.diffusion.flow_graph import build_flow_decode_graph, build_flow_step_graph, flow_coefficients, flow_start
-from engines.diffusion.pipeline import Begun, Feed, OrtModel, image_rng
-from engines.diffusion.qwen_tokenizer import TEMPLATE_DROP, QwenTokenizer
-from engines.diffusion.rows import RowPacker, shape_feed
-from engines.diffusion.step_cache import OutputCache, Probe
-from engines.diffusion.step_graph import elem_type, serialize
+from engines.pipelines.flow_edits import DitEditor
+from engines.pipelines.flow_family import QWEN_VARIANT_KEYS, detect_dit
+from engines.pipelines.flow import NATIVE_SIZE_KEY, SAMPLERS, DitDenoising, DitOnnx, pack_latents, run
+from engines.pipelines.unet_family import read_json
+from engines.numerics.flow_schedule import FlowMatchConfig, FlowSchedule, flow_schedule, flux_sigmas
+from engines.numerics.flow_graph import build_flow_decode_graph, build_flow_step_graph, flow_coefficients, flow_start
+from engines.pipelines.unet import Begun, Feed, OrtModel, image_rng
+from engines.numerics.qwen_tokenizer import TEMPLATE_DROP, QwenTokenizer
+from engines.numerics.rows import RowPacker, shape_feed
+from engines.numerics.step_cache import OutputCache, Probe
+from engines.numerics.step_graph import elem_type, serialize
 from engines.errors import InferenceError, ModelLoadError
 from engines.lora.active import Adapters
 from engines.protocol import CACHE_MIN_STEPS, Batch, ModelInfo

@@ -32,8 +32,8 @@ import numpy as np
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
-from engines.diffusion.plan import SchedulePlan
-from engines.diffusion.step_graph import STATE_DTYPE, elem_type, serialize
+from engines.numerics.plan import SchedulePlan
+from engines.numerics.step_graph import STATE_DTYPE, elem_type, serialize
 from engines.errors import InvalidRequestError
 from engines.protocol import Batch
 
@@ -209,7 +209,7 @@ class Mixer:
 
 
 class Component(Protocol):
-    """A session the editor runs (engines/diffusion/pipeline.py OrtModel)."""
+    """A session the editor runs (engines/pipelines/unet.py OrtModel)."""
 
     inputs: dict[str, Any]
     outputs: list[str]

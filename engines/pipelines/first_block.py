@@ -32,9 +32,9 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from engines.diffusion.family import read_json
-from engines.diffusion.pipeline import Feed, OrtModel
-from engines.diffusion.step_graph import elem_type, serialize
+from engines.pipelines.unet_family import read_json
+from engines.pipelines.unet import Feed, OrtModel
+from engines.numerics.step_graph import elem_type, serialize
 from engines.errors import InferenceError, ModelLoadError
 from engines.lora.active import Adapters
 from engines.runtime.sessions import Runtime, numpy_dtype

@@ -1,0 +1,1 @@
+"""Numerics without sessions: schedulers and their plans, the step and flow graphs, flow schedules, rows joined on the device, the step cache, tokenizers."""
