@@ -63,7 +63,7 @@ def _pixels(result: Any) -> np.ndarray:
 
 def measure(engine: Any, family: str, method: str, threshold: float, steps: int, repeats: int) -> dict[str, Any]:
     """Interleaved uncached/cached runs of one request; the median times, the reuse and the PSNR."""
-    from engines.protocol import Batch, ImageSpec, StepCache
+    from engines.types.request import Batch, ImageSpec, StepCache
     from server.caching import psnr_db
 
     size = engine.info.default_size

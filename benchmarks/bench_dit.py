@@ -36,7 +36,7 @@ def _ours(folder: Path) -> Any:
 
 
 def _batch(family: str, size: int, steps: int) -> Any:
-    from engines.protocol import Batch, ImageSpec
+    from engines.types.request import Batch, ImageSpec
 
     return Batch((ImageSpec(PROMPT, "blurry", seed=1, guidance_scale=GUIDANCE[family]),), size, size, steps)
 

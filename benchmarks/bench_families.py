@@ -21,8 +21,8 @@ from bench_pipeline import interleaved, summarize
 from engines.build.tiny import build_tiny
 from engines.config import RuntimeSettings
 from engines.pipelines.unet import StableDiffusionOnnx
-from engines.protocol import Batch, ImageSpec
 from engines.runtime.sessions import Runtime
+from engines.types.request import Batch, ImageSpec
 
 FAMILIES = ("sd1", "sd2", "sdxl", "turbo")
 PROMPT = "a photo of an astronaut riding a horse"

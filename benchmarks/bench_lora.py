@@ -47,7 +47,7 @@ def _engine(model: Path, folder: Path) -> Any:
 
 
 def _timed(engine: Any, size: int, steps: int, uses: tuple[Any, ...]) -> float:
-    from engines.protocol import Batch, ImageSpec
+    from engines.types.request import Batch, ImageSpec
 
     start = time.perf_counter()
     engine.generate(Batch((ImageSpec(PROMPT, seed=1),), size, size, steps, "euler", loras=uses))
@@ -55,7 +55,7 @@ def _timed(engine: Any, size: int, steps: int, uses: tuple[Any, ...]) -> float:
 
 
 def measure(engine: Any, size: int, steps: int, rounds: int) -> dict[str, Any]:
-    from engines.protocol import LoraUse
+    from engines.types.request import LoraUse
 
     sha = next(f.sha256 for f in engine.loras() if f.name == "style")
     cached = (LoraUse("style", sha, 1.0, 1.0),)

@@ -79,8 +79,8 @@ def speed_rows(onnx_dir: Path, torch_dir: Path, cases: list[tuple[int, int, int]
 
     from engines.config import RuntimeSettings
     from engines.pipelines.unet import StableDiffusionOnnx
-    from engines.protocol import Batch, ImageSpec
     from engines.runtime.sessions import Runtime
+    from engines.types.request import Batch, ImageSpec
 
     ours = StableDiffusionOnnx(onnx_dir, Runtime(RuntimeSettings(providers=("CPUExecutionProvider",),
                                                                  allow_cpu=True)))

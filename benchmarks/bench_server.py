@@ -32,8 +32,8 @@ from readme import write_section
 
 from engines.config import RuntimeSettings
 from engines.pipelines.unet import StableDiffusionOnnx
-from engines.protocol import Batch, ImageSpec
 from engines.runtime.sessions import Runtime
+from engines.types.request import Batch, ImageSpec
 from server.cli import bench
 
 ROOT = Path(__file__).parents[1]

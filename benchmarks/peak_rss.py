@@ -17,8 +17,8 @@ from pathlib import Path
 def ours(model: Path, size: int, batch: int, steps: int) -> None:
     from engines.config import RuntimeSettings
     from engines.pipelines.unet import StableDiffusionOnnx
-    from engines.protocol import Batch, ImageSpec
     from engines.runtime.sessions import Runtime
+    from engines.types.request import Batch, ImageSpec
 
     pipe = StableDiffusionOnnx(model, Runtime(RuntimeSettings(providers=("CPUExecutionProvider",), allow_cpu=True)))
     pipe(Batch(tuple(ImageSpec(f"a lighthouse, variant {i}", seed=i) for i in range(batch)), size, size, steps,

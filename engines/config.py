@@ -15,7 +15,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engines.errors import ConfigError
-from engines.protocol import Batch, ImageSpec
+from engines.types.request import Batch, ImageSpec
 
 ProviderName = Literal["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
 BUILT_IN_PROVIDERS: tuple[str, ...] = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")

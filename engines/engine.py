@@ -28,12 +28,6 @@ from engines.config import (
     Shape,
     SignatureThresholds,
 )
-from engines.pipelines.contract import Pipeline, Stepwise
-from engines.pipelines.flow_family import detect_dit, is_dit_folder
-from engines.pipelines.flow import DitOnnx
-from engines.pipelines.unet import Begun, OrtModel, PipelineOutput, StableDiffusionOnnx
-from engines.pipelines.qwen import QwenOnnx
-from engines.numerics.schedulers import EDIT_SCHEDULERS, SCHEDULERS
 from engines.errors import (
     ArtifactError,
     GpuUnavailableError,
@@ -47,39 +41,32 @@ from engines.health import request_memory, selftest, signature
 from engines.health.integrity import IntegrityWatcher
 from engines.health.preflight import Check, Observations, evaluate, failures, gather
 from engines.lora.active import Adapters
-from engines.protocol import (
+from engines.numerics.schedulers import EDIT_SCHEDULERS, SCHEDULERS
+from engines.pipelines.contract import Pipeline, Stepwise
+from engines.pipelines.flow import DitOnnx
+from engines.pipelines.flow_family import detect_dit, is_dit_folder
+from engines.pipelines.qwen import QwenOnnx
+from engines.pipelines.unet import Begun, OrtModel, PipelineOutput, StableDiffusionOnnx
+from engines.protocol import StepRun
+from engines.runtime.libdeps import preload
+from engines.runtime.ortlog import StderrTee
+from engines.runtime.sessions import Runtime, SessionReport, gpu_mem_limit, provider_options
+from engines.types.health import CanaryCheck, Faults, GpuSample, Signature, TelemetrySource, fingerprint
+from engines.types.model import LoraInfo, LoraStats, ModelInfo
+from engines.types.request import Batch, BatchResult, EditImage, GeneratedImage, LoraUse, Mode, StepHook
+from engines.types.snapshot import (
     Artifacts,
     Attention,
-    Batch,
-    BatchResult,
-    CanaryCheck,
     Capabilities,
     CheckResult,
-    EditImage,
     EngineArtifacts,
-    Faults,
-    GeneratedImage,
-    GpuSample,
     IoInfo,
-    LoraInfo,
-    LoraStats,
-    LoraUse,
-    Mode,
-    ModelInfo,
     OrtEvent,
     PlacementSummary,
     Policy,
     SelfTestReport,
-    Signature,
-    StepHook,
-    StepRun,
-    TelemetrySource,
     Verdict,
-    fingerprint,
 )
-from engines.runtime.libdeps import preload
-from engines.runtime.ortlog import StderrTee
-from engines.runtime.sessions import Runtime, SessionReport, gpu_mem_limit, provider_options
 
 if TYPE_CHECKING:
     from engines.lora.manager import LoraManager

@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from engines.config import Matrix, RuntimeSettings, SelfTestPlan, SignatureThresholds
-from engines.protocol import Engine, Faults
+from engines.protocol import Engine
+from engines.types.health import Faults
 
 
 def create_engine(model: Path, runtime: RuntimeSettings, matrix: Matrix | None = None,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.errors import InvalidRequestError
-from engines.protocol import ModelInfo
+from engines.types.model import ModelInfo
 
 
 def model_title(info: ModelInfo) -> str:

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engines.errors import InvalidRequestError
-from engines.protocol import GpuSample, MemoryModel, MemoryNeed
+from engines.types.health import GpuSample
+from engines.types.model import MemoryModel, MemoryNeed
 from server.errors import QueueFullError
 
 ALPHA = 0.3

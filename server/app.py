@@ -14,7 +14,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.middleware.cors import CORSMiddleware
 
 from engines.config import parse_size
-from engines.protocol import Engine, Faults, SelfTestReport
+from engines.protocol import Engine
+from engines.types.health import Faults
+from engines.types.snapshot import SelfTestReport
 from server import errors, headers, images_in
 from server.bootstrap import selftest_plan
 from server.caching import Caching

@@ -21,7 +21,8 @@ from typing import Literal
 from starlette.concurrency import run_in_threadpool
 
 from engines.errors import NotReadyError
-from engines.protocol import Batch, BatchResult, Engine, StepRun
+from engines.protocol import Engine, StepRun
+from engines.types.request import Batch, BatchResult
 from server.admission import Cost, CostModel
 from server.errors import DeadlineExceededError, JobInterruptedError, QueueFullError
 from server.metrics import Metrics

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from engines.config import Matrix, SelfTestPlan, Shape, load_canaries, load_matrix, load_slo, parse_size
 from engines.errors import ConfigError
-from engines.protocol import Faults
+from engines.types.health import Faults
 from server.settings import CONFIG_DIR, Settings, load_settings
 
 if TYPE_CHECKING:

@@ -27,7 +27,7 @@ import numpy as np
 
 from engines.config import Canary
 from engines.errors import InvalidRequestError
-from engines.protocol import CACHE_MIN_STEPS, Batch, BatchResult, CacheUse, ImageSpec, StepCache
+from engines.types.request import CACHE_MIN_STEPS, Batch, BatchResult, CacheUse, ImageSpec, StepCache
 from server.settings import CacheSettings
 
 log = logging.getLogger(__name__)

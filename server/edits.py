@@ -17,7 +17,8 @@ import numpy as np
 from PIL import Image
 
 from engines.errors import InvalidRequestError
-from engines.protocol import Batch, EditImage, LatentFill, ModelInfo
+from engines.types.model import ModelInfo
+from engines.types.request import Batch, EditImage, LatentFill
 from server.errors import DeadlineExceededError
 from server.images_in import ResizeMode, resize
 

@@ -35,7 +35,8 @@ from PIL import Image
 from starlette.concurrency import run_in_threadpool
 
 from engines.errors import InvalidRequestError
-from engines.protocol import Batch, EditImage, ModelInfo
+from engines.types.model import ModelInfo
+from engines.types.request import Batch, EditImage
 from server import headers
 from server.admission import Cost, admit
 from server.edits import EditInput, edit_batch

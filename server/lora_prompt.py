@@ -25,7 +25,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from engines.errors import InvalidRequestError
-from engines.protocol import LoraInfo, LoraUse
+from engines.types.model import LoraInfo
+from engines.types.request import LoraUse
 from server import headers
 
 KIND = re.compile(r"\w+")

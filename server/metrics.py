@@ -9,7 +9,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.platform_collector import PlatformCollector
 
-from engines.protocol import LoraStats
+from engines.types.model import LoraStats
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 DEGRADED_REASONS = ("boot_failed", "latency_drift", "output_drift", "canary_invalid", "livelock",

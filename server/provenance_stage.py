@@ -22,7 +22,8 @@ from fastapi import Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from engines.factory import manifest_name
-from engines.protocol import Batch, Capabilities, ImageSpec
+from engines.types.request import Batch, ImageSpec
+from engines.types.snapshot import Capabilities
 from server import headers
 from server.errors import request_id_of
 from server.provenance import HEADER, WATERMARK_HEADER, Provenance, digest_of

@@ -22,7 +22,8 @@ from typing import Any, Literal
 import engines.families as families
 from engines.config import parse_size
 from engines.errors import InvalidRequestError
-from engines.protocol import Batch, ImageSpec, LoraInfo, LoraUse, ModelInfo
+from engines.types.model import LoraInfo, ModelInfo
+from engines.types.request import Batch, ImageSpec, LoraUse
 from server import headers, lora_prompt
 from server.a1111_options import checkpoint_names
 from server.schemas import ImageGenerationRequest

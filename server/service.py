@@ -20,7 +20,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from engines.errors import InvalidRequestError, NotReadyError
-from engines.protocol import Batch, BatchResult, Engine, LoraUse
+from engines.protocol import Engine
+from engines.types.request import Batch, BatchResult, LoraUse
 from server import headers
 from server.admission import Cost, CostModel, MemoryAsk, MemoryBudget, admit, admit_memory, memory_budget
 from server.batcher import Batcher

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.protocol import CanaryCheck
+from engines.types.health import CanaryCheck
 from server.contention import Contention, ContentionThresholds, explanations
 from server.settings import WatchdogSettings
 

@@ -67,7 +67,8 @@ from dataclasses import dataclass, field
 from starlette.concurrency import run_in_threadpool
 
 from engines.errors import NotReadyError
-from engines.protocol import BatchResult, Engine, StepRun
+from engines.protocol import Engine, StepRun
+from engines.types.request import BatchResult
 from server.admission import Cost, CostModel
 from server.batcher import Batcher, Job, Progress
 from server.errors import DeadlineExceededError

@@ -14,7 +14,8 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 from engines.errors import NotReadyError, SdserveError
-from engines.protocol import Engine, GpuSample, TelemetrySource
+from engines.protocol import Engine
+from engines.types.health import GpuSample, TelemetrySource
 from server.contention import ContentionProbe, Counters
 from server.metrics import Metrics
 from server.service import ImageService

@@ -177,7 +177,7 @@ class Sampler:
 
 
 def _image(model: Path, profile: Path, samples: list[dict[str, float]], lora_dir: Path | None) -> str:
-    from engines.protocol import Batch, ImageSpec
+    from engines.types.request import Batch, ImageSpec
 
     engine = _engine(model, profile, lora_dir)
     try:
@@ -202,7 +202,7 @@ def step_lora(work: Path, samples: list[dict[str, float]]) -> str:
     """A CUDA-policy engine on the external-data model with the LoRA folder: audit passes, LoRA image differs."""
     import numpy as np
 
-    from engines.protocol import Batch, ImageSpec, LoraUse
+    from engines.types.request import Batch, ImageSpec, LoraUse
 
     engine = _engine(work / "tiny-external", work / "profile-cuda.toml", work / "loras")
     try:

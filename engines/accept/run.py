@@ -44,8 +44,8 @@ from engines.config import Shape
 from engines.engine import OrtEngine
 from engines.errors import GpuUnavailableError, NotReadyError, SdserveError
 from engines.health.preflight import Observations, gather
-from engines.protocol import SelfTestReport
 from engines.runtime import enginecheck
+from engines.types.snapshot import SelfTestReport
 
 __all__ = ["AcceptOptions", "Run", "compiled_on_load", "gpu_gate", "no_reference", "nvml_index",
            "parity_against_reference", "placement_report", "profiled_copies", "protocol_jobs", "relocation_check",

@@ -12,7 +12,8 @@ from engines.config import Matrix, RuntimeSettings, SelfTestPlan, SignatureThres
 from engines.engine import OrtEngine
 from engines.errors import GpuUnavailableError, NotReadyError
 from engines.health.preflight import Observations
-from engines.protocol import Batch, BatchResult, GpuSample, ImageSpec
+from engines.types.health import GpuSample
+from engines.types.request import Batch, BatchResult, ImageSpec
 
 COMPONENTS = ("text_encoder", "unet", "vae_decoder")
 

@@ -18,11 +18,11 @@ import onnxruntime as ort
 from engines.config import Matrix, PluginEp, RuntimeSettings
 from engines.health.matrix import at_least, matches
 from engines.health.telemetry import DeviceInfo, NvmlReport, match_cuda_to_nvml, read_nvml
-from engines.protocol import CheckResult, FoundVersion, LibraryClosure, PluginInfo
-from engines.protocol import Observations as ProtocolObservations
 from engines.runtime.libdeps import PROVIDER_LIBRARIES, Closure, library_closure, provider_closure, resolve
 from engines.runtime.pinned import cuda_pci_bus_ids
 from engines.runtime.plugins import PluginReport, observe
+from engines.types.snapshot import CheckResult, FoundVersion, LibraryClosure, PluginInfo
+from engines.types.snapshot import Observations as ProtocolObservations
 
 Status = Literal["pass", "fail", "skip"]
 Category = Literal["gpu", "version"]

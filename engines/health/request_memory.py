@@ -43,7 +43,7 @@ from engines.health.memory_plan import (
     config,
     layout,
 )
-from engines.protocol import MemoryNeed
+from engines.types.model import MemoryNeed
 
 log = logging.getLogger(__name__)
 ARENA_SLACK = 1.4

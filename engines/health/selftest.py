@@ -21,7 +21,9 @@ import numpy as np
 
 from engines.config import SelfTestPlan, Shape
 from engines.errors import InferenceError, SelfTestError
-from engines.protocol import Batch, BatchResult, GpuSample, SelfTestReport, ShapeResult, TelemetrySource, fingerprint
+from engines.types.health import GpuSample, TelemetrySource, fingerprint
+from engines.types.request import Batch, BatchResult
+from engines.types.snapshot import SelfTestReport, ShapeResult
 
 
 def sanity(image: np.ndarray) -> str | None:

@@ -11,7 +11,7 @@ import statistics
 from collections.abc import Sequence
 
 from engines.config import SignatureThresholds
-from engines.protocol import GpuSample, Signature
+from engines.types.health import GpuSample, Signature
 
 
 def classify(samples: Sequence[GpuSample], requests_running: bool,

@@ -6,7 +6,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from engines.protocol import GpuDevice, GpuSample, NvmlInfo
+from engines.types.health import GpuSample
+from engines.types.snapshot import GpuDevice, NvmlInfo
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,8 @@ from engines.lora import library, merge, targets
 from engines.lora.active import Weights
 from engines.lora.library import LoraFile
 from engines.lora.safetensors import LoraFileError
-from engines.protocol import LoraInfo, LoraStats, LoraUse, lora_key
+from engines.types.model import LoraInfo, LoraStats
+from engines.types.request import LoraUse, lora_key
 
 if TYPE_CHECKING:
     from engines.runtime.sessions import Runtime

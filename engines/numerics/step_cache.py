@@ -36,7 +36,7 @@ import onnxruntime as ort
 from onnx import helper
 
 from engines.numerics.step_graph import elem_type, serialize
-from engines.protocol import CacheUse, StepCache
+from engines.types.request import CacheUse, StepCache
 
 
 def build_probe_graph(dtype: type[np.generic]) -> bytes:

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from engines.protocol import Batch, StepHook
+from engines.types.request import Batch, StepHook
 
 if TYPE_CHECKING:
-    from engines.pipelines.unet import Begun, OrtModel, PipelineOutput
     from engines.lora.active import Adapters
+    from engines.pipelines.unet import Begun, OrtModel, PipelineOutput
     from engines.runtime.sessions import Runtime
 
 

@@ -45,22 +45,23 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from engines.pipelines.flow_edits import DitEditor
-from engines.pipelines.flow_family import DitFamily, detect_dit
-from engines.pipelines.unet_family import read_json
-from engines.pipelines.first_block import PARTS as FIRST_BLOCK_PARTS
-from engines.pipelines.first_block import FirstBlockRunner, FirstBlockState
-from engines.numerics.flow_schedule import FlowMatchConfig, FlowSchedule, flow_schedule, flux_sigmas
+from engines.errors import InferenceError, InvalidRequestError, ModelLoadError
+from engines.lora.active import Adapters
 from engines.numerics.flow_graph import build_flow_decode_graph, build_flow_step_graph, flow_coefficients, flow_start
-from engines.pipelines.unet import Begun, Feed, OrtModel, PipelineOutput, image_rng
+from engines.numerics.flow_schedule import FlowMatchConfig, FlowSchedule, flow_schedule, flux_sigmas
 from engines.numerics.rows import RowPacker, shape_feed
 from engines.numerics.step_cache import OutputCache, Probe, cache_use, partition, record
 from engines.numerics.t5_tokenizer import T5Tokenizer
 from engines.numerics.tokenizer import ClipTokenizer
-from engines.errors import InferenceError, InvalidRequestError, ModelLoadError
-from engines.lora.active import Adapters
-from engines.protocol import CACHE_MIN_STEPS, Batch, CacheUse, ModelInfo, StepHook, Timings
+from engines.pipelines.first_block import PARTS as FIRST_BLOCK_PARTS
+from engines.pipelines.first_block import FirstBlockRunner, FirstBlockState
+from engines.pipelines.flow_edits import DitEditor
+from engines.pipelines.flow_family import DitFamily, detect_dit
+from engines.pipelines.unet import Begun, Feed, OrtModel, PipelineOutput, image_rng
+from engines.pipelines.unet_family import read_json
 from engines.runtime.sessions import Runtime
+from engines.types.model import ModelInfo
+from engines.types.request import CACHE_MIN_STEPS, Batch, CacheUse, StepHook, Timings
 
 log = logging.getLogger(__name__)
 NATIVE_SIZE_KEY = "_sdserve_native_size"

@@ -21,12 +21,12 @@ from collections.abc import Callable
 import numpy as np
 import onnxruntime as ort
 
-from engines.pipelines.unet_edits import ENCODER_OUTPUT, build_sample_graph, edit_inputs
 from engines.numerics.flow_graph import build_flow_noise_graph
-from engines.pipelines.unet import OrtModel
 from engines.numerics.rows import shape_feed
-from engines.protocol import Batch
+from engines.pipelines.unet import OrtModel
+from engines.pipelines.unet_edits import ENCODER_OUTPUT, build_sample_graph, edit_inputs
 from engines.runtime.sessions import Runtime
+from engines.types.request import Batch
 
 STATE = np.float32
 

@@ -35,21 +35,22 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from engines.pipelines.flow_edits import DitEditor
-from engines.pipelines.flow_family import QWEN_VARIANT_KEYS, detect_dit
-from engines.pipelines.flow import NATIVE_SIZE_KEY, SAMPLERS, DitDenoising, DitOnnx, pack_latents, run
-from engines.pipelines.unet_family import read_json
-from engines.numerics.flow_schedule import FlowMatchConfig, FlowSchedule, flow_schedule, flux_sigmas
+from engines.errors import InferenceError, ModelLoadError
+from engines.lora.active import Adapters
 from engines.numerics.flow_graph import build_flow_decode_graph, build_flow_step_graph, flow_coefficients, flow_start
-from engines.pipelines.unet import Begun, Feed, OrtModel, image_rng
+from engines.numerics.flow_schedule import FlowMatchConfig, FlowSchedule, flow_schedule, flux_sigmas
 from engines.numerics.qwen_tokenizer import TEMPLATE_DROP, QwenTokenizer
 from engines.numerics.rows import RowPacker, shape_feed
 from engines.numerics.step_cache import OutputCache, Probe
 from engines.numerics.step_graph import elem_type, serialize
-from engines.errors import InferenceError, ModelLoadError
-from engines.lora.active import Adapters
-from engines.protocol import CACHE_MIN_STEPS, Batch, ModelInfo
+from engines.pipelines.flow import NATIVE_SIZE_KEY, SAMPLERS, DitDenoising, DitOnnx, pack_latents, run
+from engines.pipelines.flow_edits import DitEditor
+from engines.pipelines.flow_family import QWEN_VARIANT_KEYS, detect_dit
+from engines.pipelines.unet import Begun, Feed, OrtModel, image_rng
+from engines.pipelines.unet_family import read_json
 from engines.runtime.sessions import Runtime
+from engines.types.model import ModelInfo
+from engines.types.request import CACHE_MIN_STEPS, Batch
 
 ROPE_THETA = 10000
 """QwenEmbedRope(theta=10000)."""

@@ -27,9 +27,8 @@ import numpy as np
 import onnxruntime as ort
 
 from engines.artifacts import MANIFEST, TRT_DIR, read_manifest
-from engines.pipelines import unet_family as families
-from engines.pipelines.unet_edits import Editor, Mixer, Prepared, paste_back, rows_of, strength_start
-from engines.pipelines.unet_family import Family, read_json
+from engines.errors import InferenceError, InvalidRequestError, ModelLoadError
+from engines.lora.active import Adapters
 from engines.numerics.multistep import MAX_HISTORY
 from engines.numerics.plan import Step
 from engines.numerics.rows import RowPacker, ShapeFeed
@@ -43,10 +42,11 @@ from engines.numerics.step_graph import (
     step_coefficients,
 )
 from engines.numerics.tokenizer import ClipTokenizer
-from engines.errors import InferenceError, InvalidRequestError, ModelLoadError
-from engines.lora.active import Adapters
-from engines.protocol import CACHE_MIN_STEPS, Batch, CacheUse, StepHook, Timings
+from engines.pipelines import unet_family as families
+from engines.pipelines.unet_edits import Editor, Mixer, Prepared, paste_back, rows_of, strength_start
+from engines.pipelines.unet_family import Family, read_json
 from engines.runtime.sessions import Runtime, numpy_dtype
+from engines.types.request import CACHE_MIN_STEPS, Batch, CacheUse, StepHook, Timings
 
 Feed: TypeAlias = ort.OrtValue | np.ndarray
 log = logging.getLogger(__name__)

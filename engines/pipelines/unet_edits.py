@@ -32,10 +32,10 @@ import numpy as np
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
+from engines.errors import InvalidRequestError
 from engines.numerics.plan import SchedulePlan
 from engines.numerics.step_graph import STATE_DTYPE, elem_type, serialize
-from engines.errors import InvalidRequestError
-from engines.protocol import Batch
+from engines.types.request import Batch
 
 ENCODER_OUTPUT = "latent_parameters"
 MASK_THRESHOLD = 128

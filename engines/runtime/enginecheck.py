@@ -21,7 +21,7 @@ from pathlib import Path
 import onnx
 
 from engines.errors import ArtifactError
-from engines.protocol import OrtEvent
+from engines.types.snapshot import OrtEvent
 
 log = logging.getLogger(__name__)
 EPCONTEXT = "EPContext"

@@ -34,8 +34,8 @@ import onnx.helper as oh
 import onnxruntime as ort
 from onnxruntime.capi import _pybind_state as C
 
-from engines.protocol import OrtEvent
 from engines.runtime.ortlog import capture_ort_output
+from engines.types.snapshot import OrtEvent
 
 TRT = "TensorrtExecutionProvider"
 CUDA = "CUDAExecutionProvider"

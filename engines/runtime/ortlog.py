@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import cast
 
-from engines.protocol import EventKind, OrtEvent, Severity
+from engines.types.snapshot import EventKind, OrtEvent, Severity
 
 log = logging.getLogger(__name__)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

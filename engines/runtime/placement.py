@@ -11,8 +11,8 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from engines.protocol import Placement
 from engines.runtime.dataflow import CPU_PROVIDER, classify_cpu_nodes, partitioned_graph
+from engines.types.snapshot import Placement
 
 CONFIG_KEY = "session.record_ep_graph_assignment_info"
 

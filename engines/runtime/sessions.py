@@ -16,11 +16,12 @@ import onnxruntime as ort
 
 from engines.config import RuntimeSettings
 from engines.errors import ArtifactError, GpuUnavailableError, ModelLoadError, PlacementError
-from engines.protocol import MemoryModel, OrtEvent, SessionInfo
 from engines.runtime import enginecheck, placement, plugins
 from engines.runtime.libdeps import preload
 from engines.runtime.ortlog import capture_ort_output
 from engines.runtime.pinned import HostAllocator, PageableAllocator, PinnedAllocator
+from engines.types.model import MemoryModel
+from engines.types.snapshot import OrtEvent, SessionInfo
 
 log = logging.getLogger(__name__)
 MAX_CACHED = 256

@@ -26,7 +26,7 @@ import numpy as np
 from PIL import Image
 
 from engines.errors import InvalidRequestError
-from engines.protocol import fingerprint
+from engines.types.health import fingerprint
 
 log = logging.getLogger("sdserve")
 

@@ -13,7 +13,8 @@ from typing import Any
 from engines.config import Matrix, parse_size
 from engines.errors import SdserveError
 from engines.factory import memory_plan
-from engines.protocol import Capabilities, Engine
+from engines.protocol import Engine
+from engines.types.snapshot import Capabilities
 from server.cli.common import add_boot_args, boot_config
 from server.exitcodes import ExitCode, exit_code_for
 from server.settings import Settings

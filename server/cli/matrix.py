@@ -36,7 +36,7 @@ from typing import Any
 
 import engines.families as families
 from engines.factory import create_engine
-from engines.protocol import ModelInfo
+from engines.types.model import ModelInfo
 from server.cli.engines import run
 from server.settings import PROFILES, load_settings
 

@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 import engines.families as families
 from engines.errors import InvalidRequestError
-from engines.protocol import Batch, ModelInfo
+from engines.types.model import ModelInfo
+from engines.types.request import Batch
 from server import headers
 from server.a1111_lax import lax_extra, lax_number, number_type
 from server.a1111_options import OptionsStore, empty_overrides, set_overrides

@@ -29,7 +29,8 @@ from starlette.concurrency import run_in_threadpool
 
 import engines.families as families
 from engines.errors import InvalidRequestError
-from engines.protocol import LatentFill, ModelInfo
+from engines.types.model import ModelInfo
+from engines.types.request import LatentFill
 from server import headers
 from server.edits import EditInput, edit_batch, require_edits, within_deadline
 from server.images_in import blur_mask, check_pixel_budget, fill_masked, from_base64, resize

@@ -14,7 +14,8 @@ import time
 from typing import Any
 
 import engines.families as families
-from engines.protocol import Batch, CacheUse, ModelInfo
+from engines.types.model import ModelInfo
+from engines.types.request import Batch, CacheUse
 from server.caching import infotext_value
 from server.infotext_parse import parse_infotext as parse_infotext  # read side: server/infotext_parse.py
 from server.infotext_parse import read_infotext as read_infotext

@@ -19,7 +19,8 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
-from engines.protocol import Engine, LoraInfo
+from engines.protocol import Engine
+from engines.types.model import LoraInfo
 
 router = APIRouter(prefix="/sdapi/v1", tags=["automatic1111"])
 LISTED: dict[int | str, dict[str, Any]] = {200: {

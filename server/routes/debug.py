@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from engines.protocol import GpuSample
+from engines.types.health import GpuSample
 from server.watchdog import TraceTelemetry
 
 router = APIRouter(prefix="/debug", tags=["debug"])

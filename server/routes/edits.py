@@ -28,7 +28,7 @@ from starlette.datastructures import FormData, UploadFile
 
 from engines.config import parse_size
 from engines.errors import InvalidRequestError
-from engines.protocol import Batch
+from engines.types.request import Batch
 from server import headers
 from server.edits import EditInput, edit_batch, require_edits, within_deadline
 from server.hires import HiresPlan, make_plan

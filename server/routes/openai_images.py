@@ -10,7 +10,8 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Request, Response
 
 from engines.config import parse_size
-from engines.protocol import Batch, ModelInfo
+from engines.types.model import ModelInfo
+from engines.types.request import Batch
 from server import headers
 from server.encoding import ImageFormat, media_type_of
 from server.hires import HiresPlan, make_plan, run_hires

@@ -241,7 +241,7 @@ def test_non_finite_and_all_black_images_are_refused_not_returned(tiny_model: Pa
                                                                   fragment: str) -> None:
     """The real engine's generate path: an image that cannot be a real output raises instead of being returned."""
     from engines.errors import SdserveError
-    from engines.protocol import Batch, ImageSpec
+    from engines.types.request import Batch, ImageSpec
 
     engine = _engine(model_with_vae_output(tiny_model, tmp_path / "model", value))
     try:

@@ -14,7 +14,7 @@ import pytest
 
 from engines.config import RuntimeSettings
 from engines.engine import OrtEngine
-from engines.protocol import Batch, ImageSpec
+from engines.types.request import Batch, ImageSpec
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not Path("/dev/nvidia0").exists(), reason="needs an NVIDIA GPU")]

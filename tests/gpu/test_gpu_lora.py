@@ -11,7 +11,7 @@ import pytest
 
 from engines.config import LoraSettings, RuntimeSettings
 from engines.engine import OrtEngine
-from engines.protocol import Batch, ImageSpec, LoraUse
+from engines.types.request import Batch, ImageSpec, LoraUse
 from tests import lora_files as lf
 
 pytestmark = [pytest.mark.gpu,

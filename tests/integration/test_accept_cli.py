@@ -26,8 +26,8 @@ from engines.config import Canary, CanarySuite, Matrix, RuntimeSettings, SelfTes
 from engines.errors import GpuUnavailableError, NotReadyError
 from engines.health.preflight import Observations
 from engines.health.telemetry import DeviceInfo, NvmlReport
-from engines.protocol import BatchResult, Timings
 from engines.runtime.libdeps import Closure
+from engines.types.request import BatchResult, Timings
 from server.service import Generated
 from tests.unit.test_acceptance import _report
 

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from engines.factory import create_engine
-from engines.protocol import Batch, Engine, ImageSpec
+from engines.protocol import Engine
 from engines.runtime import sessions
+from engines.types.request import Batch, ImageSpec
 from server.admission import resident_bytes
 from server.settings import load_settings
 

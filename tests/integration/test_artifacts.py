@@ -14,10 +14,10 @@ import pytest
 from engines.artifacts import verify_model
 from engines.build.trtplan import graph_inputs
 from engines.config import RuntimeSettings
-from engines.pipelines.unet import StableDiffusionOnnx
 from engines.errors import ArtifactError
-from engines.protocol import Batch, ImageSpec
+from engines.pipelines.unet import StableDiffusionOnnx
 from engines.runtime.sessions import Runtime
+from engines.types.request import Batch, ImageSpec
 
 CPU = RuntimeSettings(providers=("CPUExecutionProvider",), allow_cpu=True)
 

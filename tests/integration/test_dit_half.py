@@ -29,10 +29,10 @@ import pytest
 from onnx import TensorProto, helper
 
 from engines.config import RuntimeSettings
-from engines.pipelines.flow import DitOnnx
 from engines.errors import ModelLoadError
-from engines.protocol import Batch, ImageSpec
+from engines.pipelines.flow import DitOnnx
 from engines.runtime.sessions import Runtime
+from engines.types.request import Batch, ImageSpec
 from server.cli.main import main
 from server.exitcodes import ExitCode, exit_code_for
 

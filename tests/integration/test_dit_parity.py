@@ -21,12 +21,12 @@ import pytest
 import torch
 
 from engines.config import RuntimeSettings
-from engines.pipelines.flow_family import detect_dit
-from engines.pipelines.flow import DitOnnx, pack_latents
-from engines.pipelines.unet import image_rng
 from engines.errors import InvalidRequestError, ModelLoadError
-from engines.protocol import Batch, EditImage, ImageSpec
+from engines.pipelines.flow import DitOnnx, pack_latents
+from engines.pipelines.flow_family import detect_dit
+from engines.pipelines.unet import image_rng
 from engines.runtime.sessions import Runtime
+from engines.types.request import Batch, EditImage, ImageSpec
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["a photo of an astronaut riding a horse", "a red cube on a table, studio lighting"]
@@ -229,7 +229,7 @@ def test_t5_truncation_is_reported_or_refused(dit_build: Builder) -> None:
 def test_serving_the_dit_pipeline_imports_no_torch(dit_build: Builder) -> None:
     folder = dit_build("sd35")[0]
     code = ("import sys; from engines.config import RuntimeSettings; from engines.runtime.sessions import Runtime; "
-            "from engines.pipelines.flow import DitOnnx; from engines.protocol import Batch, ImageSpec; "
+            "from engines.pipelines.flow import DitOnnx; from engines.types.request import Batch, ImageSpec; "
             f"p = DitOnnx(__import__('pathlib').Path({str(folder)!r}), "
             "Runtime(RuntimeSettings(providers=('CPUExecutionProvider',), allow_cpu=True))); "
             "p(Batch((ImageSpec('a cat', guidance_scale=5.0),), width=32, height=32, steps=1)); "

@@ -21,10 +21,10 @@ from PIL import Image
 
 from engines.build.tiny import build_tiny
 from engines.config import RuntimeSettings
-from engines.pipelines.unet import StableDiffusionOnnx, image_rng
 from engines.health import selftest
-from engines.protocol import Batch, EditImage, ImageSpec
+from engines.pipelines.unet import StableDiffusionOnnx, image_rng
 from engines.runtime.sessions import Runtime
+from engines.types.request import Batch, EditImage, ImageSpec
 
 SCHEDULERS = {"euler": "EulerDiscreteScheduler", "euler_a": "EulerAncestralDiscreteScheduler",
               "ddim": "DDIMScheduler", "dpmpp_2m": "DPMSolverMultistepScheduler"}

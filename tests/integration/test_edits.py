@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from engines.config import RuntimeSettings
-from engines.pipelines.unet import StableDiffusionOnnx
 from engines.errors import InvalidRequestError
-from engines.protocol import Batch, EditImage, ImageSpec
+from engines.pipelines.unet import StableDiffusionOnnx
 from engines.runtime.sessions import Runtime
+from engines.types.request import Batch, EditImage, ImageSpec
 from tests.integration.test_edit_parity import init_image, square_mask
 
 CPU = RuntimeSettings(providers=("CPUExecutionProvider",), allow_cpu=True)

@@ -18,11 +18,11 @@ from onnx import TensorProto, helper
 
 from engines.build.tiny import build_tiny
 from engines.config import RuntimeSettings
+from engines.errors import ModelLoadError
 from engines.pipelines import unet_family as families
 from engines.pipelines.unet import StableDiffusionOnnx, image_rng
-from engines.errors import ModelLoadError
-from engines.protocol import Batch, ImageSpec
 from engines.runtime.sessions import Runtime
+from engines.types.request import Batch, ImageSpec
 
 SCHEDULERS = {"euler": "EulerDiscreteScheduler", "euler_a": "EulerAncestralDiscreteScheduler",
               "ddim": "DDIMScheduler", "dpmpp_2m": "DPMSolverMultistepScheduler"}

@@ -26,13 +26,13 @@ import pytest
 import torch
 
 from engines.config import RuntimeSettings
-from engines.pipelines.flow import DitOnnx, pack_latents
-from engines.pipelines.first_block import FirstBlockRunner
-from engines.pipelines.unet import image_rng
 from engines.errors import InferenceError
 from engines.lora.active import Adapters
-from engines.protocol import Batch, ImageSpec
+from engines.pipelines.first_block import FirstBlockRunner
+from engines.pipelines.flow import DitOnnx, pack_latents
+from engines.pipelines.unet import image_rng
 from engines.runtime.sessions import Runtime
+from engines.types.request import Batch, ImageSpec
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["a photo of an astronaut riding a horse", "a red cube on a table, studio lighting"]

@@ -16,8 +16,8 @@ import torch
 from engines.config import RuntimeSettings
 from engines.pipelines.flow import DitOnnx, pack_latents
 from engines.pipelines.unet import image_rng
-from engines.protocol import Batch, ImageSpec
 from engines.runtime.sessions import Runtime
+from engines.types.request import Batch, ImageSpec
 
 pytestmark = pytest.mark.slow
 Builder = Callable[[str], tuple[Path, Path]]

@@ -17,10 +17,10 @@ import pytest
 
 from engines.build.optimize import FP32_KEEP
 from engines.config import RuntimeSettings
-from engines.pipelines.unet import OrtModel, StableDiffusionOnnx
 from engines.numerics.step_graph import build_step_graph
-from engines.protocol import Batch, ImageSpec
+from engines.pipelines.unet import OrtModel, StableDiffusionOnnx
 from engines.runtime.sessions import Runtime
+from engines.types.request import Batch, ImageSpec
 
 CPU = RuntimeSettings(providers=("CPUExecutionProvider",), allow_cpu=True)
 SEEDS, STEPS = (1, 2, 3, 4), 25

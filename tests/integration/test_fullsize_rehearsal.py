@@ -44,9 +44,9 @@ from engines import artifacts
 from engines.config import LoraSettings
 from engines.engine import OrtEngine
 from engines.lora import targets
-from engines.protocol import Batch, ImageSpec, LoraUse
 from engines.runtime import placement
 from engines.runtime.dataflow import CPU_PROVIDER
+from engines.types.request import Batch, ImageSpec, LoraUse
 from server.exitcodes import ExitCode
 from server.settings import load_settings
 from tests.plugin_ep import ARTIFACTS, EP, profile, sdserve

@@ -18,7 +18,8 @@ from PIL import Image
 
 from engines.config import SCHEDULER_NAMES
 from engines.pipelines.unet import StableDiffusionOnnx
-from engines.protocol import Batch, ImageSpec, ModelInfo
+from engines.types.model import ModelInfo
+from engines.types.request import Batch, ImageSpec
 from server.hires import LATENT_MODES, make_plan, second_pass, upscale, upscale_latents
 from tests.integration.test_edit_parity import GUIDANCE, PROMPTS, SEEDS, Draws, _compare, _ours, _theirs
 

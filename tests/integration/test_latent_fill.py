@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 
 from engines.pipelines.unet import StableDiffusionOnnx
-from engines.protocol import Batch, EditImage, ImageSpec, LatentFill
+from engines.types.request import Batch, EditImage, ImageSpec, LatentFill
 from tests.integration.test_edit_parity import (
     GUIDANCE,
     PROMPTS,

@@ -26,11 +26,11 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from engines.config import LoraSettings, RuntimeSettings
-from engines.pipelines.unet import image_rng
 from engines.engine import OrtEngine
 from engines.errors import InvalidRequestError
 from engines.lora.active import Adapters
-from engines.protocol import Batch, ImageSpec, LoraUse
+from engines.pipelines.unet import image_rng
+from engines.types.request import Batch, ImageSpec, LoraUse
 from tests import lora_files as lf
 
 pytestmark = pytest.mark.slow

@@ -26,7 +26,7 @@ from engines.config import LoraSettings, RuntimeSettings
 from engines.engine import OrtEngine
 from engines.errors import InvalidRequestError
 from engines.lora import library, targets
-from engines.protocol import Batch, ImageSpec, LoraUse
+from engines.types.request import Batch, ImageSpec, LoraUse
 from tests import lora_files as lf
 
 pytestmark = pytest.mark.slow

@@ -11,8 +11,8 @@ import torch
 
 from engines.config import RuntimeSettings
 from engines.pipelines.unet import StableDiffusionOnnx, image_rng
-from engines.protocol import Batch, ImageSpec
 from engines.runtime.sessions import Runtime
+from engines.types.request import Batch, ImageSpec
 
 SCHEDULERS = {"euler": "EulerDiscreteScheduler", "euler_a": "EulerAncestralDiscreteScheduler",
               "ddim": "DDIMScheduler", "dpmpp_2m": "DPMSolverMultistepScheduler",

@@ -12,10 +12,10 @@ import pytest
 from onnx import TensorProto, helper
 
 from engines.config import RuntimeSettings
-from engines.pipelines.unet import StableDiffusionOnnx
 from engines.numerics.tokenizer import ClipTokenizer
-from engines.protocol import Batch, ImageSpec
+from engines.pipelines.unet import StableDiffusionOnnx
 from engines.runtime.sessions import Runtime
+from engines.types.request import Batch, ImageSpec
 from server.service import encode_png
 
 CPU = RuntimeSettings(providers=("CPUExecutionProvider",), allow_cpu=True)

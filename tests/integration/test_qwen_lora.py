@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from engines.config import LoraSettings, RuntimeSettings
+from engines.engine import OrtEngine
 from engines.pipelines.flow import pack_latents
 from engines.pipelines.unet import image_rng
-from engines.engine import OrtEngine
-from engines.protocol import Batch, ImageSpec, LoraUse
+from engines.types.request import Batch, ImageSpec, LoraUse
 from tests import lora_files as lf
 
 pytestmark = pytest.mark.slow

@@ -20,15 +20,16 @@ import pytest
 import torch
 
 from engines.config import RuntimeSettings
-from engines.pipelines.flow_family import detect_dit
-from engines.pipelines.flow import pack_latents
-from engines.pipelines.unet import image_rng
-from engines.pipelines.qwen import QwenOnnx, qwen_rope
-from engines.numerics.qwen_tokenizer import TEMPLATE, TEMPLATE_DROP, QwenTokenizer
 from engines.engine import OrtEngine
 from engines.errors import ModelLoadError
-from engines.protocol import Batch, BatchResult, EditImage, ImageSpec, StepRun
+from engines.numerics.qwen_tokenizer import TEMPLATE, TEMPLATE_DROP, QwenTokenizer
+from engines.pipelines.flow import pack_latents
+from engines.pipelines.flow_family import detect_dit
+from engines.pipelines.qwen import QwenOnnx, qwen_rope
+from engines.pipelines.unet import image_rng
+from engines.protocol import StepRun
 from engines.runtime.sessions import Runtime
+from engines.types.request import Batch, BatchResult, EditImage, ImageSpec
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["a photo of an astronaut riding a horse", "a red cube on a table, studio lighting, a long shadow"]

@@ -17,7 +17,8 @@ import pytest
 from engines.build.tiny import build_tiny
 from engines.config import RuntimeSettings
 from engines.engine import OrtEngine
-from engines.protocol import Batch, BatchResult, EditImage, ImageSpec, StepRun
+from engines.protocol import StepRun
+from engines.types.request import Batch, BatchResult, EditImage, ImageSpec
 from tests.integration.test_edit_parity import init_image, square_mask
 
 SAMPLERS = ("euler", "euler_a", "dpmpp_2m", "dpmpp_2m_sde", "dpmpp_2m_sde_heun", "plms", "lms", "unipc", "heun",

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from engines.config import Canary, RuntimeSettings
-from engines.numerics.step_cache import OutputCache
 from engines.engine import OrtEngine
 from engines.errors import InvalidRequestError
-from engines.protocol import Batch, BatchResult, ImageSpec, StepCache
+from engines.numerics.step_cache import OutputCache
+from engines.types.request import Batch, BatchResult, ImageSpec, StepCache
 from server.caching import Caching, gate_shape, psnr_db
 from server.settings import CacheSettings
 

@@ -14,8 +14,8 @@ import pytest
 
 from engines.config import RuntimeSettings
 from engines.pipelines.unet import StableDiffusionOnnx
-from engines.protocol import Batch, ImageSpec
 from engines.runtime.sessions import Runtime
+from engines.types.request import Batch, ImageSpec
 
 CPU = RuntimeSettings(providers=("CPUExecutionProvider",), allow_cpu=True)
 

@@ -16,32 +16,20 @@ from PIL import Image
 from engines.config import SCHEDULER_NAMES
 from engines.errors import GpuUnavailableError, NotReadyError
 from engines.health.signature import classify
-from engines.protocol import (
+from engines.protocol import StepRun
+from engines.types.health import CanaryCheck, GpuSample, Signature, TelemetrySource
+from engines.types.model import LoraInfo, LoraStats, ModelInfo
+from engines.types.request import Batch, BatchResult, GeneratedImage, ImageSpec, LoraUse, StepHook, Timings, lora_key
+from engines.types.snapshot import (
     Artifacts,
     Attention,
-    Batch,
-    BatchResult,
-    CanaryCheck,
     Capabilities,
     CheckResult,
-    GeneratedImage,
-    GpuSample,
-    ImageSpec,
     IoInfo,
-    LoraInfo,
-    LoraStats,
-    LoraUse,
-    ModelInfo,
     OrtEvent,
     Policy,
     SelfTestReport,
-    Signature,
-    StepHook,
-    StepRun,
-    TelemetrySource,
-    Timings,
     Verdict,
-    lora_key,
 )
 from server.app import create_app
 from server.settings import Settings

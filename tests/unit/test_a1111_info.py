@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from engines.config import SCHEDULER_NAMES
 from engines.errors import InvalidRequestError
-from engines.protocol import ModelInfo
+from engines.types.model import ModelInfo
 from server.a1111_options import OptionsStore
 from server.app import create_app
 from server.hires import UPSCALERS, served_latent_modes

@@ -26,9 +26,10 @@ from engines.config import Canary, CanarySuite, Matrix, RuntimeSettings, SelfTes
 from engines.errors import NotReadyError
 from engines.health.preflight import Observations
 from engines.health.telemetry import DeviceInfo, NvmlReport, TelemetryUnavailable
-from engines.protocol import BatchResult, GpuSample, Timings
 from engines.runtime import enginecheck
 from engines.runtime.sessions import HostRead, Runtime
+from engines.types.health import GpuSample
+from engines.types.request import BatchResult, Timings
 from tests.unit.test_acceptance import _report
 
 H200 = NvmlReport(True, driver_version="580.10", cuda_driver_version="13.0",

@@ -35,7 +35,7 @@ from engines.accept.report import (
     validate,
 )
 from engines.health.telemetry import DeviceInfo, NvmlReport
-from engines.protocol import GpuSample
+from engines.types.health import GpuSample
 
 DURATIONS = [4.0, 4.5, 5.0, 4.0, 4.5, 5.0, 4.0, 4.5, 5.0, 4.5]  # mean 4.5, min 4.0, max 5.0
 

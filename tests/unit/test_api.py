@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from engines.errors import NotReadyError
-from engines.protocol import Batch, ImageSpec
+from engines.types.request import Batch, ImageSpec
 from server.app import create_app
 from server.batcher import Batcher
 from server.errors import DeadlineExceededError, QueueFullError

@@ -24,7 +24,7 @@ from engines.artifacts import (
 )
 from engines.config import RuntimeSettings
 from engines.errors import ArtifactError
-from engines.protocol import EngineArtifacts
+from engines.types.snapshot import EngineArtifacts
 
 BUILT = {"onnxruntime": "1.31.1", "cuda": "13.0", "cudnn_major": "9", "tensorrt": "10.13", "compute_capability": "9.0",
          "gpu": "NVIDIA H200", "driver": "580.95.05"}

@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from engines.config import SCHEDULER_NAMES
-from engines.protocol import ModelInfo
+from engines.types.model import ModelInfo
 from server.settings import Settings, load_settings
 from tests.unit.fakes import DIGEST, TITLE, HashedEngine
 from tests.unit.fakes import start as _start

@@ -17,7 +17,8 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from engines.protocol import Batch, BatchResult, ModelInfo, StepHook
+from engines.types.model import ModelInfo
+from engines.types.request import Batch, BatchResult, StepHook
 from server.settings import Settings, load_settings
 from tests.unit.fakes import DIGEST, HashedEngine, start
 

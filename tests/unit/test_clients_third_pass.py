@@ -20,7 +20,8 @@ from pydantic import TypeAdapter, ValidationError
 
 from engines.config import SCHEDULER_NAMES
 from engines.errors import ConfigError, InvalidRequestError
-from engines.protocol import Batch, BatchResult, ImageSpec, ModelInfo, StepHook
+from engines.types.model import ModelInfo
+from engines.types.request import Batch, BatchResult, ImageSpec, StepHook
 from server.app import create_app
 from server.cli.serve import with_cors
 from server.hires import UPSCALERS, make_plan, second_pass, target_size, upscale, upscale_latents

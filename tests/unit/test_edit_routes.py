@@ -14,7 +14,8 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from engines.config import SCHEDULER_NAMES
-from engines.protocol import Batch, EditImage, ImageSpec, ModelInfo
+from engines.types.model import ModelInfo
+from engines.types.request import Batch, EditImage, ImageSpec
 from server.app import create_app
 from server.batcher import Batcher
 from server.metrics import Metrics

@@ -12,7 +12,7 @@ import pytest
 from engines.config import RuntimeSettings
 from engines.engine import ANY, OrtEngine
 from engines.errors import InvalidRequestError, NotReadyError
-from engines.protocol import Batch, ImageSpec
+from engines.types.request import Batch, ImageSpec
 
 
 def _batch(width: int, height: int) -> Batch:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engines.protocol import ModelInfo
+from engines.types.model import ModelInfo
 from server.admission import Cost, CostModel
 
 UNET = ModelInfo("sd15", 8, 512, ("euler",), 77)

@@ -26,8 +26,8 @@ from python_multipart.multipart import MultipartParser
 
 from engines.config import RuntimeSettings
 from engines.errors import InvalidRequestError
-from engines.protocol import Batch, BatchResult, StepHook
 from engines.runtime import sessions
+from engines.types.request import Batch, BatchResult, StepHook
 from server.admission import Cost, CostModel, admit
 from server.app import create_app
 from server.connections import HEAD_GRACE_S, Bounds

@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 from engines.artifacts import sha256_file
 from engines.errors import ArtifactError, NotReadyError
 from engines.health.integrity import IntegrityWatcher
-from engines.protocol import BatchResult
+from engines.types.request import BatchResult
 from server.app import create_app
 from server.errors import BindError
 from server.exitcodes import ExitCode, exit_code_for

@@ -18,7 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("server", "engines")
-SERVER_MAY_IMPORT = ("engines.protocol", "engines.errors", "engines.config", "engines.factory", "engines.families")
+SERVER_MAY_IMPORT = ("engines.protocol", "engines.types", "engines.errors", "engines.config", "engines.factory",
+                     "engines.families")
 BUILD_ONLY = ("torch", "diffusers", "transformers")
 CLI_BUILD = "server/cli/engines.py"
 CLI_REFS = "server/cli/refs.py"
@@ -126,6 +127,16 @@ def test_server_reaches_engines_only_through_the_protocol(path: Path) -> None:
     bad = [module for module, _ in _imports(path) if module.split(".")[0] == "engines"
            and not module.startswith(allowed)]
     assert bad == [], f"{path.relative_to(ROOT)} imports engine internals {bad}: go through engines.protocol"
+
+
+def test_the_protocol_types_are_a_leaf() -> None:
+    """engines/types/ (the data crossing the protocol) imports nothing of sdserve but itself, so server/ reaching it
+    reaches no engine internals through it."""
+    types = sorted((ROOT / "engines" / "types").rglob("*.py"))
+    assert types, "engines/types/ holds the protocol's data types"
+    bad = [f"{path.relative_to(ROOT)}: {module}" for path in types for module, _ in _imports(path)
+           if _ours(module) and not module.startswith("engines.types")]
+    assert bad == []
 
 
 @pytest.mark.parametrize("path", [p for p in _files() if p.relative_to(ROOT).parts[0] == "engines"],

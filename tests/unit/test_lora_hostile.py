@@ -16,7 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engines.errors import InvalidRequestError
-from engines.protocol import LoraInfo
+from engines.types.model import LoraInfo
 from server.app import create_app
 from server.lora_prompt import find_tags, lookup, parse_prompt
 from server.routes.a1111_loras import Refresher

@@ -13,7 +13,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engines.errors import InvalidRequestError
-from engines.protocol import Batch, ImageSpec, LoraInfo, LoraUse
+from engines.types.model import LoraInfo
+from engines.types.request import Batch, ImageSpec, LoraUse
 from server.app import create_app
 from server.batcher import Job
 from server.lora_prompt import header_value, parse_prompt

@@ -18,7 +18,8 @@ from fastapi.testclient import TestClient
 
 from engines.errors import InvalidRequestError
 from engines.health import request_memory as rm
-from engines.protocol import GpuSample, MemoryNeed, ModelInfo
+from engines.types.health import GpuSample
+from engines.types.model import MemoryNeed, ModelInfo
 from server import admission
 from server.admission import MemoryAsk, MemoryBudget, admit_memory, memory_budget
 from server.settings import Settings, load_settings

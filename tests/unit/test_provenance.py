@@ -214,7 +214,7 @@ def test_verify_cli_reports_and_exits_by_the_worst_image(tmp_path: Path, credent
 
 
 def test_prompts_enter_the_manifest_only_when_the_profile_opts_in() -> None:
-    from engines.protocol import Batch, BatchResult, EditImage, GeneratedImage, ImageSpec
+    from engines.types.request import Batch, BatchResult, EditImage, GeneratedImage, ImageSpec
     from server.provenance_stage import image_facts
     from server.service import Generated
 

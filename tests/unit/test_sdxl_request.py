@@ -10,7 +10,7 @@ import pytest
 
 from engines.config import SCHEDULER_NAMES
 from engines.errors import InvalidRequestError
-from engines.protocol import ModelInfo
+from engines.types.model import ModelInfo
 from server.batcher import Job
 from server.schemas import ImageGenerationRequest
 from server.service import build_batch

@@ -11,7 +11,7 @@ from PIL import Image
 from engines.config import Canary, CanarySuite, SelfTestPlan, Shape, SloWindow
 from engines.errors import SelfTestError
 from engines.health import selftest
-from engines.protocol import Batch, BatchResult, GeneratedImage
+from engines.types.request import Batch, BatchResult, GeneratedImage
 
 SUITE = CanarySuite(steps=4, canary=(Canary(name="a", prompt="a", seed=1), Canary(name="b", prompt="b", seed=2)))
 

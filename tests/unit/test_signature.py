@@ -6,7 +6,7 @@ import pytest
 
 from engines.config import SignatureThresholds
 from engines.health.signature import classify
-from engines.protocol import GpuSample
+from engines.types.health import GpuSample
 
 LIMIT_W = 300.0  # an A10-class card; healthy work on it drew 115-143 W
 

@@ -16,7 +16,8 @@ from fastapi.testclient import TestClient
 from starlette.concurrency import run_in_threadpool
 
 from engines.errors import InferenceError
-from engines.protocol import Batch, BatchResult, ImageSpec, StepHook, StepRun
+from engines.protocol import StepRun
+from engines.types.request import Batch, BatchResult, ImageSpec, StepHook
 from server import stepper
 from server.batcher import Batcher
 from server.errors import DeadlineExceededError

@@ -12,8 +12,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engines.errors import InferenceError
-from engines.protocol import GpuSample
 from engines.runtime.ortlog import classify
+from engines.types.health import GpuSample
 from server.contention import Contention, ContentionProbe, Counters
 from server.metrics import DEGRADED_REASONS, Metrics
 from server.service import ImageService

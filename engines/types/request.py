@@ -1,0 +1,200 @@
+"""What a request asks of the engine and what it answers: the images of a batch, their edit inputs, the batch's
+LoRA set and step cache, and the result with its timings."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+from PIL import Image
+
+LatentFill = Literal["original", "noise", "nothing"]
+
+
+@dataclass(frozen=True, eq=False)
+class EditImage:
+    """One image's edit input, already at the batch's width and height (server/images_in.py decodes, orients and
+    resizes uploads). Compared by identity: it holds arrays."""
+
+    image: np.ndarray
+    """uint8 [H, W, 3] RGB."""
+    mask: np.ndarray | None = None
+    """uint8 [H, W]: where to repaint, as diffusers' mask (binarized at 0.5: >= 128 repaints; the output blends
+    the repainted pixels in by mask/255 where ``Batch.overlay``); None: img2img."""
+    fill: LatentFill = "original"
+    """Inpainting: what the masked part of the init latents starts from (A1111's inpainting_fill 2 and 3, done
+    in modules/processing.py StableDiffusionProcessingImg2Img.init): "original" the encoded image, "noise" the
+    image's own seeded start noise (latent noise), "nothing" zeros (latent nothing)."""
+    latents: np.ndarray | None = None
+    """float32 [C, h, w]: init latents as the denoiser sees them (scaled), used instead of encoding ``image``
+    (Hires fix's latent upscale, A1111's latent_scale_mode); None: ``image`` is encoded."""
+
+
+@dataclass(frozen=True)
+class ImageSpec:
+    """One image to generate; per-image settings may differ inside a batch."""
+
+    prompt: str
+    negative_prompt: str = ""
+    seed: int = 0
+    guidance_scale: float = 7.5
+    edit: EditImage | None = None
+    """img2img (no mask) or inpainting input; None: txt2img. Every image of a batch has the same mode."""
+    keep_latents: bool = False
+    """Return this image's final latents (GeneratedImage.latents): a Hires fix first pass with a latent upscale."""
+
+
+Mode = Literal["txt2img", "img2img", "inpaint"]
+
+
+CACHE_METHODS = ("output", "first-block")
+"""Step cache methods: ``output`` reuses the denoiser's last output for every family (engines/pipelines/
+step_cache.py); ``first-block`` runs the DiT transformer's first block and skips the rest (first_block.py)."""
+
+
+CACHE_MIN_STEPS = 9
+"""A cache never runs on a request with fewer steps: few-step models (Turbo, schnell) gain nothing and every
+evaluation counts."""
+
+
+@dataclass(frozen=True)
+class StepCache:
+    """A request's step cache (off unless the server's policy or the request turns it on, and only after the gate
+    passed for this model and shape). Images under a cache are no longer the seed-reproducible uncached images."""
+
+    method: str = "output"
+    threshold: float = 0.2
+    """``output``: the accumulated estimate of the output's relative change (EasyCache's rule) under which the last
+    output is reused; ``first-block``: the first block's relative residual change (diffusers' hook)."""
+    warmup: float = 0.15
+    """The first fraction of evaluations always computed (ComfyUI's EasyCache ``start_percent``)."""
+    final: float = 0.05
+    """The last fraction of evaluations always computed (at least one)."""
+    max_reuse: int = 3
+    """Consecutive evaluations that may reuse before one is computed."""
+
+    def label(self) -> str:
+        """How a response, infotext and manifest name it: ``output:0.2``."""
+        return f"{self.method}:{self.threshold:g}"
+
+
+@dataclass(frozen=True)
+class CacheUse:
+    """What a step cache did for one request: its configuration and the denoiser evaluations it reused."""
+
+    spec: StepCache
+    reused: int
+    evaluations: int
+
+
+@dataclass(frozen=True)
+class LoraUse:
+    """One LoRA of a request's adapter set, resolved against the library (the server checks names first)."""
+
+    name: str
+    sha256: str
+    te: float = 1.0
+    """Multiplier on the text encoders (A1111's te_multiplier)."""
+    unet: float = 1.0
+    """Multiplier on the denoiser, UNet or DiT transformer (A1111's unet_multiplier)."""
+
+    def label(self) -> str:
+        """``name:te:unet`` (``name:mult`` when both are equal), as ``<lora:...>`` writes it."""
+        return f"{self.name}:{self.te:g}" + ("" if self.te == self.unet else f":{self.unet:g}")
+
+
+def lora_key(uses: tuple[LoraUse, ...]) -> tuple[tuple[str, float, float], ...]:
+    """An adapter set's cache and batching key: sorted (file sha256, te multiplier, denoiser multiplier)."""
+    return tuple(sorted((u.sha256, u.te, u.unet) for u in uses))
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Images that share shape, step count and scheduler, so they run as one batch."""
+
+    images: tuple[ImageSpec, ...]
+    width: int = 64
+    height: int = 64
+    steps: int = 20
+    scheduler: str = "euler"
+    truncate_prompts: bool = True
+    """Over-long prompts: truncate (reported per image) or refuse with InvalidRequestError (tokenized once)."""
+    original_size: tuple[int, int] | None = None
+    """SDXL micro-conditioning: the (height, width) the image claims to come from; None = the target size."""
+    crops_coords_top_left: tuple[int, int] = (0, 0)
+    """SDXL micro-conditioning: the (top, left) crop it claims; (0, 0) as diffusers."""
+    strength: float = 1.0
+    """Edits: diffusers' ``strength`` in (0, 1]: ``int(steps * strength)`` steps run, from the noise level where
+    the full schedule would be after the others (``get_timesteps``). txt2img ignores it."""
+    overlay: bool = True
+    """Inpainting: paste the init image back outside the mask (as A1111 does; diffusers does not): pixels the
+    mask leaves (mask 0) come back exactly as sent."""
+    loras: tuple[LoraUse, ...] = ()
+    """The adapter set: requests batch together only with the same set (engines/lora/manager.py set_key)."""
+    cache: StepCache | None = None
+    """The request's step cache (None: every denoiser evaluation runs)."""
+
+    @property
+    def lora_key(self) -> tuple[tuple[str, float, float], ...]:
+        """What makes two requests' LoRA weights the same (``lora_key``)."""
+        return lora_key(self.loras)
+
+    @property
+    def mode(self) -> Mode:
+        """txt2img, img2img or inpaint, from the first image (check_inputs refuses mixed batches)."""
+        edit = self.images[0].edit if self.images else None
+        return "txt2img" if edit is None else "img2img" if edit.mask is None else "inpaint"
+
+
+@dataclass(frozen=True)
+class GeneratedImage:
+    image: Image.Image
+    seed: int
+    prompt_truncated: bool = False
+    negative_prompt_truncated: bool = False
+    latents: np.ndarray | None = None
+    """float32 [C, h, w] final latents (scaled), when the image asked for them (ImageSpec.keep_latents)."""
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Seconds per phase of one executed batch."""
+
+    text_encoder: float = 0.0
+    denoise: float = 0.0
+    vae_decode: float = 0.0
+    total: float = 0.0
+    vae_encode: float = 0.0
+    """Edits: encoding the init (and masked) images on the device."""
+
+
+StepHook = Callable[[int, int], bool]
+"""Called after each denoising step with (steps done, steps in total); returning False stops the batch at this step
+boundary: the images are decoded from the latents so far (A1111's interrupt)."""
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    images: tuple[GeneratedImage, ...]
+    provider: str
+    """The execution provider that ran the UNet."""
+    timings: Timings = Timings()
+    batch_images: int = 0
+    """Images in the batch that actually executed (micro-batching may merge requests; step-level batching: the most
+    images any denoiser call of this request ran with); 0 = len(images)."""
+    steps_done: int = 0
+    """Denoising steps that ran; fewer than the batch's steps when a StepHook stopped it."""
+    interrupted: bool = False
+    adapted: tuple[str, ...] = ()
+    """The components that ran with the batch's merged LoRA weights bound (sorted); empty without LoRA."""
+    first_step_s: float = 0.0
+    """Seconds from the request's arrival in the queue to the end of its first denoiser evaluation (the server's
+    batcher sets it; 0 from the engine)."""
+    cache: CacheUse | None = None
+    """The step cache that ran (its evaluations reused), None when every evaluation was computed."""
+
+    @property
+    def executed(self) -> int:
+        return self.batch_images or len(self.images)
