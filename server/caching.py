@@ -10,8 +10,9 @@ about quality on real weights: the gate's figures are only as good as the model 
 
 Requests: ``step_cache`` (both APIs: a top-level extension field of the OpenAI and the A1111 generation routes)
 true asks for it, false refuses it, absent follows the policy (``on``: cached where the gate passed). A request
-that asks where the cache cannot run (policy off, fewer than 9 steps, a shape whose gate failed or never ran) gets
-a 422 naming ``step_cache`` and why, rather than an uncached image it did not ask for silently.
+that asks where the cache cannot run (policy off, fewer than ``CACHE_MIN_STEPS`` steps: the engines' constant, a
+shape whose gate failed or never ran) gets a 422 naming ``step_cache`` and why, rather than an uncached image it did
+not ask for silently.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import numpy as np
 from engines.config import Canary
 from engines.errors import InvalidRequestError
 from engines.types.request import CACHE_MIN_STEPS, Batch, BatchResult, CacheUse, ImageSpec, StepCache
+from server.generation import STEP_CACHE
 from server.settings import CacheSettings
 
 log = logging.getLogger(__name__)
@@ -147,7 +149,7 @@ class Caching:
             return None
         why = self.refusal(batch)
         if why and asked:
-            raise InvalidRequestError(f"step_cache cannot run for this request: {why}", param="step_cache")
+            raise InvalidRequestError(f"{STEP_CACHE} cannot run for this request: {why}", param=STEP_CACHE)
         return None if why else self.spec
 
     def refusal(self, batch: Batch) -> str:

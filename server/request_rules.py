@@ -14,7 +14,6 @@ The rule (docs/api.md "Fields clients always send"), on both APIs:
 from __future__ import annotations
 
 import math
-import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -26,6 +25,7 @@ from engines.types.model import LoraInfo, ModelInfo
 from engines.types.request import Batch, ImageSpec, LoraUse
 from server import headers, lora_prompt
 from server.a1111_options import checkpoint_names
+from server.generation import OPENAI_NAMES, SEED_SPAN, GenerationRequest, LoraAsk, draw_seed
 from server.schemas import ImageGenerationRequest
 from server.settings import Settings
 
@@ -196,58 +196,78 @@ def _openai_hint(size: str, settings: Settings, info: ModelInfo, route: Route) -
     return "" if settings.serving.openai_sizes else " (enable [serving] openai_sizes to serve OpenAI's sizes)"
 
 
+def from_openai(req: ImageGenerationRequest, settings: Settings, info: ModelInfo) -> GenerationRequest:
+    """The OpenAI request as the core's request: the served model checked (``model``), ``quality`` mapped to steps
+    (``[api] quality_steps``), the rest carried over as validated."""
+    served_model(req.model, settings, info)
+    mapped = quality_steps(req, settings)
+    loras = tuple(LoraAsk(item.name, item.weight, item.unet_weight) for item in req.loras or [])
+    crops = req.crops_coords_top_left
+    return GenerationRequest(prompt=req.prompt, negative_prompt=req.negative_prompt, images=req.n, size=req.size,
+                             seed=req.seed, steps=req.steps if req.steps is not None else mapped,
+                             guidance=req.guidance_scale, scheduler=req.scheduler, loras=loras,
+                             original_size=req.original_size, crops=(crops[0], crops[1]) if crops else None,
+                             step_cache=req.step_cache, names=OPENAI_NAMES)
+
+
 def build_batch(req: ImageGenerationRequest, settings: Settings, info: ModelInfo,
                 library: Mapping[str, LoraInfo] | None = None) -> Batch:
-    """Validate a request against the profile's limits and the model; fill defaults; expand per-image seeds;
-    resolve its LoRAs (prompt tags and the ``loras`` field) against ``library`` (server/lora_prompt.py)."""
-    limits, defaults = settings.limits, settings.defaults_for(info.family)
-    if not 1 <= req.n <= limits.max_n:
-        raise InvalidRequestError(f"n must be between 1 and {limits.max_n}, got {req.n}", param="n")
-    served_model(req.model, settings, info)
-    width, height = resolve_size(req.size, settings, info)
-    mapped = quality_steps(req, settings)
-    steps = req.steps if req.steps is not None else mapped if mapped is not None else defaults.steps
+    """An OpenAI request's one batch (``from_openai`` then ``generation_batches``)."""
+    return generation_batches(from_openai(req, settings, info), settings, info, library)[0]
+
+
+def generation_batches(req: GenerationRequest, settings: Settings, info: ModelInfo,
+                       library: Mapping[str, LoraInfo] | None = None) -> list[Batch]:
+    """Validate a request against the profile's limits and the model; fill defaults; draw the seed when none was
+    sent (once for all its batches) and expand per-image seeds; resolve its LoRAs (prompt tags and the ``loras``
+    field) against ``library`` (server/lora_prompt.py). Refusals name the wire field (``req.names``)."""
+    limits, defaults, names = settings.limits, settings.defaults_for(info.family), req.names
+    if not 1 <= req.images <= limits.max_n:
+        raise InvalidRequestError(f"{names.images} must be between 1 and {limits.max_n}, got {req.images}",
+                                  param=names.images)
+    width, height = resolve_size(req.size, settings, info, route=names.api)
+    steps = req.steps if req.steps is not None else defaults.steps
     if steps > limits.max_steps:
-        raise InvalidRequestError(f"steps must be at most {limits.max_steps} (this server's limits.max_steps), "
-                                  f"got {steps}", param="steps")
+        raise InvalidRequestError(f"{names.steps} must be at most {limits.max_steps} (this server's "
+                                  f"limits.max_steps), got {steps}", param=names.steps)
     scheduler = req.scheduler or defaults.scheduler
     if scheduler not in info.schedulers:
         raise InvalidRequestError(f"unknown scheduler {scheduler!r}; expected one of {list(info.schedulers)}",
-                                  param="scheduler")
+                                  param=names.scheduler)
     for name, text in (("prompt", req.prompt), ("negative_prompt", req.negative_prompt)):
         if len(text) > limits.max_prompt_chars:
             raise InvalidRequestError(f"{name} is longer than {limits.max_prompt_chars} characters",
                                       param=name)
-    seed = req.seed if req.seed is not None else secrets.randbelow(2**32)
-    guidance = req.guidance_scale if req.guidance_scale is not None else defaults.guidance_scale
+    seed = req.seed if req.seed is not None else draw_seed()
+    guidance = req.guidance if req.guidance is not None else defaults.guidance_scale
     prompt, loras = _loras(req, settings, library or {})
-    images = tuple(ImageSpec(prompt, req.negative_prompt, (seed + i) % 2**32, guidance)
-                   for i in range(req.n))
     original, crops = _micro_conditioning(req, info)
-    return Batch(images, width, height, steps, scheduler, settings.limits.prompt_overflow == "truncate", original,
-                 crops, loras=loras)
+    truncate = limits.prompt_overflow == "truncate"
+    return [Batch(tuple(ImageSpec(prompt, req.negative_prompt, (seed + k * req.images + i) % SEED_SPAN, guidance)
+                        for i in range(req.images)), width, height, steps, scheduler, truncate, original, crops,
+                  loras=loras)
+            for k in range(req.batches)]
 
 
-def _loras(req: ImageGenerationRequest, settings: Settings,
+def _loras(req: GenerationRequest, settings: Settings,
            library: Mapping[str, LoraInfo]) -> tuple[str, tuple[LoraUse, ...]]:
     """The prompt the encoder sees (LoRA tags removed) and the request's adapter set."""
     prompt, wanted = lora_prompt.parse_prompt(req.prompt)  # tags only: an empty text, as A1111 encodes it
-    for i, item in enumerate(req.loras or []):
+    for i, item in enumerate(req.loras):
         unet = item.unet_weight if item.unet_weight is not None else item.weight
-        wanted.append(lora_prompt.Wanted(item.name, item.weight, unet, f"loras.{i}.name"))
+        wanted.append(lora_prompt.Wanted(item.name, item.weight, unet, f"{req.names.loras}.{i}.name"))
     limits = settings.runtime.lora
     return prompt, lora_prompt.resolve(wanted, library, limits.max_per_request, limits.max_multiplier)
 
 
-def _micro_conditioning(req: ImageGenerationRequest, info: ModelInfo) -> tuple[tuple[int, int] | None,
-                                                                              tuple[int, int]]:
+def _micro_conditioning(req: GenerationRequest, info: ModelInfo) -> tuple[tuple[int, int] | None,
+                                                                         tuple[int, int]]:
     """SDXL's original_size (as the (height, width) diffusers takes) and crop; refused for other families."""
-    for name in ("original_size", "crops_coords_top_left"):
-        if getattr(req, name) is not None and not families.facts(info.family).micro_conditioning:
+    for name, value in (("original_size", req.original_size), ("crops_coords_top_left", req.crops)):
+        if value is not None and not families.facts(info.family).micro_conditioning:
             raise InvalidRequestError(f"{name} applies to SDXL models only; this model is {info.family}", param=name)
     original = None
     if req.original_size is not None:
         width, height = parse_size(req.original_size)
         original = (height, width)
-    crops = req.crops_coords_top_left or [0, 0]
-    return original, (crops[0], crops[1])
+    return original, req.crops or (0, 0)

@@ -28,11 +28,12 @@ from server.batcher import Batcher
 from server.caching import Caching
 from server.caching import header_value as cache_header
 from server.errors import ClientGoneError, QueueFullError
+from server.generation import STEP_CACHE, GenerationRequest
 from server.lora_prompt import header_value
 from server.metrics import Metrics
 from server.provenance import Provenance
-from server.request_rules import build_batch
-from server.schemas import ImageGenerationRequest
+from server.request_rules import build_batch as build_batch  # its old home: importers still find it here
+from server.request_rules import generation_batches
 from server.settings import Settings
 from server.state import ServerState
 from server.stepper import StepBatcher
@@ -129,12 +130,17 @@ class ImageService:
         message = f"server is {self.state.state}" + (f": {reasons}" if reasons else "")
         raise NotReadyError(message, permanent=self.state.state == "failed")
 
-    def to_batch(self, req: ImageGenerationRequest) -> Batch:
-        """The request as the engine's batch, its step cache decided by the policy and the gate (server/caching.py;
-        a request asking where the cache cannot run is a 422 naming step_cache)."""
-        batch = build_batch(req, self.settings, self.engine.info, {f.name: f for f in self.engine.loras()})
-        cache = self.caching.spec_for(req.step_cache, batch)
-        return dataclasses.replace(batch, cache=cache) if cache is not None else batch
+    def to_batches(self, req: GenerationRequest) -> list[Batch]:
+        """The request as the engine's batches (``req.batches`` of them: server/request_rules.py
+        ``generation_batches``), each one's step cache decided by the policy and the gate (server/caching.py; a
+        request asking where the cache cannot run is a 4xx naming step_cache)."""
+        batches = generation_batches(req, self.settings, self.engine.info, {f.name: f for f in self.engine.loras()})
+        caches = [self.caching.spec_for(req.step_cache, b) for b in batches]
+        return [dataclasses.replace(b, cache=c) if c is not None else b for b, c in zip(batches, caches, strict=True)]
+
+    def to_batch(self, req: GenerationRequest) -> Batch:
+        """``to_batches`` of a one-batch request (the OpenAI routes)."""
+        return self.to_batches(dataclasses.replace(req, batches=1))[0]
 
     async def run(self, batch: Batch, timeout_header: str | None, disconnected: Disconnected,
                   owner: str | None = None, encode: Encoder = encode_png) -> Generated:
@@ -283,6 +289,11 @@ class ImageService:
         start = time.perf_counter()
         try:
             result = await self.batcher.submit(batch, deadline, owner)
+        except InvalidRequestError as exc:
+            if exc.param != "cache":
+                raise
+            # The engine names its batch's field; a client sent step_cache (both APIs).
+            raise InvalidRequestError(exc.message, param=STEP_CACHE) from exc
         finally:
             self._last_done = time.monotonic()
             self.metrics.observe_lora(self.engine.lora_stats())

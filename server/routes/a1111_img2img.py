@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import secrets
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -32,23 +31,21 @@ from engines.errors import InvalidRequestError
 from engines.types.model import ModelInfo
 from engines.types.request import LatentFill
 from server import headers
+from server.a1111_request import HIRES_FIELDS, Txt2ImgRequest, from_a1111
 from server.edits import EditInput, edit_batch, require_edits, within_deadline
 from server.images_in import blur_mask, check_pixel_budget, fill_masked, from_base64, resize
 from server.middleware import api_key_id
 from server.provenance_stage import stamp_a1111
 from server.routes.a1111 import (
-    HIRES_FIELDS,
-    Txt2ImgRequest,
     Txt2ImgResponse,
     check_common,
-    guidance,
     ignored_headers,
     resolve_sampler,
     sampler_label,
     with_infotexts,
 )
 from server.routes.a1111_infotext import image_params, infotext
-from server.schemas import ImageGenerationRequest, Text, error_responses
+from server.schemas import Text, error_responses
 from server.service import b64, encode_png
 
 router = APIRouter(prefix="/sdapi/v1", tags=["automatic1111"])
@@ -144,17 +141,6 @@ def _decode(req: Img2ImgRequest, limit: int) -> tuple[list[Image.Image], Image.I
     return images, mask
 
 
-def _openai_request(req: Img2ImgRequest, seed: int, info: ModelInfo) -> ImageGenerationRequest:
-    size = f"{req.width}x{req.height}" if req.width is not None and req.height is not None else None
-    name = req.sampler_name or req.sampler_index
-    return ImageGenerationRequest.model_construct(
-        prompt=req.prompt, negative_prompt=req.negative_prompt, n=req.batch_size, size=size, seed=seed % 2**32,
-        steps=req.steps, guidance_scale=guidance(req, info), response_format="b64_json", model=None, user=None,
-        scheduler=resolve_sampler(name, req.scheduler, served=info.edit_schedulers) if name else None,
-        quality=None, style=None,
-        step_cache=req.step_cache)
-
-
 def _paste_full_res(png: bytes, whole: Image.Image, mask: Image.Image, box: tuple[int, int, int, int]) -> bytes:
     """"Only masked": the inpainted crop, resized back, pasted into the whole image through the mask."""
     crop = Image.open(io.BytesIO(png)).convert("RGB").resize((box[2] - box[0], box[3] - box[1]),
@@ -175,8 +161,9 @@ async def img2img(req: Img2ImgRequest, request: Request, response: Response) -> 
     settings = request.app.state.settings
     check_common(req, info, settings)
     req.refuse_unsupported_edits()
-    seed = req.seed if req.seed >= 0 else secrets.randbelow(2**32 - 1024)
-    batches = [service.to_batch(_openai_request(req, seed + i * req.batch_size, info)) for i in range(req.n_iter)]
+    name = req.sampler_name or req.sampler_index
+    scheduler = resolve_sampler(name, req.scheduler, served=info.edit_schedulers) if name else None
+    batches = service.to_batches(from_a1111(req, info, scheduler))
     uploads = [*((f"init_images.{i}", t) for i, t in enumerate(req.init_images)), ("mask", req.mask)]
     await run_in_threadpool(check_pixel_budget, uploads, settings.limits.max_image_pixels,
                             settings.limits.max_request_pixels)  # headers only, before any pixel is decoded

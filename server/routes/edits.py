@@ -33,7 +33,7 @@ from server import headers
 from server.edits import EditInput, edit_batch, require_edits, within_deadline
 from server.hires import HiresPlan, make_plan
 from server.images_in import alpha_mask, check_pixel_budget, decode, mask_image
-from server.request_rules import FieldNotes, hires_base, openai_notes
+from server.request_rules import FieldNotes, from_openai, hires_base, openai_notes
 from server.routes.openai_images import run_and_answer
 from server.schemas import ImageGenerationRequest, ImagesResponse, error_responses
 
@@ -117,6 +117,13 @@ def first_pass(req: ImageGenerationRequest, request: Request) -> ImageGeneration
     return req if base is None else req.model_copy(update={"size": f"{base[0]}x{base[1]}"})
 
 
+def _first_batch(req: ImageGenerationRequest, request: Request) -> Batch:
+    """The txt2img batch of ``first_pass(req)``, which the edit inputs are added to."""
+    service = request.app.state.service
+    batch: Batch = service.to_batch(from_openai(first_pass(req, request), service.settings, service.engine.info))
+    return batch
+
+
 def _hires(req: ImageGenerationRequest, batch: Batch, request: Request, notes: FieldNotes) -> HiresPlan:
     """The second pass of an edit (``batch``, at the first pass's size) at an OpenAI size served through Hires fix:
     a Lanczos upscale, then img2img at the requested size at ``limits.edit_strength`` (with the mask, when the edit
@@ -136,9 +143,9 @@ async def _respond(request: Request, response: Response, req: ImageGenerationReq
     more = openai_notes(req)
     notes.ignored += more.ignored
     notes.warnings += more.warnings
-    first = first_pass(req, request)
-    batch = edit_batch(service.to_batch(first), edit, service.engine.info, strength)
-    plan = _hires(req, batch, request, notes) if first is not req else None
+    hires = first_pass(req, request) is not req
+    batch = edit_batch(_first_batch(req, request), edit, service.engine.info, strength)
+    plan = _hires(req, batch, request, notes) if hires else None
     answer, out = await run_and_answer(request, response, req, batch, notes, plan)
     response.headers[headers.MODE] = batch.mode
     response.headers[headers.STRENGTH] = f"{batch.strength:g}"
@@ -162,7 +169,7 @@ async def edit_images(request: Request, response: Response) -> ImagesResponse:
     await run_in_threadpool(check_pixel_budget, [("image", images[0]), *(("mask", m) for m in masks)], limit,
                             service.settings.limits.max_request_pixels)
     # admitted on its estimated cost before any pixel is decoded; the decodes run under the request's deadline
-    deadline = service.preadmit([service.to_batch(first_pass(req, request))], request.headers.get(headers.TIMEOUT))
+    deadline = service.preadmit([_first_batch(req, request)], request.headers.get(headers.TIMEOUT))
     image = await within_deadline(deadline, decode, images[0], "image", limit)
     mask = await within_deadline(deadline, decode, masks[0], "mask", limit) if masks else None
     if mask is not None and mask.size != image.size:
@@ -186,6 +193,6 @@ async def image_variations(request: Request, response: Response) -> ImagesRespon
         raise InvalidRequestError(f"send one image (got {len(images)})", param="image")
     strength = fields.pop("strength", service.settings.limits.variation_strength)
     req = _request({**fields, "prompt": "variation"}).model_copy(update={"prompt": ""})
-    deadline = service.preadmit([service.to_batch(first_pass(req, request))], request.headers.get(headers.TIMEOUT))
+    deadline = service.preadmit([_first_batch(req, request)], request.headers.get(headers.TIMEOUT))
     image = await within_deadline(deadline, decode, images[0], "image", service.settings.limits.max_image_pixels)
     return await _respond(request, response, req, EditInput((image,), None, strength), strength, FieldNotes())

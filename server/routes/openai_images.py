@@ -19,7 +19,7 @@ from server.images import embed_infotext
 from server.links import image_link, link_base
 from server.middleware import api_key_id
 from server.provenance_stage import stamp
-from server.request_rules import FieldNotes, alias_models, hires_base, openai_notes, response_format
+from server.request_rules import FieldNotes, alias_models, from_openai, hires_base, openai_notes, response_format
 from server.routes.a1111 import sampler_label
 from server.routes.a1111_infotext import image_params, infotext
 from server.schemas import ImageData, ImageGenerationRequest, ImagesResponse, error_responses
@@ -41,14 +41,15 @@ async def generate_images(req: ImageGenerationRequest, request: Request, respons
     plan = None
     base = hires_base(req.size, service.settings, service.engine.info)
     if base is not None:  # an OpenAI size on a smaller-trained model, served through Hires fix
-        batch = service.to_batch(req.model_copy(update={"size": f"{base[0]}x{base[1]}"}))
+        first = req.model_copy(update={"size": f"{base[0]}x{base[1]}"})
+        batch = service.to_batch(from_openai(first, service.settings, service.engine.info))
         plan = make_plan(batch, service.engine.info, resize=parse_size(req.size or ""), upscaler="Lanczos",
                          denoising_strength=service.settings.limits.edit_strength)
         notes.warnings.append(f"size {req.size} served through Hires fix ([serving] openai_sizes_hires): a first "
                               f"pass at {base[0]}x{base[1]}, a Lanczos upscale, then a second pass at {req.size} "
                               f"at strength {plan.denoising_strength:g}")
     else:
-        batch = service.to_batch(req)
+        batch = service.to_batch(from_openai(req, service.settings, service.engine.info))
     answer, out = await run_and_answer(request, response, req, batch, notes, plan)
     if out.result.interrupted:  # POST /sdapi/v1/interrupt by the same caller: decoded from the latents so far
         response.headers[headers.INTERRUPTED] = f"{out.result.steps_done}/{batch.steps}"
