@@ -14,7 +14,7 @@ import asyncio
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -26,6 +26,7 @@ from engines.types.request import Batch, BatchResult
 from server.admission import Cost, CostModel
 from server.errors import DeadlineExceededError, JobInterruptedError, QueueFullError
 from server.metrics import Metrics
+from server.step_policy import Record
 
 JobState = Literal["queued", "running", "done", "dropped"]
 
@@ -48,6 +49,9 @@ class Job:
     """Seconds from enqueue to the end of its first denoiser evaluation."""
     run: StepRun | None = None
     """Its rows in a running set (step-level batching, server/stepper.py); None while queued or run whole."""
+    record: Record | None = None
+    """The step scheduler's record of it (server/step_policy.py: its work, progress, bypasses, decoded images);
+    None until the step loop sees it, and under micro-batching."""
 
     @property
     def images(self) -> int:
@@ -102,8 +106,7 @@ class Batcher:
         self.last_provider = ""
         """The provider the last executed batch reported (the watchdog compares it with the boot one)."""
         self._wake = asyncio.Event()
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._listeners: list[Callable[[], None]] = []
 
     @property
     def busy(self) -> bool:
@@ -123,13 +126,13 @@ class Batcher:
             b = self._live[0].batch
             whole = self.cost.total([Cost(b.width, b.height, b.steps, self.progress.images)])
             running = whole * (1 - self.progress.steps_done / max(1, self.progress.steps_total))
-        for job in self._rows():
+        for job in self.rows():
             if job.run is not None:
                 left = 1 - job.run.steps_done / max(1, job.run.steps_total)
                 running += self.cost.total([job.cost]) * left
         return running + self.cost.total(job.cost for job in self.queue)
 
-    def _rows(self) -> list[Job]:
+    def rows(self) -> list[Job]:
         """Jobs running step by step (none under micro-batching)."""
         return []
 
@@ -142,20 +145,32 @@ class Batcher:
         boundary once every job in their batch is interrupted. Returns (running, queued) jobs hit."""
         queued = [j for j in self.queue if j.owner == owner] if queued_too else []
         for job in queued:
-            self._drop(job)
+            self.drop(job)
             if not job.future.done():
                 job.future.set_exception(JobInterruptedError("request interrupted (POST /sdapi/v1/interrupt) "
                                                              "before it started"))
-        running = [j for j in [*self._live, *self._rows()] if j.owner == owner and not j.interrupted]
+        running = [j for j in [*self._live, *self.rows()] if j.owner == owner and not j.interrupted]
         for job in running:
             job.interrupted = True
         if running:
             self._notify()
         return len(running), len(queued)
 
+    def watch(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` (in the event loop) whenever something a loop must decide on happens: a request queued,
+        interrupted or gone."""
+        self._listeners.append(listener)
+
     def _notify(self) -> None:
         """Something the loop must decide on happened (a request queued, interrupted or gone)."""
+        for listener in self._listeners:
+            listener()
         self._wake.set()
+
+    async def rest(self) -> None:
+        """Wait, idle, until something a loop must decide on happens."""
+        self._wake.clear()
+        await self._wake.wait()
 
     async def submit(self, batch: Batch, deadline: float | None, owner: str | None = None) -> BatchResult:
         """Queue ``batch`` and wait for its result; raises QueueFullError, DeadlineExceededError, NotReadyError,
@@ -174,19 +189,20 @@ class Batcher:
             return await asyncio.wait_for(asyncio.shield(job.future), timeout)
         except TimeoutError:
             if job.state == "queued":
-                self._drop(job)
+                self.drop(job)
                 self.metrics.cancelled.labels("deadline").inc()
                 raise DeadlineExceededError(f"deadline passed after {time.monotonic() - job.enqueued:.2f}s in the "
                                             "queue; the request was not started") from None
             return await job.future  # already running: its result is on the way
         except asyncio.CancelledError:  # the client went away
             if job.state == "queued":
-                self._drop(job)
+                self.drop(job)
             job.cancelled = True
             self._notify()
             raise
 
-    def _drop(self, job: Job) -> None:
+    def drop(self, job: Job) -> None:
+        """Drop a queued job (its answer is the caller's)."""
         job.state = "dropped"
         if job in self.queue:
             self.queue.remove(job)
@@ -194,6 +210,12 @@ class Batcher:
 
     def _gauge(self) -> None:
         self.metrics.queue_depth.set(len(self.queue))
+
+    def take(self, jobs: Iterable[Job]) -> None:
+        """Take queued ``jobs`` out of the queue to run them."""
+        for job in jobs:
+            self.queue.remove(job)
+        self._gauge()
 
     def _take(self) -> list[Job]:
         """The oldest job and the compatible ones behind it, up to max_batch images (FIFO within a group)."""
@@ -211,11 +233,8 @@ class Batcher:
         """The batching loop (a lifespan task)."""
         while True:
             if not self.queue:
-                self._idle.set()
-                self._wake.clear()
-                await self._wake.wait()
+                await self.rest()
                 continue
-            self._idle.clear()
             head = self.queue[0]
             if sum(j.images for j in self.queue if j.group == head.group) < self.max_batch:
                 wait = head.enqueued + self.max_delay_s - time.monotonic()
@@ -223,7 +242,7 @@ class Batcher:
                     await asyncio.sleep(wait)
             if not self.queue:
                 continue
-            await self._execute(self._take())
+            await self.execute(self._take())
 
     def _start(self, jobs: list[Job]) -> list[Job]:
         """The jobs still worth running (a job whose deadline passed in the queue gets its 504 here)."""
@@ -256,7 +275,9 @@ class Batcher:
 
         return on_step
 
-    async def _execute(self, jobs: list[Job]) -> None:
+    async def execute(self, jobs: list[Job]) -> None:
+        """Run ``jobs`` (compatible, taken from the queue) as one batch through the engine's ``generate`` and answer
+        each with its images or the failure."""
         live = self._start(jobs)
         if not live:
             return

@@ -265,7 +265,7 @@ def _one(prompt: str, steps: int, images: int = 1) -> Batch:
 def test_a_stream_of_short_requests_delays_a_long_one_but_never_stops_it(engine: StepFakeEngine) -> None:
     """max_batch 1, so the long row cannot ride in the short ones' calls: twenty 4-step requests queued behind a
     50-step one go first, but never more than BYPASS_LIMIT operations in a row; then the long one's goes first."""
-    from server.stepper import BYPASS_LIMIT
+    from server.step_policy import BYPASS_LIMIT
 
     engine.loaded = True
     batcher = StepBatcher(engine, Metrics(), asyncio.Lock(), 64, 1, 0.0)
