@@ -29,10 +29,10 @@ PROMPT = "a photo of an astronaut riding a horse"
 
 def _ours(folder: Path) -> Any:
     from engines.config import RuntimeSettings
-    from engines.pipelines.flow import DitOnnx
+    from engines.pipelines.flow import load_pipeline
     from engines.runtime.sessions import Runtime
 
-    return DitOnnx(folder, Runtime(RuntimeSettings(providers=("CPUExecutionProvider",), allow_cpu=True)))
+    return load_pipeline(folder, Runtime(RuntimeSettings(providers=("CPUExecutionProvider",), allow_cpu=True)))
 
 
 def _batch(family: str, size: int, steps: int) -> Any:

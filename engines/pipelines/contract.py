@@ -1,21 +1,109 @@
-"""The pipeline contract: what the engine asks of a family's pipeline (engines/pipelines/unet.py for the UNet
-families, dit_pipeline.py for the flow-matching transformers), so it holds one type instead of a union and
-branches on no pipeline class. A pipeline composes its stages (encode, prepare the latents, denoise step by step,
-decode) in ``__call__``; the component sessions it exposes are what LoRA adapts and what placement audits."""
+"""The pipeline contract, at the bottom of the pipelines wing: what the engine asks of an architecture's pipeline
+(engines/pipelines/unet.py for the UNet families, flow.py and its subclasses for the flow-matching transformers), so
+it holds one type instead of a union and branches on no pipeline class, and the run state every pipeline returns
+(``Begun``, typed by what the stages read of it). A pipeline composes its stages (encode, prepare the latents,
+denoise step by step, decode) in ``__call__``; the component sessions it exposes are what LoRA adapts and what
+placement audits."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from engines.types.request import Batch, StepHook
+from engines.types.model import ModelInfo
+from engines.types.request import Batch, CacheUse, StepHook, Timings
 
 if TYPE_CHECKING:
     from engines.lora.active import Adapters
-    from engines.pipelines.unet import Begun, OrtModel, PipelineOutput
+    from engines.pipelines.ort_model import OrtModel
     from engines.runtime.sessions import Runtime
+
+
+class RunState(Protocol):
+    """A batch's denoising state between evaluations (the UNet's ``Denoising``, the flow base's ``DitDenoising``):
+    what the loop and step-level batching read of it."""
+
+    next_eval: int
+    """The evaluation the next tick runs (``evaluations`` when the denoising is over)."""
+    done: int
+    """Sampler steps completed."""
+
+    @property
+    def evaluations(self) -> int: ...
+
+
+class Conditioned(Protocol):
+    """A batch's text conditioning: its truncation flags come back with the images."""
+
+    @property
+    def truncated(self) -> tuple[bool, ...]: ...
+
+    @property
+    def negative_truncated(self) -> tuple[bool, ...]: ...
+
+
+def image_rng(seed: int) -> np.random.Generator:
+    """Per-image noise stream: the initial latents first, then Euler-ancestral step noise, in order."""
+    return np.random.default_rng(seed)
+
+
+@dataclass(frozen=True)
+class PipelineOutput:
+    images: np.ndarray
+    """uint8 [B, H, W, 3]."""
+    truncated: tuple[bool, ...]
+    """Per image: its prompt was longer than the text encoder takes."""
+    negative_truncated: tuple[bool, ...]
+    timings: Timings
+    steps_done: int
+    """Denoising steps that ran (fewer when ``on_step`` stopped the batch)."""
+    steps_total: int = 0
+    """Steps the batch was to run: ``steps``, or an edit's ``int(steps * strength)``."""
+    latents: np.ndarray | None = None
+    """float32 [B, C, h, w] final latents, brought down only when an image asked (ImageSpec.keep_latents)."""
+    cache: CacheUse | None = None
+    """What the batch's step cache reused (None: no cache ran)."""
+
+
+@dataclass
+class Begun:
+    """One batch between its stages (``begin``, ticks of ``run_denoiser`` + ``advance``, ``finish``): what step-level
+    batching holds per running request."""
+
+    batch: Batch
+    state: Any
+    """The pipeline's denoising state (a ``RunState``: the UNet's Denoising, the flow base's DitDenoising), typed
+    ``Any`` here so each pipeline reads its own fields; ``run_state`` gives the contract's view."""
+    cond: Conditioned
+    prepared: Any
+    """An edit's prepared image (the UNet pipeline's ``Prepared``), or None."""
+    steps_total: int
+    started: tuple[float, float, float]
+    """perf_counter at the start, after encoding, after preparing the latents."""
+    denoise_s: float = 0.0
+    stopped: bool = False
+    decoded: list[np.ndarray] = field(default_factory=list)
+    """The images decoded so far (``decode``: a few at a time under step-level batching), in order."""
+    decode_s: float = 0.0
+
+    @property
+    def run_state(self) -> RunState:
+        return self.state  # type: ignore[no-any-return]
+
+    @property
+    def finished(self) -> bool:
+        return self.stopped or bool(self.state.next_eval >= self.state.evaluations)
+
+    def next_rows(self, images: int) -> tuple[int, int]:
+        """The rows the next decode of at most ``images`` images takes: (start, stop)."""
+        start = sum(len(part) for part in self.decoded)
+        return start, min(len(self.batch.images), start + max(1, images))
+
+    def all_decoded(self) -> np.ndarray:
+        return self.decoded[0] if len(self.decoded) == 1 else np.concatenate(self.decoded)
 
 
 class Stepwise(Protocol):
@@ -62,6 +150,12 @@ class Pipeline(Protocol):
 
     def check_inputs(self, batch: Batch) -> None:
         """Refuse (InvalidRequestError naming the field) what this model cannot serve."""
+
+    def model_info(self, name: str, digest: str = "") -> ModelInfo:
+        """What the engine reports and validates requests against (``/v1/models``, ``/capabilities``)."""
+
+    def describe(self) -> str:
+        """One line for the load log: the family and what sets it apart."""
 
     def __call__(self, batch: Batch, *, latents: np.ndarray | None = None, on_step: StepHook | None = None,
                  adapters: Adapters | None = None) -> PipelineOutput: ...

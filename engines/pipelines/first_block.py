@@ -32,11 +32,11 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from engines.pipelines.unet_family import read_json
-from engines.pipelines.unet import Feed, OrtModel
-from engines.numerics.step_graph import elem_type, serialize
 from engines.errors import InferenceError, ModelLoadError
 from engines.lora.active import Adapters
+from engines.numerics.step_graph import elem_type, serialize
+from engines.pipelines.ort_model import Feed, OrtModel
+from engines.pipelines.unet_family import read_json
 from engines.runtime.sessions import Runtime, numpy_dtype
 
 FIRST = "transformer_first"
@@ -99,7 +99,7 @@ class FirstBlockRunner:
     def __init__(self, folder: Path, runtime: Runtime, label: str = "",
                  sources: dict[str, Path] | None = None) -> None:
         """ModelLoadError when a part is missing or its IO is not the split's; ``sources``: per part, the model to
-        load instead of ``<part>/model.onnx`` (prebuilt EP-context models), as DitOnnx takes them."""
+        load instead of ``<part>/model.onnx`` (prebuilt EP-context models), as FlowPipeline takes them."""
         if not self.available(folder):
             missing = [p for p in PARTS if not (folder / p / "model.onnx").is_file()]
             raise ModelLoadError(f"{folder} has no {', '.join(missing)} (the first-block cache's parts: "

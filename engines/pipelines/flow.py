@@ -1,30 +1,28 @@
-"""Flow-matching DiT txt2img and img2img on ONNX Runtime (no torch): Flux.1 dev/schnell and Stable Diffusion
-3 / 3.5.
+"""The flow-matching transformer pipeline's base: the loop every DiT architecture shares, with named hooks for
+what differs (Flux.1: engines/pipelines/flux.py; SD 3 / 3.5: sd3.py; Qwen-Image: qwen.py), as diffusers'
+FluxPipeline, StableDiffusion3Pipeline and QwenImagePipeline (0.42) share their loop.
 
-The folder is the layout engines/build/dit_export.py writes (family: engines/pipelines/flow_family.py). What the two
-bases do, as diffusers' FluxPipeline and StableDiffusion3Pipeline do it:
+A subclass is registered in engines/architectures.py (one row) and overrides hooks; it calls this constructor.
+The hooks, in the order ``begin`` runs them:
 
-- Flux: CLIP-L's pooled output and T5's states condition the transformer; the 16-channel latents are packed 2×2
-  into 64-channel tokens with position ids (``img_ids``: (0, row, col); ``txt_ids``: zeros), whose rotary tables
-  are computed here in float64 and fed in fp32 (``flux_rope``); dev takes the guidance scale as an input
-  (``guidance``), schnell has none; no classifier-free guidance; the timestep goes in as ``t / 1000``; the schedule
-  shifts by the image's token count (``mu``) when the scheduler config asks. A negative prompt is not used (as
-  diffusers without ``true_cfg_scale``, and Forge/ComfyUI's Flux defaults).
-- SD 3 / 3.5: CLIP-L and CLIP-G penultimate states side by side, zero-padded to the T5 width, then the T5 states
-  after them on the sequence axis; the two pooled projections concatenated; classifier-free guidance with a
-  negative prompt (rows [negatives..., prompts...]); the timestep goes in as ``t``.
-
-Both decode ``latents / scaling_factor + shift_factor``. T5 reads ``max_sequence_length`` tokens (Flux dev 512,
-schnell and SD 3 256); a longer prompt is truncated with a warning and reported per image, or refused when the
-batch does not truncate.
+1. ``load_text`` (at load): its tokenizers and text encoders; ``encode``: the prompts' conditioning (text states,
+   pooled embeddings or a key mask; negatives first under classifier-free guidance).
+2. ``schedule``: the flow sigmas for a request's steps and latent size (the shift by ``mu``).
+3. ``text_feeds`` / ``position_feeds`` / ``guidance_feeds``: the transformer's per-request inputs (rotary tables,
+   an embedded guidance scale); ``TIMESTEP_SCALE`` divides the timestep (Flux and Qwen-Image take ``t / 1000``).
+4. ``step_graphs`` / ``coefficients``: the step's small ONNX graphs and their per-step coefficients (Euler with CFG,
+   or Qwen-Image's norm-rescaled true CFG).
+5. ``decode_feeds``: what the decode graph needs beside the latents (``PACKED``: 2x2 tokens unpacked first).
+``geometry`` and ``native_size`` read the folder's VAE and transformer configs.
 
 Sessions are built by the Runtime (providers under the policy) and run through IO binding. The text encoders run
 once per request with host outputs (the conditioning is assembled on the host and uploaded once); the denoising
 loop keeps the latents, the transformer input and output and the per-step timesteps and coefficients on the device:
 a small step graph (engines/numerics/flow_graph.py) applies the Euler step and CFG as a linear combination whose
-coefficients the flow schedule (engines/numerics/flow_schedule.py) gives, and a decode graph unpacks and rescales the
-latents for the VAE. Only the initial noise goes up and the image comes down. img2img (engines/pipelines/
-dit_edits.py) encodes the init image on the device and enters the same loop at the step its strength picks.
+coefficients the flow schedule (engines/numerics/flow_schedule.py) gives, and a decode graph unpacks and rescales
+the latents for the VAE. Only the initial noise goes up and the image comes down. img2img
+(engines/pipelines/flow_edits.py) encodes the init image on the device and enters the same loop at the step its
+strength picks.
 
 Element types come from the sessions (``OrtModel.input_dtype``/``output_dtype``): fp32 and fp16 graph inputs and
 outputs are fed and read in their own type, as the UNet pipeline does. `sdserve engines export --dtype fp16|bf16`
@@ -38,26 +36,27 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 
+from engines import architectures
 from engines.errors import InferenceError, InvalidRequestError, ModelLoadError
 from engines.lora.active import Adapters
 from engines.numerics.flow_graph import build_flow_decode_graph, build_flow_step_graph, flow_coefficients, flow_start
-from engines.numerics.flow_schedule import FlowMatchConfig, FlowSchedule, flow_schedule, flux_sigmas
+from engines.numerics.flow_schedule import FlowMatchConfig, FlowSchedule, flow_schedule
 from engines.numerics.rows import RowPacker, shape_feed
 from engines.numerics.step_cache import OutputCache, Probe, cache_use, partition, record
-from engines.numerics.t5_tokenizer import T5Tokenizer
-from engines.numerics.tokenizer import ClipTokenizer
+from engines.pipelines.contract import Begun, PipelineOutput, image_rng
 from engines.pipelines.first_block import PARTS as FIRST_BLOCK_PARTS
 from engines.pipelines.first_block import FirstBlockRunner, FirstBlockState
 from engines.pipelines.flow_edits import DitEditor
 from engines.pipelines.flow_family import DitFamily, detect_dit
-from engines.pipelines.unet import Begun, Feed, OrtModel, PipelineOutput, image_rng
+from engines.pipelines.ort_model import Feed, OrtModel
 from engines.pipelines.unet_family import read_json
 from engines.runtime.sessions import Runtime
 from engines.types.model import ModelInfo
@@ -69,29 +68,9 @@ NATIVE_SIZE_KEY = "_sdserve_native_size"
 self-test at 64x64, not Flux's 1024)."""
 SAMPLERS = ("euler",)
 """Flow matching samples with Euler on the flow schedule (what Forge and ComfyUI serve Flux with: Euler, "Simple")."""
-ROPE_THETA = 10000.0
-"""FluxTransformer2DModel's rotary base (FluxPosEmbed(theta=10000))."""
-
-
-def flux_rope(ids: np.ndarray, axes_dim: Sequence[int], theta: float = ROPE_THETA) -> tuple[np.ndarray, np.ndarray]:
-    """Rotary (cos, sin) tables [tokens, sum(axes_dim)] for position ids [tokens, axes]: per axis, angles
-    ``pos * theta^(-2i/dim)`` in float64, each value repeated twice (interleaved pairs), cast to float32."""
-    cos, sin = [], []
-    pos = ids.astype(np.float32).astype(np.float64)
-    for axis, dim in enumerate(axes_dim):
-        freqs = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
-        angles = np.outer(pos[:, axis], freqs)
-        cos.append(np.repeat(np.cos(angles), 2, axis=1).astype(np.float32))
-        sin.append(np.repeat(np.sin(angles), 2, axis=1).astype(np.float32))
-    return np.concatenate(cos, axis=-1), np.concatenate(sin, axis=-1)
-
-
-def image_ids(grid_h: int, grid_w: int) -> np.ndarray:
-    """Flux's ``img_ids``: (0, row, col) for each packed latent token, row-major, float32 [h*w, 3]."""
-    ids = np.zeros((grid_h, grid_w, 3), dtype=np.float32)
-    ids[..., 1] = np.arange(grid_h, dtype=np.float32)[:, None]
-    ids[..., 2] = np.arange(grid_w, dtype=np.float32)[None, :]
-    return ids.reshape(grid_h * grid_w, 3)
+ROW_INPUTS = ("encoder_hidden_states", "pooled_projections", "guidance", "encoder_hidden_states_mask")
+"""Transformer inputs with a row per image (besides hidden_states and timestep); the others (rope tables) depend on
+the size only."""
 
 
 def pack_latents(latents: np.ndarray) -> np.ndarray:
@@ -124,22 +103,19 @@ def run(model: OrtModel, feeds: dict[str, np.ndarray], outputs: Sequence[str],
 
 @dataclass(frozen=True)
 class DitConditioning:
-    """Transformer text inputs for one batch: states [rows, tokens, width] and pooled [rows, width]."""
+    """Transformer text inputs for one batch: states [rows, tokens, width] and pooled [rows, width] (or, for a
+    masked text sequence, the key mask [rows, tokens] in ``mask``)."""
 
     states: np.ndarray
-    pooled: np.ndarray
+    pooled: np.ndarray | None
     truncated: tuple[bool, ...]
     negative_truncated: tuple[bool, ...]
-
-
-ROW_INPUTS = ("encoder_hidden_states", "pooled_projections", "guidance", "encoder_hidden_states_mask")
-"""Transformer inputs with a row per image (besides hidden_states and timestep); the others (Flux's rope tables)
-depend on the size only. (Qwen-Image's key mask: engines/pipelines/qwen.py.)"""
+    mask: np.ndarray | None = None
 
 
 @dataclass
 class DitDenoising:
-    """One batch's denoising on the device between transformer evaluations (DitOnnx.begin / run_denoiser /
+    """One batch's denoising on the device between transformer evaluations (FlowPipeline.begin / run_denoiser /
     advance): what step-level batching holds per running request."""
 
     evaluations: int
@@ -162,7 +138,7 @@ class DitDenoising:
 
 
 @dataclass(frozen=True)
-class _Geometry:
+class Geometry:
     vae_scale_factor: int
     latent_channels: int
     scaling_factor: float
@@ -170,109 +146,176 @@ class _Geometry:
     size_multiple: int
 
 
-def _geometry(folder: Path, family: DitFamily) -> _Geometry:
-    vae = read_json(folder / "vae_decoder" / "config.json")
-    transformer = read_json(folder / "transformer" / "config.json")
-    scale = 2 ** (len(vae.get("block_out_channels", [0] * 4)) - 1)
-    patch = 2 if family.base == "flux" else int(transformer.get("patch_size", 2))
-    return _Geometry(scale, int(vae.get("latent_channels", 16)), float(vae.get("scaling_factor", 1.0)),
-                     float(vae.get("shift_factor") or 0.0), scale * patch)
+class FlowPipeline:
+    """Loads an exported flow-matching transformer folder and runs txt2img and img2img batches
+    (engines.protocol.Batch). Subclasses override the hooks (module docstring); this runs everything else."""
 
-
-class DitOnnx:
-    """Loads an exported Flux or SD 3 folder and runs txt2img and img2img batches (engines.protocol.Batch)."""
+    PACKED = True
+    """Latents go in as 2x2-packed tokens (Flux, Qwen-Image); False: as [B, C, H, W] patched inside (SD 3)."""
+    TIMESTEP_SCALE = 1000.0
+    """The transformer takes ``t / TIMESTEP_SCALE`` (1: SD 3 takes ``t``)."""
+    FIRST_BLOCK = True
+    """Whether the first-block cache's transformer parts are served when the folder has them."""
 
     def __init__(self, folder: Path, runtime: Runtime, label: str = "", sources: dict[str, Path] | None = None) -> None:
         """ModelLoadError (exit 11) when the folder is no served DiT family or misses a component. ``sources``:
         per component, the model to load instead of ``<component>/model.onnx`` (prebuilt EP-context models)."""
         given = sources or {}
-        self.family = detect_dit(folder)
-        flux = self.family.base == "flux"
-        t5 = "text_encoder_2" if flux else "text_encoder_3"
-        parts = ["text_encoder", t5, "transformer", "vae_decoder"] + ([] if flux else ["text_encoder_2"])
-        for part in parts:
+        self.family: DitFamily = detect_dit(folder)
+        self.architecture = architectures.of(folder)
+        for part in self.architecture.components:
             if not (folder / part / "model.onnx").is_file():
                 raise ModelLoadError(f"{folder} has no {part}/model.onnx (the ONNX layout of a {self.family.name} "
                                      "model: `sdserve engines export`)")
         self.runtime = runtime
-        models = {part: OrtModel(runtime, given.get(part, folder / part / "model.onnx"), part + label)
-                  for part in parts}
-        self.t5, self.transformer, self.vae_decoder = models[t5], models["transformer"], models["vae_decoder"]
-        self.clips = [(ClipTokenizer(folder / "tokenizer"), models["text_encoder"])]
-        """CLIP-L (Flux: its pooled output), and SD 3's CLIP-G second."""
-        if not flux:
-            self.clips.append((ClipTokenizer(folder / "tokenizer_2"), models["text_encoder_2"]))
-        self.t5_tokenizer = T5Tokenizer(folder / ("tokenizer_2" if flux else "tokenizer_3"))
+        self._make: Callable[[Path | bytes, str], OrtModel] = lambda model, name: OrtModel(runtime, model, name + label)
+        models = {part: self._make(given.get(part, folder / part / "model.onnx"), part)
+                  for part in self.architecture.components}
+        self.transformer, self.vae_decoder = models["transformer"], models["vae_decoder"]
+        self.text_encoders: list[OrtModel] = []
+        """What ``load_text`` loaded, for LoRA (``adaptable``) and placement."""
+        self.load_text(folder, models)
         self.flow = FlowMatchConfig.from_config(read_json(folder / "scheduler" / "scheduler_config.json"))
-        self.geometry = _geometry(folder, self.family)
-        self.axes_dim = tuple(int(a) for a in read_json(folder / "transformer" / "config.json").get(
-            "axes_dims_rope", (16, 56, 56)))
-        sample = read_json(folder / "transformer" / "config.json").get("sample_size")
+        self.config = read_json(folder / "transformer" / "config.json")
+        self.geometry = self.read_geometry(folder)
+        self.axes_dim = tuple(int(a) for a in self.config.get("axes_dims_rope", (16, 56, 56)))
         native = read_json(folder / "model_index.json").get(NATIVE_SIZE_KEY)
-        self._native = int(native) if native else (
-            int(sample) * self.geometry.vae_scale_factor if sample and not flux else 1024)
+        self._native = int(native) if native else self.native_size()
         self.guidance_input = "guidance" in self.transformer.inputs
-        if flux and self.guidance_input != self.family.guidance_embeds:
+        if self.guidance_input != self.family.guidance_embeds:
             raise ModelLoadError(f"{folder}: the transformer's inputs {sorted(self.transformer.inputs)} do not match "
                                  f"its config (guidance_embeds={self.family.guidance_embeds})")
-        self.max_sequence_length = min(self.family.max_sequence_length, self.t5_tokenizer.model_max_length)
         in_dtype, out_dtype = self.transformer.input_dtype("hidden_states"), self.transformer.output_dtype()
-        self.step = OrtModel(runtime, build_flow_step_graph(in_dtype, out_dtype, cfg=False, packed=flux),
-                             "flow_step" + label)
-        self.step_cfg = OrtModel(runtime, build_flow_step_graph(in_dtype, out_dtype, cfg=True, packed=flux),
-                                 "flow_step_cfg" + label)
+        self.step, self.step_cfg = self.step_graphs(in_dtype, out_dtype)
         kinds = [(self.transformer.input_dtype(name), len(arg.shape)) for name, arg in self.transformer.inputs.items()
                  if name in ("hidden_states", "timestep", *ROW_INPUTS)]
-        self.rows = RowPacker(runtime, lambda m, name: OrtModel(runtime, m, name + label), kinds,
+        self.rows = RowPacker(runtime, self._make, kinds,
                               (out_dtype, len(self.transformer.session.get_outputs()[0].shape)))
-        self.cache_probe = Probe.build(lambda m, name: OrtModel(runtime, m, name + label), [in_dtype, out_dtype])
+        self.cache_probe = Probe.build(self._make, [in_dtype, out_dtype])
         prebuilt = bool(given) and not all(part in given for part in FIRST_BLOCK_PARTS)
         self.first_block = FirstBlockRunner(folder, runtime, label, given) \
-            if FirstBlockRunner.available(folder) and not prebuilt else None
+            if self.FIRST_BLOCK and FirstBlockRunner.available(folder) and not prebuilt else None
         """The first-block cache's transformer parts (exported with `sdserve engines export --first-block`), or None:
         loaded beside the full transformer, which uncached requests keep running. Not loaded where the other
         components run from prebuilt EP-context artifacts that do not cover the parts (the TensorRT plan builds no
         engine for them yet; building one on the node is what the policy forbids)."""
         g, vae_in = self.geometry, next(iter(self.vae_decoder.inputs))
-        self.decode_scale = OrtModel(runtime, build_flow_decode_graph(g.scaling_factor, g.shift_factor,
-                                                                      self.vae_decoder.input_dtype(vae_in), flux),
-                                     "flow_decode" + label)
+        self.decode_scale = self._make(build_flow_decode_graph(
+            g.scaling_factor, g.shift_factor, self.vae_decoder.input_dtype(vae_in), self.PACKED), "flow_decode")
         encoder = folder / "vae_encoder" / "model.onnx"
-        self.editor = DitEditor(runtime, OrtModel(runtime, given.get("vae_encoder", encoder), "vae_encoder" + label),
-                                lambda model, name: OrtModel(runtime, model, name + label), g.scaling_factor,
-                                g.shift_factor, in_dtype, flux) if encoder.is_file() else None
+        self.editor = DitEditor(runtime, self._make(given.get("vae_encoder", encoder), "vae_encoder"), self._make,
+                                g.scaling_factor, g.shift_factor, in_dtype, self.PACKED) if encoder.is_file() else None
         self.edits_unavailable = "" if self.editor else (
             f"{folder.name} has no vae_encoder/model.onnx: it serves txt2img only (re-export it with "
             "`sdserve engines export` to serve img2img)")
 
+    # --- hooks -----------------------------------------------------------------------------------------------
+
+    def load_text(self, folder: Path, models: dict[str, OrtModel]) -> None:
+        """Hook: the tokenizers and text encoders (append the encoders to ``text_encoders``); set
+        ``max_sequence_length``."""
+        raise NotImplementedError
+
+    def encode(self, batch: Batch, length: int, cfg: bool, adapters: Adapters | None) -> DitConditioning:
+        """Hook: the batch's conditioning (negatives first under ``cfg``)."""
+        raise NotImplementedError
+
+    def prompt_tokens(self) -> int:
+        """Hook: the prompt length a request is validated against (``ModelInfo.max_prompt_tokens``)."""
+        return self.max_sequence_length
+
+    def text_tokens(self) -> int:
+        """Hook: the transformer's text sequence length (the memory estimate's text tokens)."""
+        return self.max_sequence_length
+
+    def read_geometry(self, folder: Path) -> Geometry:
+        """Hook: the latent geometry from the VAE config (AutoencoderKL's: scale 2^(levels-1), 16 channels)."""
+        vae = read_json(folder / "vae_decoder" / "config.json")
+        scale = 2 ** (len(vae.get("block_out_channels", [0] * 4)) - 1)
+        return Geometry(scale, int(vae.get("latent_channels", 16)), float(vae.get("scaling_factor", 1.0)),
+                        float(vae.get("shift_factor") or 0.0), scale * self.patch_size())
+
+    def patch_size(self) -> int:
+        """Hook: latent pixels per token side (the 2x2 pack)."""
+        return 2
+
+    def native_size(self) -> int:
+        """Hook: the native size where model_index.json does not say it (the pipelines' default 1024)."""
+        return 1024
+
+    def schedule(self, steps: int, h: int, w: int) -> FlowSchedule:
+        """Hook: the flow schedule of ``steps`` for latents h x w (the scheduler's spacing, shifted by ``mu`` of
+        the token count when the config asks)."""
+        patch = self.patch_size()
+        mu = self.flow.mu((h // patch) * (w // patch)) if self.flow.use_dynamic_shifting else None
+        return flow_schedule(self.flow, steps, mu=mu)
+
+    def text_feeds(self, cond: DitConditioning) -> dict[str, np.ndarray]:
+        """Hook: the text inputs with a row per image (host arrays, cast and uploaded by ``transformer_feeds``)."""
+        feeds = {"encoder_hidden_states": cond.states}
+        if cond.pooled is not None:
+            feeds["pooled_projections"] = cond.pooled
+        if cond.mask is not None:
+            feeds["encoder_hidden_states_mask"] = cond.mask
+        return feeds
+
+    def position_feeds(self, cond: DitConditioning, h: int, w: int) -> dict[str, np.ndarray]:
+        """Hook: inputs that depend on the size only (rotary tables); none by default."""
+        return {}
+
+    def guidance_feeds(self, guidance: np.ndarray, rows: int) -> dict[str, np.ndarray]:
+        """Hook: an embedded guidance scale (a row per image) where the transformer takes one."""
+        return {"guidance": guidance[:rows]} if self.guidance_input else {}
+
+    def step_graphs(self, model_in: type[np.generic], model_out: type[np.generic]) -> tuple[OrtModel, OrtModel]:
+        """Hook: the (plain, CFG) step graphs: flow Euler, CFG as a linear combination."""
+        return (self._make(build_flow_step_graph(model_in, model_out, cfg=False, packed=self.PACKED), "flow_step"),
+                self._make(build_flow_step_graph(model_in, model_out, cfg=True, packed=self.PACKED), "flow_step_cfg"))
+
+    def coefficients(self, sigma: float, sigma_next: float, guidance: np.ndarray, cfg: bool) -> np.ndarray:
+        """Hook: one step's coefficients for the step graph ``step_graphs`` gave."""
+        return flow_coefficients(sigma, sigma_next, guidance, cfg)
+
+    def uses_cfg(self, guidance: np.ndarray) -> bool:
+        """Whether a batch runs classifier-free guidance (two rows per image)."""
+        return self.family.cfg and bool((guidance > 1.0).any())
+
+    # --- what the engine reads ---------------------------------------------------------------------------------
+
     @property
     def size_multiple(self) -> int:
-        """Width and height must be multiples of this: the VAE factor × the 2×2 pack (Flux) or patch (SD 3)."""
+        """Width and height must be multiples of this: the VAE factor × the pack or patch."""
         return self.geometry.size_multiple
 
     @property
     def default_size(self) -> int:
-        """The native size: SD 3's transformer ``sample_size`` × the VAE factor (128 × 8 = 1024 for the released
-        models), Flux's pipeline default 1024 (its transformer config has no sample size)."""
         return self._native
 
     def model_info(self, name: str, digest: str = "") -> ModelInfo:
         """What the engine reports and validates requests against (``/v1/models``, ``/capabilities``)."""
         f = self.family
         return ModelInfo(name=name, size_multiple=self.size_multiple, default_size=self.default_size,
-                         schedulers=SAMPLERS, max_prompt_tokens=self.clips[0][0].max_length, digest=digest,
-                         family=f.name, prediction_type="flow", text_encoders=len(self.clips) + 1,
+                         schedulers=SAMPLERS, max_prompt_tokens=self.prompt_tokens(), digest=digest,
+                         family=f.name, prediction_type="flow", text_encoders=len(self.text_encoders),
                          vae_scaling_factor=self.geometry.scaling_factor, cfg_default=f.cfg, default_steps=f.steps,
                          default_guidance=f.guidance,
                          modes=("txt2img", "img2img") if self.editor else ("txt2img",),
-                         edits_unavailable=self.edits_unavailable, edit_schedulers=SAMPLERS if self.editor else ())
+                         edits_unavailable=self.edits_unavailable, edit_schedulers=SAMPLERS if self.editor else (),
+                         token_patch=self.size_multiple, text_tokens=self.text_tokens(),
+                         hidden_size=int(self.config.get("num_attention_heads", 24))
+                         * int(self.config.get("attention_head_dim", 128)))
+
+    def describe(self) -> str:
+        f = self.family
+        return f"{f.name} (flow matching, " + ("guidance embedded" if f.guidance_embeds else
+                                                "classifier-free guidance" if f.cfg else "no guidance") + ")"
 
     @property
     def denoiser(self) -> OrtModel:
         return self.transformer
 
     def adaptable(self) -> list[OrtModel]:
-        return [self.transformer, self.t5, *(model for _, model in self.clips)]
+        return [self.transformer, *self.text_encoders]
 
     def check_inputs(self, batch: Batch) -> None:
         """Refuse (never clamp) what this model cannot serve."""
@@ -298,18 +341,20 @@ class DitOnnx:
         if batch.cache is not None and batch.cache.method == "first-block" and self.first_block is None:
             raise InvalidRequestError("the first-block step cache needs the transformer exported in parts "
                                       "(`sdserve engines export --first-block`); this model has none: use method "
-                                      "'output'", param="cache")
+                                      "'output'", param="step_cache")
         if any(not spec.prompt.strip() for spec in batch.images):
             raise InvalidRequestError("prompt must not be empty", param="prompt")
+
+    # --- the loop ------------------------------------------------------------------------------------------------
 
     def __call__(self, batch: Batch, latents: np.ndarray | None = None,
                  max_sequence_length: int | None = None, on_step: StepHook | None = None,
                  adapters: Adapters | None = None) -> PipelineOutput:
         """Generate ``batch``: uint8 images [B, H, W, 3], per-image truncation, timings. ``latents`` (float32
         [B, C, h, w], unit noise, unpacked) replaces the seeded noise (parity tests); ``max_sequence_length``
-        replaces the family's T5 length; ``on_step(done, total)`` runs after every step, False stops there and the
-        latents so far are decoded (A1111's interrupt, a drain); ``adapters``: the batch's LoRA weights, handed to
-        the text encoders and the transformer. The stages step-level batching runs for many requests at once:
+        replaces the family's text length; ``on_step(done, total)`` runs after every step, False stops there and
+        the latents so far are decoded (A1111's interrupt, a drain); ``adapters``: the batch's LoRA weights, handed
+        to the text encoders and the transformer. The stages step-level batching runs for many requests at once:
         ``begin``, one evaluation at a time, ``finish``."""
         run = self.begin(batch, latents, adapters, max_sequence_length)
         while not run.finished:
@@ -329,10 +374,9 @@ class DitOnnx:
         t0 = time.perf_counter()
         length = max_sequence_length or self.max_sequence_length
         guidance = np.array([s.guidance_scale for s in batch.images], dtype=np.float32)
-        cfg = self.family.cfg and bool((guidance > 1.0).any())
-        # 1. Text: Flux (CLIP pooled, T5 states) or SD 3 (three encoders, negatives first under CFG).
-        cond = self._encode_flux(batch, length, adapters) if self.family.base == "flux" else \
-            self._encode_sd3(batch, length, cfg, adapters)
+        cfg = self.uses_cfg(guidance)
+        # 1. Text: the architecture's encoders (negatives first under CFG).
+        cond = self.encode(batch, length, cfg, adapters)
         t1 = time.perf_counter()
         # 2. Initial noise per image from its seed, the request's schedule (an edit's strength skips the first
         #    steps) and the start latents: the noise (txt2img) or the encoded image noised to the first step.
@@ -341,13 +385,13 @@ class DitOnnx:
         rngs = [image_rng(s.seed) for s in batch.images]
         seeded = np.stack([r.standard_normal((g.latent_channels, h, w), dtype=np.float32) for r in rngs])
         x = seeded if latents is None else latents.astype(np.float32)  # the streams advance either way
-        full = self._schedule(batch.steps, h, w)
+        full = self.schedule(batch.steps, h, w)
         first = flow_start(batch.steps, batch.strength) if batch.mode == "img2img" else 0
         schedule = FlowSchedule(full.timesteps[first:], full.sigmas[first:])
         start, model_in = self._start(batch, x, rngs, float(schedule.sigmas[0]), 2 if cfg else 1)
         t2 = time.perf_counter()
-        # 3. The denoising state on the device: Flux on 2x2-packed tokens, SD 3 on [negatives; prompts] rows.
-        feeds = self._transformer_feeds(cond, guidance, h, w, len(batch.images))
+        # 3. The denoising state on the device.
+        feeds = self.transformer_feeds(cond, guidance, h, w, len(batch.images))
         state = self._start_denoise(start, model_in, feeds, guidance, schedule, cfg, adapters, (h, w))
         if batch.cache is not None and batch.steps >= CACHE_MIN_STEPS:
             if batch.cache.method == "output":
@@ -356,7 +400,7 @@ class DitOnnx:
             elif self.first_block is not None:
                 if adapters is not None and adapters.of(self.transformer.component):
                     raise InvalidRequestError("the first-block step cache runs the transformer's parts with their "
-                                              "base weights: not with a LoRA on the transformer", param="cache")
+                                              "base weights: not with a LoRA on the transformer", param="step_cache")
                 state.first_block = self.first_block.start(state.model_in, batch.cache.threshold)
         return Begun(batch, state, cond, None, len(schedule), (t0, t1, t2))
 
@@ -389,7 +433,7 @@ class DitOnnx:
         return PipelineOutput(images, run.cond.truncated, run.cond.negative_truncated, timings, state.done,
                               run.steps_total, cache=use)
 
-    def stepwise(self) -> DitOnnx:
+    def stepwise(self) -> FlowPipeline:
         return self
 
     def joinable(self) -> bool:
@@ -399,7 +443,7 @@ class DitOnnx:
     def run_denoiser(self, states: Sequence[DitDenoising]) -> None:
         """One transformer evaluation for each state at its next step, all rows in one call: the per-row inputs
         (latent tokens, timestep, text states, pooled embeddings, guidance) joined on the device, the per-size ones
-        (Flux's rope tables: equal within a step key) bound once, the output rows copied back (rows.py)."""
+        (rope tables: equal within a step key) bound once, the output rows copied back (rows.py)."""
         running = partition(states)  # a cached state reusing its output is left out of the call
         joined = [s for s in running if s.first_block is None]
         for state in running:
@@ -442,17 +486,9 @@ class DitOnnx:
         state.done += 1
         return True
 
-    def _schedule(self, steps: int, h: int, w: int) -> FlowSchedule:
-        """Flux: its evenly spaced sigmas, shifted by ``mu`` of the packed token count when the config says;
-        SD 3: the scheduler's own spacing with its static shift."""
-        if self.family.base == "flux":
-            return flow_schedule(self.flow, steps, sigmas=flux_sigmas(steps), mu=self.flow.mu((h // 2) * (w // 2)))
-        patch = self.geometry.size_multiple // self.geometry.vae_scale_factor
-        mu = self.flow.mu((h // patch) * (w // patch)) if self.flow.use_dynamic_shifting else None
-        return flow_schedule(self.flow, steps, mu=mu)
-
-    def _tokens(self, batch: Batch, what: str, ids: np.ndarray, truncated: tuple[bool, ...], limit: int,
-                negatives: int = 0) -> np.ndarray:
+    def checked_tokens(self, batch: Batch, what: str, ids: np.ndarray, truncated: tuple[bool, ...], limit: int,
+                       negatives: int = 0) -> np.ndarray:
+        """The ids of a tokenized batch; a truncated prompt refused (naming the field) unless the batch truncates."""
         if any(truncated):
             name = "prompt" if any(truncated[negatives:]) else "negative_prompt"
             if not batch.truncate_prompts:
@@ -460,74 +496,22 @@ class DitOnnx:
             log.warning("%d %s(s) truncated to the %s's %d tokens", sum(truncated), name, what, limit)
         return ids
 
-    def _clip(self, tokenizer: ClipTokenizer, batch: Batch, prompts: list[str],
-              negatives: int) -> tuple[np.ndarray, tuple[bool, ...]]:
-        tokens = tokenizer(prompts)
-        return self._tokens(batch, "CLIP text encoder", tokens.ids, tokens.truncated, tokenizer.max_length,
-                            negatives), tokens.truncated
-
-    def _t5(self, batch: Batch, prompts: list[str], length: int, negatives: int,
-            adapters: Adapters | None) -> tuple[np.ndarray, tuple[bool, ...]]:
-        tokens = self.t5_tokenizer(prompts, length)
-        ids = self._tokens(batch, "T5 encoder (max_sequence_length)", tokens.ids, tokens.truncated, length,
-                           negatives)
-        return run(self.t5, {next(iter(self.t5.inputs)): ids}, ["last_hidden_state"], adapters)[0], tokens.truncated
-
-    def _encode_flux(self, batch: Batch, length: int, adapters: Adapters | None) -> DitConditioning:
-        prompts = [s.prompt for s in batch.images]
-        tokenizer, model = self.clips[0]
-        ids, clip_cut = self._clip(tokenizer, batch, prompts, 0)
-        pooled = run(model, {next(iter(model.inputs)): ids}, ["pooler_output"], adapters)[0]
-        states, t5_cut = self._t5(batch, prompts, length, 0, adapters)
-        cut = tuple(a or b for a, b in zip(clip_cut, t5_cut, strict=True))
-        return DitConditioning(states, pooled, cut, (False,) * len(prompts))
-
-    def _encode_sd3(self, batch: Batch, length: int, cfg: bool, adapters: Adapters | None) -> DitConditioning:
-        n = len(batch.images)
-        negatives = [s.negative_prompt for s in batch.images] if cfg else []
-        prompts = negatives + [s.prompt for s in batch.images]
-        k = len(negatives)
-        states, pooled, cut = [], [], [False] * len(prompts)
-        for tokenizer, model in self.clips:
-            ids, trunc = self._clip(tokenizer, batch, prompts, k)
-            penultimate = next(o for o in model.outputs if o.startswith("hidden_states."))
-            embeds, hidden = run(model, {next(iter(model.inputs)): ids}, ["text_embeds", penultimate], adapters)
-            states.append(hidden)
-            pooled.append(embeds)
-            cut = [a or b for a, b in zip(cut, trunc, strict=True)]
-        t5_states, t5_cut = self._t5(batch, prompts, length, k, adapters)
-        clip = np.concatenate(states, axis=-1)
-        width = t5_states.shape[-1]
-        if clip.shape[-1] > width:
-            raise InferenceError(f"CLIP states ({clip.shape[-1]}) are wider than the T5's ({width})")
-        clip = np.pad(clip, ((0, 0), (0, 0), (0, width - clip.shape[-1])))
-        cut = [a or b for a, b in zip(cut, t5_cut, strict=True)]
-        return DitConditioning(np.concatenate([clip, t5_states], axis=1), np.concatenate(pooled, axis=-1),
-                               tuple(cut[k:]), tuple(cut[:k]) if cfg else (False,) * n)
-
-    def _transformer_feeds(self, cond: DitConditioning, guidance: np.ndarray, h: int, w: int,
-                           rows: int) -> dict[str, Feed]:
-        """The per-request transformer inputs, on the device once: text states and pooled embeddings; Flux's rope
-        tables for this size (text tokens first, then the packed image tokens) and dev's guidance scale."""
-        up, model = self.runtime.upload, self.transformer
-        feeds: dict[str, Feed] = {
-            "encoder_hidden_states": up("dit_states", cond.states.astype(model.input_dtype("encoder_hidden_states"))),
-            "pooled_projections": up("dit_pooled", cond.pooled.astype(model.input_dtype("pooled_projections")))}
-        if self.family.base == "flux":
-            ids = np.concatenate([np.zeros((cond.states.shape[1], 3), np.float32), image_ids(h // 2, w // 2)])
-            for name, table in zip(("rope_cos", "rope_sin"), flux_rope(ids, self.axes_dim), strict=True):
-                feeds[name] = up(f"dit_{name}", table.astype(model.input_dtype(name)))
-            if self.guidance_input:
-                feeds["guidance"] = up("dit_guidance", guidance[:rows].astype(model.input_dtype("guidance")))
-        return feeds
+    def transformer_feeds(self, cond: DitConditioning, guidance: np.ndarray, h: int, w: int,
+                          rows: int) -> dict[str, Feed]:
+        """The per-request transformer inputs, on the device once, each in the session's input type: the text
+        rows, the size's positional tables and the embedded guidance (the hooks')."""
+        model = self.transformer
+        host = {**self.text_feeds(cond), **self.position_feeds(cond, h, w), **self.guidance_feeds(guidance, rows)}
+        return {name: self.runtime.upload(f"dit_{name}", value.astype(model.input_dtype(name)))
+                for name, value in host.items()}
 
     def _start(self, batch: Batch, noise: np.ndarray, rngs: list[np.random.Generator], sigma: float,
                copies: int) -> tuple[ort.OrtValue, ort.OrtValue]:
-        """(start latents, first transformer input) on the device: the noise itself (packed for Flux), or an
-        img2img batch's encoded images noised to ``sigma``."""
+        """(start latents, first transformer input) on the device: the noise itself (packed where ``PACKED``), or
+        an img2img batch's encoded images noised to ``sigma``."""
         if batch.mode == "img2img" and self.editor is not None:
             return self.editor.prepare(batch, noise, rngs, sigma, copies)
-        x = pack_latents(noise) if self.family.base == "flux" else noise
+        x = pack_latents(noise) if self.PACKED else noise
         in_dtype = self.transformer.input_dtype("hidden_states")
         return (self.runtime.upload("dit_latents0", x.astype(np.float32)),
                 self.runtime.upload("dit_in", np.concatenate([x] * copies).astype(in_dtype)))
@@ -541,23 +525,23 @@ class DitOnnx:
         n, copies = shape[0], 2 if cfg else 1
         lat = [start, rt.buffer("dit_latents1", shape, np.float32)]
         model_out = rt.buffer("dit_out", (copies * n, *shape[1:]), self.transformer.output_dtype())
-        # Flux takes t / 1000 (diffusers divides the float32 timestep); SD 3 takes t.
-        divisor = np.float32(1000.0 if self.family.base == "flux" else 1.0)
+        divisor = np.float32(self.TIMESTEP_SCALE)  # as diffusers divides the float32 timestep
         times = np.stack([np.full(copies * n, t, dtype=np.float32) / divisor for t in schedule.timesteps])
         timesteps = rt.upload_steps("dit_timesteps", times.astype(self.transformer.input_dtype("timestep")))
         coeffs = rt.upload_steps("dit_coeffs", np.stack([
-            flow_coefficients(schedule.sigmas[i], schedule.sigmas[i + 1], guidance, cfg)
+            self.coefficients(schedule.sigmas[i], schedule.sigmas[i + 1], guidance, cfg)
             for i in range(len(schedule))]))
         return DitDenoising(len(schedule), self.step_cfg if cfg else self.step, lat, model_in, model_out, feeds,
                             timesteps, coeffs, adapters, latent_size)
 
     def _decode(self, latents: ort.OrtValue, n: int, h: int, w: int) -> np.ndarray:
-        """latents / scaling + shift (Flux: unpacked first) on the device, the VAE, and the image down once."""
+        """latents / scaling + shift (unpacked first where ``PACKED``) on the device, the VAE, and the image down
+        once."""
         c, f = self.geometry.latent_channels, self.geometry.vae_scale_factor
         vae_in = next(iter(self.vae_decoder.inputs))
         scaled = self.runtime.buffer("dit_vae_in", (n, c, h, w), self.vae_decoder.input_dtype(vae_in))
         feeds: dict[str, Feed] = {"latents": latents}
-        if self.family.base == "flux":
+        if self.PACKED:
             feeds["unpacked_shape"] = shape_feed([n, h // 2, w // 2, c, 2, 2])
             feeds["image_shape"] = shape_feed([n, c, h, w])
         self.decode_scale.run(feeds, {"scaled": scaled})
@@ -568,3 +552,8 @@ class DitOnnx:
             raise InferenceError("the VAE produced NaN/inf values (fp16 overflow or corrupted weights)")
         image = np.clip(decoded / 2 + 0.5, 0.0, 1.0)
         return np.ascontiguousarray((image.transpose(0, 2, 3, 1) * 255).round().astype(np.uint8))
+
+
+def load_pipeline(folder: Path, runtime: Runtime, label: str = "", sources: dict[str, Path] | None = None) -> Any:
+    """The registered pipeline of a folder's architecture (engines/architectures.py), loaded."""
+    return architectures.of(folder).pipeline_class()(folder, runtime, label=label, sources=sources)

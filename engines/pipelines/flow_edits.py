@@ -23,7 +23,7 @@ import onnxruntime as ort
 
 from engines.numerics.flow_graph import build_flow_noise_graph
 from engines.numerics.rows import shape_feed
-from engines.pipelines.unet import OrtModel
+from engines.pipelines.ort_model import OrtModel
 from engines.pipelines.unet_edits import ENCODER_OUTPUT, build_sample_graph, edit_inputs
 from engines.runtime.sessions import Runtime
 from engines.types.request import Batch

@@ -23,17 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engines import families
-from engines.pipelines.unet_family import read_json
+from engines import architectures, families
 from engines.errors import ModelLoadError
+from engines.pipelines.unet_family import read_json
 
 DIT_FAMILIES = families.names("transformer")
 SERVED = ("sdserve serves Flux.1 dev/schnell (FluxPipeline), SD 3 / 3.5 (StableDiffusion3Pipeline) and Qwen-Image "
           "(QwenImagePipeline) DiT folders")
-FLUX_CLASSES = frozenset({"FluxPipeline", "OnnxFluxPipeline", "ORTFluxPipeline"})
-SD3_CLASSES = frozenset({"StableDiffusion3Pipeline", "OnnxStableDiffusion3Pipeline", "ORTStableDiffusion3Pipeline"})
-QWEN_CLASSES = frozenset({"QwenImagePipeline", "QwenImageImg2ImgPipeline", "OnnxQwenImagePipeline"})
-"""A Qwen-Image img2img folder holds the text-to-image weights: served as both."""
 REFUSED: dict[str, str] = {
     "FluxKontext": "Flux.1 Kontext (image-conditioned editing)",
     "Flux2": "Flux.2 (a different transformer, text encoder and VAE)",
@@ -52,22 +48,19 @@ REFUSED: dict[str, str] = {
 
 @dataclass(frozen=True)
 class DitFamily:
-    """What a DiT folder is: the family name, its base architecture and the facts the pipeline branches on."""
+    """What a DiT folder is: the family name, its base architecture and the facts the pipeline reads."""
 
     name: str
     base: str
-    """``flux``, ``sd3`` or ``qwen-image``."""
+    """The architecture (engines/architectures.py): ``flux``, ``sd3`` or ``qwen-image``."""
     guidance_embeds: bool
     """Flux dev: the guidance scale is a transformer input; no classifier-free guidance."""
     steps: int
     guidance: float
     max_sequence_length: int
-
-    @property
-    def cfg(self) -> bool:
-        """Classifier-free guidance with a negative prompt (SD 3 / 3.5, Qwen-Image's true CFG); Flux never doubles
-        the batch."""
-        return self.base in ("sd3", "qwen-image")
+    cfg: bool = False
+    """Classifier-free guidance with a negative prompt (SD 3 / 3.5, Qwen-Image's true CFG); Flux never doubles
+    the batch."""
 
 
 def refused_reason(class_name: str) -> str | None:
@@ -85,32 +78,25 @@ def _transformer_config(folder: Path) -> dict[str, Any]:
     return config
 
 
-QWEN_VARIANT_KEYS = ("guidance_embeds", "zero_cond_t", "use_additional_t_cond", "use_layer3d_rope")
-"""QwenImageTransformer2DModel config switches of the Edit (2511) and Layered transformers."""
-
-
-def _qwen_transformer(folder: Path) -> dict[str, Any]:
+def _checked(folder: Path, row: architectures.Architecture) -> dict[str, Any]:
+    """The transformer config of a folder of ``row``: its class and no variant switch that is not served."""
     config = _transformer_config(folder)
-    if str(config.get("_class_name", "QwenImageTransformer2DModel")) != "QwenImageTransformer2DModel":
-        raise ModelLoadError(f"{folder}: transformer {config.get('_class_name')} is not Qwen-Image's; {SERVED}")
-    variant = [key for key in QWEN_VARIANT_KEYS if config.get(key)]
+    expected = row.transformer_class
+    if expected and str(config.get("_class_name", expected)) != expected:
+        raise ModelLoadError(f"{folder}: transformer {config.get('_class_name')} is not {expected}; {SERVED}")
+    variant = [key for key in row.variant_keys if config.get(key)]
     if variant:
-        raise ModelLoadError(f"{folder}: its transformer sets {', '.join(variant)} (a Qwen-Image Edit or Layered "
-                             f"transformer): not supported; {SERVED}")
+        raise ModelLoadError(f"{folder}: its transformer sets {', '.join(variant)} (a variant of the {row.name} "
+                             f"transformer, e.g. Qwen-Image Edit or Layered): not supported; {SERVED}")
     return config
-
-
-def _make(base: str, configs: families.Configs) -> DitFamily:
-    found = families.resolve(base, configs)
-    guided = bool(configs["denoiser"].get("guidance_embeds", False)) if base == "flux" else False
-    return DitFamily(found.name, base, guided, found.steps, found.guidance, found.t5_length)
 
 
 def is_dit_folder(folder: Path) -> bool:
     """Whether the folder's model_index.json names a DiT pipeline (served or refused), so the UNet detection
     should not try it."""
-    class_name = str(read_json(folder / "model_index.json").get("_class_name", ""))
-    return class_name in FLUX_CLASSES | SD3_CLASSES | QWEN_CLASSES or refused_reason(class_name) is not None
+    class_name = architectures.class_name(folder)
+    row = architectures.claimed(class_name)
+    return (row is not None and row.denoiser == "transformer") or refused_reason(class_name) is not None
 
 
 def detect_dit(folder: Path) -> DitFamily:
@@ -120,13 +106,10 @@ def detect_dit(folder: Path) -> DitFamily:
     reason = refused_reason(class_name)
     if reason is not None:
         raise ModelLoadError(f"{folder} is {reason} ({class_name}): not supported; {SERVED}")
-    if class_name in FLUX_CLASSES:
-        config = _transformer_config(folder)
-        if str(config.get("_class_name", "FluxTransformer2DModel")) != "FluxTransformer2DModel":
-            raise ModelLoadError(f"{folder}: transformer {config.get('_class_name')} is not Flux.1's; {SERVED}")
-        return _make("flux", {"index": index, "denoiser": config})
-    if class_name in SD3_CLASSES:
-        return _make("sd3", {"index": index, "denoiser": _transformer_config(folder)})
-    if class_name in QWEN_CLASSES:
-        return _make("qwen-image", {"index": index, "denoiser": _qwen_transformer(folder)})
-    raise ModelLoadError(f"{folder}: pipeline class {class_name or '(none)'} is not a DiT family; {SERVED}")
+    row = architectures.claimed(class_name)
+    if row is None or row.denoiser != "transformer":
+        raise ModelLoadError(f"{folder}: pipeline class {class_name or '(none)'} is not a DiT family; {SERVED}")
+    config = _checked(folder, row)
+    found = families.resolve(row.name, {"index": index, "denoiser": config})
+    guided = bool(config.get("guidance_embeds", False)) if row.guidance_embeds else False
+    return DitFamily(found.name, row.name, guided, found.steps, found.guidance, found.t5_length, row.cfg)

@@ -1,7 +1,8 @@
 """Qwen-Image txt2img and img2img on ONNX Runtime (no torch), as diffusers' ``QwenImagePipeline`` and
-``QwenImageImg2ImgPipeline`` (0.42) do it. A ``DitOnnx`` whose begin (text, schedule, start, transformer feeds),
-CFG step and decode are Qwen-Image's; the denoising loop, step-level batching (rows joined on the device), the
-output-level step cache, ``finish`` and the checks are DitOnnx's.
+``QwenImageImg2ImgPipeline`` (0.42) do it, on the flow-matching base (engines/pipelines/flow.py): its hooks give
+the text (template, key mask), the geometry of its VAE, the rotary tables and the norm-rescaled true-CFG step; the
+denoising loop, step-level batching (rows joined on the device), the output-level step cache, ``finish`` and the
+checks are the base's.
 
 The folder is the layout engines/build/qwen_export.py writes. Per batch:
 
@@ -27,35 +28,23 @@ export), sampled with the image's stream and noised by ``scale_noise``; ``streng
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from engines.errors import InferenceError, ModelLoadError
 from engines.lora.active import Adapters
-from engines.numerics.flow_graph import build_flow_decode_graph, build_flow_step_graph, flow_coefficients, flow_start
-from engines.numerics.flow_schedule import FlowMatchConfig, FlowSchedule, flow_schedule, flux_sigmas
+from engines.numerics.flow_graph import flow_coefficients
+from engines.numerics.flow_schedule import FlowSchedule, flow_schedule, flux_sigmas
 from engines.numerics.qwen_tokenizer import TEMPLATE_DROP, QwenTokenizer
-from engines.numerics.rows import RowPacker, shape_feed
-from engines.numerics.step_cache import OutputCache, Probe
 from engines.numerics.step_graph import elem_type, serialize
-from engines.pipelines.flow import NATIVE_SIZE_KEY, SAMPLERS, DitDenoising, DitOnnx, pack_latents, run
-from engines.pipelines.flow_edits import DitEditor
-from engines.pipelines.flow_family import QWEN_VARIANT_KEYS, detect_dit
-from engines.pipelines.unet import Begun, Feed, OrtModel, image_rng
+from engines.pipelines.flow import DitConditioning, FlowPipeline, Geometry, run
+from engines.pipelines.ort_model import OrtModel
 from engines.pipelines.unet_family import read_json
-from engines.runtime.sessions import Runtime
-from engines.types.model import ModelInfo
-from engines.types.request import CACHE_MIN_STEPS, Batch
+from engines.types.request import Batch
 
 ROPE_THETA = 10000
 """QwenEmbedRope(theta=10000)."""
-PARTS = ("text_encoder", "transformer", "vae_decoder")
-ROW_FEEDS = ("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_mask")
 
 
 def _axis_angles(positions: np.ndarray, dim: int) -> np.ndarray:
@@ -118,137 +107,35 @@ def cfg_coefficients(sigma: float, sigma_next: float, guidance: np.ndarray) -> n
     return np.stack([np.full(len(scale), dt, np.float32), scale], axis=-1).reshape(len(scale), 1, 2)
 
 
-@dataclass(frozen=True)
-class QwenConditioning:
-    states: np.ndarray
-    """[rows, max_sequence_length, width]: negatives first under CFG, zero past each row's kept tokens."""
-    mask: np.ndarray
-    """[rows, max_sequence_length] float32: 1 for a kept token, 0 for padding."""
-    truncated: tuple[bool, ...]
-    negative_truncated: tuple[bool, ...]
+class QwenPipeline(FlowPipeline):
+    """Qwen-Image txt2img and img2img: true CFG with norm rescaling, a fixed-length masked text sequence."""
 
+    FIRST_BLOCK = False
+    """The first-block cache's parts are not exported for Qwen-Image."""
 
-@dataclass(frozen=True)
-class QwenGeometry:
-    vae_scale_factor: int
-    latent_channels: int
-
-    @property
-    def size_multiple(self) -> int:
-        return self.vae_scale_factor * 2
-
-
-class QwenOnnx(DitOnnx):
-    """Loads an exported Qwen-Image folder and runs txt2img and img2img batches (engines.protocol.Batch)."""
-
-    def __init__(self, folder: Path, runtime: Runtime, label: str = "", sources: dict[str, Path] | None = None) -> None:
-        """ModelLoadError (exit 11) when the folder is no Qwen-Image export or misses a component. ``sources``:
-        per component, the model to load instead of ``<component>/model.onnx``."""
-        given = sources or {}
-        self.family = detect_dit(folder)
-        if self.family.base != "qwen-image":
-            raise ModelLoadError(f"{folder} is {self.family.name}, not Qwen-Image")
-        for part in PARTS:
-            if not (folder / part / "model.onnx").is_file():
-                raise ModelLoadError(f"{folder} has no {part}/model.onnx (the ONNX layout of a Qwen-Image model: "
-                                     "`sdserve engines export`)")
-        self.runtime = runtime
-
-        def make(model: Path | bytes, name: str) -> OrtModel:
-            return OrtModel(runtime, model, name + label)
-
-        models = {part: make(given.get(part, folder / part / "model.onnx"), part) for part in PARTS}
-        self.text_encoder, self.transformer, self.vae_decoder = (models[p] for p in PARTS)
-        self.tokenizer = QwenTokenizer(folder / "tokenizer")
-        self.flow = FlowMatchConfig.from_config(read_json(folder / "scheduler" / "scheduler_config.json"))
-        config = read_json(folder / "transformer" / "config.json")
-        if any(config.get(key) for key in QWEN_VARIANT_KEYS):
-            raise ModelLoadError(f"{folder}: an Edit/Layered Qwen-Image transformer is not served")
-        self.axes_dim = tuple(int(a) for a in config.get("axes_dims_rope", (16, 56, 56)))
-        vae = read_json(folder / "vae_decoder" / "config.json")
-        self.shape = QwenGeometry(2 ** len(vae.get("temperal_downsample", (False, True, True))),
-                                  int(vae.get("z_dim", 16)))
-        native = read_json(folder / "model_index.json").get(NATIVE_SIZE_KEY)
-        self._native = int(native) if native else 1024  # QwenImagePipeline: default_sample_size 128 x 8
+    def load_text(self, folder: Path, models: dict[str, OrtModel]) -> None:
+        self.text_encoder, self.tokenizer = models["text_encoder"], QwenTokenizer(folder / "tokenizer")
+        self.text_encoders.append(self.text_encoder)
         self.max_sequence_length = self.family.max_sequence_length
-        self.guidance_input = False
-        in_dtype, out_dtype = self.transformer.input_dtype("hidden_states"), self.transformer.output_dtype()
-        self.step = make(build_flow_step_graph(in_dtype, out_dtype, cfg=False, packed=True), "flow_step")
-        self.step_cfg = make(build_qwen_cfg_graph(in_dtype, out_dtype), "qwen_cfg_step")
-        kinds = [(self.transformer.input_dtype(name), len(arg.shape)) for name, arg in self.transformer.inputs.items()
-                 if name in ROW_FEEDS]
-        self.rows = RowPacker(runtime, make, kinds, (out_dtype, len(self.transformer.session.get_outputs()[0].shape)))
-        self.cache_probe = Probe.build(make, [in_dtype, out_dtype])
-        self.first_block = None
-        vae_in = next(iter(self.vae_decoder.inputs))
-        self.decode_scale = make(build_flow_decode_graph(1.0, 0.0, self.vae_decoder.input_dtype(vae_in), True),
-                                 "flow_decode")
-        encoder = folder / "vae_encoder" / "model.onnx"
-        self.editor = DitEditor(runtime, make(given.get("vae_encoder", encoder), "vae_encoder"), make, 1.0, 0.0,
-                                in_dtype, True) if encoder.is_file() else None
-        self.edits_unavailable = "" if self.editor else (
-            f"{folder.name} has no vae_encoder/model.onnx: it serves txt2img only (re-export it with "
-            "`sdserve engines export` to serve img2img)")
 
-    @property
-    def size_multiple(self) -> int:
-        """The VAE factor × the 2×2 pack: 16."""
-        return self.shape.size_multiple
+    def read_geometry(self, folder: Path) -> Geometry:
+        """The causal 3D VAE: one 2x downsample per ``temperal_downsample`` entry, ``z_dim`` channels; its
+        per-channel mean/std are folded into the exported halves, so the decode graph scales by 1."""
+        vae = read_json(folder / "vae_decoder" / "config.json")
+        scale = 2 ** len(vae.get("temperal_downsample", (False, True, True)))
+        return Geometry(scale, int(vae.get("z_dim", 16)), 1.0, 0.0, scale * 2)
 
-    @property
-    def default_size(self) -> int:
-        """QwenImagePipeline's default (``default_sample_size`` 128 × the VAE factor 8: 1024)."""
-        return self._native
+    def schedule(self, steps: int, h: int, w: int) -> FlowSchedule:
+        """Flux's evenly spaced sigmas, shifted by ``mu`` of the packed token count (and stretched to
+        ``shift_terminal`` by the flow config)."""
+        return flow_schedule(self.flow, steps, sigmas=flux_sigmas(steps), mu=self.flow.mu(h * w // 4))
 
-    def model_info(self, name: str, digest: str = "") -> ModelInfo:
-        """What the engine reports and validates requests against (``/v1/models``, ``/capabilities``)."""
-        f = self.family
-        return ModelInfo(name=name, size_multiple=self.size_multiple, default_size=self.default_size,
-                         schedulers=SAMPLERS, max_prompt_tokens=self.max_sequence_length, digest=digest,
-                         family=f.name, prediction_type="flow", text_encoders=1, vae_scaling_factor=1.0,
-                         cfg_default=True, default_steps=f.steps, default_guidance=f.guidance,
-                         modes=("txt2img", "img2img") if self.editor else ("txt2img",),
-                         edits_unavailable=self.edits_unavailable, edit_schedulers=SAMPLERS if self.editor else ())
-
-    def adaptable(self) -> list[OrtModel]:
-        return [self.transformer, self.text_encoder]
-
-    def begin(self, batch: Batch, latents: np.ndarray | None = None, adapters: Adapters | None = None,
-              max_sequence_length: int | None = None) -> Begun:
-        """Encode the prompts (negatives first under CFG), draw each image's noise, prepare an img2img batch's start
-        and the denoising state (every buffer under the runtime's current scope)."""
-        self.check_inputs(batch)
-        t0 = time.perf_counter()
-        length = max_sequence_length or self.max_sequence_length
-        guidance = np.array([s.guidance_scale for s in batch.images], dtype=np.float32)
-        cfg = bool((guidance > 1.0).any())
-        # 1. Text: the template's states, system prefix dropped, padded to the fixed length with a key mask.
-        cond = self._encode_qwen(batch, length, cfg, adapters)
-        t1 = time.perf_counter()
-        # 2. Noise per image from its seed; the schedule (an edit's strength skips the first steps); the start.
-        f = self.shape.vae_scale_factor
-        h, w = batch.height // f, batch.width // f
-        rngs = [image_rng(s.seed) for s in batch.images]
-        seeded = np.stack([r.standard_normal((self.shape.latent_channels, h, w), dtype=np.float32) for r in rngs])
-        x = seeded if latents is None else latents.astype(np.float32)  # the streams advance either way
-        full = flow_schedule(self.flow, batch.steps, sigmas=flux_sigmas(batch.steps), mu=self.flow.mu(h * w // 4))
-        first = flow_start(batch.steps, batch.strength) if batch.mode == "img2img" else 0
-        schedule = FlowSchedule(full.timesteps[first:], full.sigmas[first:])
-        start, model_in = self._qwen_start(batch, x, rngs, float(schedule.sigmas[0]), 2 if cfg else 1)
-        t2 = time.perf_counter()
-        # 3. The denoising state on the device (DitOnnx runs the loop).
-        state = self._qwen_denoise(start, model_in, self._qwen_feeds(cond, h, w), guidance, schedule, cfg,
-                                   adapters, (h, w))
-        if batch.cache is not None and batch.steps >= CACHE_MIN_STEPS and batch.cache.method == "output":
-            state.cache = OutputCache.start(batch.cache, state.evaluations, self.cache_probe, state.model_in,
-                                            state.model_out, self.runtime.buffer)
-        return Begun(batch, state, cond, None, len(schedule), (t0, t1, t2))
-
-    def _encode_qwen(self, batch: Batch, length: int, cfg: bool, adapters: Adapters | None) -> QwenConditioning:
+    def encode(self, batch: Batch, length: int, cfg: bool, adapters: Adapters | None) -> DitConditioning:
+        """The template's states, system prefix dropped, zero-padded to the fixed length with a key mask."""
         negatives = [s.negative_prompt for s in batch.images] if cfg else []
         k = len(negatives)
         tokens = self.tokenizer(negatives + [s.prompt for s in batch.images], length)
-        ids = self._tokens(batch, "text encoder (max_sequence_length)", tokens.ids, tokens.truncated, length, k)
+        ids = self.checked_tokens(batch, "text encoder (max_sequence_length)", tokens.ids, tokens.truncated, length, k)
         hidden = run(self.text_encoder, {next(iter(self.text_encoder.inputs)): ids}, ["last_hidden_state"],
                      adapters)[0]
         states = np.zeros((len(ids), length, hidden.shape[-1]), dtype=np.float32)
@@ -257,61 +144,18 @@ class QwenOnnx(DitOnnx):
             states[row, :kept] = hidden[row, TEMPLATE_DROP:TEMPLATE_DROP + kept]
             mask[row, :kept] = 1.0
         cut = tokens.truncated
-        return QwenConditioning(states, mask, cut[k:], cut[:k] if cfg else (False,) * len(batch.images))
+        return DitConditioning(states, None, cut[k:], cut[:k] if cfg else (False,) * len(batch.images), mask)
 
-    def _qwen_feeds(self, cond: QwenConditioning, h: int, w: int) -> dict[str, Feed]:
-        """The per-request transformer inputs, on the device once: text states and key mask (a row each), the
-        rotary tables of this size (text then image tokens)."""
-        up, model = self.runtime.upload, self.transformer
-        feeds: dict[str, Feed] = {
-            "encoder_hidden_states": up("qwen_states", cond.states.astype(model.input_dtype("encoder_hidden_states"))),
-            "encoder_hidden_states_mask": up("qwen_mask", cond.mask.astype(
-                model.input_dtype("encoder_hidden_states_mask")))}
-        tables = qwen_rope(h // 2, w // 2, cond.states.shape[1], self.axes_dim)
-        for name, table in zip(("rope_cos", "rope_sin"), tables, strict=True):
-            feeds[name] = up(f"qwen_{name}", table.astype(model.input_dtype(name)))
-        return feeds
+    def position_feeds(self, cond: DitConditioning, h: int, w: int) -> dict[str, np.ndarray]:
+        """The rotary tables of this size over the joint sequence (text then image tokens)."""
+        cos, sin = qwen_rope(h // 2, w // 2, cond.states.shape[1], self.axes_dim)
+        return {"rope_cos": cos, "rope_sin": sin}
 
-    def _qwen_start(self, batch: Batch, noise: np.ndarray, rngs: list[np.random.Generator], sigma: float,
-                    copies: int) -> tuple[ort.OrtValue, ort.OrtValue]:
-        """(start latents, first transformer input) on the device: the packed noise, or an img2img batch's encoded
-        images noised to ``sigma`` (and packed)."""
-        if batch.mode == "img2img" and self.editor is not None:
-            return self.editor.prepare(batch, noise, rngs, sigma, copies)
-        x = pack_latents(noise)
-        in_dtype = self.transformer.input_dtype("hidden_states")
-        return (self.runtime.upload("dit_latents0", x),
-                self.runtime.upload("dit_in", np.concatenate([x] * copies).astype(in_dtype)))
+    def step_graphs(self, model_in: type[np.generic], model_out: type[np.generic]) -> tuple[OrtModel, OrtModel]:
+        """The flow Euler step, and the norm-rescaling true-CFG step."""
+        plain, _ = super().step_graphs(model_in, model_out)
+        return plain, self._make(build_qwen_cfg_graph(model_in, model_out), "qwen_cfg_step")
 
-    def _qwen_denoise(self, start: ort.OrtValue, model_in: ort.OrtValue, feeds: dict[str, Feed],
-                      guidance: np.ndarray, schedule: FlowSchedule, cfg: bool, adapters: Adapters | None,
-                      latent_size: tuple[int, int]) -> DitDenoising:
-        """Per-step timesteps (``t / 1000`` per row) and step coefficients uploaded once; CFG steps through the
-        norm-rescaling graph, plain ones through the flow Euler graph."""
-        rt, shape = self.runtime, tuple(start.shape())
-        n, copies = shape[0], 2 if cfg else 1
-        lat = [start, rt.buffer("dit_latents1", shape, np.float32)]
-        model_out = rt.buffer("dit_out", (copies * n, *shape[1:]), self.transformer.output_dtype())
-        times = np.stack([np.full(copies * n, t, dtype=np.float32) / np.float32(1000.0) for t in schedule.timesteps])
-        timesteps = rt.upload_steps("dit_timesteps", times.astype(self.transformer.input_dtype("timestep")))
-        sig = schedule.sigmas
-        table = [cfg_coefficients(sig[i], sig[i + 1], guidance) if cfg else
-                 flow_coefficients(sig[i], sig[i + 1], guidance, False) for i in range(len(schedule))]
-        coeffs = rt.upload_steps("dit_coeffs", np.stack(table))
-        return DitDenoising(len(schedule), self.step_cfg if cfg else self.step, lat, model_in, model_out, feeds,
-                            timesteps, coeffs, adapters, latent_size)
-
-    def _decode(self, latents: ort.OrtValue, n: int, h: int, w: int) -> np.ndarray:
-        """Unpack on the device, the VAE (normalisation inside), the image down once."""
-        c, f = self.shape.latent_channels, self.shape.vae_scale_factor
-        vae_in = next(iter(self.vae_decoder.inputs))
-        scaled = self.runtime.buffer("dit_vae_in", (n, c, h, w), self.vae_decoder.input_dtype(vae_in))
-        self.decode_scale.run({"latents": latents, "unpacked_shape": shape_feed([n, h // 2, w // 2, c, 2, 2]),
-                               "image_shape": shape_feed([n, c, h, w])}, {"scaled": scaled})
-        host, out = self.runtime.staging("dit_image", (n, 3, h * f, w * f), self.vae_decoder.output_dtype())
-        self.vae_decoder.run({vae_in: scaled}, {self.vae_decoder.outputs[0]: out})
-        decoded = host.astype(np.float32)
-        if not np.isfinite(decoded).all():
-            raise InferenceError("the VAE produced NaN/inf values (fp16 overflow or corrupted weights)")
-        image = np.clip(decoded / 2 + 0.5, 0.0, 1.0)
-        return np.ascontiguousarray((image.transpose(0, 2, 3, 1) * 255).round().astype(np.uint8))
+    def coefficients(self, sigma: float, sigma_next: float, guidance: np.ndarray, cfg: bool) -> np.ndarray:
+        return cfg_coefficients(sigma, sigma_next, guidance) if cfg else \
+            flow_coefficients(sigma, sigma_next, guidance, False)

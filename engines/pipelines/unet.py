@@ -19,19 +19,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeAlias
 
 import numpy as np
 import onnxruntime as ort
 
-from engines.artifacts import MANIFEST, TRT_DIR, read_manifest
 from engines.errors import InferenceError, InvalidRequestError, ModelLoadError
 from engines.lora.active import Adapters
 from engines.numerics.multistep import MAX_HISTORY
 from engines.numerics.plan import Step
-from engines.numerics.rows import RowPacker, ShapeFeed
+from engines.numerics.rows import RowPacker
 from engines.numerics.schedulers import EDIT_SCHEDULERS, SCHEDULERS, NoiseSchedule, SchedulePlan, make_plan
 from engines.numerics.step_cache import OutputCache, Probe, cache_use, partition, record
 from engines.numerics.step_graph import (
@@ -43,111 +41,15 @@ from engines.numerics.step_graph import (
 )
 from engines.numerics.tokenizer import ClipTokenizer
 from engines.pipelines import unet_family as families
+from engines.pipelines.contract import Begun, PipelineOutput, image_rng
+from engines.pipelines.ort_model import Feed, OrtModel, built_fp16, tensorrt_fp16
 from engines.pipelines.unet_edits import Editor, Mixer, Prepared, paste_back, rows_of, strength_start
 from engines.pipelines.unet_family import Family, read_json
 from engines.runtime.sessions import Runtime, numpy_dtype
-from engines.types.request import CACHE_MIN_STEPS, Batch, CacheUse, StepHook, Timings
+from engines.types.model import ModelInfo
+from engines.types.request import CACHE_MIN_STEPS, Batch, Mode, StepHook, Timings
 
-Feed: TypeAlias = ort.OrtValue | np.ndarray
 log = logging.getLogger(__name__)
-
-
-class OrtModel:
-    """One component session; IO names, ranks and dtypes come from the session, never hard-coded."""
-
-    def __init__(self, runtime: Runtime, model: Path | bytes, name: str, fp32: bool = False,
-                 extra: dict[str, str] | None = None) -> None:
-        """``fp32``: TensorRT may not pick fp16 kernels for this component (Runtime.session); ``extra``: more
-        session config entries."""
-        self.name = name
-        self.component = name.split("@")[0]
-        """The name without a size label (``unet@512x512`` -> ``unet``): the key of a batch's LoRA weights."""
-        self.runtime = runtime
-        self.source = model
-        """The model file (or in-process graph) the session loaded: what placement is judged against."""
-        self.session = runtime.session(model, name, extra=extra, fp32=fp32)
-        self.variant: OrtModel | None = None
-        """The LoRA variant (engines/lora/targets.py): the same graph with its adaptable weights overridable. A
-        batch with LoRA weights for this component runs on it with them bound; every other batch on ``session``."""
-        self.provider = str(self.session.get_providers()[0])
-        """The provider this session runs on first (get_providers() after the policy's checks)."""
-        self.ran_on = self.provider
-        """The provider of the session the last run used: the variant's for a batch with LoRA weights (the variant
-        is built in process, so under a TensorRT policy it runs on CUDA: engines/runtime/sessions.session_providers),
-        which is what ``x-sdserve-provider`` must name."""
-        self.inputs = {i.name: i for i in self.session.get_inputs()}
-        self.outputs = [o.name for o in self.session.get_outputs()]
-        self.output_types = {o.name: o.type for o in self.session.get_outputs()}
-
-    def input_dtype(self, name: str) -> type[np.generic]:
-        return numpy_dtype(self.inputs[name].type)
-
-    def output_dtype(self, index: int = 0) -> type[np.generic]:
-        return numpy_dtype(self.session.get_outputs()[index].type)
-
-    def bound(self, adapters: Adapters | None = None) -> tuple[ort.InferenceSession, ort.IOBinding]:
-        """The session this batch runs on and a binding with its LoRA weights bound: the variant with the batch's
-        merged weights when ``adapters`` has some for this component, else the base session. The adaptable
-        components of every pipeline are run with the batch's adapters, and the run is recorded in them, so no
-        component can run its base weights while the response and the signed manifest say its LoRA applied."""
-        weights = adapters.of(self.component) if adapters is not None and self.variant is not None else None
-        ran = self.variant if weights is not None and self.variant is not None else self
-        self.ran_on = ran.provider
-        if weights is not None and adapters is not None:
-            adapters.adapted.add(self.component)
-        binding = ran.session.io_binding()
-        for name, weight in (weights or {}).items():  # this batch's merged LoRA weights, never the base's
-            binding.bind_ortvalue_input(name, weight)
-        return ran.session, binding
-
-    def run(self, feeds: dict[str, Feed], outputs: dict[str, ort.OrtValue], adapters: Adapters | None = None) -> None:
-        """One call through IO binding; ``adapters``: the batch's LoRA weights (the adaptable components only)."""
-        session, binding = self.bound(adapters)
-        for name, value in feeds.items():
-            if isinstance(value, ort.OrtValue):
-                binding.bind_ortvalue_input(name, value)
-            else:  # a host feed: copied to the device by this run (per request only, never per step)
-                host = np.require(value, requirements="C")  # keeps rank 0
-                binding.bind_cpu_input(name, host.view(np.ndarray))
-                if not isinstance(value, ShapeFeed):  # a shape is read where it lies: no copy to stage
-                    self.runtime.note_host_read(f"{self.name}:{name}", host)
-        for name, value in outputs.items():
-            check_output_type(self.name, name, value.data_type(), self.output_types.get(name, ""))
-            binding.bind_ortvalue_output(name, value)
-        self.runtime.run(session, binding, self.component, outputs)  # a large batch's decode trims the arena
-
-
-def check_output_type(component: str, name: str, bound: str, declared: str) -> None:
-    """A preallocated output must have the element type the session writes. ORT checks a bound output's shape,
-    not its type, and TensorRT writes through the raw pointer: a float32 result in a float16 buffer (a text encoder
-    whose output dtype differs from the UNet's hidden dtype) would corrupt memory silently."""
-    if declared and bound != declared:
-        raise InferenceError(f"{component}: output {name!r} is bound to a {bound} buffer but the session writes "
-                             f"{declared}: refusing to run (a buffer of another element type is corrupted, not "
-                             "converted)")
-
-
-def image_rng(seed: int) -> np.random.Generator:
-    """Per-image noise stream: the initial latents first, then Euler-ancestral step noise, in order."""
-    return np.random.default_rng(seed)
-
-
-@dataclass(frozen=True)
-class PipelineOutput:
-    images: np.ndarray
-    """uint8 [B, H, W, 3]."""
-    truncated: tuple[bool, ...]
-    """Per image: its prompt was longer than the text encoder takes."""
-    negative_truncated: tuple[bool, ...]
-    timings: Timings
-    steps_done: int
-    """Denoising steps that ran (fewer when ``on_step`` stopped the batch)."""
-    steps_total: int = 0
-    """Steps the batch was to run: ``steps``, or an edit's ``int(steps * strength)``."""
-    latents: np.ndarray | None = None
-    """float32 [B, C, h, w] final latents, brought down only when an image asked (ImageSpec.keep_latents)."""
-    cache: CacheUse | None = None
-    """What the batch's step cache reused (None: no cache ran)."""
 
 
 @dataclass(frozen=True)
@@ -208,40 +110,6 @@ class Denoising:
     @property
     def evaluations(self) -> int:
         return len(self.evals)
-
-
-@dataclass
-class Begun:
-    """One batch between its stages (``begin``, ticks of ``run_denoiser`` + ``advance``, ``finish``): what step-level
-    batching holds per running request."""
-
-    batch: Batch
-    state: Any
-    """The pipeline's denoising state (Denoising here, DitDenoising for the DiT families): ``next_eval``, ``done``
-    and ``evaluations``."""
-    cond: Any
-    """The batch's text conditioning (its truncation flags come back with the images)."""
-    prepared: Prepared | None
-    steps_total: int
-    started: tuple[float, float, float]
-    """perf_counter at the start, after encoding, after preparing the latents."""
-    denoise_s: float = 0.0
-    stopped: bool = False
-    decoded: list[np.ndarray] = field(default_factory=list)
-    """The images decoded so far (``decode``: a few at a time under step-level batching), in order."""
-    decode_s: float = 0.0
-
-    @property
-    def finished(self) -> bool:
-        return self.stopped or bool(self.state.next_eval >= self.state.evaluations)
-
-    def next_rows(self, images: int) -> tuple[int, int]:
-        """The rows the next decode of at most ``images`` images takes: (start, stop)."""
-        start = sum(len(part) for part in self.decoded)
-        return start, min(len(self.batch.images), start + max(1, images))
-
-    def all_decoded(self) -> np.ndarray:
-        return self.decoded[0] if len(self.decoded) == 1 else np.concatenate(self.decoded)
 
 
 class StableDiffusionOnnx:
@@ -360,6 +228,18 @@ class StableDiffusionOnnx:
         join = OrtModel(self.runtime, build_text_join_graph(*dtypes), "text_join" + label)
         self.second = SecondEncoder(ClipTokenizer(folder / "tokenizer_2"), model, penultimate, join,
                                     self.io.text_embeds)
+
+    def model_info(self, name: str, digest: str = "") -> ModelInfo:
+        """What the engine reports and validates requests against (``/v1/models``, ``/capabilities``)."""
+        f, edits = self.family, self.editor is not None
+        modes: tuple[Mode, ...] = ("txt2img", "img2img", "inpaint") if edits else ("txt2img",)
+        return ModelInfo(name, self.size_multiple, self.default_size, tuple(SCHEDULERS), self.tokenizer.max_length,
+                         digest, f.name, f.prediction_type, f.text_encoders, f.vae_scaling_factor, f.cfg_default,
+                         f.default_steps, f.default_guidance, modes, self.edits_unavailable, f.inpainting,
+                         EDIT_SCHEDULERS if edits else ())
+
+    def describe(self) -> str:
+        return self.family.describe()
 
     @property
     def denoiser(self) -> OrtModel:
@@ -688,23 +568,6 @@ class StableDiffusionOnnx:
             raise InferenceError("the VAE produced NaN/inf values (fp16 overflow or corrupted weights)")
         image = np.clip(decoded / 2 + 0.5, 0.0, 1.0)
         return np.ascontiguousarray((image.transpose(0, 2, 3, 1) * 255).round().astype(np.uint8))
-
-
-def tensorrt_fp16(session: ort.InferenceSession) -> bool:
-    """Whether the session runs on TensorRT with ``trt_fp16_enable`` on (its provider options as ORT reports them)."""
-    options = session.get_provider_options().get("TensorrtExecutionProvider")
-    return options is not None and str(options.get("trt_fp16_enable", "0")).lower() in ("1", "true")
-
-
-def built_fp16(source: Path | bytes, component: str) -> bool:
-    """Whether a prebuilt TensorRT engine (``trt/<WxH>/<component>_ctx.onnx``) was built with fp16 for this
-    component: its engine manifest's build_flags say fp16 and do not list it in fp32_components (engines built
-    before that list existed included)."""
-    if not isinstance(source, Path) or source.parent.parent.name != TRT_DIR or \
-            not (source.parent.parent / MANIFEST).is_file():
-        return False
-    flags = read_manifest(source.parent.parent / MANIFEST).get("build_flags", {})
-    return bool(flags.get("fp16")) and component not in flags.get("fp32_components", [])
 
 
 def _output_dtype(model: OrtModel, name: str) -> type[np.generic]:

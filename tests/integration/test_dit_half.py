@@ -30,7 +30,7 @@ from onnx import TensorProto, helper
 
 from engines.config import RuntimeSettings
 from engines.errors import ModelLoadError
-from engines.pipelines.flow import DitOnnx
+from engines.pipelines.flow import load_pipeline
 from engines.runtime.sessions import Runtime
 from engines.types.request import Batch, ImageSpec
 from server.cli.main import main
@@ -60,7 +60,7 @@ def _export(src: Path, out: Path, dtype: str) -> Path:
 
 
 def _images(folder: Path) -> np.ndarray:
-    return DitOnnx(folder, _cpu())(BATCH, max_sequence_length=T5_LENGTH).images
+    return load_pipeline(folder, _cpu())(BATCH, max_sequence_length=T5_LENGTH).images
 
 
 def _diff(a: np.ndarray, b: np.ndarray) -> tuple[int, float]:
@@ -221,7 +221,7 @@ def _emulate_bf16(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def test_bf16_export_is_refused_on_the_cpu_by_name(half: dict[str, Path]) -> None:
     with pytest.raises(ModelLoadError, match=r"text_encoder_2: .*computes in bfloat16.*CUDA or TensorRT") as caught:
-        DitOnnx(half["bf16"], _cpu())
+        load_pipeline(half["bf16"], _cpu())
     assert exit_code_for(caught.value) == ExitCode.MODEL_INVALID
 
 
@@ -262,7 +262,7 @@ def test_bf16_io_graph_is_refused_by_name(flux: tuple[Path, Path], half: dict[st
     path = folder / "transformer" / "model.onnx"
     onnx.save(_bf16_edges(onnx.load(str(path)), ("hidden_states", "out_hidden_states")), str(path))
     with pytest.raises(ModelLoadError, match=r"transformer: input 'hidden_states' is tensor\(bfloat16\)") as caught:
-        DitOnnx(folder, _cpu())
+        load_pipeline(folder, _cpu())
     assert exit_code_for(caught.value) == ExitCode.MODEL_INVALID
     inside = tmp_path / "bf16-inside.onnx"
     model = onnx.load(str(half["bf16"] / "transformer" / "model.onnx"))

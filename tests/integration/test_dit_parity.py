@@ -22,9 +22,9 @@ import torch
 
 from engines.config import RuntimeSettings
 from engines.errors import InvalidRequestError, ModelLoadError
-from engines.pipelines.flow import DitOnnx, pack_latents
+from engines.pipelines.contract import image_rng
+from engines.pipelines.flow import FlowPipeline, load_pipeline, pack_latents
 from engines.pipelines.flow_family import detect_dit
-from engines.pipelines.unet import image_rng
 from engines.runtime.sessions import Runtime
 from engines.types.request import Batch, EditImage, ImageSpec
 
@@ -53,9 +53,9 @@ def _runtime() -> Runtime:
 
 
 @functools.lru_cache(maxsize=8)
-def _ours(folder: Path) -> DitOnnx:
+def _ours(folder: Path) -> FlowPipeline:
     """One loaded pipeline per folder for the whole module (sessions take about a second to build)."""
-    return DitOnnx(folder, _runtime())
+    return load_pipeline(folder, _runtime())
 
 
 @functools.lru_cache(maxsize=4)
@@ -229,8 +229,8 @@ def test_t5_truncation_is_reported_or_refused(dit_build: Builder) -> None:
 def test_serving_the_dit_pipeline_imports_no_torch(dit_build: Builder) -> None:
     folder = dit_build("sd35")[0]
     code = ("import sys; from engines.config import RuntimeSettings; from engines.runtime.sessions import Runtime; "
-            "from engines.pipelines.flow import DitOnnx; from engines.types.request import Batch, ImageSpec; "
-            f"p = DitOnnx(__import__('pathlib').Path({str(folder)!r}), "
+            "from engines.pipelines.flow import load_pipeline; from engines.types.request import Batch, ImageSpec; "
+            f"p = load_pipeline(__import__('pathlib').Path({str(folder)!r}), "
             "Runtime(RuntimeSettings(providers=('CPUExecutionProvider',), allow_cpu=True))); "
             "p(Batch((ImageSpec('a cat', guidance_scale=5.0),), width=32, height=32, steps=1)); "
             "bad = sorted(m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules); "
@@ -248,7 +248,7 @@ def test_engines_export_from_a_diffusers_folder_gives_the_same_images(dit_build:
     assert engines_run(argparse.Namespace(engines_cmd="export", src=diffusers_dir, out=tmp_path / "out")) == 0
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["source"]["family"] == "flux-schnell"
     batch = Batch((ImageSpec("a lighthouse at dusk", seed=5, guidance_scale=0.0),), width=32, height=32, steps=2)
-    exported = DitOnnx(tmp_path / "out", _runtime())(batch).images
+    exported = load_pipeline(tmp_path / "out", _runtime())(batch).images
     np.testing.assert_array_equal(exported, _ours(onnx_dir)(batch).images)
     kontext = tmp_path / "kontext"
     (kontext / "transformer").mkdir(parents=True)
@@ -270,7 +270,7 @@ def test_every_dit_node_runs_on_the_accelerator_ep(family: str, dit_build: Build
     plugin = runtime.plugin.model_copy(update={"require_artifacts": False,  # plain models: no EP-context here
                                                "library": accelerator().library or runtime.plugin.library})
     onnx_dir = dit_build(family)[0]
-    ours = DitOnnx(onnx_dir, Runtime(runtime.model_copy(update={"plugin": plugin})))
+    ours = load_pipeline(onnx_dir, Runtime(runtime.model_copy(update={"plugin": plugin})))
     reports = ours.runtime.reports
     assert {"transformer", "flow_step", "flow_decode", "flow_noise1", "vae_encoder"} <= set(reports)
     for name, report in reports.items():

@@ -22,7 +22,8 @@ from PIL import Image
 from engines.build.tiny import build_tiny
 from engines.config import RuntimeSettings
 from engines.health import selftest
-from engines.pipelines.unet import StableDiffusionOnnx, image_rng
+from engines.pipelines.contract import image_rng
+from engines.pipelines.unet import StableDiffusionOnnx
 from engines.runtime.sessions import Runtime
 from engines.types.request import Batch, EditImage, ImageSpec
 

@@ -20,7 +20,8 @@ from engines.build.tiny import build_tiny
 from engines.config import RuntimeSettings
 from engines.errors import ModelLoadError
 from engines.pipelines import unet_family as families
-from engines.pipelines.unet import StableDiffusionOnnx, image_rng
+from engines.pipelines.contract import image_rng
+from engines.pipelines.unet import StableDiffusionOnnx
 from engines.runtime.sessions import Runtime
 from engines.types.request import Batch, ImageSpec
 

@@ -28,9 +28,9 @@ import torch
 from engines.config import RuntimeSettings
 from engines.errors import InferenceError
 from engines.lora.active import Adapters
+from engines.pipelines.contract import image_rng
 from engines.pipelines.first_block import FirstBlockRunner
-from engines.pipelines.flow import DitOnnx, pack_latents
-from engines.pipelines.unet import image_rng
+from engines.pipelines.flow import FlowPipeline, load_pipeline, pack_latents
 from engines.runtime.sessions import Runtime
 from engines.types.request import Batch, ImageSpec
 
@@ -77,10 +77,10 @@ def fbc_build(tmp_path_factory: pytest.TempPathFactory) -> Builder:
 
 
 @functools.cache
-def _ours_pipeline(folder: Path) -> tuple[DitOnnx, FirstBlockRunner]:
+def _ours_pipeline(folder: Path) -> tuple[FlowPipeline, FirstBlockRunner]:
     runtime = Runtime(RuntimeSettings(providers=("CPUExecutionProvider",), allow_cpu=True))
     assert FirstBlockRunner.available(folder)
-    return DitOnnx(folder, runtime), FirstBlockRunner(folder, runtime)
+    return load_pipeline(folder, runtime), FirstBlockRunner(folder, runtime)
 
 
 def _batch(family: str) -> Batch:

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from engines.config import RuntimeSettings
-from engines.pipelines.flow import DitOnnx, pack_latents
-from engines.pipelines.unet import image_rng
+from engines.pipelines.contract import image_rng
+from engines.pipelines.flow import FlowPipeline, load_pipeline, pack_latents
 from engines.runtime.sessions import Runtime
 from engines.types.request import Batch, ImageSpec
 
@@ -28,8 +28,8 @@ MIN_MATCH = 0.999
 
 
 @functools.lru_cache(maxsize=2)
-def _ours(folder: Path) -> DitOnnx:
-    return DitOnnx(folder, Runtime(RuntimeSettings(providers=("CPUExecutionProvider",), allow_cpu=True)))
+def _ours(folder: Path) -> FlowPipeline:
+    return load_pipeline(folder, Runtime(RuntimeSettings(providers=("CPUExecutionProvider",), allow_cpu=True)))
 
 
 def _run(folder: Path, *scales: float) -> np.ndarray:

@@ -18,7 +18,8 @@ import pytest
 from engines.build.optimize import FP32_KEEP
 from engines.config import RuntimeSettings
 from engines.numerics.step_graph import build_step_graph
-from engines.pipelines.unet import OrtModel, StableDiffusionOnnx
+from engines.pipelines.ort_model import OrtModel
+from engines.pipelines.unet import StableDiffusionOnnx
 from engines.runtime.sessions import Runtime
 from engines.types.request import Batch, ImageSpec
 

@@ -29,7 +29,7 @@ from engines.config import LoraSettings, RuntimeSettings
 from engines.engine import OrtEngine
 from engines.errors import InvalidRequestError
 from engines.lora.active import Adapters
-from engines.pipelines.unet import image_rng
+from engines.pipelines.contract import image_rng
 from engines.types.request import Batch, ImageSpec, LoraUse
 from tests import lora_files as lf
 

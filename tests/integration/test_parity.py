@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from engines.config import RuntimeSettings
-from engines.pipelines.unet import StableDiffusionOnnx, image_rng
+from engines.pipelines.contract import image_rng
+from engines.pipelines.unet import StableDiffusionOnnx
 from engines.runtime.sessions import Runtime
 from engines.types.request import Batch, ImageSpec
 

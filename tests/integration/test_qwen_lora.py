@@ -21,8 +21,8 @@ import torch
 
 from engines.config import LoraSettings, RuntimeSettings
 from engines.engine import OrtEngine
+from engines.pipelines.contract import image_rng
 from engines.pipelines.flow import pack_latents
-from engines.pipelines.unet import image_rng
 from engines.types.request import Batch, ImageSpec, LoraUse
 from tests import lora_files as lf
 

@@ -23,10 +23,10 @@ from engines.config import RuntimeSettings
 from engines.engine import OrtEngine
 from engines.errors import ModelLoadError
 from engines.numerics.qwen_tokenizer import TEMPLATE, TEMPLATE_DROP, QwenTokenizer
+from engines.pipelines.contract import image_rng
 from engines.pipelines.flow import pack_latents
 from engines.pipelines.flow_family import detect_dit
-from engines.pipelines.qwen import QwenOnnx, qwen_rope
-from engines.pipelines.unet import image_rng
+from engines.pipelines.qwen import QwenPipeline, qwen_rope
 from engines.protocol import StepRun
 from engines.runtime.sessions import Runtime
 from engines.types.request import Batch, BatchResult, EditImage, ImageSpec
@@ -45,8 +45,8 @@ Builder = Callable[[str], tuple[Path, Path]]
 
 
 @functools.lru_cache(maxsize=2)
-def _ours(folder: Path) -> QwenOnnx:
-    return QwenOnnx(folder, Runtime(RuntimeSettings(providers=("CPUExecutionProvider",), allow_cpu=True)))
+def _ours(folder: Path) -> QwenPipeline:
+    return QwenPipeline(folder, Runtime(RuntimeSettings(providers=("CPUExecutionProvider",), allow_cpu=True)))
 
 
 @functools.lru_cache(maxsize=2)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from engines.config import RuntimeSettings
-from engines.pipelines.unet import OrtModel
 from engines.numerics.rows import JOIN_MAX, RowPacker
+from engines.pipelines.ort_model import OrtModel
 from engines.runtime.sessions import Runtime
 
 

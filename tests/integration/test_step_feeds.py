@@ -71,10 +71,10 @@ def test_a_dit_request_binds_no_pageable_feed_but_the_shapes(family: str, dit_bu
     A DiT request's text ids, edit sigma and per-request tables go up through the runtime's staging (pinned on a
     GPU); only the Reshape targets of Flux's unpacking stay host feeds, which ORT's CUDA and TensorRT providers read
     from host memory, and which are not recorded as copies (before, they made the check fail on every Flux)."""
-    from engines.pipelines.flow import DitOnnx
+    from engines.pipelines.flow import load_pipeline
 
     model, _ = dit_build(family)
-    pipe = DitOnnx(model, Runtime(CPU))
+    pipe = load_pipeline(model, Runtime(CPU))
     pipe.runtime.host_reads.clear()
     pipe(Batch((ImageSpec("a red cube", seed=3, guidance_scale=3.5),), 64, 64, 2))
     shapes = {"unpacked_shape", "image_shape"} if family == "flux" else set()

@@ -17,11 +17,12 @@ from engines import artifacts
 from engines.accept import run as accept_run
 from engines.build import trtplan
 from engines.config import Matrix, PluginEp, PluginMatrix, RuntimeSettings
-from engines.pipelines.unet import check_output_type
-from engines.engine import GPU_MEM_LIMIT_SCOPE, OrtEngine
+from engines.engine import OrtEngine
 from engines.errors import ArtifactError, GpuUnavailableError, InferenceError
+from engines.health.capabilities import GPU_MEM_LIMIT_SCOPE
 from engines.health.preflight import Observations, decode_version, evaluate, library_or_pip, tensorrt_install
 from engines.health.telemetry import DeviceInfo, NvmlReport
+from engines.pipelines.ort_model import check_output_type
 from engines.runtime import enginecheck, ortlog
 from engines.runtime.plugins import PluginReport, no_device_message
 from engines.runtime.sessions import Runtime

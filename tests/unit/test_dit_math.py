@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from engines.pipelines.flow import flux_rope, image_ids, pack_latents, unpack_latents
+from engines.pipelines.flow import pack_latents, unpack_latents
+from engines.pipelines.flux import flux_rope, image_ids
 
 
 @pytest.mark.parametrize(("h", "w"), [(8, 8), (4, 6), (12, 2)])

@@ -149,7 +149,7 @@ def test_an_sdxl_vae_is_never_built_fp16(tmp_path: Path) -> None:
 
 
 def test_a_vae_session_on_tensorrt_fp16_is_recognised(tmp_path: Path) -> None:
-    from engines.pipelines.unet import tensorrt_fp16
+    from engines.pipelines.ort_model import tensorrt_fp16
 
     class Session:
         def __init__(self, options: dict[str, dict[str, str]]) -> None:
@@ -320,7 +320,7 @@ def test_an_engine_built_fp16_for_a_force_upcast_vae_is_recognised(tmp_path: Pat
     """Artifacts from before fp32_components (or built by hand with fp16) would run SDXL's VAE in fp16: refused."""
     import json
 
-    from engines.pipelines.unet import built_fp16
+    from engines.pipelines.ort_model import built_fp16
 
     ctx = tmp_path / "trt" / "1024x1024" / "vae_decoder_ctx.onnx"
     ctx.parent.mkdir(parents=True)

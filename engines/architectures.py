@@ -1,0 +1,141 @@
+"""The architecture registry: which pipeline class serves a model folder, and what the memory plan, the TensorRT
+plan and the export need to know of its architecture, in one row each.
+
+An *architecture* is a denoiser and the pipeline around it (the UNet of SD 1.x/2.x/XL, the transformers of Flux.1,
+SD 3 and Qwen-Image); a *family* (engines/families.py) is a name over an architecture with its request defaults.
+A folder is told by its ``model_index.json`` ``_class_name``: the first row whose ``classes`` holds it, else the
+UNet row (``classes`` empty: the folders no other row claims). The family is then the registry's, as before.
+
+The row names code by ``"module:attribute"`` strings, imported when a folder of it is loaded, so this module sits at
+the bottom of ``engines/`` (it imports nothing of sdserve but the errors) and nothing above it branches on a family
+or architecture name: engines/engine.py asks ``pipeline_class()``, engines/health/memory_plan.py reads
+``memory_parts``, engines/build/trtplan_dit.py the ``t5`` and ``trt_*`` fields, engines/build/dit_export.py calls
+``export``.
+
+Adding an architecture is one pipeline file (a subclass of engines/pipelines/flow.py's ``FlowPipeline`` overriding
+the hooks it needs), its build/export module and one ``register`` call here (plus its family rows):
+docs/architecture.md, "How to add an architecture".
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from engines.errors import ModelLoadError
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str
+    """The base its families name (engines/families.py ``bases``): ``unet`` serves sd1, sd2 and sdxl."""
+    denoiser: Literal["unet", "transformer"]
+    pipeline: str
+    """``"module:Class"`` of the pipeline serving it (constructor ``(folder, runtime, label, sources)``)."""
+    classes: frozenset[str] = frozenset()
+    """model_index.json ``_class_name`` values of its folders (diffusers' and exported); empty: the fallback row."""
+    transformer_class: str = ""
+    """The ``_class_name`` its transformer config must carry ("" when not checked)."""
+    cfg: bool = False
+    """Classifier-free guidance with negative prompts (the denoiser's rows doubled), else none (Flux)."""
+    guidance_embeds: bool = False
+    """Its transformer config's ``guidance_embeds`` says whether the guidance scale is a network input."""
+    variant_keys: tuple[str, ...] = ()
+    """Transformer config switches of variants that are not served (refused by name at load)."""
+    components: tuple[str, ...] = ()
+    """The ONNX components an exported folder must hold (besides an optional vae_encoder)."""
+    t5: str = ""
+    """The component of its T5 encoder ("" without one)."""
+    memory_parts: Mapping[str, str] = field(default_factory=dict)
+    """Component -> parameter-count formula (engines/health/param_counts.py) of the memory plan; VAE halves added."""
+    vae_formulas: str = ""
+    """Prefix of its VAE halves' formulas ("qwen_": the causal 3D VAE)."""
+    text_tokens: str = "t5"
+    """What the transformer's text sequence is: ``t5`` (T5's states), ``clip+t5`` (SD 3: CLIP's 77, then T5's) or
+    ``fixed`` (the family's max_sequence_length, a key mask past each prompt: Qwen-Image)."""
+    export: str = ""
+    """``"module:function"`` exporting a diffusers folder of it, ``(src, out, dtype, ...)``."""
+    build_budget_s: float = 900.0
+    """Upper bound of a TensorRT build of one profile (seconds): `sdserve engines build`'s budget."""
+
+    def load(self, what: str) -> Any:
+        """The object a ``"module:attribute"`` field names."""
+        module, _, attr = what.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+    def pipeline_class(self) -> Callable[..., Any]:
+        return self.load(self.pipeline)  # type: ignore[no-any-return]
+
+
+REGISTRY: dict[str, Architecture] = {}
+"""Architecture name -> row, in registration order (rows claiming class names are tried in this order)."""
+
+
+def register(row: Architecture) -> Architecture:
+    """Add (or replace) an architecture."""
+    REGISTRY[row.name] = row
+    return row
+
+
+def get(name: str) -> Architecture:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown architecture {name!r}; registered: {', '.join(REGISTRY)}") from None
+
+
+def class_name(folder: Path) -> str:
+    path = folder / "model_index.json"
+    try:
+        index = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path} is unreadable: {exc}") from exc
+    return str(index.get("_class_name", "")) if isinstance(index, dict) else ""
+
+
+def claimed(name: str) -> Architecture | None:
+    """The row whose folders carry this model_index class name, or None."""
+    for row in REGISTRY.values():
+        if name in row.classes:
+            return row
+    return None
+
+
+def of(folder: Path) -> Architecture:
+    """The architecture of a folder: the row claiming its class name, else the fallback (UNet) row."""
+    return claimed(class_name(folder)) or next(row for row in REGISTRY.values() if not row.classes)
+
+
+def transformers() -> tuple[Architecture, ...]:
+    return tuple(row for row in REGISTRY.values() if row.denoiser == "transformer")
+
+
+register(Architecture(
+    "unet", "unet", "engines.pipelines.unet:StableDiffusionOnnx", memory_parts={"text_encoder": "clip"},
+    export="engines.build.export:export_folder", build_budget_s=900.0))
+register(Architecture(
+    "flux", "transformer", "engines.pipelines.flux:FluxPipeline",
+    frozenset({"FluxPipeline", "OnnxFluxPipeline", "ORTFluxPipeline"}), "FluxTransformer2DModel",
+    guidance_embeds=True, components=("text_encoder", "text_encoder_2", "transformer", "vae_decoder"),
+    t5="text_encoder_2", memory_parts={"text_encoder": "clip", "text_encoder_2": "t5", "transformer": "flux"},
+    export="engines.build.dit_export:export_dit_folder", build_budget_s=5400.0))
+register(Architecture(
+    "sd3", "transformer", "engines.pipelines.sd3:SD3Pipeline",
+    frozenset({"StableDiffusion3Pipeline", "OnnxStableDiffusion3Pipeline", "ORTStableDiffusion3Pipeline"}),
+    cfg=True, components=("text_encoder", "text_encoder_2", "text_encoder_3", "transformer", "vae_decoder"),
+    t5="text_encoder_3", memory_parts={"text_encoder": "clip_projection", "text_encoder_2": "clip_projection",
+                                       "text_encoder_3": "t5", "transformer": "sd3"},
+    text_tokens="clip+t5", export="engines.build.dit_export:export_dit_folder", build_budget_s=2700.0))
+register(Architecture(
+    "qwen-image", "transformer", "engines.pipelines.qwen:QwenPipeline",
+    frozenset({"QwenImagePipeline", "QwenImageImg2ImgPipeline", "OnnxQwenImagePipeline"}),
+    "QwenImageTransformer2DModel", cfg=True,
+    variant_keys=("guidance_embeds", "zero_cond_t", "use_additional_t_cond", "use_layer3d_rope"),
+    components=("text_encoder", "transformer", "vae_decoder"),
+    memory_parts={"text_encoder": "qwen_text", "transformer": "qwen_image"}, vae_formulas="qwen_",
+    text_tokens="fixed", export="engines.build.qwen_export:export_qwen_folder", build_budget_s=9000.0))
+"""Qwen-Image: an img2img folder (QwenImageImg2ImgPipeline) holds the text-to-image weights: served as both."""
