@@ -1,8 +1,9 @@
 """Edit requests -> engine batches: the decoded images resized to the batch's size, the mask, the strength.
 
 The routes (server/routes/edits.py for OpenAI, server/routes/a1111_img2img.py for A1111) decode uploads with
-server/images_in.py and build the txt2img batch for the other fields (service.build_batch: size, steps, seeds,
-scheduler, limits); this adds what makes it an edit and validates it against what the model serves.
+server/images_in.py and build the txt2img batch for the other fields (their request mapped to the core's
+server/generation.py GenerationRequest, then ImageService.to_batches: size, steps, seeds, scheduler, limits); this
+adds what makes it an edit and validates it against what the model serves.
 """
 
 from __future__ import annotations
