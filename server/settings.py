@@ -200,17 +200,6 @@ class Defaults(BaseModel):
         return self
 
 
-FAMILIES = families.names()
-"""Model families the engine reports (the registry: engines/families.py)."""
-FAMILY_DEFAULTS = {name: Defaults(steps=f.steps, guidance_scale=f.guidance, scheduler=f.scheduler)
-                   for name, f in families.REGISTRY.items() if f.own_defaults}
-"""Built-in request defaults of the families that have their own (few-step and flow-matching ones)."""
-"""Built-in request defaults where the profile's [defaults] would be wrong for the family: few-step (Turbo)
-models are distilled for 1-4 steps without CFG (their model cards: 1 step, guidance 0); the flow-matching DiT
-families sample with Euler at their model cards' steps and guidance (Flux dev 28 / 3.5 embedded, schnell 4 / none,
-SD 3 28 / 7.0, SD 3.5 28 / 4.5; engines/pipelines/flow_family.py DEFAULTS)."""
-
-
 class Serving(BaseModel):
     """The shapes this deployment serves; the self-test warms and checks each one."""
 
@@ -469,7 +458,10 @@ class Settings(BaseModel):
 
     def defaults_for(self, family: str) -> Defaults:
         """The request defaults for a model of ``family``: the profile's table for it, else the built-in one,
-        else [defaults]."""
+        else [defaults]. Built-in ones exist where [defaults] would be wrong for the family (engines/families.py
+        ``own_defaults``): few-step (Turbo) models are distilled for 1-4 steps without CFG (their model cards: 1
+        step, guidance 0); the flow-matching DiT families sample with Euler at their model cards' steps and guidance
+        (Flux dev 28 / 3.5 embedded, schnell 4 / none, SD 3 28 / 7.0, SD 3.5 28 / 4.5)."""
         own = families.REGISTRY.get(family)
         built_in = Defaults(steps=own.steps, guidance_scale=own.guidance, scheduler=own.scheduler) \
             if own is not None and own.own_defaults else None

@@ -1,13 +1,13 @@
 """A request's working memory, estimated from its shape before anything runs: what admission refuses a request by
 (server/admission.py) and what tells the runtime that a batch was large enough to trim the arenas after it
-(engines/runtime/sessions.py ``Runtime.run``).
+(engines/runtime/buffers.py ``DeviceBuffers.run``).
 
 The formulas are the memory plan's (engines/health/memory_plan.py ``activations``, ``measured=True``): per stage,
 the live activations of one call at the request's size, from the model's own configs (channels, heads, the VAE's
 levels, the latent factor, whether guidance doubles the rows). What this module adds is the request's view:
 
 - **Stages run one after another** on one arena (ONNX Runtime's shared arena: the CUDA one, and on the CPU the one
-  engines/runtime/sessions.py registers), so the peak is the largest stage, not the sum: text encoding, the
+  engines/runtime/buffers.py registers), so the peak is the largest stage, not the sum: text encoding, the
   denoiser (one call at the rows it may share with other requests), the VAE encoder (edits, a Hires fix second pass
   from pixels) and the VAE decoder with the host image buffers the decode fills.
 - **Attention is unfused** on ORT's CPU and CUDA providers for these graphs (onnxruntime.transformers' UNet

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import re
 import tempfile
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,9 +150,3 @@ def _why_not_loaded(events: list[OrtEvent]) -> str:
         return f"parsed; the provider library cannot load here ({', '.join(dict.fromkeys(libraries))} missing)"
     lines = [e.line for e in events if e.severity in ("error", "warning")]
     return "parsed; the provider did not come up" + (f": {lines[0][:300]}" if lines else "")
-
-
-def parse_all(option_sets: Iterable[tuple[str, str, dict[str, str], dict[str, tuple[int, int]] | None]],
-              ) -> dict[str, ParseResult]:
-    """``label -> ParseResult`` for (label, provider, options, probe inputs) tuples."""
-    return {label: parse(provider, options, inputs) for label, provider, options, inputs in option_sets}

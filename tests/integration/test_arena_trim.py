@@ -1,7 +1,7 @@
 """The memory a large request takes goes back after it, and the estimate admission refuses by bounds it (issue 43,
 item 2), on the real tiny model with ONNX Runtime on the CPU.
 
-Every CPU session shares one arena (engines/runtime/sessions.py ``host_arena``); after the large stages of a large
+Every CPU session shares one arena (engines/runtime/buffers.py ``host_arena``); after the large stages of a large
 batch, ``memory.enable_memory_arena_shrinkage`` (the run option of
 include/onnxruntime/core/session/onnxruntime_run_options_config_keys.h, applied by InferenceSession's
 ShrinkMemoryArenas in onnxruntime/core/session/inference_session.cc) frees the regions they grew. Before this, a
@@ -17,7 +17,7 @@ import pytest
 
 from engines.factory import create_engine
 from engines.protocol import Engine
-from engines.runtime import sessions
+from engines.runtime import buffers
 from engines.types.request import Batch, ImageSpec
 from server.admission import resident_bytes
 from server.settings import load_settings
@@ -72,10 +72,10 @@ def test_a_large_request_gives_its_memory_back_and_stays_under_its_estimate(
     memory = engine.info.memory
     assert memory is not None
     estimate = memory.need(*LARGE, 1, 1).peak_bytes
-    assert estimate >= sessions.TRIM_ABOVE_BYTES  # a large batch by the runtime's own rule
+    assert estimate >= buffers.TRIM_ABOVE_BYTES  # a large batch by the runtime's own rule
 
     with monkeypatch.context() as untrimmed:  # the control: the same request with the threshold out of reach
-        untrimmed.setattr(sessions, "TRIM_ABOVE_BYTES", 1 << 62)
+        untrimmed.setattr(buffers, "TRIM_ABOVE_BYTES", 1 << 62)
         before, peak, after = _large(engine)
     assert after - before > 0.5 * (peak - before), "without the shrink the arena keeps what the request took"
 
@@ -96,7 +96,7 @@ def test_the_decoder_keeps_its_arena_for_a_small_request(engine: Engine) -> None
     """Below the threshold nothing is shrunk: small requests keep reusing their arena (no page faults per
     request); the 64x64 canary size leaves no growth to return."""
     memory = engine.info.memory
-    assert memory is not None and memory.need(256, 256, 1, 1).peak_bytes < sessions.TRIM_ABOVE_BYTES
+    assert memory is not None and memory.need(256, 256, 1, 1).peak_bytes < buffers.TRIM_ABOVE_BYTES
     engine.generate(Batch((ImageSpec("small", seed=3),), 256, 256, 2))
     held = resident_bytes()
     engine.generate(Batch((ImageSpec("small", seed=4),), 256, 256, 2))

@@ -215,14 +215,14 @@ def test_the_shared_device_arena_goes_through_orts_real_registration() -> None:
     the CUDA provider library must load ("CUDA Provider not available"), and the runtime records why, so
     /capabilities says the budget is not enforced instead of claiming it."""
     from engines.config import RuntimeSettings
-    from engines.runtime import sessions
+    from engines.runtime import buffers, sessions
 
     settings = RuntimeSettings(providers=("TensorrtExecutionProvider", "CUDAExecutionProvider"), device_id=5)
-    sessions._DEVICE_ARENAS.pop(5, None)
-    state = sessions.device_arena(settings, 141 * 1024**3)
+    buffers._DEVICE_ARENAS.pop(5, None)
+    state = buffers.device_arena(settings, 141 * 1024**3)
     assert state["max_mem_bytes"] == int(141 * 1024**3 * settings.cuda.gpu_mem_limit_fraction)
     assert not state["registered"] and "CUDA Provider not available" in state["error"], state
-    assert sessions.device_arena(settings, None) is state  # once per device and process
+    assert buffers.device_arena(settings, None) is state  # once per device and process
     runtime = sessions.Runtime(settings, total_memory=141 * 1024**3)
     assert runtime.arena is state
     with pytest.raises(RuntimeError, match="does not have configuration"):  # not registered: not asked for
@@ -230,9 +230,9 @@ def test_the_shared_device_arena_goes_through_orts_real_registration() -> None:
     runtime.arena = {**state, "registered": True}  # as on a GPU node: every session uses the shared arena
     assert runtime._options().get_session_config_entry(sessions.ENV_ALLOCATORS) == "1"
     assert runtime._options(audit_only=True).get_session_config_entry(sessions.ENV_ALLOCATORS) == "1"
-    sessions._DEVICE_ARENAS.pop(5, None)
-    off = sessions.device_arena(settings.model_copy(update={"cuda": settings.cuda.model_copy(
+    buffers._DEVICE_ARENAS.pop(5, None)
+    off = buffers.device_arena(settings.model_copy(update={"cuda": settings.cuda.model_copy(
         update={"shared_arena": False})}), None)
     assert off == {"registered": False, "max_mem_bytes": 0, "arena_extend_strategy": "kSameAsRequested",
                    "error": "runtime.cuda.shared_arena is off"}
-    sessions._DEVICE_ARENAS.pop(5, None)
+    buffers._DEVICE_ARENAS.pop(5, None)

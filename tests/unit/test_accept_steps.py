@@ -27,7 +27,8 @@ from engines.errors import NotReadyError
 from engines.health.preflight import Observations
 from engines.health.telemetry import DeviceInfo, NvmlReport, TelemetryUnavailable
 from engines.runtime import enginecheck
-from engines.runtime.sessions import HostRead, Runtime
+from engines.runtime.buffers import HostRead
+from engines.runtime.sessions import Runtime
 from engines.types.health import GpuSample
 from engines.types.request import BatchResult, Timings
 from tests.unit.test_acceptance import _report

@@ -1,0 +1,278 @@
+"""Device buffers, host staging and the shared ORT arenas a Runtime binds its sessions' inputs and outputs to."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from engines.config import RuntimeSettings
+from engines.runtime.pinned import HostAllocator, PageableAllocator, PinnedAllocator
+from engines.types.model import MemoryModel
+
+log = logging.getLogger(__name__)
+MAX_CACHED = 256
+"""Device buffers / host staging buffers kept per (tag, shape, dtype); least recently used go first."""
+
+
+def gpu_mem_limit(settings: RuntimeSettings, total_memory: int | None) -> int | None:
+    """The CUDA arena cap in bytes: gpu_mem_limit_fraction of the device's total (from preflight's NVML reading);
+    None when the total is unknown (no NVML), and ORT's default (no cap) applies."""
+    return int(total_memory * settings.cuda.gpu_mem_limit_fraction) if total_memory else None
+
+
+STRATEGY = {"kNextPowerOfTwo": 0, "kSameAsRequested": 1}
+"""ArenaExtendStrategy's values (include/onnxruntime/core/framework/arena_extend_strategy.h)."""
+_DEVICE_ARENAS: dict[int, dict[str, Any]] = {}
+_ARENA_LOCK = threading.Lock()
+
+
+def device_arena(settings: RuntimeSettings, total_memory: int | None) -> dict[str, Any]:
+    """The process's one CUDA arena, registered once per device with ORT's environment (before any device
+    OrtValue exists): ``max_mem`` is gpu_mem_limit (0: ORT's "no limit", when NVML gave no total), the extend
+    strategy the profile's. Why: ``OrtValue.ortvalue_from_shape_and_type(..., "cuda")`` takes the environment's
+    shared allocator when one is registered and otherwise the binding's static per-device arena, created with no
+    cap and kNextPowerOfTwo (onnxruntime/python/onnxruntime_pybind_ortvalue.cc, GetCudaAllocator in
+    onnxruntime_pybind_state.cc); and a session's device allocations come from its first provider's arena unless
+    ``session.use_env_allocators`` swaps in the environment's (UpdateAllocatorsWithEnvAllocators,
+    session_state.cc). The result (registered or why not) is shown in /capabilities; TensorRT's engine memory
+    stays outside every ORT arena."""
+    c = settings.cuda
+    with _ARENA_LOCK:
+        found = _DEVICE_ARENAS.get(settings.device_id)
+        if found is not None:
+            return found
+        limit = gpu_mem_limit(settings, total_memory) or 0
+        state: dict[str, Any] = {"registered": False, "max_mem_bytes": limit,
+                                 "arena_extend_strategy": c.arena_extend_strategy, "error": ""}
+        if c.shared_arena:
+            cfg = ort.OrtArenaCfg({"max_mem": limit, "arena_extend_strategy": STRATEGY[c.arena_extend_strategy]})
+            info = ort.OrtMemoryInfo("Cuda", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, settings.device_id,
+                                     ort.OrtMemType.DEFAULT)
+            try:
+                ort.create_and_register_allocator_v2("CUDAExecutionProvider", info, {}, cfg)
+                state["registered"] = True
+            except Exception as exc:  # no CUDA provider library here: the sessions will say so too
+                state["error"] = " ".join(str(exc).split())[-300:]
+                log.warning("the shared CUDA arena was not registered: %s", state["error"])
+        else:
+            state["error"] = "runtime.cuda.shared_arena is off"
+        _DEVICE_ARENAS[settings.device_id] = state
+        return state
+
+
+_HOST_ARENA: dict[str, Any] = {}
+SHRINK = "memory.enable_memory_arena_shrinkage"
+"""RunOptions entry (include/onnxruntime/core/session/onnxruntime_run_options_config_keys.h): after the run, the
+listed arenas free every region none of whose chunks is in use (InferenceSession::ShrinkMemoryArenas in
+onnxruntime/core/session/inference_session.cc). A device listed without an arena fails the run before it
+executes ("Did not find an arena based allocator registered"): ``Runtime.run`` retries it without."""
+TRIM_ABOVE_BYTES = 256 << 20
+"""A batch whose estimated working memory (engines/health/request_memory.py) reaches this is large: the arena is
+shrunk after each of its large stages, so the memory a 1024x1792 request took goes back instead of staying held by
+the process, and the next stage starts from what is in use (the arena's regions of one stage seldom fit the next
+one's tensors: without a shrink between them the process holds their sum)."""
+TRIM_AFTER = {"vae_encoder": "latent", "unet": "first", "vae_scale": "latent", "flow_decode": "latent",
+              "vae_decoder": "image"}
+"""The runs after which a large batch's arena is shrunk: the VAE encoder (edits); the UNet's first run at a new
+shape (ORT plans that shape's memory pattern during it and allocates the pattern as one new block at the next run,
+so the first run's regions would stay beside it, doubling the denoiser's hold); the scale graph every decode
+starts with (the denoiser is done); the VAE decoder (the batch is done). Value: how the first output's shape reads,
+``image`` [n, 3, H, W], else latent pixels [n or rows, C, h, w]."""
+
+
+def host_arena() -> dict[str, Any]:
+    """The process's one CPU arena, registered once with ORT's environment and shared by every CPU session
+    (``session.use_env_allocators``), as the CUDA one is (``device_arena``): each session's own arena would keep
+    its largest request's activations for good, so the process would hold the sum of every component's peak; one
+    arena holds the largest stage, and one shrink after a large batch's decode returns it all."""
+    with _ARENA_LOCK:
+        if not _HOST_ARENA:
+            info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+            try:
+                ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))  # ORT's defaults
+                _HOST_ARENA.update(registered=True, error="")
+            except Exception as exc:  # e.g. registered already by another library in this process
+                _HOST_ARENA.update(registered=False, error=" ".join(str(exc).split())[-300:])
+                log.warning("the shared CPU arena was not registered: %s", _HOST_ARENA["error"])
+        return _HOST_ARENA
+
+
+MAX_HOST_READS = 256
+
+
+@dataclass(frozen=True)
+class HostRead:
+    """One host->device copy: what it was for, and the host memory it read (address, bytes)."""
+
+    tag: str
+    address: int
+    nbytes: int
+
+
+class DeviceBuffers:
+    """The device tensors, host staging and per-step tables one device's sessions are bound to, reused per (scope,
+    tag, shape, dtype); and the run that shrinks the shared arena after a large batch's large stages."""
+
+    def __init__(self, device: str, device_id: int) -> None:
+        self.device = device
+        self.device_id = device_id
+        self._host: HostAllocator | None = None
+        self._staging: OrderedDict[tuple[str, tuple[int, ...], str], tuple[np.ndarray, ort.OrtValue]] = OrderedDict()
+        self._buffers: OrderedDict[tuple[str, tuple[int, ...], str], ort.OrtValue] = OrderedDict()
+        self._tables: OrderedDict[tuple[str, tuple[int, ...], str], list[ort.OrtValue]] = OrderedDict()
+        self.host_reads: deque[HostRead] = deque(maxlen=MAX_HOST_READS)
+        """The host memory each host->device copy read from, newest last (accept's staging check reads it)."""
+        self.arena: dict[str, Any] = {}
+        """The shared device arena's state (device_arena), empty off CUDA."""
+        self.host_arena: dict[str, Any] = {}
+        """The shared CPU arena's state (host_arena), empty on a GPU or a plugin EP."""
+        self.memory: MemoryModel | None = None
+        """The model's request memory (set by the engine once loaded): which batches are large enough to trim."""
+        self._trim = True
+        """Off once a shrink was refused (no arena where the run options named one): never asked again."""
+        self._shapes: dict[str, list[int]] = {}
+        """The last output shape of each TRIM_AFTER ``first`` component."""
+        self.scope = ""
+        """Prefix of every buffer, staging and table tag (``scoped``): requests denoised side by side (step-level
+        batching) each keep their own device state under their own scope."""
+
+    @contextmanager
+    def scoped(self, scope: str) -> Iterator[None]:
+        """Tags inside the block name buffers of ``scope`` only: one running request's latents, history, UNet
+        input and output never share memory with another's of the same shape. Not thread-safe: the engine runs
+        one call at a time (its lock)."""
+        outer, self.scope = self.scope, scope
+        try:
+            yield
+        finally:
+            self.scope = outer
+
+    def buffer(self, tag: str, shape: tuple[int, ...], dtype: type[np.generic]) -> ort.OrtValue:
+        """A device tensor reused across steps and requests of the same shape and scope (bounded LRU; a buffer
+        still held by a running request stays alive after it leaves the cache)."""
+        key = (self.scope + tag, shape, np.dtype(dtype).name)
+        value = self._buffers.get(key)
+        if value is None:
+            value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, self.device, self.device_id)
+            self._buffers[key] = value
+            while len(self._buffers) > MAX_CACHED:
+                self._buffers.popitem(last=False)
+        else:
+            self._buffers.move_to_end(key)
+        return value
+
+    @property
+    def host(self) -> HostAllocator:
+        """Pinned on a GPU (created on first use, so a failed GPU boot never touches libcudart), pageable on CPU."""
+        if self._host is None:
+            self._host = PinnedAllocator(self.device_id) if self.device == "cuda" else PageableAllocator()
+        return self._host
+
+    def staging(self, tag: str, shape: tuple[int, ...], dtype: type[np.generic]) -> tuple[np.ndarray, ort.OrtValue]:
+        """A host array (pinned on a GPU) and a CPU OrtValue over the same memory, reused per shape. Bound as an
+        output, ORT copies the device result straight into it; as a copy source it feeds update_inplace."""
+        key = (self.scope + tag, shape, np.dtype(dtype).name)
+        if key not in self._staging:
+            array = self.host.empty(shape, dtype)
+            self._staging[key] = (array, ort.OrtValue.ortvalue_from_numpy(array))
+            while len(self._staging) > MAX_CACHED:  # bounded like the device buffers; pinned memory is freed
+                old, _ = self._staging.popitem(last=False)[1]
+                self.host.free(old)
+        self._staging.move_to_end(key)
+        return self._staging[key]
+
+    def staged(self, tag: str, shape: tuple[int, ...], dtype: type[np.generic]) -> np.ndarray | None:
+        """The host staging array the pipeline used for (tag, shape, dtype), or None when it never staged one:
+        a check of what was bound must not create what it checks (``staging`` would allocate a fresh buffer)."""
+        found = self._staging.get((self.scope + tag, shape, np.dtype(dtype).name))
+        return found[0] if found is not None else None
+
+    def upload(self, tag: str, array: np.ndarray) -> ort.OrtValue:
+        """Copy a host array into the reusable device buffer ``tag``; on a GPU through a pinned staging buffer."""
+        value = self.buffer(tag, tuple(array.shape), array.dtype.type)
+        source = self._host_source(tag, array)
+        value.update_inplace(source)
+        self.note_host_read(tag, source)
+        return value
+
+    def _host_source(self, tag: str, array: np.ndarray) -> np.ndarray:
+        """What a copy to the device reads: the array itself on the CPU, a pinned staging copy on a GPU."""
+        if self.device == "cpu":
+            return np.ascontiguousarray(array)
+        stage, _ = self.staging(tag, tuple(array.shape), array.dtype.type)
+        np.copyto(stage, array)
+        return stage
+
+    def upload_steps(self, tag: str, table: np.ndarray) -> list[ort.OrtValue]:
+        """One device tensor per row of ``table`` (per-step scalars: timestep, coefficients, scale), all copied at
+        once before the loop, so the steps bind device values instead of copying host arrays every step. Reused
+        per (tag, shape, dtype) like ``buffer``; the rows go up from one (pinned, on a GPU) staging copy."""
+        key = (self.scope + tag, tuple(table.shape), np.dtype(table.dtype).name)
+        values = self._tables.get(key)
+        if values is None:
+            values = [ort.OrtValue.ortvalue_from_shape_and_type(list(table.shape[1:]), table.dtype.type, self.device,
+                                                                self.device_id) for _ in range(len(table))]
+            self._tables[key] = values
+            while len(self._tables) > MAX_CACHED:
+                self._tables.popitem(last=False)
+        self._tables.move_to_end(key)
+        source = self._host_source(tag, table)
+        for row, value in enumerate(values):
+            value.update_inplace(source[row, ...])
+        self.note_host_read(tag, source)
+        return values
+
+    def run(self, session: ort.InferenceSession, binding: ort.IOBinding, component: str,
+            outputs: dict[str, ort.OrtValue]) -> None:
+        """``session.run_with_iobinding``; after the large stages of a large batch (TRIM_AFTER, TRIM_ABOVE_BYTES by
+        ``memory`` at the shape of the run's first output) the shared arena is shrunk: the stage is done, so the
+        regions it grew are freed at once."""
+        options = self._trim_options(component, outputs)
+        if options is None:
+            session.run_with_iobinding(binding)
+            return
+        try:
+            session.run_with_iobinding(binding, options)
+        except Exception as exc:  # ORT refuses the list before running anything: run it plainly, never again
+            if "arena" not in str(exc):
+                raise
+            self._trim = False
+            log.warning("arena shrinkage refused (%s): large requests keep their memory in the arena",
+                        " ".join(str(exc).split())[:300])
+            session.run_with_iobinding(binding)
+
+    def _trim_options(self, component: str, outputs: dict[str, ort.OrtValue]) -> ort.RunOptions | None:
+        device = "cpu:0" if self.host_arena.get("registered") else \
+            f"gpu:{self.device_id}" if self.arena.get("registered") else ""
+        shape = next(iter(outputs.values())).shape() if outputs else []
+        if not (self._trim and device and self.memory is not None and component in TRIM_AFTER and len(shape) == 4):
+            return None
+        if TRIM_AFTER[component] == "first" and self._shapes.get(component) == shape:
+            return None
+        self._shapes[component] = shape
+        scale = 1 if TRIM_AFTER[component] == "image" else self.memory.factor
+        n, height, width = shape[0], shape[2] * scale, shape[3] * scale
+        if self.memory.need(width, height, n, n).peak_bytes < TRIM_ABOVE_BYTES:
+            return None
+        options = ort.RunOptions()
+        options.add_run_config_entry(SHRINK, device)
+        return options
+
+    def note_host_read(self, tag: str, array: np.ndarray) -> None:
+        """Record that a copy to the device read ``array`` (a host feed bound with bind_cpu_input counts too)."""
+        self.host_reads.append(HostRead(tag, int(array.ctypes.data), int(array.nbytes)))
+
+    def close(self) -> None:
+        self._buffers.clear()
+        self._tables.clear()
+        self._staging.clear()
+        if self._host is not None:
+            self._host.close()
