@@ -330,6 +330,21 @@ class LoraManager:
         boot warm-up runs, so no variant meets its first input shape on a request."""
         return {name: dict(c.required) for name, c in self.components.items() if c.variant is not None}
 
+    def summary(self) -> dict[str, object]:
+        """/capabilities' ``lora``: the library (no server paths), the variant sessions, the cache, recent sets."""
+        files = self.files.values()
+        return {"files": len(self.files), "usable": sum(1 for f in files if not f.problem),
+                "refused": {f.file: f.problem for f in files if f.problem},
+                "targets": self.settings.targets,
+                "adaptable_weights": {name: len(c.targets) for name, c in self.components.items()},
+                "sessions": {name: c.variant.name for name, c in self.components.items() if c.variant is not None},
+                "library": [{"name": f.name, "file": f.file, "sha256": f.sha256, "components": f.components,
+                             "problem": f.problem} for f in files],
+                "cache": dataclasses.asdict(self.stats) | {"budget_bytes": self.settings.cache_mb * 1024 * 1024},
+                "recent_sets": dict(self.history),
+                "serving": "merged weights bound to LoRA variant sessions of the plain ONNX components (IO "
+                           "binding); requests without LoRA run the base sessions unchanged"}
+
     def set_bytes(self, uses: tuple[LoraUse, ...]) -> int:
         """Bytes the set's merged tensors take on the device: every weight a non-zero multiplier touches, once."""
         by_sha = {f.sha256: f for f in self.files.values() if not f.problem}

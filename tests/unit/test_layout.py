@@ -155,10 +155,12 @@ def test_torch_only_at_build_time(path: Path) -> None:
 
 
 def test_every_engines_module_lives_in_a_room() -> None:
-    """engines/ top level holds the contract (protocol, errors, config, factory, the family registry), the engine
-    and artifacts; everything else is in a room: runtime/, diffusion/, health/, build/."""
+    """engines/ top level holds the contract (protocol, errors, config, factory, the family and architecture
+    registries), the engine (and its step verbs) and artifacts (and their checks); everything else is in a room:
+    runtime/, pipelines/, numerics/, health/, lora/, accept/, build/, types/."""
     top = sorted(p.stem for p in (ROOT / "engines").glob("*.py"))
-    assert top == ["__init__", "artifacts", "config", "engine", "errors", "factory", "families", "protocol"]
+    assert top == ["__init__", "architectures", "artifact_checks", "artifacts", "config", "engine", "errors",
+                   "factory", "families", "protocol", "steps"]
 
 
 @pytest.mark.parametrize("path", [p for p in _files() if p.relative_to(ROOT).parts[0] == "server"],
