@@ -2,7 +2,7 @@
 read_info_from_image and modules/infotext_utils.py parse_generation_parameters do: in linear time, bounded, off the
 event loop.
 
-A1111 finds the ``key: value`` pairs with one regular expression (``re_param``; tests/unit/test_hostile_fourth.py
+A1111 finds the ``key: value`` pairs with one regular expression (``re_param``; tests/unit/test_hostile_metadata.py
 keeps it to check ``pairs`` against): on a line without ``:`` it backtracks through every start position and every
 key length, quadratic in the line (60,000 characters took 40 s, 1,000,000 about 2.5 h, on the event loop: issue
 43). ``pairs`` finds the same pairs in one pass. A key can only end at a colon, and only where the run of key

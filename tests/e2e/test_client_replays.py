@@ -408,7 +408,7 @@ def test_openai_1024_on_sd1_answers_through_hires_fix_under_the_option(hires_ope
     """A client that can only ask 1024x1024 (the openai SDK, as a home-automation integration's schema allows):
     200 through Hires fix on the tiny SD 1.x model with the option. Under ``client_defaults``: the tiny VAE's
     mid-block attention at 1024x1024 takes ~40 s on 2 CPU cores (the unit test
-    tests/unit/test_clients_third_pass.py runs the same path on the fake engine in make test)."""
+    tests/unit/test_a1111_compat.py runs the same path on the fake engine in make test)."""
     client = openai.OpenAI(base_url=f"{hires_openai_server}/v1", api_key="x", max_retries=0)
     raw = client.images.with_raw_response.generate(prompt="a lighthouse", size="1024x1024",
                                                    extra_body={"steps": 1})

@@ -3,7 +3,7 @@ EP-context artifacts in a copy, move it, boot strictly from the prebuilt artifac
 sessions that served, the 10-job protocol, signature, parity, latency and both reports, as a real subprocess.
 The CUDA-only steps say "not applicable" with their reason, never "pass". The baseline given is far off, so the
 one failing section is a parity miss (exit 30); the other failures (a wrong artifact, a build that wrote nothing, a
-budget spent) are shown in tests/unit/test_accept_steps.py and tests/unit/test_gpu_review.py."""
+budget spent) are shown in tests/unit/test_accept_steps.py and tests/unit/test_gpu_path.py."""
 
 from __future__ import annotations
 

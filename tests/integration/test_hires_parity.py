@@ -1,7 +1,7 @@
 """Hires fix on the real pipeline, stage by stage against what A1111 and diffusers do (server/hires.py).
 
 Stage 1 is txt2img (its parity with diffusers: tests/integration/test_parity.py); stage 2 is A1111's upscaler
-(PIL's resamplers, tests/unit/test_clients_third_pass.py; the latent modes against torch's interpolate, here);
+(PIL's resamplers, tests/unit/test_a1111_compat.py; the latent modes against torch's interpolate, here);
 stage 3 is the second pass: the upscaled images (or latents) through diffusers' StableDiffusionImg2ImgPipeline with
 A1111's step arithmetic (modules/sd_samplers_common.py setup_img2img_steps: ``hr_second_pass_steps`` steps at the
 end of a ``steps / denoising_strength`` schedule) on the same tiny weights and the same noise.

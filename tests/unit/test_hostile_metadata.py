@@ -1,5 +1,5 @@
 """Issue 43, hostile input, fourth pass (the logic; the reproducers against a real server are in
-tests/e2e/test_hostile_fourth.py): png-info's infotext parser in linear time with A1111's results, PNG text
+tests/e2e/test_hostile_metadata.py): png-info's infotext parser in linear time with A1111's results, PNG text
 bounded before Pillow inflates it, header values that every HTTP stack takes, the access log saying what was sent,
 and the connection cap never closing a connection that may be a probe whose head is not read yet."""
 
