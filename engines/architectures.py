@@ -40,6 +40,8 @@ class Architecture:
     """model_index.json ``_class_name`` values of its folders (diffusers' and exported); empty: the fallback row."""
     transformer_class: str = ""
     """The ``_class_name`` its transformer config must carry ("" when not checked)."""
+    packed: bool = False
+    """Latents go into the transformer 2x2-packed into tokens with position ids (Flux.1, Qwen-Image)."""
     cfg: bool = False
     """Classifier-free guidance with negative prompts (the denoiser's rows doubled), else none (Flux)."""
     guidance_embeds: bool = False
@@ -54,13 +56,13 @@ class Architecture:
     """Component -> parameter-count formula (engines/health/param_counts.py) of the memory plan; VAE halves added."""
     vae_formulas: str = ""
     """Prefix of its VAE halves' formulas ("qwen_": the causal 3D VAE)."""
+    precision: Mapping[str, str] = field(default_factory=dict)
+    """TensorRT engine precision per component where it differs from engines/build/trtplan_dit.py's table."""
     text_tokens: str = "t5"
     """What the transformer's text sequence is: ``t5`` (T5's states), ``clip+t5`` (SD 3: CLIP's 77, then T5's) or
     ``fixed`` (the family's max_sequence_length, a key mask past each prompt: Qwen-Image)."""
     export: str = ""
     """``"module:function"`` exporting a diffusers folder of it, ``(src, out, dtype, ...)``."""
-    build_budget_s: float = 900.0
-    """Upper bound of a TensorRT build of one profile (seconds): `sdserve engines build`'s budget."""
 
     def load(self, what: str) -> Any:
         """The object a ``"module:attribute"`` field names."""
@@ -116,26 +118,26 @@ def transformers() -> tuple[Architecture, ...]:
 
 register(Architecture(
     "unet", "unet", "engines.pipelines.unet:StableDiffusionOnnx", memory_parts={"text_encoder": "clip"},
-    export="engines.build.export:export_folder", build_budget_s=900.0))
+    export="engines.build.export:export_folder"))
 register(Architecture(
     "flux", "transformer", "engines.pipelines.flux:FluxPipeline",
     frozenset({"FluxPipeline", "OnnxFluxPipeline", "ORTFluxPipeline"}), "FluxTransformer2DModel",
-    guidance_embeds=True, components=("text_encoder", "text_encoder_2", "transformer", "vae_decoder"),
-    t5="text_encoder_2", memory_parts={"text_encoder": "clip", "text_encoder_2": "t5", "transformer": "flux"},
-    export="engines.build.dit_export:export_dit_folder", build_budget_s=5400.0))
+    packed=True, guidance_embeds=True, components=("text_encoder", "text_encoder_2", "transformer", "vae_decoder"),
+    t5="text_encoder_2", memory_parts={"text_encoder": "clip", "text_encoder_2": "t5", "transformer": "flux_transformer"},
+    export="engines.build.dit_export:export_dit_folder"))
 register(Architecture(
     "sd3", "transformer", "engines.pipelines.sd3:SD3Pipeline",
     frozenset({"StableDiffusion3Pipeline", "OnnxStableDiffusion3Pipeline", "ORTStableDiffusion3Pipeline"}),
-    cfg=True, components=("text_encoder", "text_encoder_2", "text_encoder_3", "transformer", "vae_decoder"),
+    cfg=True, components=("text_encoder", "text_encoder_3", "transformer", "vae_decoder", "text_encoder_2"),
     t5="text_encoder_3", memory_parts={"text_encoder": "clip_projection", "text_encoder_2": "clip_projection",
-                                       "text_encoder_3": "t5", "transformer": "sd3"},
-    text_tokens="clip+t5", export="engines.build.dit_export:export_dit_folder", build_budget_s=2700.0))
+                                       "text_encoder_3": "t5", "transformer": "sd3_transformer"},
+    text_tokens="clip+t5", export="engines.build.dit_export:export_dit_folder"))
 register(Architecture(
     "qwen-image", "transformer", "engines.pipelines.qwen:QwenPipeline",
     frozenset({"QwenImagePipeline", "QwenImageImg2ImgPipeline", "OnnxQwenImagePipeline"}),
-    "QwenImageTransformer2DModel", cfg=True,
+    "QwenImageTransformer2DModel", packed=True, cfg=True,
     variant_keys=("guidance_embeds", "zero_cond_t", "use_additional_t_cond", "use_layer3d_rope"),
     components=("text_encoder", "transformer", "vae_decoder"),
     memory_parts={"text_encoder": "qwen_text", "transformer": "qwen_image"}, vae_formulas="qwen_",
-    text_tokens="fixed", export="engines.build.qwen_export:export_qwen_folder", build_budget_s=9000.0))
+    precision={"text_encoder": "bf16"}, text_tokens="fixed", export="engines.build.qwen_export:export_qwen_folder"))
 """Qwen-Image: an img2img folder (QwenImageImg2ImgPipeline) holds the text-to-image weights: served as both."""

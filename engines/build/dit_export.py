@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from engines import architectures
 from engines.build.export import OPSET, VaeDecoderExport, VaeEncoderExport, write_manifest
 
 log = logging.getLogger(__name__)
@@ -428,6 +429,10 @@ def export_dit(components: dict[str, Any], tokenizer_dirs: dict[str, Path], out:
     return out
 
 
+EXPORT = "engines.build.dit_export:export_dit_folder"
+"""This module's export, as the Flux.1 and SD 3 registry rows name it (engines/architectures.py)."""
+
+
 def is_dit_source(src: Path) -> bool:
     """Whether a folder's model_index.json names a DiT pipeline, served or refused (`sdserve engines export`)."""
     from engines.pipelines.flow_family import is_dit_folder
@@ -443,20 +448,19 @@ def export_dit_folder(src: Path, out: Path, dtype: str = "fp32", first_block: bo
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel, SD3Transformer2DModel
     from transformers import CLIPTextModel, CLIPTextModelWithProjection, T5EncoderModel
 
-    from engines.pipelines.flow_family import detect_dit
     from engines.errors import ModelLoadError
+    from engines.pipelines.flow_family import detect_dit
 
     family = detect_dit(src)
-    if family.base == "qwen-image":
-        from engines.build.qwen_export import export_qwen_folder
-
+    row = architectures.get(family.base)
+    if row.export != EXPORT:  # another architecture's export module (Qwen-Image's: engines/build/qwen_export.py)
         if dtype != "fp32" or first_block:
-            raise ModelLoadError(f"--from {src}: Qwen-Image exports in fp32 only, without --first-block")
-        return export_qwen_folder(src, out)
+            raise ModelLoadError(f"--from {src}: {family.name} exports in fp32 only, without --first-block")
+        return row.load(row.export)(src, out)  # type: ignore[no-any-return]
     if (src / "manifest.json").exists() or (src / "transformer" / "model.onnx").exists():
         raise ModelLoadError(f"--from {src}: this is an sdserve ONNX model folder already; export reads a diffusers "
                              "folder (transformer/, vae/, text encoders with their config.json and weights)")
-    flux = family.base == "flux"
+    flux = row.packed  # Flux.1's transformer: packed tokens and rope tables; else SD 3's
     vae = AutoencoderKL.from_pretrained(src / "vae")
     torch_dtype = {n: TORCH_DTYPES[d] for n, d in precisions(dtype, flux, _config(vae)).items()}
     transformer = FluxTransformer2DModel if flux else SD3Transformer2DModel

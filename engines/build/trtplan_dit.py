@@ -18,9 +18,9 @@ requires; ``QWEN_TEXT_OPT``: a typical prompt; max: the prefix + 512), one engin
 
 Precision per part (``PRECISION``): the T5 encoder and the transformer in bf16 (T5's activations overflow fp16,
 diffusers and NVIDIA's demos run both in bf16), the CLIP encoders in fp16, the VAE in bf16 (fp16 overflows in
-Flux's and SD 3's VAE at large sizes). Qwen-Image: every part in bf16, its released precision (``QWEN_PRECISION``:
-Qwen2.5's activations overflow fp16). TensorRT picks the kernels (``trt_bf16_enable``/``trt_fp16_enable`` on the
-fp32 export), so one export serves every precision. bf16 needs compute capability >= 8.0 (the matrix's H200 is
+Flux's and SD 3's VAE at large sizes). Qwen-Image: every part in bf16, its released precision (its registry row's
+``precision``, engines/architectures.py: Qwen2.5's activations overflow fp16). TensorRT picks the kernels
+(``trt_bf16_enable``/``trt_fp16_enable`` on the fp32 export), so one export serves every precision. bf16 needs compute capability >= 8.0 (the matrix's H200 is
 9.0).
 """
 
@@ -30,16 +30,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from engines.pipelines.flow_family import DitFamily
+from engines import architectures
 from engines.numerics.qwen_tokenizer import TEMPLATE_DROP
+from engines.pipelines.flow_family import DitFamily
 
 PRECISION: dict[str, str] = {"text_encoder": "fp16", "text_encoder_2": "fp16", "text_encoder_3": "bf16",
                              "transformer": "bf16", "vae_decoder": "bf16", "vae_encoder": "bf16"}
 """Engine precision per component; Flux's text_encoder_2 is its T5 (see ``precision``)."""
-QWEN_PRECISION: dict[str, str] = {"text_encoder": "bf16", "transformer": "bf16", "vae_decoder": "bf16",
-                                  "vae_encoder": "bf16"}
-"""Qwen-Image: the Qwen2.5-VL text encoder in bf16, not fp16 (Qwen2.5's activations overflow fp16; the model is
-released and run in bf16), the transformer and the VAE in bf16 as the other DiT families'."""
 QWEN_TEXT_MIN = TEMPLATE_DROP + 1
 """The shortest ids the Qwen pipeline feeds: the template's system prefix and one token past it (the tokenizer
 refuses less)."""
@@ -66,31 +63,28 @@ def _json(path: Path) -> dict[str, Any]:
 
 
 def t5_component(family: DitFamily) -> str:
-    return "text_encoder_2" if family.base == "flux" else "text_encoder_3"
+    return architectures.get(family.base).t5
 
 
 def components(family: DitFamily, folder: Path) -> list[str]:
-    if family.base == "qwen-image":
-        return [p for p in QWEN_PRECISION if (folder / p / "model.onnx").is_file()]
-    parts = ["text_encoder", t5_component(family), "transformer", "vae_decoder"]
-    parts += [] if family.base == "flux" else ["text_encoder_2"]
+    parts = architectures.get(family.base).components
     return [p for p in [*parts, "vae_encoder"] if (folder / p / "model.onnx").is_file()]
 
 
 def precision(family: DitFamily, component: str) -> str:
-    if family.base == "qwen-image":
-        return QWEN_PRECISION.get(component, "bf16")
-    if component == t5_component(family):
-        return "bf16"
-    return PRECISION.get(component, "bf16")
+    row = architectures.get(family.base)
+    if component in row.precision:
+        return row.precision[component]
+    return "bf16" if component == row.t5 else PRECISION.get(component, "bf16")
 
 
 def dims(folder: Path, family: DitFamily) -> dict[str, int | None]:
     """The values the roles take for every size (the size-dependent ones are added per profile)."""
     vae = _json(folder / "vae_decoder" / "config.json")
-    if family.base == "qwen-image":
+    row = architectures.get(family.base)
+    if row.text_tokens == "fixed":
         return qwen_dims(family, vae)
-    t5_tok = _json(folder / ("tokenizer_2" if family.base == "flux" else "tokenizer_3") / "tokenizer_config.json")
+    t5_tok = _json(folder / row.t5.replace("text_encoder", "tokenizer") / "tokenizer_config.json")
     clip_tok = _json(folder / "tokenizer" / "tokenizer_config.json")
     cap = t5_tok.get("model_max_length")
     t5 = min(family.max_sequence_length, cap) if isinstance(cap, int) and 0 < cap < 100_000 else \
@@ -99,7 +93,7 @@ def dims(folder: Path, family: DitFamily) -> dict[str, int | None]:
     clip = clip if isinstance(clip, int) and 0 < clip < 100_000 else 77
     blocks = vae.get("block_out_channels")
     return {"t5_tokens": t5, "clip_tokens": clip,
-            "text_tokens": t5 if family.base == "flux" else clip + t5,
+            "text_tokens": clip + t5 if row.text_tokens == "clip+t5" else t5,
             "latent_channels": int(vae.get("latent_channels", 16)), "image_channels": 3,
             "factor": 2 ** (len(blocks) - 1) if isinstance(blocks, list) and blocks else 8}
 
@@ -116,7 +110,7 @@ def qwen_dims(family: DitFamily, vae: dict[str, Any]) -> dict[str, int | None]:
 
 
 def roles(family: DitFamily, component: str, name: str, rank: int) -> tuple[str, ...] | None:
-    if name == "input_ids" and family.base == "qwen-image":
+    if name == "input_ids" and architectures.get(family.base).text_tokens == "fixed":
         return ("rows", "qwen_tokens")
     if name == "input_ids":
         return ("rows", "t5_tokens") if component == t5_component(family) else ("rows", "clip_tokens")

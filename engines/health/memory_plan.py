@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engines import architectures
 from engines.config import RuntimeSettings
-from engines.numerics.qwen_tokenizer import TEMPLATE_DROP
 from engines.errors import ModelLoadError
 from engines.health.onnx_scan import scan_onnx
 from engines.health.param_counts import (
@@ -58,6 +58,7 @@ from engines.health.param_counts import (
     vae_decoder,
     vae_encoder,
 )
+from engines.numerics.qwen_tokenizer import TEMPLATE_DROP
 
 GIB = 1 << 30
 ITEMSIZE = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -136,15 +137,8 @@ def layout(folder: Path) -> Layout:
         from engines.build.trtplan_dit import precision  # the engine precisions; no torch in that module
 
         dit = detect_dit(folder)
-        if dit.base == "qwen-image":
-            parts = qwen_parts(folder)
-            return Layout(dit.name, parts, dit.cfg, dit.max_sequence_length, {p: precision(dit, p) for p in parts},
-                          _factor(folder))
-        flux = dit.base == "flux"
-        parts = {"text_encoder": "clip", "text_encoder_2": "t5", "transformer": "flux"} if flux else {
-            "text_encoder": "clip_projection", "text_encoder_2": "clip_projection", "text_encoder_3": "t5",
-            "transformer": "sd3"}
-        parts |= _vae_parts(folder)
+        row = architectures.get(dit.base)
+        parts = {**row.memory_parts, **_vae_parts(folder, row.vae_formulas)}
         return Layout(dit.name, parts, dit.cfg, dit.max_sequence_length, {p: precision(dit, p) for p in parts},
                       _factor(folder))
     from engines.pipelines.unet_family import detect
@@ -181,8 +175,8 @@ def count(kind: str, config: Mapping[str, Any]) -> Tally:
     if kind in ("clip", "clip_projection"):
         architectures = config.get("architectures") or []
         return clip_text(config, kind == "clip_projection" or "CLIPTextModelWithProjection" in architectures)
-    formulas = {"t5": t5_encoder, "flux": flux_transformer, "sd3": sd3_transformer, "unet": unet,
-                "vae_decoder": vae_decoder, "vae_encoder": vae_encoder, "qwen_text": qwen_text,
+    formulas = {"t5": t5_encoder, "flux_transformer": flux_transformer, "sd3_transformer": sd3_transformer,
+                "unet": unet, "vae_decoder": vae_decoder, "vae_encoder": vae_encoder, "qwen_text": qwen_text,
                 "qwen_image": qwen_transformer, "qwen_vae_decoder": qwen_vae_decoder,
                 "qwen_vae_encoder": qwen_vae_encoder}
     return formulas[kind](config)
@@ -272,9 +266,9 @@ def activations(kind: str, config: Mapping[str, Any], served: Served, lay: Layou
     if kind.startswith("qwen_vae"):  # the causal 3D VAE on one frame: AutoencoderKL's levels, padded in time
         view = {"block_out_channels": qwen_vae_dims(config)}
         return _vae(view, served.images, h, w, item, kind == "qwen_vae_decoder", measured, CAUSAL_PAD_FRAMES)
-    if kind in ("flux", "sd3", "qwen_image"):  # Flux and Qwen-Image pack 2x2 latents into a token, SD 3 patches
-        patch = lay.factor * (2 if kind == "flux" else ival(config, "patch_size", 2))
-        text = lay.text_tokens + (77 if kind == "sd3" else 0)
+    if kind in ("flux_transformer", "sd3_transformer", "qwen_image"):  # Flux, Qwen-Image: 2x2 packs; SD 3 patches
+        patch = lay.factor * (2 if kind == "flux_transformer" else ival(config, "patch_size", 2))
+        text = lay.text_tokens + (77 if kind == "sd3_transformer" else 0)
         heads = ival(config, "num_attention_heads", 24)
         return _block(rows, text + (h // patch) * (w // patch), heads * ival(config, "attention_head_dim", 128),
                       heads, item, scores)

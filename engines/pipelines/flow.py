@@ -12,7 +12,7 @@ The hooks, in the order ``begin`` runs them:
    an embedded guidance scale); ``TIMESTEP_SCALE`` divides the timestep (Flux and Qwen-Image take ``t / 1000``).
 4. ``step_graphs`` / ``coefficients``: the step's small ONNX graphs and their per-step coefficients (Euler with CFG,
    or Qwen-Image's norm-rescaled true CFG).
-5. ``decode_feeds``: what the decode graph needs beside the latents (``PACKED``: 2x2 tokens unpacked first).
+5. ``decode_feeds``: what the decode graph needs beside the latents (``packed``: 2x2 tokens unpacked first).
 ``geometry`` and ``native_size`` read the folder's VAE and transformer configs.
 
 Sessions are built by the Runtime (providers under the policy) and run through IO binding. The text encoders run
@@ -150,8 +150,6 @@ class FlowPipeline:
     """Loads an exported flow-matching transformer folder and runs txt2img and img2img batches
     (engines.protocol.Batch). Subclasses override the hooks (module docstring); this runs everything else."""
 
-    PACKED = True
-    """Latents go in as 2x2-packed tokens (Flux, Qwen-Image); False: as [B, C, H, W] patched inside (SD 3)."""
     TIMESTEP_SCALE = 1000.0
     """The transformer takes ``t / TIMESTEP_SCALE`` (1: SD 3 takes ``t``)."""
     FIRST_BLOCK = True
@@ -163,6 +161,8 @@ class FlowPipeline:
         given = sources or {}
         self.family: DitFamily = detect_dit(folder)
         self.architecture = architectures.of(folder)
+        self.packed = self.architecture.packed
+        """Latents go in as 2x2-packed tokens (Flux, Qwen-Image), else as [B, C, H, W] patched inside (SD 3)."""
         for part in self.architecture.components:
             if not (folder / part / "model.onnx").is_file():
                 raise ModelLoadError(f"{folder} has no {part}/model.onnx (the ONNX layout of a {self.family.name} "
@@ -201,10 +201,10 @@ class FlowPipeline:
         engine for them yet; building one on the node is what the policy forbids)."""
         g, vae_in = self.geometry, next(iter(self.vae_decoder.inputs))
         self.decode_scale = self._make(build_flow_decode_graph(
-            g.scaling_factor, g.shift_factor, self.vae_decoder.input_dtype(vae_in), self.PACKED), "flow_decode")
+            g.scaling_factor, g.shift_factor, self.vae_decoder.input_dtype(vae_in), self.packed), "flow_decode")
         encoder = folder / "vae_encoder" / "model.onnx"
         self.editor = DitEditor(runtime, self._make(given.get("vae_encoder", encoder), "vae_encoder"), self._make,
-                                g.scaling_factor, g.shift_factor, in_dtype, self.PACKED) if encoder.is_file() else None
+                                g.scaling_factor, g.shift_factor, in_dtype, self.packed) if encoder.is_file() else None
         self.edits_unavailable = "" if self.editor else (
             f"{folder.name} has no vae_encoder/model.onnx: it serves txt2img only (re-export it with "
             "`sdserve engines export` to serve img2img)")
@@ -269,8 +269,8 @@ class FlowPipeline:
 
     def step_graphs(self, model_in: type[np.generic], model_out: type[np.generic]) -> tuple[OrtModel, OrtModel]:
         """Hook: the (plain, CFG) step graphs: flow Euler, CFG as a linear combination."""
-        return (self._make(build_flow_step_graph(model_in, model_out, cfg=False, packed=self.PACKED), "flow_step"),
-                self._make(build_flow_step_graph(model_in, model_out, cfg=True, packed=self.PACKED), "flow_step_cfg"))
+        return (self._make(build_flow_step_graph(model_in, model_out, cfg=False, packed=self.packed), "flow_step"),
+                self._make(build_flow_step_graph(model_in, model_out, cfg=True, packed=self.packed), "flow_step_cfg"))
 
     def coefficients(self, sigma: float, sigma_next: float, guidance: np.ndarray, cfg: bool) -> np.ndarray:
         """Hook: one step's coefficients for the step graph ``step_graphs`` gave."""
@@ -341,7 +341,7 @@ class FlowPipeline:
         if batch.cache is not None and batch.cache.method == "first-block" and self.first_block is None:
             raise InvalidRequestError("the first-block step cache needs the transformer exported in parts "
                                       "(`sdserve engines export --first-block`); this model has none: use method "
-                                      "'output'", param="step_cache")
+                                      "'output'", param="cache")
         if any(not spec.prompt.strip() for spec in batch.images):
             raise InvalidRequestError("prompt must not be empty", param="prompt")
 
@@ -400,7 +400,7 @@ class FlowPipeline:
             elif self.first_block is not None:
                 if adapters is not None and adapters.of(self.transformer.component):
                     raise InvalidRequestError("the first-block step cache runs the transformer's parts with their "
-                                              "base weights: not with a LoRA on the transformer", param="step_cache")
+                                              "base weights: not with a LoRA on the transformer", param="cache")
                 state.first_block = self.first_block.start(state.model_in, batch.cache.threshold)
         return Begun(batch, state, cond, None, len(schedule), (t0, t1, t2))
 
@@ -507,11 +507,11 @@ class FlowPipeline:
 
     def _start(self, batch: Batch, noise: np.ndarray, rngs: list[np.random.Generator], sigma: float,
                copies: int) -> tuple[ort.OrtValue, ort.OrtValue]:
-        """(start latents, first transformer input) on the device: the noise itself (packed where ``PACKED``), or
+        """(start latents, first transformer input) on the device: the noise itself (packed where ``packed``), or
         an img2img batch's encoded images noised to ``sigma``."""
         if batch.mode == "img2img" and self.editor is not None:
             return self.editor.prepare(batch, noise, rngs, sigma, copies)
-        x = pack_latents(noise) if self.PACKED else noise
+        x = pack_latents(noise) if self.packed else noise
         in_dtype = self.transformer.input_dtype("hidden_states")
         return (self.runtime.upload("dit_latents0", x.astype(np.float32)),
                 self.runtime.upload("dit_in", np.concatenate([x] * copies).astype(in_dtype)))
@@ -535,13 +535,13 @@ class FlowPipeline:
                             timesteps, coeffs, adapters, latent_size)
 
     def _decode(self, latents: ort.OrtValue, n: int, h: int, w: int) -> np.ndarray:
-        """latents / scaling + shift (unpacked first where ``PACKED``) on the device, the VAE, and the image down
+        """latents / scaling + shift (unpacked first where ``packed``) on the device, the VAE, and the image down
         once."""
         c, f = self.geometry.latent_channels, self.geometry.vae_scale_factor
         vae_in = next(iter(self.vae_decoder.inputs))
         scaled = self.runtime.buffer("dit_vae_in", (n, c, h, w), self.vae_decoder.input_dtype(vae_in))
         feeds: dict[str, Feed] = {"latents": latents}
-        if self.PACKED:
+        if self.packed:
             feeds["unpacked_shape"] = shape_feed([n, h // 2, w // 2, c, 2, 2])
             feeds["image_shape"] = shape_feed([n, c, h, w])
         self.decode_scale.run(feeds, {"scaled": scaled})

@@ -2,7 +2,7 @@
 
 - Text: CLIP-L's pooled output and T5's states (``max_sequence_length``: dev 512, schnell 256); no negative prompt
   (as diffusers without ``true_cfg_scale``, and Forge/ComfyUI's Flux defaults), no classifier-free guidance.
-- Latents: 16 channels packed 2x2 into 64-channel tokens (the base's ``PACKED``) with position ids (``img_ids``:
+- Latents: 16 channels packed 2x2 into 64-channel tokens (its registry row's ``packed``) with position ids (``img_ids``:
   (0, row, col); ``txt_ids``: zeros), whose rotary tables are computed here in float64 and fed in fp32.
 - Guidance: dev takes the guidance scale as a transformer input (``guidance``), schnell has none.
 - Schedule: evenly spaced sigmas, shifted by ``mu`` of the packed token count when the config asks; the timestep

@@ -25,7 +25,6 @@ from engines.types.request import Batch
 class SD3Pipeline(FlowPipeline):
     """SD 3 and SD 3.5 (QK norm, dual attention: the same inputs)."""
 
-    PACKED = False
     TIMESTEP_SCALE = 1.0
 
     def load_text(self, folder: Path, models: dict[str, OrtModel]) -> None:

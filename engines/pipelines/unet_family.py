@@ -86,7 +86,8 @@ class Family:
 
     @property
     def xl(self) -> bool:
-        return self.base == "sdxl"
+        """SDXL's UNet: micro-conditioning, two text encoders (the base family's facts)."""
+        return families.facts(self.base).micro_conditioning
 
     @property
     def cfg_default(self) -> bool:
@@ -163,12 +164,12 @@ def detect(folder: Path) -> Family:
     factor = 2 ** (len(vae.get("block_out_channels", [0] * 4)) - 1)
     sample = unet.get("sample_size", 64)
     steps, guidance = found.steps, found.guidance
+    xl = families.facts(base).micro_conditioning  # SDXL's base: two encoders, its VAE's and empty prompt's rules
     return Family(name=name, base=base, native_size=int(sample if isinstance(sample, int) else 64) * factor,
-                  prediction_type=prediction, timestep_spacing=spacing, text_encoders=2 if base == "sdxl" else 1,
+                  prediction_type=prediction, timestep_spacing=spacing, text_encoders=2 if xl else 1,
                   vae_scaling_factor=float(vae.get("scaling_factor", 0.18215)),
-                  vae_force_upcast=base == "sdxl" and bool(vae.get("force_upcast", True)),
-                  force_zeros_for_empty_prompt=base == "sdxl" and bool(index.get("force_zeros_for_empty_prompt",
-                                                                                  True)),
+                  vae_force_upcast=xl and bool(vae.get("force_upcast", True)),
+                  force_zeros_for_empty_prompt=xl and bool(index.get("force_zeros_for_empty_prompt", True)),
                   default_steps=steps, default_guidance=guidance,
                   inpainting=int(unet.get("in_channels", 4)) == INPAINT_CHANNELS)
 
