@@ -18,8 +18,8 @@ from engines.accept import proofs as acc
 from engines.accept import report as rep
 from engines.accept.state import COMPONENTS, PROMPT, Run, job, reference_key, strict
 from engines.config import RuntimeSettings
-from engines.pipelines.unet import StableDiffusionOnnx
 from engines.errors import ArtifactError, ModelLoadError, NotReadyError
+from engines.pipelines.unet import StableDiffusionOnnx
 from engines.runtime import enginecheck
 from engines.runtime.dataflow import classify_cpu_nodes, partitioned_graph
 from engines.runtime.pinned import load_cudart, memory_type

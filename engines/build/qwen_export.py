@@ -291,8 +291,8 @@ def export_qwen_folder(src: Path, out: Path) -> Path:
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from engines.pipelines.flow_family import detect_dit
     from engines.errors import ModelLoadError
+    from engines.pipelines.flow_family import detect_dit
 
     family = detect_dit(src)
     if (src / "manifest.json").exists() or (src / "transformer" / "model.onnx").exists():

@@ -27,8 +27,8 @@ from typing import Any
 import onnx
 
 from engines.artifacts import COMPONENTS, TRT_DIR
-from engines.pipelines.flow_family import DitFamily, detect_dit
 from engines.errors import ArtifactError
+from engines.pipelines.flow_family import DitFamily, detect_dit
 
 ENGINE_CACHE = "engines"
 """Engine cache folder, relative to the context model's folder (trt/<WxH>/engines)."""
@@ -185,8 +185,8 @@ def fp32_components(model_dir: Path) -> tuple[str, ...]:
     """Components whose engine must stay fp32 whatever ``BuildFlags.fp16`` says: the VAE of a family whose config
     keeps ``force_upcast`` (SDXL's VAE overflows to NaN in fp16). The ONNX dtype does not decide it: TensorRT's
     ``trt_fp16_enable`` lets the builder pick fp16 kernels inside an fp32 graph."""
-    from engines.pipelines.unet_family import detect
     from engines.errors import ModelLoadError
+    from engines.pipelines.unet_family import detect
 
     try:
         family = detect(model_dir)
@@ -276,8 +276,8 @@ def _dit_family(model_dir: Path) -> DitFamily | None:
 
 
 def _architecture(model_dir: Path) -> str:
-    from engines.pipelines.unet_family import detect
     from engines.errors import ModelLoadError
+    from engines.pipelines.unet_family import detect
 
     try:
         return detect(model_dir).base

@@ -45,12 +45,12 @@ from typing import Any
 
 import numpy as np
 
+from engines.errors import InvalidRequestError
 from engines.numerics import multistep
 from engines.numerics.plan import NOISE, PREV, SAMPLE
 from engines.numerics.plan import Lin as Lin  # re-exported: callers and tests import the plan types from here
 from engines.numerics.plan import SchedulePlan as SchedulePlan
 from engines.numerics.plan import Step as Step
-from engines.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from engines.numerics.tokenizer import Tokens
 from engines.errors import ModelLoadError
+from engines.numerics.tokenizer import Tokens
 
 PAD = "<pad>"
 

@@ -19,8 +19,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from engines.config import RuntimeSettings
-from engines.numerics.step_graph import build_step_graph
 from engines.errors import ArtifactError, GpuUnavailableError, PlacementError
+from engines.numerics.step_graph import build_step_graph
 from engines.runtime import enginecheck, libdeps, placement
 from engines.runtime.dataflow import partitioned_graph, shape_tensors
 from engines.runtime.sessions import Runtime, SessionReport, enforce

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from engines.pipelines.flow_family import detect_dit, is_dit_folder
 from engines.errors import ModelLoadError
+from engines.pipelines.flow_family import detect_dit, is_dit_folder
 
 
 def _folder(root: Path, class_name: str, transformer: dict[str, Any] | None) -> Path:

@@ -12,10 +12,10 @@ import onnxruntime as ort
 import pytest
 
 from engines.config import Shape, load_canaries
-from engines.pipelines import unet_family as families
+from engines.errors import ModelLoadError
 from engines.numerics.schedulers import Lin
 from engines.numerics.step_graph import build_step_graph, build_text_join_graph, step_coefficients
-from engines.errors import ModelLoadError
+from engines.pipelines import unet_family as families
 from server.settings import Settings
 
 SD_UNET = {"sample_size": 64, "in_channels": 4, "cross_attention_dim": 768, "block_out_channels": [320, 640]}

@@ -124,8 +124,8 @@ def test_step_graph_is_the_euler_step_with_cfg(cfg: bool, shape: tuple[int, ...]
 def test_decode_graph_unpacks_and_rescales_like_diffusers() -> None:
     from diffusers import FluxPipeline
 
-    from engines.pipelines.flow import pack_latents
     from engines.numerics.flow_graph import build_flow_decode_graph
+    from engines.pipelines.flow import pack_latents
 
     latents = np.random.default_rng(4).standard_normal((2, 16, 4, 6), dtype=np.float32)
     packed = pack_latents(latents)

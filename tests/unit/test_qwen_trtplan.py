@@ -12,8 +12,8 @@ import pytest
 
 from engines.build import trtplan, trtplan_dit
 from engines.build.trt_build import parser_verdicts
-from engines.pipelines.flow_family import detect_dit
 from engines.numerics.qwen_tokenizer import QwenTokenizer
+from engines.pipelines.flow_family import detect_dit
 
 Builder = Callable[[str], tuple[Path, Path]]
 SIZES = [(512, 512), (64, 48)]
