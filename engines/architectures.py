@@ -28,6 +28,11 @@ from typing import Any, Literal
 
 from engines.errors import ModelLoadError
 
+ENGINE_PRECISION: dict[str, str] = {"text_encoder": "fp16", "text_encoder_2": "fp16", "text_encoder_3": "bf16",
+                                    "transformer": "bf16", "vae_decoder": "bf16", "vae_encoder": "bf16"}
+"""The transformer families' engine precision per component (a row's T5 and ``precision`` come first): the CLIP
+encoders in fp16, T5, the transformer and the VAE in bf16 (engines/build/trtplan_dit.py's docstring says why)."""
+
 
 @dataclass(frozen=True)
 class Architecture:
@@ -57,12 +62,19 @@ class Architecture:
     vae_formulas: str = ""
     """Prefix of its VAE halves' formulas ("qwen_": the causal 3D VAE)."""
     precision: Mapping[str, str] = field(default_factory=dict)
-    """TensorRT engine precision per component where it differs from engines/build/trtplan_dit.py's table."""
+    """TensorRT engine precision per component where it differs from ``ENGINE_PRECISION`` (its T5: bf16)."""
     text_tokens: str = "t5"
     """What the transformer's text sequence is: ``t5`` (T5's states), ``clip+t5`` (SD 3: CLIP's 77, then T5's) or
     ``fixed`` (the family's max_sequence_length, a key mask past each prompt: Qwen-Image)."""
     export: str = ""
     """``"module:function"`` exporting a diffusers folder of it, ``(src, out, dtype, ...)``."""
+
+    def engine_precision(self, component: str) -> str:
+        """The TensorRT engine precision of a component (engines/build/trtplan_dit.py builds it, the memory plan
+        counts its bytes): the row's own, else bf16 for its T5, else ``ENGINE_PRECISION``'s."""
+        if component in self.precision:
+            return self.precision[component]
+        return "bf16" if component == self.t5 else ENGINE_PRECISION.get(component, "bf16")
 
     def load(self, what: str) -> Any:
         """The object a ``"module:attribute"`` field names."""
@@ -123,7 +135,8 @@ register(Architecture(
     "flux", "transformer", "engines.pipelines.flux:FluxPipeline",
     frozenset({"FluxPipeline", "OnnxFluxPipeline", "ORTFluxPipeline"}), "FluxTransformer2DModel",
     packed=True, guidance_embeds=True, components=("text_encoder", "text_encoder_2", "transformer", "vae_decoder"),
-    t5="text_encoder_2", memory_parts={"text_encoder": "clip", "text_encoder_2": "t5", "transformer": "flux_transformer"},
+    t5="text_encoder_2",
+    memory_parts={"text_encoder": "clip", "text_encoder_2": "t5", "transformer": "flux_transformer"},
     export="engines.build.dit_export:export_dit_folder"))
 register(Architecture(
     "sd3", "transformer", "engines.pipelines.sd3:SD3Pipeline",

@@ -20,9 +20,9 @@ import numpy as np
 from engines.artifacts import write_model_manifest
 from engines.config import CanarySuite, RuntimeSettings, Shape
 from engines.errors import ArtifactError
-from engines.health.selftest import fingerprint
 from engines.pipelines.unet import StableDiffusionOnnx
 from engines.runtime.sessions import Runtime
+from engines.types.health import fingerprint
 
 
 def _canaries(folder: Path, suite: CanarySuite, shape: Shape) -> list[np.ndarray]:

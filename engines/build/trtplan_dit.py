@@ -16,12 +16,12 @@ its longest templated prompt, the template's 34-token system prefix included, cu
 spans ``input_ids`` [rows, 35 .. 546] (``QWEN_TEXT_MIN``: the prefix and at least one token, what the tokenizer
 requires; ``QWEN_TEXT_OPT``: a typical prompt; max: the prefix + 512), one engine for every prompt length.
 
-Precision per part (``PRECISION``): the T5 encoder and the transformer in bf16 (T5's activations overflow fp16,
-diffusers and NVIDIA's demos run both in bf16), the CLIP encoders in fp16, the VAE in bf16 (fp16 overflows in
-Flux's and SD 3's VAE at large sizes). Qwen-Image: every part in bf16, its released precision (its registry row's
-``precision``, engines/architectures.py: Qwen2.5's activations overflow fp16). TensorRT picks the kernels
-(``trt_bf16_enable``/``trt_fp16_enable`` on the fp32 export), so one export serves every precision. bf16 needs compute capability >= 8.0 (the matrix's H200 is
-9.0).
+Precision per part (engines/architectures.py ``ENGINE_PRECISION``): the T5 encoder and the transformer in bf16 (T5's
+activations overflow fp16, diffusers and NVIDIA's demos run both in bf16), the CLIP encoders in fp16, the VAE in
+bf16 (fp16 overflows in Flux's and SD 3's VAE at large sizes). Qwen-Image: every part in bf16, its released
+precision (its registry row's ``precision``, engines/architectures.py: Qwen2.5's activations overflow fp16).
+TensorRT picks the kernels (``trt_bf16_enable``/``trt_fp16_enable`` on the fp32 export), so one export serves every
+precision. bf16 needs compute capability >= 8.0 (the matrix's H200 is 9.0).
 """
 
 from __future__ import annotations
@@ -34,9 +34,6 @@ from engines import architectures
 from engines.numerics.qwen_tokenizer import TEMPLATE_DROP
 from engines.pipelines.flow_family import DitFamily
 
-PRECISION: dict[str, str] = {"text_encoder": "fp16", "text_encoder_2": "fp16", "text_encoder_3": "bf16",
-                             "transformer": "bf16", "vae_decoder": "bf16", "vae_encoder": "bf16"}
-"""Engine precision per component; Flux's text_encoder_2 is its T5 (see ``precision``)."""
 QWEN_TEXT_MIN = TEMPLATE_DROP + 1
 """The shortest ids the Qwen pipeline feeds: the template's system prefix and one token past it (the tokenizer
 refuses less)."""
@@ -72,10 +69,7 @@ def components(family: DitFamily, folder: Path) -> list[str]:
 
 
 def precision(family: DitFamily, component: str) -> str:
-    row = architectures.get(family.base)
-    if component in row.precision:
-        return row.precision[component]
-    return "bf16" if component == row.t5 else PRECISION.get(component, "bf16")
+    return architectures.get(family.base).engine_precision(component)
 
 
 def dims(folder: Path, family: DitFamily) -> dict[str, int | None]:

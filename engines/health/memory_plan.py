@@ -134,12 +134,10 @@ def layout(folder: Path) -> Layout:
     if not folder.is_dir():
         raise ModelLoadError(f"{folder} is not a folder")
     if is_dit_folder(folder):
-        from engines.build.trtplan_dit import precision  # the engine precisions; no torch in that module
-
         dit = detect_dit(folder)
         row = architectures.get(dit.base)
         parts = {**row.memory_parts, **_vae_parts(folder, row.vae_formulas)}
-        return Layout(dit.name, parts, dit.cfg, dit.max_sequence_length, {p: precision(dit, p) for p in parts},
+        return Layout(dit.name, parts, dit.cfg, dit.max_sequence_length, {p: row.engine_precision(p) for p in parts},
                       _factor(folder))
     from engines.pipelines.unet_family import detect
 

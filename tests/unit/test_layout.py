@@ -173,3 +173,79 @@ def test_the_server_never_names_a_family(path: Path) -> None:
     named = [node.value for node in ast.walk(_parse(path))
              if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in REGISTRY]
     assert named == [], f"{path.relative_to(ROOT)} names families {named}: read engines/families.py instead"
+
+
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("types", "errors"),
+    ("config", "artifacts", "families", "architectures", "protocol"),
+    ("numerics", "runtime"),
+    ("lora",),
+    ("pipelines",),
+    ("health",),
+    ("build",),
+    ("artifact_checks", "steps", "engine"),
+    ("accept",),
+    ("factory",),
+)
+"""engines/' rooms (a folder or a top-level module) from the bottom up: a module imports only from its own layer or
+below (the cycle test orders modules within a layer). The registries sit low and name the pipelines by string."""
+
+
+def _room(module: str) -> str:
+    return module.split(".")[1]
+
+
+def test_engines_rooms_import_one_way() -> None:
+    rank = {room: i for i, layer in enumerate(LAYERS) for room in layer}
+    graph = _graph()
+    rooms = {_room(m) for m in graph if m.startswith("engines.") and m.count(".")}
+    assert rooms <= set(rank), f"rooms missing from LAYERS: {sorted(rooms - set(rank))}"
+    upward = sorted(f"{a} -> {b}" for a, targets in graph.items() if a.startswith("engines.") and a.count(".")
+                    for b in targets if b.startswith("engines.") and b.count(".")
+                    and rank[_room(b)] > rank[_room(a)])
+    assert upward == [], f"imports against the layer order: {upward}"
+
+
+def test_the_layer_check_sees_an_upward_import() -> None:
+    rank = {room: i for i, layer in enumerate(LAYERS) for room in layer}
+    assert rank["pipelines"] > rank["numerics"] and rank["engine"] > rank["pipelines"]
+
+
+FAMILY_NAME_COMPARISONS_MAX = 5
+"""At most this many comparisons against a family or base name outside the registries (engines/families.py,
+engines/architectures.py): behaviour that differs per architecture lives in its pipeline class or registry row."""
+
+
+def _family_comparisons(path: Path, names: set[str]) -> list[str]:
+    found = []
+    for node in ast.walk(_parse(path)):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            consts = [e for o in operands for e in (o.elts if isinstance(o, ast.Tuple | ast.List | ast.Set) else [o])]
+            if any(isinstance(c, ast.Constant) and c.value in names for c in consts):
+                found.append(f"{_where(path)}:{node.lineno}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                node.func.attr in ("startswith", "endswith") and \
+                any(isinstance(a, ast.Constant) and a.value in names for a in node.args):
+            found.append(f"{_where(path)}:{node.lineno}")
+    return found
+
+
+def _where(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
+
+
+def test_family_names_are_compared_only_in_the_registries() -> None:
+    from engines.architectures import REGISTRY as ARCHITECTURES
+    from engines.families import REGISTRY
+
+    names = set(REGISTRY) | {b for f in REGISTRY.values() for b in f.bases} | set(ARCHITECTURES)
+    registries = {ROOT / "engines" / "families.py", ROOT / "engines" / "architectures.py"}
+    found = [hit for path in _files() if path not in registries for hit in _family_comparisons(path, names)]
+    assert len(found) <= FAMILY_NAME_COMPARISONS_MAX, found
+
+
+def test_the_comparison_count_sees_a_comparison(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text('def f(base):\n    return base == "sdxl" or base.startswith("flux") or base in ("sd3",)\n')
+    assert len(_family_comparisons(probe, {"sdxl", "flux", "sd3"})) == 3
