@@ -12,8 +12,9 @@ The hooks, in the order ``begin`` runs them:
    an embedded guidance scale); ``TIMESTEP_SCALE`` divides the timestep (Flux and Qwen-Image take ``t / 1000``).
 4. ``step_graphs`` / ``coefficients``: the step's small ONNX graphs and their per-step coefficients (Euler with CFG,
    or Qwen-Image's norm-rescaled true CFG).
-5. ``decode_feeds``: what the decode graph needs beside the latents (``packed``: 2x2 tokens unpacked first).
-``geometry`` and ``native_size`` read the folder's VAE and transformer configs.
+5. ``read_geometry``, ``patch_size`` and ``native_size`` read the folder's VAE and transformer configs (the latent
+   grid, the token patch, the default size); the registry row's ``packed`` says whether latents go in as 2x2 tokens
+   (unpacked again before the VAE).
 
 Sessions are built by the Runtime (providers under the policy) and run through IO binding. The text encoders run
 once per request with host outputs (the conditioning is assembled on the host and uploaded once); the denoising
