@@ -175,6 +175,8 @@ class FlowPipeline:
         self.transformer, self.vae_decoder = models["transformer"], models["vae_decoder"]
         self.text_encoders: list[OrtModel] = []
         """What ``load_text`` loaded, for LoRA (``adaptable``) and placement."""
+        self.max_sequence_length: int = self.family.max_sequence_length
+        """The text encoder's token budget; ``load_text`` may lower it to what its tokenizer takes."""
         self.load_text(folder, models)
         self.flow = FlowMatchConfig.from_config(read_json(folder / "scheduler" / "scheduler_config.json"))
         self.config = read_json(folder / "transformer" / "config.json")
@@ -213,8 +215,8 @@ class FlowPipeline:
     # --- hooks -----------------------------------------------------------------------------------------------
 
     def load_text(self, folder: Path, models: dict[str, OrtModel]) -> None:
-        """Hook: the tokenizers and text encoders (append the encoders to ``text_encoders``); set
-        ``max_sequence_length``."""
+        """Hook: the tokenizers and text encoders (append the encoders to ``text_encoders``); lower
+        ``max_sequence_length`` where the tokenizer takes less."""
         raise NotImplementedError
 
     def encode(self, batch: Batch, length: int, cfg: bool, adapters: Adapters | None) -> DitConditioning:

@@ -116,7 +116,6 @@ class QwenPipeline(FlowPipeline):
     def load_text(self, folder: Path, models: dict[str, OrtModel]) -> None:
         self.text_encoder, self.tokenizer = models["text_encoder"], QwenTokenizer(folder / "tokenizer")
         self.text_encoders.append(self.text_encoder)
-        self.max_sequence_length = self.family.max_sequence_length
 
     def read_geometry(self, folder: Path) -> Geometry:
         """The causal 3D VAE: one 2x downsample per ``temperal_downsample`` entry, ``z_dim`` channels; its
