@@ -7,7 +7,7 @@ The model is general over what a job costs (size x steps x images), so edits (im
 by their strength) go through the same door.
 
 Admission by memory: each batch's peak working memory is estimated by the engine from its size, its images, the
-images it may share a denoiser call with (``[queue] max_batch``) and its stages (engines.protocol.MemoryModel);
+images it may share a denoiser call with (``[queue] max_batch``) and its stages (engines.types.model.MemoryModel);
 a batch whose estimate exceeds the memory budget (``[limits] memory_budget_mb``, else measured at boot:
 ``memory_budget``) is refused at once with a 4xx naming the budget, the estimate and the field to lower, instead
 of growing the process into the OOM killer or a failed allocation."""
@@ -58,7 +58,7 @@ class CostModel:
     def __init__(self, work: Callable[[int, int], float] | None = None, basis: str = "pixel count") -> None:
         self.per_image_step: dict[tuple[int, int], float] = {}
         self.work = work or (lambda w, h: float(w * h))
-        """Relative compute of one step at a size (engines.protocol.ModelInfo.work): what an unmeasured size's
+        """Relative compute of one step at a size (engines.types.model.ModelInfo.work): what an unmeasured size's
         cost is scaled by from the nearest measured one."""
         self.basis = basis
 

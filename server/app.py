@@ -111,7 +111,7 @@ def gate_cache(caching: Caching, engine: Engine, settings: Settings) -> None:
 
 def _seed_costs(app: FastAPI, engine: Engine, settings: Settings, report: SelfTestReport | None) -> None:
     """Admission's first per-step costs: the self-test's timed canaries (then live batches refine them), scaled to
-    other sizes by the model's own work per step (a DiT by its tokens: engines.protocol.ModelInfo.work)."""
+    other sizes by the model's own work per step (a DiT by its tokens: engines.types.model.ModelInfo.work)."""
     info = engine.info
     app.state.service.cost.scale_by(info.work, info.work_basis)
     if report is None:

@@ -1,5 +1,5 @@
 """A request's adapter set: ``<lora:name:mult>`` tags parsed out of the prompt as A1111 does, and the OpenAI routes'
-``loras`` extension field, resolved against the engine's library into one sorted set (engines.protocol.LoraUse).
+``loras`` extension field, resolved against the engine's library into one sorted set (engines.types.request.LoraUse).
 
 A1111's syntax (extensions-builtin/Lora/extra_networks_lora.py and modules/extra_networks.py): a tag is
 ``<lora:NAME>``, ``<lora:NAME:TE>`` or ``<lora:NAME:TE:UNET>`` with named ``te=`` / ``unet=`` overriding the

@@ -49,7 +49,7 @@ class Outcome:
 
 
 class GpuReading(Protocol):
-    """What the signature section and its classifier read of an NVML sample (engines.protocol.GpuSample has it)."""
+    """What the signature section and its classifier read of an NVML sample (engines.types.health.GpuSample has it)."""
 
     @property
     def sm_percent(self) -> float: ...

@@ -58,7 +58,7 @@ GIB = 1 << 30
 
 @dataclass(frozen=True, eq=False)
 class RequestMemory:
-    """The working memory of one model's requests by shape (engines.protocol.MemoryModel)."""
+    """The working memory of one model's requests by shape (engines.types.model.MemoryModel)."""
 
     lay: Layout
     configs: dict[str, dict[str, Any]]

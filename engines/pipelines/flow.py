@@ -149,7 +149,7 @@ class Geometry:
 
 class FlowPipeline:
     """Loads an exported flow-matching transformer folder and runs txt2img and img2img batches
-    (engines.protocol.Batch). Subclasses override the hooks (module docstring); this runs everything else."""
+    (engines.types.request.Batch). Subclasses override the hooks (module docstring); this runs everything else."""
 
     TIMESTEP_SCALE = 1000.0
     """The transformer takes ``t / TIMESTEP_SCALE`` (1: SD 3 takes ``t``)."""

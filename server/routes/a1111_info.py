@@ -14,7 +14,7 @@ What is listed is what sdserve has: the Hires fix upscalers None, Lanczos and Ne
 hypernetworks, face restorers, styles or embeddings. ``POST /sdapi/v1/png-info`` reads an image's infotext
 back as A1111's ``pnginfoapi`` does.
 
-Progress comes from the engine's step hook (engines.protocol.StepHook): ``sampling_step``/``sampling_steps`` of the
+Progress comes from the engine's step hook (engines.types.request.StepHook): ``sampling_step``/``sampling_steps`` of the
 executing batch, ``progress`` = steps done / steps (at least 0.01 once started, A1111's floor), ``eta_relative`` from
 the batch's step rate plus the queued batches at the recent batch time; ``state.job_count`` is the requests waiting
 plus the batches executing. ``current_image`` is always null (no live previews: the latents stay on the device).

@@ -121,7 +121,7 @@ async def image_file(image_id: str, request: Request) -> Response:
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
     """OpenAI's model list: the one served model, with its family, native size, prediction type, text encoders,
-    VAE scaling factor and whether CFG runs by default (engines/protocol.py ModelInfo.family_summary)."""
+    VAE scaling factor and whether CFG runs by default (engines/types/model.py ModelInfo.family_summary)."""
     info = request.app.state.engine.info
     return {"object": "list", "data": [{"id": info.name, "object": "model", "created": 0, "owned_by": "sdserve",
                                         **info.family_summary()}, *alias_models(request.app.state.settings, info)]}
