@@ -20,6 +20,8 @@ import json
 import logging
 import shutil
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,6 @@ from engines.build.t5_vocab import t5_pieces, write_t5_tokenizer
 
 log = logging.getLogger(__name__)
 SEED = 0
-FAMILIES = ("flux", "flux-schnell", "sd3", "sd35")
 CLIP_L = dict(hidden_size=32, intermediate_size=37, num_attention_heads=4, num_hidden_layers=5, vocab_size=49408,
               max_position_embeddings=77, hidden_act="quick_gelu", bos_token_id=49406, eos_token_id=49407,
               pad_token_id=49407, projection_dim=32)
@@ -62,6 +63,49 @@ SCHEDULERS: dict[str, dict[str, Any]] = {
 """As the released models' scheduler configs: dev shifts by resolution (mu), schnell not at all, SD 3/3.5 by 3.0."""
 
 
+@dataclass(frozen=True)
+class DitRecipe:
+    """One DiT family's tiny build as data: the diffusers/transformers classes and configs of its modules, and
+    whether it has SD 3's CLIP-G (the T5 then comes third: text_encoder_3 and tokenizer_3, not _2)."""
+
+    pipeline: str
+    """The diffusers pipeline class that saves the diffusers folder."""
+    transformer: str
+    transformer_config: dict[str, Any]
+    scheduler: dict[str, Any]
+    vae_scaling: tuple[float, float]
+    """(scaling_factor, shift_factor) of the VAE."""
+    text_encoder: str
+    """The transformers class of CLIP-L (SD 3 pools its projection)."""
+    clip_g: bool
+
+    @property
+    def t5_slot(self) -> str:
+        """The T5's component suffix: after CLIP-L, and after CLIP-G where there is one."""
+        return "_3" if self.clip_g else "_2"
+
+
+RECIPES: dict[str, DitRecipe] = {
+    "flux": DitRecipe("FluxPipeline", "FluxTransformer2DModel", {**FLUX, "guidance_embeds": True},
+                      SCHEDULERS["flux"], VAE_SCALING["flux"], "CLIPTextModel", clip_g=False),
+    "flux-schnell": DitRecipe("FluxPipeline", "FluxTransformer2DModel", {**FLUX, "guidance_embeds": False},
+                              SCHEDULERS["flux-schnell"], VAE_SCALING["flux"], "CLIPTextModel", clip_g=False),
+    "sd3": DitRecipe("StableDiffusion3Pipeline", "SD3Transformer2DModel", SD3, SCHEDULERS["sd3"], VAE_SCALING["sd3"],
+                     "CLIPTextModelWithProjection", clip_g=True),
+    "sd35": DitRecipe("StableDiffusion3Pipeline", "SD3Transformer2DModel", SD35, SCHEDULERS["sd3"],
+                      VAE_SCALING["sd3"], "CLIPTextModelWithProjection", clip_g=True),
+}
+FAMILIES = tuple(RECIPES)
+
+
+def dit_recipe(family: str) -> DitRecipe:
+    """The recipe of ``family`` (one of FAMILIES); ValueError for any other name."""
+    try:
+        return RECIPES[family]
+    except KeyError:
+        raise ValueError(f"unknown DiT family {family!r}; expected one of {FAMILIES}") from None
+
+
 def _seeded(seed: int, make: Any) -> Any:
     torch.manual_seed(seed)
     return make().eval()
@@ -70,29 +114,25 @@ def _seeded(seed: int, make: Any) -> Any:
 def make_dit_components(family: str, seed: int = SEED, bpe: Path | None = None) -> dict[str, Any]:
     """Networks and scheduler of the tiny ``family`` (one of FAMILIES), each module from its own seed; ``bpe``: the
     CLIP merges source the T5 vocabulary is derived from (its size is the T5 embedding's)."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel, SD3Transformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+    import diffusers
+    import transformers
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
-    if family not in FAMILIES:
-        raise ValueError(f"unknown DiT family {family!r}; expected one of {FAMILIES}")
-    flux = family.startswith("flux")
-    base = "flux" if flux else "sd3"
-    scaling, shift = VAE_SCALING[base]
+    recipe = dit_recipe(family)
+    scaling, shift = recipe.vae_scaling
     t5 = _seeded(seed + 2, lambda: T5EncoderModel(T5Config(vocab_size=t5_vocab_size(bpe), **T5)))
     parts: dict[str, Any] = {
         "vae": _seeded(seed + 3, lambda: AutoencoderKL(**VAE16, scaling_factor=scaling, shift_factor=shift)),
-        "scheduler": FlowMatchEulerDiscreteScheduler(**SCHEDULERS["sd3" if not flux else family]),
+        "scheduler": FlowMatchEulerDiscreteScheduler(**recipe.scheduler),
     }
-    if flux:
-        parts["text_encoder"] = _seeded(seed, lambda: CLIPTextModel(CLIPTextConfig(**CLIP_L)))
-        parts["text_encoder_2"] = t5
-        parts["transformer"] = _seeded(seed + 4, lambda: FluxTransformer2DModel(
-            **FLUX, guidance_embeds=family == "flux"))
-        return parts
-    parts["text_encoder"] = _seeded(seed, lambda: CLIPTextModelWithProjection(CLIPTextConfig(**CLIP_L)))
-    parts["text_encoder_2"] = _seeded(seed + 1, lambda: CLIPTextModelWithProjection(CLIPTextConfig(**CLIP_G)))
-    parts["text_encoder_3"] = t5
-    parts["transformer"] = _seeded(seed + 4, lambda: SD3Transformer2DModel(**(SD35 if family == "sd35" else SD3)))
+    clip_l = getattr(transformers, recipe.text_encoder)
+    parts["text_encoder"] = _seeded(seed, lambda: clip_l(CLIPTextConfig(**CLIP_L)))
+    if recipe.clip_g:
+        parts["text_encoder_2"] = _seeded(seed + 1, lambda: CLIPTextModelWithProjection(CLIPTextConfig(**CLIP_G)))
+    parts["text_encoder" + recipe.t5_slot] = t5
+    transformer = getattr(diffusers, recipe.transformer)
+    parts["transformer"] = _seeded(seed + 4, lambda: transformer(**recipe.transformer_config))
     return parts
 
 
@@ -112,15 +152,15 @@ def write_tokenizers(family: str, out: Path, bpe: Path | None = None) -> dict[st
     source = find_bpe_source(bpe)
     dirs = {"tokenizer": out / "tokenizer"}
     write_tokenizer(source, dirs["tokenizer"])
-    flux = family.startswith("flux")
-    if not flux:
+    recipe = dit_recipe(family)
+    if recipe.clip_g:
         dirs["tokenizer_2"] = out / "tokenizer_2"
         shutil.copytree(dirs["tokenizer"], dirs["tokenizer_2"])
         for name in ("special_tokens_map.json", "tokenizer_config.json"):
             path = dirs["tokenizer_2"] / name
             path.write_text(json.dumps({**json.loads(path.read_text(encoding="utf-8")), "pad_token": "!"},
                                        indent=2), encoding="utf-8")
-    t5_name = "tokenizer_2" if flux else "tokenizer_3"
+    t5_name = "tokenizer" + recipe.t5_slot
     dirs[t5_name] = out / t5_name
     write_t5_tokenizer(_clip_vocab(source), dirs[t5_name], max_length=512)
     return dirs
@@ -130,10 +170,9 @@ def save_dit_diffusers(family: str, components: dict[str, Any], tokenizer_dirs: 
     """The same weights as a diffusers folder (FluxPipeline / StableDiffusion3Pipeline) for parity and export. The
     tokenizer folders are copied in as written (transformers' CLIPTokenizer and T5Tokenizer read them), which
     spares loading the 49,408-entry vocabulary into transformers only to save it again."""
-    from diffusers import FluxPipeline, StableDiffusion3Pipeline
+    import diffusers
 
-    kind: Any = FluxPipeline if family.startswith("flux") else StableDiffusion3Pipeline
-    kind(**components, **dict.fromkeys(tokenizer_dirs)).save_pretrained(out)
+    getattr(diffusers, dit_recipe(family).pipeline)(**components, **dict.fromkeys(tokenizer_dirs)).save_pretrained(out)
     index = json.loads((out / "model_index.json").read_text(encoding="utf-8"))
     for name, folder in tokenizer_dirs.items():
         config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
@@ -147,17 +186,28 @@ TINY_NATIVE_SIZE = 64
 """The tiny models' native size: canaries and the self-test run at 64x64 (seconds on a CPU), as for the tiny UNet."""
 
 
+def _build_qwen(out: Path, bpe: Path | None, diffusers_out: Path | None, vae_encoder: bool, first_block: bool,
+                ) -> Path:
+    from engines.build.qwen import build_tiny_qwen
+
+    if first_block:
+        raise ValueError("the first-block cache's transformer parts are not exported for Qwen-Image")
+    return build_tiny_qwen(out, bpe, diffusers_out, vae_encoder)
+
+
+OWN_BUILDERS: dict[str, Callable[[Path, Path | None, Path | None, bool, bool], Path]] = {"qwen-image": _build_qwen}
+"""The DiT families built by a module of their own, not from a recipe here: (out, bpe, diffusers_out, vae_encoder,
+first_block) -> out."""
+
+
 def build_tiny_dit(family: str, out: Path, bpe: Path | None = None, diffusers_out: Path | None = None,
                    vae_encoder: bool = True, first_block: bool = False) -> Path:
     """Build the tiny ``family`` model and export it to ``out``; ``diffusers_out``: the same weights as a diffusers
     folder too; ``vae_encoder``: export the VAE encoder (edits) as well; ``first_block``: the transformer's parts
     for the first-block cache too (engines/build/dit_split.py). Qwen-Image: engines/build/qwen.py."""
-    if family == "qwen-image":
-        from engines.build.qwen import build_tiny_qwen
-
-        if first_block:
-            raise ValueError("the first-block cache's transformer parts are not exported for Qwen-Image")
-        return build_tiny_qwen(out, bpe, diffusers_out, vae_encoder)
+    own = OWN_BUILDERS.get(family)
+    if own is not None:
+        return own(out, bpe, diffusers_out, vae_encoder, first_block)
     components = make_dit_components(family, bpe=bpe)
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer_dirs = write_tokenizers(family, Path(tmp), bpe)

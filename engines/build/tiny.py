@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,6 @@ from engines.build.clip_vocab import find_bpe_source, write_tokenizer
 from engines.build.export import export_components
 
 SEED = 0
-FAMILIES = ("sd1", "sd2", "sdxl", "turbo", "inpaint")
 
 TEXT_ENCODER = dict(hidden_size=32, intermediate_size=37, num_attention_heads=4, num_hidden_layers=5,
                     vocab_size=49408, max_position_embeddings=77, hidden_act="quick_gelu",
@@ -61,48 +61,65 @@ SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+@dataclass(frozen=True)
+class TinyRecipe:
+    """One UNet family's tiny build as data: its modules' configs, its scheduler and its tokenizers' padding."""
+
+    text_encoder: dict[str, Any]
+    unet: dict[str, Any]
+    vae: dict[str, Any]
+    scheduler: tuple[str, dict[str, Any]]
+    """(diffusers class, overrides of SCHEDULER)."""
+    text_encoder_2: dict[str, Any] | None = None
+    """SDXL's OpenCLIP bigG, with projection; its tokenizer_2 pads with ``!``."""
+    openclip_tokenizer: bool = False
+    """The tokenizer pads with ``!`` (id 0) as OpenCLIP's does, not with the end token (SD 2.x)."""
+    source_names_family: bool = True
+    """The manifest's source names the family (the embedded sd1 model's does not)."""
+
+
+RECIPES: dict[str, TinyRecipe] = {
+    "sd1": TinyRecipe(TEXT_ENCODER, UNET, VAE, SCHEDULERS["sd1"], source_names_family=False),
+    "sd2": TinyRecipe(OPENCLIP, {**UNET_SD2, "sample_size": SD2_SAMPLE}, VAE, SCHEDULERS["sd2"],
+                      openclip_tokenizer=True),
+    "sdxl": TinyRecipe(TEXT_ENCODER, UNET_SDXL, VAE_SDXL, SCHEDULERS["sdxl"], text_encoder_2=OPENCLIP),
+    # SD-Turbo is SD 2.1 base: native 512 px, SD 1.x's tiny size.
+    "turbo": TinyRecipe(OPENCLIP, {**UNET_SD2, "sample_size": 8}, VAE, SCHEDULERS["turbo"], openclip_tokenizer=True),
+    "inpaint": TinyRecipe(TEXT_ENCODER, {**UNET, "in_channels": 9}, VAE, SCHEDULERS["sd1"]),
+}
+FAMILIES = tuple(RECIPES)
+
+
+def tiny_recipe(family: str) -> TinyRecipe:
+    """The recipe of ``family`` (one of FAMILIES); ValueError for any other name."""
+    try:
+        return RECIPES[family]
+    except KeyError:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}") from None
+
+
 def make_components(seed: int = SEED) -> dict[str, Any]:
     """text_encoder, unet, vae and scheduler of the SD 1.x tiny model, built deterministically on the CPU."""
-    from diffusers import AutoencoderKL, PNDMScheduler, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel
-
-    torch.manual_seed(seed)
-    text_encoder = CLIPTextModel(CLIPTextConfig(**TEXT_ENCODER)).eval()
-    torch.manual_seed(seed)
-    unet = UNet2DConditionModel(**UNET).eval()
-    torch.manual_seed(seed)
-    vae = AutoencoderKL(**VAE).eval()
-    return {"text_encoder": text_encoder, "unet": unet, "vae": vae, "scheduler": PNDMScheduler(**SCHEDULER)}
+    return make_family_components("sd1", seed)
 
 
 def make_family_components(family: str, seed: int = SEED) -> dict[str, Any]:
-    """The tiny model of ``family`` (one of FAMILIES), each module seeded alike; sd1 is make_components."""
+    """The tiny model of ``family`` (one of FAMILIES) from its recipe, each module seeded alike."""
     import diffusers
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
-    if family in ("sd1", "inpaint"):
-        components = make_components(seed)
-        if family == "inpaint":
-            torch.manual_seed(seed)
-            components["unet"] = UNet2DConditionModel(**{**UNET, "in_channels": 9}).eval()
-        return components
-    xl = family == "sdxl"
-    sample = 8 if family == "turbo" else SD2_SAMPLE
-    unet_cfg = UNET_SDXL if xl else {**UNET_SD2, "sample_size": sample}
+    recipe = tiny_recipe(family)
     torch.manual_seed(seed)
-    text_encoder = CLIPTextModel(CLIPTextConfig(**(TEXT_ENCODER if xl else OPENCLIP))).eval()
-    components: dict[str, Any] = {"text_encoder": text_encoder}
-    if xl:
+    components: dict[str, Any] = {"text_encoder": CLIPTextModel(CLIPTextConfig(**recipe.text_encoder)).eval()}
+    if recipe.text_encoder_2 is not None:
         torch.manual_seed(seed + 1)  # not the first encoder's weights again
-        components["text_encoder_2"] = CLIPTextModelWithProjection(CLIPTextConfig(**OPENCLIP)).eval()
+        components["text_encoder_2"] = CLIPTextModelWithProjection(CLIPTextConfig(**recipe.text_encoder_2)).eval()
     torch.manual_seed(seed)
-    components["unet"] = UNet2DConditionModel(**unet_cfg).eval()
+    components["unet"] = UNet2DConditionModel(**recipe.unet).eval()
     torch.manual_seed(seed)
-    components["vae"] = AutoencoderKL(**(VAE_SDXL if xl else VAE)).eval()
-    name, extra = SCHEDULERS[family]
+    components["vae"] = AutoencoderKL(**recipe.vae).eval()
+    name, extra = recipe.scheduler
     # from_config drops the keys a class does not take (skip_prk_steps is PNDM's), as loading a real folder does.
     components["scheduler"] = getattr(diffusers, name).from_config({**SCHEDULER, **extra})
     return components
@@ -136,22 +153,23 @@ def save_diffusers(components: dict[str, Any], tokenizer_dir: Path, out: Path,
 
 def build_tiny(out: Path, bpe: Path | None = None, diffusers_out: Path | None = None, family: str = "sd1") -> Path:
     """Build and export the tiny model of ``family`` to ``out`` (ONNX layout + manifest)."""
+    recipe = tiny_recipe(family)
     components = make_family_components(family)
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer_dir = Path(tmp) / "tokenizer"
         write_tokenizer(find_bpe_source(bpe), tokenizer_dir)
         tokenizer_2_dir = None
-        if family in ("sd2", "turbo"):
+        if recipe.openclip_tokenizer:
             _pad_with_bang(tokenizer_dir)
-        elif family == "sdxl":
+        if recipe.text_encoder_2 is not None:
             tokenizer_2_dir = Path(tmp) / "tokenizer_2"
             write_tokenizer(find_bpe_source(bpe), tokenizer_2_dir)
             _pad_with_bang(tokenizer_2_dir)
         # DDIM reads clip_sample (default True in diffusers); SD configs set it False and so do we.
         scheduler = components["scheduler"]
         scheduler_config = {"_class_name": type(scheduler).__name__, **scheduler.config, "clip_sample": False}
-        source: dict[str, Any] = {"kind": "tiny", "seed": SEED} if family == "sd1" else \
-            {"kind": "tiny", "family": family, "seed": SEED}
+        named = {"family": family} if recipe.source_names_family else {}
+        source: dict[str, Any] = {"kind": "tiny", **named, "seed": SEED}
         export_components(components["text_encoder"], components["unet"], components["vae"],
                           scheduler_config, tokenizer_dir, out, source,
                           text_encoder_2=components.get("text_encoder_2"), tokenizer_2_dir=tokenizer_2_dir)
