@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from engines.errors import InvalidRequestError
 from engines.types.model import ModelInfo
 from engines.types.request import Batch, CacheUse, StepHook, Timings
 
@@ -43,6 +44,19 @@ class Conditioned(Protocol):
 
     @property
     def negative_truncated(self) -> tuple[bool, ...]: ...
+
+
+def check_common(batch: Batch, size_multiple: int) -> None:
+    """The checks every pipeline's ``check_inputs`` makes first (InvalidRequestError naming the field): at least
+    one image, width and height positive multiples of the model's size multiple, at least one step."""
+    if not batch.images:
+        raise InvalidRequestError("a batch needs at least one image", param="n")
+    for name, value in (("width", batch.width), ("height", batch.height)):
+        if value <= 0 or value % size_multiple:
+            raise InvalidRequestError(f"{name} {value} must be a positive multiple of {size_multiple}",
+                                      param="size")
+    if batch.steps < 1:
+        raise InvalidRequestError(f"steps {batch.steps} must be at least 1", param="steps")
 
 
 def image_rng(seed: int) -> np.random.Generator:

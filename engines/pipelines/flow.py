@@ -52,7 +52,7 @@ from engines.numerics.flow_graph import build_flow_decode_graph, build_flow_step
 from engines.numerics.flow_schedule import FlowMatchConfig, FlowSchedule, flow_schedule
 from engines.numerics.rows import RowPacker, shape_feed
 from engines.numerics.step_cache import OutputCache, Probe, cache_use, partition, record
-from engines.pipelines.contract import Begun, PipelineOutput, image_rng
+from engines.pipelines.contract import Begun, PipelineOutput, check_common, image_rng
 from engines.pipelines.first_block import PARTS as FIRST_BLOCK_PARTS
 from engines.pipelines.first_block import FirstBlockRunner, FirstBlockState
 from engines.pipelines.flow_edits import DitEditor
@@ -322,8 +322,7 @@ class FlowPipeline:
 
     def check_inputs(self, batch: Batch) -> None:
         """Refuse (never clamp) what this model cannot serve."""
-        if not batch.images:
-            raise InvalidRequestError("a batch needs at least one image", param="n")
+        check_common(batch, self.size_multiple)
         if batch.mode == "inpaint":
             raise InvalidRequestError(f"inpainting is not served for {self.family.name} (txt2img and img2img are)",
                                       param="mask")
@@ -332,12 +331,6 @@ class FlowPipeline:
                                       param="image")
         if batch.mode == "img2img" and not 0.0 < batch.strength <= 1.0:
             raise InvalidRequestError(f"strength {batch.strength} must be in (0, 1]", param="strength")
-        for name, value in (("width", batch.width), ("height", batch.height)):
-            if value <= 0 or value % self.size_multiple:
-                raise InvalidRequestError(f"{name} {value} must be a positive multiple of {self.size_multiple}",
-                                          param="size")
-        if batch.steps < 1:
-            raise InvalidRequestError(f"steps {batch.steps} must be at least 1", param="steps")
         if batch.scheduler not in SAMPLERS:
             raise InvalidRequestError(f"scheduler {batch.scheduler!r} is not served for {self.family.name}: "
                                       "flow-matching models sample with Euler", param="scheduler")

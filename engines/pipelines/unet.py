@@ -41,7 +41,7 @@ from engines.numerics.step_graph import (
 )
 from engines.numerics.tokenizer import ClipTokenizer
 from engines.pipelines import unet_family as families
-from engines.pipelines.contract import Begun, PipelineOutput, image_rng
+from engines.pipelines.contract import Begun, PipelineOutput, check_common, image_rng
 from engines.pipelines.ort_model import Feed, OrtModel, built_fp16, tensorrt_fp16
 from engines.pipelines.unet_edits import Editor, Mixer, Prepared, paste_back, rows_of, strength_start
 from engines.pipelines.unet_family import Family, read_json
@@ -250,14 +250,7 @@ class StableDiffusionOnnx:
 
     def check_inputs(self, batch: Batch) -> None:
         """Refuse (never clamp) what this model cannot serve; the server validates first, this is the backstop."""
-        if not batch.images:
-            raise InvalidRequestError("a batch needs at least one image", param="n")
-        for name, value in (("width", batch.width), ("height", batch.height)):
-            if value <= 0 or value % self.size_multiple:
-                raise InvalidRequestError(f"{name} {value} must be a positive multiple of {self.size_multiple}",
-                                          param="size")
-        if batch.steps < 1:
-            raise InvalidRequestError(f"steps {batch.steps} must be at least 1", param="steps")
+        check_common(batch, self.size_multiple)
         if batch.scheduler not in SCHEDULERS:
             raise InvalidRequestError(f"unknown scheduler {batch.scheduler!r}; expected one of "
                                       f"{sorted(SCHEDULERS)}", param="scheduler")
