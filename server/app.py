@@ -40,6 +40,7 @@ from server.service import ImageService
 from server.settings import Settings
 from server.state import ServerState
 from server.strict_json import StrictJsonMiddleware
+from server.tenants import TenantRegistry
 from server.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -148,16 +149,18 @@ def create_app(engine: Engine, settings: Settings, on_fatal: OnFatal | None = No
                   description="Stable Diffusion text-to-image server that proves its GPU fast path.")
     metrics = Metrics(settings.runtime.device_id)
     state = ServerState()
-    service = ImageService(engine, settings, metrics, state)
+    tenants = TenantRegistry(settings.auth)  # ConfigError (exit 10) for a tenants file unreadable at boot
+    service = ImageService(engine, settings, metrics, state, tenants=tenants)
     app.state.engine, app.state.settings, app.state.metrics = engine, settings, metrics
     app.state.exposition = Exposition(metrics.registry, settings.server.metrics_cache_s)
     app.state.server_state, app.state.service, app.state.faults = state, service, faults
+    app.state.tenants = tenants
     app.state.watchdog = Watchdog(engine, service, state, settings, metrics)
     app.state.on_fatal = on_fatal or (lambda code, reason: None)
     app.state.image_store = ImageStore(max_bytes=settings.server.url_store_max_bytes)
     images_in.configure(settings.limits.max_jpeg_scans, settings.limits.decode_concurrency)
     errors.install(app)
-    _add_middleware(app, settings, metrics)
+    _add_middleware(app, settings, metrics, tenants)
     for router in (health.router, observability.router, openai_images.router, a1111.router, a1111_info.router,
                    a1111_loras.router, edits.router, a1111_img2img.router):
         app.include_router(router)
@@ -167,7 +170,7 @@ def create_app(engine: Engine, settings: Settings, on_fatal: OnFatal | None = No
     return app
 
 
-def _add_middleware(app: FastAPI, settings: Settings, metrics: Metrics) -> None:
+def _add_middleware(app: FastAPI, settings: Settings, metrics: Metrics, tenants: TenantRegistry) -> None:
     """Outermost last: guard -> CORS (when configured) -> metrics -> auth -> body cap and deadline -> strict JSON
     -> routes. CORS sits outside auth: a browser's preflight carries no credentials. Auth sits outside the body
     reader: a request without valid credentials is refused on its headers, its body never read."""
@@ -176,8 +179,7 @@ def _add_middleware(app: FastAPI, settings: Settings, metrics: Metrics) -> None:
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.queue.max_body_bytes, timeout_s=server.body_timeout_s,
                        upload_paths=edits.EDIT_PATHS,
                        upload_max_bytes=max(settings.limits.max_upload_bytes, settings.queue.max_body_bytes))
-    app.add_middleware(AuthMiddleware, digests=auth.api_key_sha256, exempt=auth.exempt_paths,
-                       per_key=auth.per_key_concurrency)
+    app.add_middleware(AuthMiddleware, registry=tenants, exempt=auth.exempt_paths)
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # sees every status, 401/413/500 included
     if server.cors_origins or server.cors_origin_regex:
         app.add_middleware(CORSMiddleware, allow_origins=list(server.cors_origins), allow_credentials=False,

@@ -24,6 +24,15 @@ class QueueFullError(SdserveError):
         self.retry_after = retry_after
 
 
+class TenantLimitError(QueueFullError):
+    """A tenant is over one of its limits (server/tenants.py): 429 with Retry-After, the body's ``code`` naming the
+    limit (in_flight, images_queued, images_per_minute)."""
+
+    def __init__(self, message: str, retry_after: int, limit: str) -> None:
+        super().__init__(message, max(1, retry_after))
+        self.limit = limit
+
+
 class ClientGoneError(SdserveError):
     """The client disconnected; its queued request was dropped (logged as 499, nobody reads the body)."""
 
@@ -178,7 +187,8 @@ def error_response(exc: SdserveError, path: str, request_id: str = "-") -> JSONR
     if status == 500:  # our own failure: log it, tell the client nothing internal
         log.error("request %s failed", request_id, exc_info=exc)
         return internal_error(request_id, type_)
-    return JSONResponse(error_body(bounded(str(exc)), type_), status_code=status, headers=_headers(exc))
+    code = exc.limit if isinstance(exc, TenantLimitError) else None
+    return JSONResponse(error_body(bounded(str(exc)), type_, code=code), status_code=status, headers=_headers(exc))
 
 
 async def _on_sdserve(request: Request, exc: Exception) -> JSONResponse:

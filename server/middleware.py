@@ -1,10 +1,11 @@
 """ASGI middleware: the guard (request ids, one access-log line per request; any unexpected exception -> a
 sanitized 500 that closes the connection; both Content-Length and Transfer-Encoding -> 400 and close), request
-metrics, body-size cap (413, chunked bodies too), auth (401: Bearer API keys or HTTP Basic ``user:pass``) with
-per-key concurrency (429). Strict JSON bodies: server/strict_json.py.
+metrics, body-size cap (413, chunked bodies too), auth (401: Bearer API keys or HTTP Basic ``user:pass``) and the
+request's tenant, with its cap on requests in flight (429). Strict JSON bodies: server/strict_json.py.
 
 Secrets are compared as sha256 digests in constant time; a secret is never logged or stored, only its digest's first
-8 hex characters as an id for per-key accounting and for whose jobs /sdapi/v1/interrupt may stop."""
+8 hex characters as an id. A request's tenant (``tenant_label``) is the configured tenant's label for its key, else
+the key id, else ``default`` without auth (server/tenants.py): whose jobs it sees and stops, its quotas, its share."""
 
 from __future__ import annotations
 
@@ -31,12 +32,14 @@ from server.errors import (
     AuthenticationError,
     BodyTimeoutError,
     BodyTooLargeError,
-    QueueFullError,
+    TenantLimitError,
     error_response,
     internal_error,
     request_id_of,
 )
 from server.metrics import Metrics
+from server.tenant_config import DEFAULT_TENANT
+from server.tenants import REQUEST, RequestCharge, TenantRegistry
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("sdserve.access")
@@ -46,7 +49,9 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-GENERATION_PREFIXES = ("/v1/images/generations", "/sdapi/v1/txt2img")
+GENERATION_PREFIXES = ("/v1/images/generations", "/v1/images/edits", "/v1/images/variations", "/sdapi/v1/txt2img",
+                       "/sdapi/v1/img2img")
+"""Every generation route: each counts against its tenant's cap on requests in flight."""
 FILES_PREFIX = "/v1/images/files/"
 """URLs handed out by response_format=url: unguessable 128-bit ids, short-lived, fetched without a key."""
 
@@ -68,6 +73,14 @@ def api_key_id(scope: Scope) -> str | None:
     return str(value) if value is not None else None
 
 
+def tenant_label(scope: Scope) -> str:
+    """The request's tenant (set by AuthMiddleware): the configured tenant's label for its key, an unconfigured
+    key's id, or ``default`` without auth. Never a key or a digest: it goes into logs, metrics and job owners."""
+    state = scope.get("state", {})
+    value = state.get("tenant") or state.get("api_key_id")
+    return str(value) if value is not None else DEFAULT_TENANT
+
+
 def _access_fields(scope: Scope, status: int, seconds: float, log_prompts: bool) -> dict[str, Any]:
     """The access-log record of one request: never a secret, the query string or (unless log_prompts) a prompt."""
     state = scope.get("state", {})
@@ -76,7 +89,7 @@ def _access_fields(scope: Scope, status: int, seconds: float, log_prompts: bool)
         "request_id": state.get("request_id"), "method": scope.get("method"), "path": scope.get("path"),
         "route": getattr(scope.get("route"), "path", None), "status": status,
         "duration_ms": round(seconds * 1000, 1), "client": (scope.get("client") or ("-",))[0],
-        "key_id": state.get("api_key_id"),
+        "key_id": state.get("api_key_id"), "tenant": state.get("tenant"),
         "user_agent": headers.get(b"user-agent", b"").decode("latin-1")[:200] or None}
     if log_prompts and isinstance(state.get("prompt"), str):
         fields["prompt"] = state["prompt"][:MAX_LOGGED_PROMPT]
@@ -341,10 +354,12 @@ def _has_body(scope: Scope) -> bool:
 class AuthMiddleware:
     """Secrets checked against stored sha256 digests: a Bearer key's digest, or for HTTP Basic the digest of
     ``user:pass`` (so ``printf %s 'user:pass' | sha256sum`` gives the entry). Exempt paths (probes) pass without
-    one. The caller's id (digest[:8]) is put in ``scope["state"]["api_key_id"]`` for the routes."""
+    one. The caller's id (digest[:8]) is put in ``scope["state"]["api_key_id"]`` and its tenant's label in
+    ``scope["state"]["tenant"]`` for the routes (``tenant_label``); without auth every request is the ``default``
+    tenant's. Every generation route counts against the tenant's cap on requests in flight (429 over it)."""
 
-    def __init__(self, app: ASGIApp, digests: tuple[str, ...], exempt: tuple[str, ...], per_key: int) -> None:
-        self.app, self.digests, self.exempt, self.per_key = app, digests, exempt, per_key
+    def __init__(self, app: ASGIApp, registry: TenantRegistry, exempt: tuple[str, ...]) -> None:
+        self.app, self.registry, self.exempt = app, registry, exempt
         self.in_flight: defaultdict[str, int] = defaultdict(int)
 
     def _match(self, scope: Scope) -> str | None:
@@ -354,37 +369,51 @@ class AuthMiddleware:
             return None
         digest = key_digest(secret)
         found = None
-        for stored in self.digests:  # compare against every digest: timing does not reveal which matched
+        for stored in self.registry.current.digests:  # compare against every digest: timing does not reveal which
             if hmac.compare_digest(digest, stored):
                 found = stored
         return found
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] != "http" or not self.digests or path in self.exempt or path.startswith(FILES_PREFIX):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        digest = self._match(scope)
-        if digest is None:
-            refusal = error_response(AuthenticationError("missing or invalid credentials: send Authorization: "
-                                                         "Bearer <key> or Basic (user:pass)"),
-                                     path, request_id_of(scope))
-            refusal.headers["WWW-Authenticate"] = CHALLENGE
-            if _has_body(scope):  # decided on the headers; the unread body must not be taken for a next request
-                refusal.headers["connection"] = "close"
-            await refusal(scope, receive, send)
-            return
-        key_id = digest[:8]
-        scope.setdefault("state", {})["api_key_id"] = key_id
-        if not path.startswith(GENERATION_PREFIXES):
+        self.registry.refresh()
+        if not self.registry.enabled:
+            label = DEFAULT_TENANT
+        elif path in self.exempt or path.startswith(FILES_PREFIX):
             await self.app(scope, receive, send)
             return
-        if self.in_flight[key_id] >= self.per_key:
-            await answer(QueueFullError(f"too many concurrent requests for this key (limit {self.per_key})", 1),
-                          scope, receive, send)
+        else:
+            digest = self._match(scope)
+            if digest is None:
+                await self._refuse(scope, receive, send)
+                return
+            label = self.registry.label_for(digest)
+            scope.setdefault("state", {})["api_key_id"] = digest[:8]
+        scope.setdefault("state", {})["tenant"] = label
+        counted = path.startswith(GENERATION_PREFIXES)
+        cap = self.registry.in_flight_cap(label) if counted else None
+        if cap is not None and self.in_flight[label] >= cap:
+            await answer(TenantLimitError(f"too many concurrent requests for tenant {label!r} (its in_flight "
+                                          f"limit, {cap})", 1, "in_flight"), scope, receive, send)
             return
-        self.in_flight[key_id] += 1
+        self.in_flight[label] += counted
+        request = REQUEST.set(RequestCharge())
         try:
             await self.app(scope, receive, send)
         finally:
-            self.in_flight[key_id] -= 1
+            REQUEST.reset(request)
+            self.in_flight[label] -= counted
+            if self.in_flight[label] <= 0:
+                del self.in_flight[label]
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        refusal = error_response(AuthenticationError("missing or invalid credentials: send Authorization: "
+                                                     "Bearer <key> or Basic (user:pass)"),
+                                 str(scope.get("path", "")), request_id_of(scope))
+        refusal.headers["WWW-Authenticate"] = CHALLENGE
+        if _has_body(scope):  # decided on the headers; the unread body must not be taken for a next request
+            refusal.headers["connection"] = "close"
+        await refusal(scope, receive, send)

@@ -37,6 +37,8 @@ from server.request_rules import generation_batches
 from server.settings import Settings
 from server.state import ServerState
 from server.stepper import StepBatcher
+from server.tenant_config import DEFAULT_TENANT
+from server.tenants import TenantQuotas, TenantRegistry
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +99,9 @@ class ImageService:
     canaries alike), so there is one executing batch at a time."""
 
     def __init__(self, engine: Engine, settings: Settings, metrics: Metrics, state: ServerState,
-                 window_s: float = 300.0) -> None:
+                 window_s: float = 300.0, tenants: TenantRegistry | None = None) -> None:
+        """``tenants``: the registry the auth middleware resolves keys with (one is read from ``settings.auth``
+        when not given)."""
         self.engine = engine
         self.state = state
         self.settings = settings
@@ -107,6 +111,9 @@ class ImageService:
         """The step-cache policy and the gate's verdicts per shape (filled at boot)."""
         """The signing stage (server/provenance_stage.py); require without a usable key raises here, before boot."""
         self.lock = asyncio.Lock()
+        self.tenants = tenants or TenantRegistry(settings.auth)
+        self.quotas = TenantQuotas(self.tenants)
+        """Each tenant's images queued, its token bucket, its largest size and steps (server/tenants.py)."""
         q = settings.queue
         self.cost = CostModel()
         self.batcher: Batcher = StepBatcher(
@@ -202,9 +209,14 @@ class ImageService:
     async def run_all(self, batches: list[Batch], timeout_header: str | None, disconnected: Disconnected,
                       owner: str | None = None, encode: Encoder = encode_png) -> list[Generated]:
         """Several batches of one request under one deadline (A1111's n_iter), admitted on their total cost and
-        queued one after another, so other callers' requests interleave between them."""
+        queued one after another, so other callers' requests interleave between them. ``owner`` is the request's
+        tenant (None: ``default``): its largest size and steps (400), then its quotas (429 with Retry-After:
+        images queued, images per minute) are checked before anything is queued."""
+        tenant = owner or DEFAULT_TENANT
+        self.quotas.check_shape(tenant, batches)
         deadline = self.preadmit(batches, timeout_header)
-        return [await self._run(b, deadline, disconnected, owner, encode) for b in batches]
+        with self.quotas.admit(tenant, sum(len(b.images) for b in batches)):
+            return [await self._run(b, deadline, disconnected, owner, encode) for b in batches]
 
     async def _run(self, batch: Batch, deadline: float, disconnected: Disconnected, owner: str | None,
                    encode: Encoder) -> Generated:

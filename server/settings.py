@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 import engines.families as families
 from engines.config import SCHEDULER_NAMES, RuntimeSettings, SignatureThresholds, parse_size, read_toml
 from engines.errors import ConfigError
+from server.tenant_config import TenantConfig, check_tenants
 
 ENV_PREFIX = "SDSERVE_"
 CONFIG_DIR = Path(os.environ.get(f"{ENV_PREFIX}CONFIG_DIR", Path(__file__).resolve().parent.parent / "configs"))
@@ -334,6 +335,21 @@ class AuthSettings(BaseModel):
     """Generation requests one key may have in flight; more get 429."""
     exempt_paths: tuple[str, ...] = ("/health", "/ready", "/metrics")
     """Paths served without a key (probes and scraping)."""
+    tenants: tuple[TenantConfig, ...] = ()
+    """Tenants ([[auth.tenants]]): a label, its keys' digests, a weight and limits (server/tenant_config.py). Their
+    digests are accepted keys too; an accepted key in no tenant is its own tenant, named by its key id."""
+    tenants_file: str = ""
+    """A TOML (``[[tenants]]``) or JSON (``{"tenants": [...]}``) file of more tenants, or a folder of such files
+    (a mounted Kubernetes Secret: its ``*.toml``/``*.json`` keys); re-read without a restart when it changes. Set,
+    it turns auth on. Unreadable or invalid at boot: exit 10; on a reload: the previous tenants stay, the error is
+    logged and shown in /capabilities."""
+    tenants_reload_s: float = Field(5.0, ge=0.1, le=3600)
+    """How often the tenants file is checked for a change (its modification time, size and inode)."""
+
+    @property
+    def enabled(self) -> bool:
+        """Auth is on: some key is accepted, or a tenants file may name some."""
+        return bool(self.api_key_sha256 or self.tenants_file or any(t.digests for t in self.tenants))
 
     @model_validator(mode="after")
     def _hex(self) -> AuthSettings:
@@ -341,6 +357,7 @@ class AuthSettings(BaseModel):
             if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
                 raise ValueError("auth.api_key_sha256 entries must be lowercase sha256 hex digests (64 chars), "
                                  "e.g. printf %s \"$KEY\" | sha256sum")
+        check_tenants(self.tenants)
         return self
 
 

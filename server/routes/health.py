@@ -59,7 +59,8 @@ async def capabilities(request: Request) -> dict[str, Any]:
                              "server": request.app.state.server_state.snapshot(),
                              "watchdog": request.app.state.watchdog.snapshot(),
                              "provenance": request.app.state.service.provenance.snapshot(),
-                             "step_cache": request.app.state.service.caching.snapshot()}
+                             "step_cache": request.app.state.service.caching.snapshot(),
+                             "tenants": request.app.state.tenants.snapshot()}
     if not caps.accelerated:
         extra["warning"] = "NOT ACCELERATED: " + "; ".join(caps.verdict.reasons[:3])
         log.warning("capabilities read: %s", extra["warning"])
