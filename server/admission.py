@@ -1,7 +1,9 @@
-"""Admission by cost: a request's compute is estimated before it is queued, from measured seconds per image-step
-at its shape (the boot self-test, then live batches), times its steps and images. A request that cannot finish
-before its deadline even alone is refused at once (4xx naming the deadline and the estimate); one that could, but
-not behind the work already queued, gets a prompt 429 with Retry-After. Nothing is computed to be thrown away.
+"""Admission by cost: a request's compute is estimated before it is queued, from measured seconds per stage at its
+shape (the boot self-test, then live batches): images x (encode + steps x step + decode), each stage learned on its
+own so requests of few steps (whose encode and decode dominate) do not inflate another's per-step cost. A request
+that cannot finish before its deadline even alone is refused at once (4xx naming the deadline and the estimate); one
+that could, but not behind the work the scheduler would run before it (``Batcher.ahead_seconds``), gets a prompt
+429 with Retry-After. Nothing is computed to be thrown away.
 
 The model is general over what a job costs (size x steps x images), so edits (img2img, inpainting: fewer steps
 by their strength) go through the same door.
@@ -23,10 +25,11 @@ from pathlib import Path
 from engines.errors import InvalidRequestError
 from engines.types.health import GpuSample
 from engines.types.model import MemoryModel, MemoryNeed
+from engines.types.request import Timings
 from server.errors import QueueFullError
 
 ALPHA = 0.3
-"""EWMA weight of a new live sample (per image-step seconds at one size)."""
+"""EWMA weight of a new live sample (per-image stage seconds at one size)."""
 
 
 @dataclass(frozen=True)
@@ -52,11 +55,17 @@ class Estimate:
 
 
 class CostModel:
-    """Seconds per image-step by size: seeded from the self-test (p50 of its timed canaries over batch x steps,
-    text encoding and decoding included, so conservative), then an EWMA of live batches at that size."""
+    """Seconds per stage by size: per image-step (the denoiser), per image encoded (text encoders and an edit's
+    image encode) and per image decoded. Seeded from the self-test (p50 of its timed canaries over batch x steps,
+    text encoding and decoding folded into the step cost, so conservative), then an EWMA per stage of live batches
+    at that size, from their stage timings (a batch without them folds its total into the step cost, as the seed)."""
 
     def __init__(self, work: Callable[[int, int], float] | None = None, basis: str = "pixel count") -> None:
         self.per_image_step: dict[tuple[int, int], float] = {}
+        self.per_image_encode: dict[tuple[int, int], float] = {}
+        """Seconds to encode one image's prompt (and an edit's init image); 0 where only folded totals came."""
+        self.per_image_decode: dict[tuple[int, int], float] = {}
+        """Seconds to decode one image; 0 where only folded totals came."""
         self.work = work or (lambda w, h: float(w * h))
         """Relative compute of one step at a size (engines.types.model.ModelInfo.work): what an unmeasured size's
         cost is scaled by from the nearest measured one."""
@@ -70,35 +79,50 @@ class CostModel:
         if seconds > 0 and batch > 0 and steps > 0 and (width, height) not in self.per_image_step:
             self.per_image_step[(width, height)] = seconds / (batch * steps)
 
-    def observe(self, cost: Cost, seconds: float) -> None:
-        """A live batch of ``cost`` (steps: those that ran) took ``seconds``."""
+    def observe(self, cost: Cost, seconds: float, timings: Timings | None = None) -> None:
+        """A live batch of ``cost`` (steps: those that ran) took ``seconds``; ``timings``: its stages, learned each
+        on its own when its denoise was timed (else ``seconds`` is folded into the step cost)."""
         if seconds <= 0 or cost.steps <= 0 or cost.images <= 0:
             return
-        sample = seconds / (cost.steps * cost.images)
         key = (cost.width, cost.height)
-        old = self.per_image_step.get(key)
-        self.per_image_step[key] = sample if old is None else (1 - ALPHA) * old + ALPHA * sample
+        if timings is None or timings.denoise <= 0:
+            _ewma(self.per_image_step, key, seconds / (cost.steps * cost.images))
+            return
+        _ewma(self.per_image_step, key, timings.denoise / (cost.steps * cost.images))
+        _ewma(self.per_image_encode, key, (timings.text_encoder + timings.vae_encode) / cost.images)
+        _ewma(self.per_image_decode, key, timings.vae_decode / cost.images)
 
     def estimate(self, cost: Cost) -> Estimate | None:
         """None until anything was measured (then nothing is refused on a guess)."""
         if not self.per_image_step:
             return None
         key = (cost.width, cost.height)
-        work = cost.steps * cost.images
         if key in self.per_image_step:
-            per = self.per_image_step[key]
-            return Estimate(per * work, per, f"measured at {cost.size}")
-        target = self.work(cost.width, cost.height)
-        (w, h), per = min(self.per_image_step.items(),
-                          key=lambda item: abs(math.log(self.work(*item[0]) / target)))
-        scaled = per * target / self.work(w, h)
-        return Estimate(scaled * work, scaled, f"scaled from {w}x{h} by {self.basis}")
+            per, ratio, basis = self.per_image_step[key], 1.0, f"measured at {cost.size}"
+        else:
+            target = self.work(cost.width, cost.height)
+            key = min(self.per_image_step, key=lambda k: abs(math.log(self.work(*k) / target)))
+            ratio = target / self.work(*key)
+            per, basis = self.per_image_step[key] * ratio, f"scaled from {key[0]}x{key[1]} by {self.basis}"
+        ends = (self.per_image_encode.get(key, 0.0) + self.per_image_decode.get(key, 0.0)) * ratio
+        return Estimate(cost.images * (ends + cost.steps * per), per, basis)
+
+    def stages(self) -> dict[str, dict[str, float]]:
+        """Seconds per image by stage and size (``step``: per image-step), as /performance may show them."""
+        return {name: {f"{w}x{h}": round(s, 6) for (w, h), s in sorted(table.items())}
+                for name, table in (("encode", self.per_image_encode), ("step", self.per_image_step),
+                                    ("decode", self.per_image_decode))}
 
     def total(self, costs: Iterable[Cost]) -> float:
         return sum(e.seconds for e in map(self.estimate, costs) if e is not None)
 
     def snapshot(self) -> dict[str, float]:
         return {f"{w}x{h}": round(s, 6) for (w, h), s in sorted(self.per_image_step.items())}
+
+
+def _ewma(table: dict[tuple[int, int], float], key: tuple[int, int], sample: float) -> None:
+    old = table.get(key)
+    table[key] = sample if old is None else (1 - ALPHA) * old + ALPHA * sample
 
 
 def admit(model: CostModel, costs: list[Cost], ahead_s: float, remaining_s: float, source: str) -> None:

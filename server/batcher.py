@@ -14,7 +14,7 @@ import asyncio
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -118,9 +118,10 @@ class Batcher:
         ahead = math.ceil(sum(j.images for j in self.queue) / self.max_batch) + 1
         return max(1, math.ceil(ahead * per_batch))
 
-    def ahead_seconds(self) -> float:
-        """Estimated seconds of admitted work a new job would wait behind: the executing batch's remaining steps
-        and every queued job (the cost model's estimates; 0 for what it cannot estimate yet)."""
+    def ahead_seconds(self, costs: Sequence[Cost] | None = None, owner: str | None = None) -> float:
+        """Estimated seconds of admitted work a new job (of ``costs``, from ``owner``) would wait behind: the
+        executing batch's remaining steps and every queued job (the cost model's estimates; 0 for what it cannot
+        estimate yet): first come, first served, the micro-batcher's order. The step loop's is its policy's."""
         running = 0.0
         if self.progress is not None and self._live:
             b = self._live[0].batch
@@ -303,7 +304,7 @@ class Batcher:
         elapsed = time.perf_counter() - start
         self.last_provider = result.provider
         self.cost.observe(Cost(merged.width, merged.height, result.steps_done, len(merged.images)),
-                          result.timings.total or elapsed)
+                          result.timings.total or elapsed, result.timings)
         m = self.metrics
         m.compute_seconds.observe(result.timings.total or elapsed)
         m.batch_size.observe(len(merged.images))

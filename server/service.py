@@ -168,7 +168,7 @@ class ImageService:
         try:
             if merges:  # an adapter set not cached is merged before its first step
                 source += f", less {merges:.2f}s to merge a LoRA set not yet cached"
-            admit(self.cost, [_cost(b) for b in batches], self.batcher.ahead_seconds(),
+            admit(self.cost, [_cost(b) for b in batches], self.batcher.ahead_seconds([_cost(b) for b in batches]),
                   deadline - time.monotonic() - merges, source)
         except (InvalidRequestError, QueueFullError):
             self.metrics.refused.labels("over_deadline").inc()

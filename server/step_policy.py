@@ -32,8 +32,21 @@ Policy: **smallest slowdown first, bounded bypass, deadline guard**.
   stops it. Requests of equal whole work do not count against each other: among them the one with the least left
   goes first, which finishes them in order without starving any (a later equal request has more left), so equal
   long requests do not push each other, or a starved one, ahead of short requests every few operations.
-- **Deadline guard** (:func:`urgent`): a request whose deadline is nearer than ``URGENT_FACTOR`` x its estimated
-  remaining time is urgent and goes first (earliest deadline first), so bypass never turns into a 504.
+- **Deadline guard** (:func:`urgent`): a request is urgent, and goes first (earliest deadline first), when it would
+  miss its deadline *because of the work that ranks before it* and would meet it going first: with the margin
+  ``URGENT_FACTOR``, its own remaining seconds fit before its deadline and those plus the seconds of the work ranked
+  before it (``Record.ahead_s``, :func:`prepare`) do not. Never because it is large: a request whose own remaining
+  time alone is near its deadline gains nothing it can count on by going first over others, and a deadline it
+  could meet after the work ahead (a client's ``x-sdserve-timeout-s`` included) grants nothing.
+- **Fair share across tenants** (:class:`Share`): a request's tenant is its owner's label (one tenant without
+  auth). Weighted fair queueing by work: each tenant with work has a virtual time, the work served to it
+  (denoiser row-evaluations at its size, a decode priced ``FINISH_EVALS`` per image, a begin nothing) over its
+  weight; the tenant with the least goes first, and within a tenant the order above holds (short first, the bypass
+  bound, deadlines). Work-conserving: only tenants with work compete, so an idle tenant's share goes to the
+  others; a tenant (re)joining starts at the least virtual time of the tenants with work, so a late one is not
+  starved by one that queued a hundred jobs, and an idle one banks no credit. With one tenant with work no virtual
+  time is stamped (``Record.vtime`` None) and the order is exactly the one above. Rows of other tenants still fill
+  the lead's calls (and are charged for it).
 - **Runs** (:func:`run_bound`, :func:`finish_next`): operations the loop would choose one after another with
   nothing new to decide on (the ticks of the same rows, the parts of one decode, then the finish of the row they
   completed when it ranks first) run back to back, at most ``MAX_RUN``: the order is the same. A run ends before a
@@ -65,15 +78,20 @@ BYPASS_LIMIT = 16
 """Operations a waiting request may be bypassed by smaller ones in a row before its own goes first."""
 FINISH_EVALS = 2
 """A decode costs about this many denoiser evaluations of the same images (CPU and GPU alike, SD 1.5 to SDXL)."""
-URGENT_FACTOR = 2.0
-"""A request whose deadline is nearer than this many times its estimated remaining seconds goes first."""
+URGENT_FACTOR = 1.25
+"""The deadline guard's margin on estimates: a request is urgent when its own remaining seconds x this fit before
+its deadline and (those + the seconds ranked before it) x this do not."""
 MAX_RUN = 64
 """Operations of one kind for the same rows run back to back in the engine's thread at most (a run)."""
 BEGIN, TICK, FINISH = "begin", "tick", "finish"
 """The operations: a request's begin, a tick of rows, a request's finish (or a part of its decode)."""
 
-Rank = tuple[int, float, float]
-"""Smaller goes first: (tier, key, enqueued); tier 0 goes first as interrupted, starved or urgent."""
+DEFAULT_TENANT = "default"
+"""The tenant of a request without an owner (no auth)."""
+
+Rank = tuple[float, ...]
+"""Smaller goes first: (tier, key, enqueued), tier 0 first as interrupted, starved or urgent; prefixed by the
+tenant's virtual time (vtime, tier, key, enqueued) while more than one tenant has work (``Record.vtime``)."""
 
 
 @dataclass(eq=False)
@@ -106,6 +124,12 @@ class Record:
     """Operations run for smaller requests in a row while it waited."""
     shared: int | None = None
     """The most images any tick of it ran with (its x-sdserve-batch-size); accounting, no rule reads it."""
+    tenant: str = DEFAULT_TENANT
+    """Whose it is (the job's owner label): fair share is across tenants, today's order within one."""
+    ahead_s: float = 0.0
+    """Estimated seconds of the work ranked before it (:func:`prepare`, each decision): the deadline guard's."""
+    vtime: float | None = None
+    """Its tenant's virtual time (:class:`Share`) while more than one tenant has work; None: fair share is moot."""
 
     @property
     def begun(self) -> bool:
@@ -127,24 +151,121 @@ def left(r: Record) -> float:
     return r.images * (steps + FINISH_EVALS) * r.scale
 
 
+def seconds_left(r: Record) -> float:
+    """Its estimated remaining seconds: its estimate's share of the work left (0 when nothing was measured)."""
+    return 0.0 if r.estimate_s is None else r.estimate_s * left(r) / whole(r)
+
+
 def urgent(r: Record, now: float) -> bool:
-    """The deadline guard: its deadline is nearer than ``URGENT_FACTOR`` x its estimated remaining seconds (its
-    estimate's share of the work left; 0 when nothing was measured, so urgent once the deadline is here)."""
-    if r.deadline is None:
+    """The deadline guard: it would miss its deadline behind the work ranked before it but not going first, with
+    the margin: own x ``URGENT_FACTOR`` <= time to its deadline < (own + ``ahead_s``) x ``URGENT_FACTOR``, own being
+    :func:`seconds_left`. Not urgent: no deadline; nothing measured; a deadline it can meet after the work ahead
+    (however near: a client's header alone grants nothing); a deadline its own remaining time alone (with the
+    margin) already misses, since going first over others cannot be counted on to save it and would make every
+    request wait out a large one."""
+    if r.deadline is None or r.estimate_s is None:
         return False
-    seconds = 0.0 if r.estimate_s is None else r.estimate_s * left(r) / whole(r)
-    return r.deadline - now <= URGENT_FACTOR * seconds
+    own, due_in = seconds_left(r), r.deadline - now
+    return own * URGENT_FACTOR <= due_in < (own + r.ahead_s) * URGENT_FACTOR
+
+
+def _first(r: Record) -> bool:
+    """Goes first within its tenant whatever the estimates say: interrupted, or starved (``BYPASS_LIMIT``)."""
+    return r.interrupted or r.bypassed >= BYPASS_LIMIT
 
 
 def rank(r: Record, now: float) -> Rank:
     """The one ordering of the policy, smaller first: (0, deadline, enqueued) for an interrupted, starved
     (``BYPASS_LIMIT`` bypasses) or urgent request, else (1, work left x whole work, enqueued): Smith's rule with
     weights 1 / whole work, the order that keeps the sum of slowdowns smallest; among requests of equal work, the
-    least left first, then the oldest. A new ordering rule (fairness) changes this function."""
+    least left first, then the oldest. While more than one tenant has work, the tenant's virtual time comes first
+    (weighted fair share, :class:`Share`): the tenant served least for its weight goes first, today's order within
+    it."""
     due = r.deadline if r.deadline is not None else math.inf
-    if r.interrupted or r.bypassed >= BYPASS_LIMIT or urgent(r, now):
-        return (0, due, r.enqueued)
-    return (1, left(r) * whole(r), r.enqueued)
+    own: Rank = (0, due, r.enqueued) if _first(r) or urgent(r, now) else (1, left(r) * whole(r), r.enqueued)
+    return own if r.vtime is None else (r.vtime, *own)
+
+
+def _base(r: Record) -> Rank:
+    """Its rank without the deadline guard: the order the work ahead of a request is counted in."""
+    due = r.deadline if r.deadline is not None else math.inf
+    return (0, due, r.enqueued) if _first(r) else (1, left(r) * whole(r), r.enqueued)
+
+
+@dataclass
+class Share:
+    """Weighted fair share across tenants (policy-owned state, one per scheduler): each tenant with work has a
+    virtual time, the work served to it over its weight. ``weights``: label -> weight (unknown label: 1.0)."""
+
+    weights: Mapping[str, float] = field(default_factory=dict)
+    vtimes: dict[str, float] = field(default_factory=dict)
+    """The tenants with work at the last :meth:`active` and their virtual times."""
+
+    def weight(self, tenant: str) -> float:
+        w = self.weights.get(tenant, 1.0)
+        return w if w > 0 else 1.0
+
+    def active(self, tenants: Iterable[str]) -> None:
+        """The tenants with work now: one that (re)joins starts at the least virtual time of those that had work
+        and still have (0 when none); one without work is forgotten (no credit banked, no debt kept)."""
+        now = set(tenants)
+        kept = {t: v for t, v in self.vtimes.items() if t in now}
+        start = min(kept.values(), default=0.0)
+        self.vtimes = {t: kept.get(t, start) for t in sorted(now)}
+
+    def serve(self, tenant: str, work: float) -> None:
+        """``work`` (row-evaluations at its size) was served to ``tenant``."""
+        if tenant in self.vtimes:
+            self.vtimes[tenant] += work / self.weight(tenant)
+
+    def charge(self, kind: str, ran: Iterable[Record], times: int, decode_images: int) -> None:
+        """``times`` operations of ``kind`` ran ``ran``: a tick serves each row its images x scale, a decode (part
+        or finish) ``FINISH_EVALS`` per image it decodes (at most ``decode_images`` a part), a begin nothing."""
+        for r in ran:
+            if kind == TICK:
+                self.serve(r.tenant, times * r.images * r.scale)
+            elif kind == FINISH:
+                images = r.images if r.interrupted else min(r.images, times * decode_images)
+                self.serve(r.tenant, images * FINISH_EVALS * r.scale)
+
+    def stamp(self, records: Iterable[Record]) -> None:
+        """Each record's ``vtime``: its tenant's, while more than one tenant has work; else None."""
+        fair = len(self.vtimes) > 1
+        for r in records:
+            r.vtime = self.vtimes.get(r.tenant, 0.0) if fair else None
+
+
+def prepare(records: Sequence[Record], share: Share | None = None) -> None:
+    """Before a decision, with every request's record (running and queued, synced): the tenants with work, each
+    record's virtual time and its ``ahead_s`` (:func:`waits`)."""
+    if share is not None:
+        share.active(r.tenant for r in records)
+        share.stamp(records)
+    ahead = waits(records, share)
+    for r in records:
+        r.ahead_s = ahead[id(r)]
+
+
+def waits(records: Sequence[Record], share: Share | None = None) -> dict[int, float]:
+    """Each record's estimated wait in seconds (by ``id``): the remaining seconds of its tenant's requests ranked
+    before it (:func:`rank` without the deadline guard), plus, for each other tenant with work, what fair share
+    lets it run meanwhile: its remaining seconds, at most (this wait + own) x its weight / this tenant's weight."""
+    by_tenant: dict[str, list[Record]] = {}
+    for r in records:
+        by_tenant.setdefault(r.tenant, []).append(r)
+    totals = {t: sum(map(seconds_left, rs)) for t, rs in by_tenant.items()}
+    found: dict[int, float] = {}
+    for rs in by_tenant.values():
+        before = 0.0
+        for r in sorted(rs, key=_base):
+            found[id(r)] = before
+            before += seconds_left(r)
+    if len(by_tenant) > 1:
+        weight = share.weight if share is not None else (lambda t: 1.0)
+        for r in records:
+            mine, span = weight(r.tenant), found[id(r)] + seconds_left(r)
+            found[id(r)] += sum(min(total, span * weight(t) / mine) for t, total in totals.items() if t != r.tenant)
+    return found
 
 
 @dataclass
@@ -207,7 +328,7 @@ def choose(found: Sequence[Candidate[T]], now: float, max_batch: int) -> Decisio
     ranked = sorted((rank(c.record, now), k) for k, c in enumerate(found))  # each rank once
     order = [found[k] for _, k in ranked]
     lead = order[0]
-    op = Decision(lead.kind, lead, [lead], [c.record for c in found], ranked[0][0][0] == 0)
+    op = Decision(lead.kind, lead, [lead], [c.record for c in found], ranked[0][0][-3] == 0)  # its own tier
     if lead.kind == TICK:
         images = lead.record.images
         for other in order[1:]:
@@ -223,42 +344,62 @@ def choose(found: Sequence[Candidate[T]], now: float, max_batch: int) -> Decisio
 
 
 def count_bypass(lead: Record, ran: Iterable[Record], waiting: Iterable[Record], times: int) -> None:
-    """Bypass accounting after ``times`` operations led by ``lead`` that ran ``ran``: every waiting request with
-    more whole work than the lead's is bypassed that many times more; one that ran starts counting again; one of
-    equal or less whole work does not count."""
+    """Bypass accounting after ``times`` operations led by ``lead`` that ran ``ran``: every waiting request of the
+    lead's tenant with more whole work than the lead's is bypassed that many times more; one that ran starts
+    counting again; one of equal or less whole work does not count, nor one of another tenant (fair share bounds
+    what another tenant's work takes from it)."""
     bar = whole(lead)
     rows = {id(r) for r in ran}
     for r in waiting:
         if id(r) in rows:
             r.bypassed = 0
-        elif whole(r) > bar:
+        elif whole(r) > bar and r.tenant == lead.tenant:
             r.bypassed += times
 
 
-def run_bound(op: Decision[T], others: Iterable[Record], now: float, whole_in: int | None = None) -> tuple[int, float]:
+def run_bound(op: Decision[T], others: Iterable[Record], now: float, whole_in: int | None = None,
+              share: Share | None = None, decode_images: int = 1) -> tuple[int, float]:
     """How many operations like ``op`` (a tick of the same rows, the next parts of the same decode) may run back to
     back, and until when (monotonic): with nothing new, they are what :func:`choose` would pick one by one, since the
     rows they run only move further ahead of the rest. What changes the choice without news bounds them: a waiting
-    request reaching its bypass limit (the count), a queued request run whole becoming due (``whole_in``: operations
-    until its turn, None: none queued), a deadline among ``others`` (every row and queued request) passing or one of
-    them turning urgent (the time). A lead that goes first (tier 0) runs one. At least one, at most ``MAX_RUN``."""
+    request of the lead's tenant reaching its bypass limit (the count), a queued request run whole becoming due
+    (``whole_in``: operations until its turn, None: none queued), the lead's tenant's virtual time reaching another
+    tenant's (the count: fair share), a deadline among ``others`` (every row and queued request) passing or one of
+    them turning urgent (the time; the work ahead of it only shrinks meanwhile). A lead that goes first (tier 0) runs
+    one. At least one, at most ``MAX_RUN``."""
     if op.first:
         return 1, now
     rows = {id(r) for r in op.ran}
-    bar = whole(op.lead.record)
+    lead = op.lead.record
+    bar = whole(lead)
     most, until = MAX_RUN, math.inf
     for r in op.waiting:
-        if id(r) not in rows and whole(r) > bar:
+        if id(r) not in rows and whole(r) > bar and r.tenant == lead.tenant:
             most = min(most, BYPASS_LIMIT - r.bypassed)
     if whole_in is not None:
         most = min(most, whole_in)
+    if share is not None and lead.vtime is not None:
+        most = min(most, _fair_bound(op, share, decode_images))
     for r in others:
         if r.deadline is None:
             continue
         until = min(until, r.deadline)
         if id(r) not in rows and r.estimate_s is not None:
-            until = min(until, r.deadline - URGENT_FACTOR * r.estimate_s * left(r) / whole(r))
+            until = min(until, r.deadline - URGENT_FACTOR * (seconds_left(r) + r.ahead_s))
     return max(1, most), until
+
+
+def _fair_bound(op: Decision[T], share: Share, decode_images: int) -> int:
+    """Operations like ``op`` after which its lead's tenant's virtual time is still below every other waiting
+    tenant's (each one advances it by its rows' work over its weight): within it the lead's tenant ranks first."""
+    lead = op.lead.record
+    gap = min((r.vtime for r in op.waiting if r.tenant != lead.tenant and r.vtime is not None), default=math.inf)
+    trial = Share(share.weights, {lead.tenant: 0.0})
+    trial.charge(op.kind, [r for r in op.ran if r.tenant == lead.tenant], 1, decode_images)
+    step = trial.vtimes[lead.tenant]
+    if step <= 0 or gap == math.inf:
+        return MAX_RUN
+    return max(1, math.ceil((gap - (lead.vtime or 0.0)) / step))
 
 
 def finish_next(ran: Sequence[Record], now: float, runner_up: Rank | None, decode_images: int) -> int | None:

@@ -38,7 +38,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from starlette.concurrency import run_in_threadpool
@@ -52,6 +52,7 @@ from server.errors import DeadlineExceededError
 from server.metrics import Metrics
 from server.step_policy import (
     BEGIN,
+    DEFAULT_TENANT,
     FINISH,
     TICK,
     WHOLE,
@@ -59,12 +60,15 @@ from server.step_policy import (
     Decision,
     Rank,
     Record,
+    Share,
     Turns,
     candidates,
     choose,
     count_bypass,
     finish_next,
+    prepare,
     run_bound,
+    waits,
 )
 
 log = logging.getLogger(__name__)
@@ -117,13 +121,16 @@ class StepBatcher(Batcher):
 
     def __init__(self, engine: Engine, metrics: Metrics, lock: asyncio.Lock, max_queue: int, max_batch: int,
                  max_delay_s: float, cost: CostModel | None = None, max_running: int = 32,
-                 decode_images: int = 1) -> None:
+                 decode_images: int = 1, weights: Mapping[str, float] | None = None) -> None:
+        """``weights``: tenant label -> its weight in the fair share (``settings.auth.tenants``; unknown: 1.0)."""
         super().__init__(engine, metrics, lock, max_queue, max_batch, max_delay_s, cost)
         self.max_running = max(max_running, max_batch)
         self.decode_images = max(1, decode_images)
         self.sets: dict[Hashable, RunningSet] = {}
         self.turns = Turns()
         """Requests run whole take turns with the running sets."""
+        self.share = Share(weights if weights is not None else {})
+        """The tenants' fair share (step_policy.Share: their virtual times)."""
         self._nudged = threading.Event()
         """Set when a request is queued, interrupted or gone: a run of operations ends at the next boundary."""
         self.watch(self._nudged.set)
@@ -134,6 +141,20 @@ class StepBatcher(Batcher):
     @property
     def busy(self) -> bool:
         return bool(self.queue) or self.running > 0 or bool(self.sets)
+
+    def ahead_seconds(self, costs: Sequence[Cost] | None = None, owner: str | None = None) -> float:
+        """Estimated seconds a new request of ``costs`` (one request's jobs; the first one's wait) from ``owner``
+        would wait: the work the policy would run before it (its rank among the queued and running requests,
+        step_policy.waits), not the whole queue. Without ``costs``: every admitted job's (the micro-batcher's)."""
+        if not costs:
+            return super().ahead_seconds()
+        on_loop_thread()
+        c = costs[0]
+        estimate = self.cost.estimate(c)
+        new = Record(c.images, c.steps, self.cost.work(c.width, c.height) / self.cost.work(64, 64), time.monotonic(),
+                     tenant=owner or DEFAULT_TENANT, estimate_s=None if estimate is None else estimate.seconds)
+        others = [self._sync(job) for job in [*self.rows(), *self.queue]]
+        return waits([*others, new], self.share)[id(new)]
 
     def progress_for(self, owner: str | None) -> Progress | None:
         """The caller's oldest running request (else the oldest running one; else a batch run whole)."""
@@ -194,18 +215,18 @@ class StepBatcher(Batcher):
         if job.record is None:
             b = job.batch
             job.record = Record(job.images, b.steps, self.cost.work(b.width, b.height) / self.cost.work(64, 64),
-                                job.enqueued, job.deadline)
+                                job.enqueued, job.deadline, tenant=job.owner or DEFAULT_TENANT)
         return job.record
 
     def _sync(self, job: Job) -> Record:
-        """The job's record with its progress and interrupt as of now (and its estimate, for the deadline guard)."""
+        """The job's record with its progress and interrupt as of now (and its estimate: the deadline guard's, and
+        the work ahead of others)."""
         record, run = self._record(job), job.run
         record.steps_left = None if run is None else max(0, run.steps_total - run.steps_done)
         record.finished = run is not None and run.finished
         record.interrupted = job.interrupted
-        if job.deadline is not None:
-            estimate = self.cost.estimate(job.cost)
-            record.estimate_s = None if estimate is None else estimate.seconds
+        estimate = self.cost.estimate(job.cost)
+        record.estimate_s = None if estimate is None else estimate.seconds
         return record
 
     def _key(self, job: Job) -> Hashable:
@@ -251,6 +272,7 @@ class StepBatcher(Batcher):
         on_loop_thread()
         queued = [(self._sync(job), job) for job in self.queue]
         running = {key: [(self._sync(job), job) for job in s.jobs] for key, s in self.sets.items()}
+        prepare([r for r, _ in queued] + [r for rows in running.values() for r, _ in rows], self.share)
         return choose(candidates(running, queued, self.max_running), now, self.max_batch)
 
     def _count_bypass(self, op: Operation, times: int) -> None:
@@ -258,13 +280,15 @@ class StepBatcher(Batcher):
         on_loop_thread()
         self.turns.ran(times)
         count_bypass(op.lead.record, op.ran, op.waiting, times)
+        self.share.charge(op.kind, op.ran, times, self.decode_images)
 
     def _run_bound(self, op: Operation, now: float) -> tuple[int, float]:
         """How many operations like ``op`` may run back to back in the engine's thread, and until when: the policy's
         bounds (step_policy.run_bound); news (``_nudged``) ends a run at the next boundary besides."""
         on_loop_thread()
         whole_in = self.turns.left(len(self.sets)) if any(self._record(j).key == WHOLE for j in self.queue) else None
-        return run_bound(op, [self._sync(job) for job in [*self.rows(), *self.queue]], now, whole_in)
+        return run_bound(op, [self._sync(job) for job in [*self.rows(), *self.queue]], now, whole_in, self.share,
+                         self.decode_images)
 
     def _go_on(self, runs: list[StepRun], done: int, most: int, until: float) -> bool:
         """Whether a run of operations goes on after ``done`` of them (in the engine's thread: reads flags only)."""
@@ -446,7 +470,7 @@ class StepBatcher(Batcher):
         elapsed = time.perf_counter() - job.started
         self.last_provider = result.provider
         self.cost.observe(Cost(job.batch.width, job.batch.height, result.steps_done, job.images),
-                          result.timings.total or elapsed)
+                          result.timings.total or elapsed, result.timings)
         m = self.metrics
         m.compute_seconds.observe(result.timings.total or elapsed)
         m.images.inc(len(result.images))

@@ -25,6 +25,7 @@ from server.step_policy import (
     count_bypass,
     finish_next,
     left,
+    prepare,
     rank,
     run_bound,
     urgent,
@@ -177,24 +178,56 @@ def test_equal_requests_never_push_each_other_ahead() -> None:
 
 
 def test_the_deadline_guard_urgent_requests_go_first_earliest_deadline_first() -> None:
-    """100 s estimated for the whole of a 50-step request: due in 150 s it is urgent (< 2 x 100 s x its share
-    left), due in an hour it is not; urgent ones go by deadline, before any smaller request."""
-    assert URGENT_FACTOR == 2.0
-    near = rec(1, 50, at=2.0, deadline=NOW + 150.0, estimate_s=100.0)
-    nearer = rec(1, 50, at=3.0, deadline=NOW + 120.0, estimate_s=100.0)
-    far = rec(1, 50, at=1.0, deadline=NOW + 3600.0, estimate_s=100.0)
+    """100 s estimated for the whole of a 50-step request with 30 s of work ranked before it: due in 150 s it is
+    urgent (1.25 x 100 s fits, 1.25 x 130 s does not), due in an hour it is not; urgent ones go by deadline, before
+    any smaller request. (Issue 52 point 0: before it, urgency was 2 x its own estimate, work ahead or not.)"""
+    assert URGENT_FACTOR == 1.25
+    near = rec(1, 50, at=2.0, deadline=NOW + 150.0, estimate_s=100.0, ahead_s=30.0)
+    nearer = rec(1, 50, at=3.0, deadline=NOW + 140.0, estimate_s=100.0, ahead_s=30.0)
+    far = rec(1, 50, at=1.0, deadline=NOW + 3600.0, estimate_s=100.0, ahead_s=30.0)
     assert urgent(near, NOW) and not urgent(far, NOW)
-    assert not urgent(rec(1, 50, done=40, deadline=NOW + 150.0, estimate_s=100.0), NOW)  # 12/52 of it left
+    assert not urgent(rec(1, 50, done=40, deadline=NOW + 150.0, estimate_s=100.0, ahead_s=30.0), NOW)  # 12/52 left
     assert rank(near, NOW) == (0, NOW + 150.0, 2.0)
     op = choose([queued("short", rec(1, 4)), queued("far", far), queued("near", near), queued("nearer", nearer)],
                 NOW, 4)
     assert op is not None and op.lead.item == "nearer" and op.first
 
 
-def test_without_an_estimate_a_request_is_urgent_only_once_its_deadline_is_here() -> None:
-    assert not urgent(rec(deadline=NOW + 0.5), NOW)
-    assert urgent(rec(deadline=NOW), NOW)
-    assert not urgent(rec(), NOW)
+def test_without_an_estimate_or_a_deadline_a_request_is_never_urgent() -> None:
+    """Nothing measured: nothing to tell a deadline at risk by (a passed one leaves at the boundary: 504)."""
+    assert not urgent(rec(deadline=NOW + 0.5, ahead_s=10.0), NOW)
+    assert not urgent(rec(deadline=NOW), NOW)
+    assert not urgent(rec(estimate_s=10.0, ahead_s=100.0), NOW)
+
+
+def test_a_large_request_is_not_urgent_for_being_large() -> None:
+    """Issue 52 point 0: a 4-image 50-step request due in 1.5 x its own estimate would meet its deadline after a
+    small request, so it does not go ahead of it; one due in 1.1 x its estimate (a client's header) cannot be
+    saved by going first over others, so it is not urgent either, whatever is ahead."""
+    large = rec(4, 50, at=0.0, deadline=NOW + 150.0, estimate_s=100.0)
+    small = rec(1, 4, at=1.0, estimate_s=0.5)
+    prepare([large, small])
+    assert large.ahead_s == 0.5 and small.ahead_s == 0.0
+    assert not urgent(large, NOW)
+    op = choose([queued("large", large), queued("small", small)], NOW, 4)
+    assert op is not None and op.lead.item == "small" and not op.first
+    tight = rec(4, 50, at=0.0, deadline=NOW + 110.0, estimate_s=100.0, ahead_s=1000.0)
+    assert not urgent(tight, NOW)
+
+
+def test_a_small_request_that_would_miss_its_deadline_behind_a_large_one_is_urgent() -> None:
+    """A 4-image request four steps from its end (24 x 208) ranks before a 1-image 100-step one (102 x 102); its
+    11.5 s left would make the other (10 s of its own, due in 20 s) miss its deadline: it turns urgent and leads.
+    Without the deadline the order is Smith's rule."""
+    large = rec(4, 50, done=46, at=0.0, estimate_s=100.0)
+    small = rec(1, 100, at=1.0, deadline=NOW + 20.0, estimate_s=10.0)
+    prepare([large, small])
+    assert small.ahead_s == 100.0 * 24 / 208 and urgent(small, NOW)
+    op = choose([row("large", large), queued("small", small)], NOW, 1)
+    assert op is not None and op.lead.item == "small" and op.first
+    small.deadline = None
+    op = choose([row("large", large), queued("small", small)], NOW, 1)
+    assert op is not None and op.lead.item == "large"
 
 
 def test_an_interrupted_row_goes_first() -> None:
@@ -229,7 +262,9 @@ def test_a_run_ends_before_a_deadline_and_before_a_waiting_request_turns_urgent(
     assert until == NOW + 30.0  # its own deadline: a ran row's urgency does not bound it
     mine.deadline = None
     _, until = run_bound(op, [mine, other], NOW)
-    assert until == NOW + 500.0 - URGENT_FACTOR * 100.0  # when the waiting one turns urgent (all of it left)
+    other.ahead_s = 40.0
+    _, until = run_bound(op, [mine, other], NOW)
+    assert until == NOW + 500.0 - URGENT_FACTOR * 140.0  # when the waiting one turns urgent: all of it left + ahead
 
 
 def test_a_run_ends_when_a_queued_request_run_whole_is_due_and_runs_one_when_it_is() -> None:

@@ -312,15 +312,16 @@ def test_a_finished_row_is_decoded_before_longer_work_begins(engine: StepFakeEng
 
 
 def test_a_request_near_its_deadline_goes_before_smaller_ones(engine: StepFakeEngine) -> None:
-    """The deadline guard: with 100 s per image-step measured, a 50-step request due in an hour has less than
-    twice its remaining time left, so it is urgent and leads every operation before a 4-step request without a
-    deadline (which rides in its calls: room is left)."""
+    """The deadline guard: with 100 s per image-step measured, a 50-step request (5000 s) due in 6255 s meets its
+    deadline going first (1.25 x 5000 s) but not behind the 4-step request ranked before it (1.25 x (5000 s + its
+    333 s)), so it is urgent and leads every operation before that request, which has no deadline (and rides in its
+    calls: room is left). Issue 52 point 0: before, due in an hour (less than 2 x its own 5000 s) made it urgent."""
     import time
 
     engine.loaded = True
     batcher = _batcher(engine)
     batcher.cost.seed(64, 64, 1, 1, 100.0)
-    due = {"urgent": time.monotonic() + 3600.0}
+    due = {"urgent": time.monotonic() + 6255.0}
     asyncio.run(asyncio.wait_for(_release_after(engine, batcher, _one("short", 4), [_one("urgent", 50)], due), 30))
     assert engine.ops[:3] == [("begin", "short"), ("tick", "short"), ("begin", "urgent")]
     assert engine.tick_log[1:4] == [["urgent", "short"]] * 3  # it leads; the short row's last three fill its calls
