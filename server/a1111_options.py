@@ -9,7 +9,8 @@ Keys, types and A1111's defaults come from AUTOMATIC1111/stable-diffusion-webui 
   images to disk; ``live_previews_enable`` is false: the engine reports no intermediate images);
 * accepts a write that equals what sdserve does (so a client may post back the whole GET body, as Open WebUI's
   ``set_image_model`` does) and a write to a key it can honour (``send_seed``, ``send_size``: kept for the life of
-  the process, never on disk);
+  the process, never on disk, per tenant: one tenant's write never changes what another reads, issue 52 point 4;
+  no write changes a generation's result, so no tenant's write reaches another's images);
 * refuses everything else with 422 naming the key: an unknown key, a value sdserve cannot honour, a checkpoint that is
   not the served model (the message names the served one). A refused write changes nothing (all keys are checked
   before any is stored).
@@ -102,17 +103,26 @@ def set_overrides(overrides: Mapping[str, object]) -> dict[str, object]:
     return {key: value for key, value in overrides.items() if not (value is None or value == "")}
 
 
+DEFAULT_TENANT = "default"
+"""The one tenant without auth (server/middleware.py tenant_label)."""
+
+
 class OptionsStore:
-    """The process's A1111 options: the fixed ones derived from the served model, the writable ones in memory."""
+    """The process's A1111 options: the fixed ones derived from the served model, the writable ones in memory, one
+    set per tenant (a tenant that never wrote reads A1111's defaults)."""
 
     def __init__(self) -> None:
-        self.values: dict[str, bool] = dict(WRITABLE)
+        self._values: dict[str, dict[str, bool]] = {}
 
-    def snapshot(self, info: ModelInfo) -> dict[str, Any]:
-        """The GET /sdapi/v1/options body."""
+    def values(self, tenant: str = DEFAULT_TENANT) -> dict[str, bool]:
+        """``tenant``'s writable options (a copy)."""
+        return dict(self._values.get(tenant, WRITABLE))
+
+    def snapshot(self, info: ModelInfo, tenant: str = DEFAULT_TENANT) -> dict[str, Any]:
+        """The GET /sdapi/v1/options body ``tenant`` reads."""
         body: dict[str, Any] = {"sd_model_checkpoint": model_title(info)}
         body |= {key: fixed.value(info) for key, fixed in FIXED.items()}
-        return body | self.values
+        return body | self.values(tenant)
 
     def problems(self, body: Mapping[str, object], info: ModelInfo, prefix: str = "",
                  keep: int = MAX_PROBLEMS) -> tuple[list[tuple[str, str]], int]:
@@ -159,10 +169,13 @@ class OptionsStore:
             supported = f"; sdserve supports {SUPPORTED}" if unknown else ""
             raise InvalidRequestError("; ".join(m for _, m in found) + more + supported, param=found[0][0][:200])
 
-    def apply(self, body: Mapping[str, object], info: ModelInfo) -> None:
-        """POST /sdapi/v1/options: all keys are checked before any is stored, so a refused write changes nothing."""
+    def apply(self, body: Mapping[str, object], info: ModelInfo, tenant: str = DEFAULT_TENANT) -> None:
+        """POST /sdapi/v1/options for ``tenant``: all keys are checked before any is stored, so a refused write
+        changes nothing; a write changes only ``tenant``'s options."""
         self.check(body, info)
+        values = self.values(tenant)
         for key in WRITABLE.keys() & body.keys():
             value = body[key]
             assert isinstance(value, bool)  # checked above
-            self.values[key] = value
+            values[key] = value
+        self._values[tenant] = values

@@ -8,7 +8,8 @@ What arrives and what happens to it:
   before a pixel is decoded (a decompression bomb is a tiny file declaring huge dimensions).
 - Decode cost: a progressive JPEG decodes once per scan over the whole image, so its scan count (counted in the
   byte stream before decoding) is bounded by ``limits.max_jpeg_scans``; at most ``limits.decode_concurrency``
-  images decode at once in the process (one more is a 429, never a queue of threads).
+  images decode at once in the process (one more is a 429, never a queue of threads), shared fairly across tenants
+  (``DecoderSlots``: a slot freed while another tenant waits goes to that tenant).
 - Per request: the pixels all its images and masks declare, read from their headers before any is decoded, are
   bounded by ``limits.max_request_pixels`` (``check_pixel_budget``).
 - Truncated or corrupt files: refused (never decoded partially); a PNG must end with IEND and its image data must
@@ -26,10 +27,13 @@ import base64
 import binascii
 import contextlib
 import io
+import math
 import threading
+import time
 import warnings
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from typing import Literal
 
 from PIL import Image, ImageFilter, ImageOps, UnidentifiedImageError
@@ -43,28 +47,95 @@ MAX_JPEG_SCANS = 100
 """Default bound on a JPEG's scans: libjpeg's progressive script writes 10 for colour images (6 for grayscale);
 each scan costs a pass over the whole image (~0.75 ms per scan at 4096x4096, issue 32)."""
 _policy = {"max_jpeg_scans": MAX_JPEG_SCANS}
-_slots = threading.BoundedSemaphore(4)
+DEFAULT_TENANT = "default"
+WAIT_WINDOW_S = 10.0
+"""How long a refused tenant counts as waiting for a decoder: longer than the refusal's Retry-After (1 s), so the
+slot kept for it is there at its retry; a tenant that gave up stops counting after it."""
+_tenant: ContextVar[str] = ContextVar("sdserve_decode_tenant", default=DEFAULT_TENANT)
+
+
+class DecoderSlots:
+    """At most ``slots`` images decoding at once, shared fairly across tenants (issue 52 point 4).
+
+    A tenant refused a slot is waiting (from its first refusal until it takes one, or ``window_s`` after it last
+    asked). A free slot goes to a waiting tenant before any tenant that holds more slots or waited less: a tenant
+    takes one only while more are free than the other tenants ahead of it need (a tenant ahead: waiting, holding
+    fewer slots, or as many and waiting longer). Alone, a tenant may use every slot, as before tenants; with
+    another one waiting, each slot one tenant gives back goes to the other until they hold equal shares
+    (``ceil(slots / tenants)``). Never a wait (``try_acquire``): a waiting worker thread would be one the
+    threadpool (JSON parsing, the engine's batches) no longer has. Thread-safe; ``clock`` is injectable."""
+
+    def __init__(self, slots: int, window_s: float = WAIT_WINDOW_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.slots, self.window_s, self.clock = max(1, slots), window_s, clock
+        self.held: dict[str, int] = {}
+        self._waiting: dict[str, tuple[float, float]] = {}
+        """tenant -> (first refusal, last refusal) since it last took a slot."""
+        self._lock = threading.Lock()
+
+    def try_acquire(self, tenant: str) -> str | None:
+        """Take a slot for ``tenant``: None when taken, else why not (a refusal makes the tenant waiting)."""
+        with self._lock:
+            now = self.clock()
+            for name in [t for t, (_, last) in self._waiting.items() if now - last > self.window_s]:
+                del self._waiting[name]
+            free = self.slots - sum(self.held.values())
+            mine = (self.held.get(tenant, 0), self._waiting.get(tenant, (math.inf, now))[0])
+            ahead = sum(1 for t, (since, _) in self._waiting.items()
+                        if t != tenant and (self.held.get(t, 0), since) < mine)
+            if free > ahead:
+                self.held[tenant] = mine[0] + 1
+                self._waiting.pop(tenant, None)
+                return None
+            self._waiting[tenant] = (self._waiting.get(tenant, (now, now))[0], now)
+            if free <= 0:
+                return "every image decoder of this server is busy (limits.decode_concurrency)"
+            return ("every free image decoder of this server is kept for another caller's request that waited "
+                    "longer (decoders are shared fairly across API keys; limits.decode_concurrency)")
+
+    def release(self, tenant: str) -> None:
+        with self._lock:
+            left = self.held.get(tenant, 0) - 1
+            if left > 0:
+                self.held[tenant] = left
+            else:
+                self.held.pop(tenant, None)
+
+
+_slots = DecoderSlots(4)
 
 
 def configure(max_jpeg_scans: int, decode_concurrency: int) -> None:
     """Process-wide decode bounds (server/app.py sets them from ``limits`` at start)."""
     global _slots
     _policy["max_jpeg_scans"] = max_jpeg_scans
-    _slots = threading.BoundedSemaphore(decode_concurrency)
+    _slots = DecoderSlots(decode_concurrency)
+
+
+@contextlib.contextmanager
+def decoding_for(tenant: str | None) -> Iterator[None]:
+    """Decodes started inside (in this task, or in worker threads it starts: the context is copied) count against
+    ``tenant``'s share of the decoders (the request's owner label; None: the one tenant without auth)."""
+    token = _tenant.set(tenant or DEFAULT_TENANT)
+    try:
+        yield
+    finally:
+        _tenant.reset(token)
 
 
 @contextlib.contextmanager
 def _decode_slot(field: str) -> Iterator[None]:
-    """A try-acquire, never a wait: a waiting worker thread would be one the threadpool (JSON parsing, the
-    engine's batches) no longer has."""
-    slots = _slots
-    if not slots.acquire(blocking=False):
-        raise QueueFullError(f"{field}: every image decoder of this server is busy (limits.decode_concurrency): "
-                             "retry shortly", 1)
+    """A try-acquire, never a wait (``DecoderSlots``): a 429 naming ``field`` when the caller's tenant has no slot."""
+    slots, tenant = _slots, _tenant.get()
+    refused = slots.try_acquire(tenant)
+    if refused is not None:
+        raise QueueFullError(f"{field}: {refused}: retry shortly", 1)
     try:
         yield
     finally:
-        slots.release()
+        slots.release(tenant)
+
+
 ResizeMode = Literal[0, 1, 2]
 """A1111's resize modes: 0 just resize (stretch), 1 crop and resize (fill, center crop), 2 resize and fill (fit,
 the bands filled by stretching the image's edges)."""

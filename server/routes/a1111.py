@@ -20,7 +20,7 @@ from server.a1111_request import Txt2ImgRequest as Txt2ImgRequest  # its old hom
 from server.a1111_request import from_a1111
 from server.hires import HiresPlan, make_plan, run_hires
 from server.images import embed_infotext
-from server.middleware import api_key_id
+from server.middleware import tenant_label
 from server.provenance_stage import stamp_a1111
 from server.request_rules import resolve_size
 from server.routes.a1111_infotext import generation_info
@@ -198,7 +198,7 @@ async def txt2img(req: Txt2ImgRequest, request: Request, response: Response) -> 
     batches = service.to_batches(from_a1111(req, info_model, scheduler))
     plan = _hires_plan(req, batches[0], info_model, request.app.state.settings) if req.enable_hr else None
     timeout = request.headers.get(headers.TIMEOUT)
-    owner = api_key_id(request.scope)
+    owner = tenant_label(request.scope)
     if plan is not None:
         outs = await run_hires(service, batches, plan, timeout, request.is_disconnected, owner)
     else:

@@ -33,8 +33,8 @@ from engines.types.request import LatentFill
 from server import headers
 from server.a1111_request import HIRES_FIELDS, Txt2ImgRequest, from_a1111
 from server.edits import EditInput, edit_batch, require_edits, within_deadline
-from server.images_in import blur_mask, check_pixel_budget, fill_masked, from_base64, resize
-from server.middleware import api_key_id
+from server.images_in import blur_mask, check_pixel_budget, decoding_for, fill_masked, from_base64, resize
+from server.middleware import tenant_label
 from server.provenance_stage import stamp_a1111
 from server.routes.a1111 import (
     Txt2ImgResponse,
@@ -169,7 +169,8 @@ async def img2img(req: Img2ImgRequest, request: Request, response: Response) -> 
                             settings.limits.max_request_pixels)  # headers only, before any pixel is decoded
     # admitted on the batches' estimated cost before any pixel is decoded; decoding runs under the deadline
     deadline = service.preadmit(batches, request.headers.get(headers.TIMEOUT))
-    images, mask = await within_deadline(deadline, _decode, req, settings.limits.max_image_pixels)
+    with decoding_for(tenant_label(request.scope)):  # the decoders are shared fairly across tenants
+        images, mask = await within_deadline(deadline, _decode, req, settings.limits.max_image_pixels)
     first = batches[0]
     box = crop_region(mask, req.inpaint_full_res_padding, first.width, first.height) \
         if mask is not None and req.inpaint_full_res else None
@@ -179,7 +180,7 @@ async def img2img(req: Img2ImgRequest, request: Request, response: Response) -> 
                      fill=FILLS[req.inpainting_fill][0])
     batches = [edit_batch(b, edit, info, req.denoising_strength) for b in batches]
     outs = await asyncio.gather(*(service.run(b, request.headers.get(headers.TIMEOUT),
-                                              request.is_disconnected, api_key_id(request.scope)) for b in batches))
+                                              request.is_disconnected, tenant_label(request.scope)) for b in batches))
     outs[-1].trace_headers(response)
     response.headers[headers.MODE] = batches[0].mode
     ignored = req.ignored(families.facts(info.family).distilled_guidance)

@@ -39,10 +39,12 @@ from starlette.concurrency import run_in_threadpool
 
 from server import headers
 from server.a1111_options import OptionsStore, model_title
-from server.batcher import Progress
+from server.batcher import Batcher, Progress
 from server.edits import within_deadline
 from server.hires import UPSCALERS, served_latent_modes
+from server.images_in import decoding_for
 from server.infotext_parse import png_info_body
+from server.middleware import tenant_label
 from server.routes.a1111 import SCHEDULES, served_schedules
 from server.schemas import error_responses
 
@@ -62,14 +64,16 @@ def options_store(app: FastAPI) -> OptionsStore:
 
 @router.get("/options")
 async def get_options(request: Request) -> dict[str, Any]:
-    """The options A1111 clients read to connect (503 until the model is loaded)."""
-    return options_store(request.app).snapshot(request.app.state.engine.info)
+    """The options A1111 clients read to connect (503 until the model is loaded); the writable ones are the
+    caller's tenant's."""
+    return options_store(request.app).snapshot(request.app.state.engine.info, caller(request))
 
 
 @router.post("/options")
 async def set_options(body: dict[str, Any], request: Request) -> None:
-    """Writes sdserve can honour persist for the process; anything else is 422 naming the key (A1111 returns null)."""
-    options_store(request.app).apply(body, request.app.state.engine.info)
+    """Writes sdserve can honour persist for the process, for the caller's tenant only; anything else is 422 naming
+    the key (A1111 returns null)."""
+    options_store(request.app).apply(body, request.app.state.engine.info, caller(request))
 
 
 class ProgressState(BaseModel):
@@ -101,12 +105,12 @@ async def progress(request: Request, skip_current_image: bool = False) -> Progre
     if state.state == "failed":
         request.app.state.service.require_ready()  # raises the permanent 503 with the boot failure
     batcher = request.app.state.service.batcher
-    queued, running, now = len(batcher.queue), batcher.running, batcher.progress_for(caller(request))
+    queued, running, now, ahead = caller_view(batcher, caller(request))
     booting = state.state in BOOTING
     jobs = queued + running + int(booting)
     if jobs == 0:
         return ProgressResponse(progress=0.0, eta_relative=0.0, state=ProgressState())
-    ahead_s = math.ceil(sum(j.images for j in batcher.queue) / batcher.max_batch) * batcher.stats.batch_seconds
+    ahead_s = math.ceil(ahead / batcher.max_batch) * batcher.stats.batch_seconds
     if booting:
         job, text = f"sdserve: {state.state}", "; ".join(state.reasons) or f"server is {state.state}"
         return ProgressResponse(progress=0.01, eta_relative=round(ahead_s, 3),
@@ -119,6 +123,30 @@ async def progress(request: Request, skip_current_image: bool = False) -> Progre
                             state=ProgressState(job="sdserve: generating" if running else "sdserve: queued",
                                                 job_count=jobs, sampling_step=done, sampling_steps=total),
                             textinfo=text)
+
+
+def caller_view(batcher: Batcher, owner: str | None) -> tuple[int, int, Progress | None, int]:
+    """What /progress shows ``owner``: (requests queued, running, the progress to report, images queued up to its
+    last queued request). While every job in sight is the caller's (always without auth) that is the server's
+    whole state, as before tenants. Once another tenant's job is queued or running, only the caller's own are
+    counted and only its own running job's step and ETA are reported (issue 52 point 4): none of another
+    tenant's."""
+    live = [*batcher._live, *batcher.rows()]  # the jobs executing: a batch run whole, and rows stepped
+    queue = list(batcher.queue)
+    if all(job.owner == owner for job in (*live, *queue)):
+        return len(queue), batcher.running, batcher.progress_for(owner), sum(job.images for job in queue)
+    mine = [i for i, job in enumerate(queue) if job.owner == owner]
+    ahead = sum(job.images for job in queue[:mine[-1] + 1]) if mine else 0
+    rows = [job for job in batcher.rows() if job.owner == owner]
+    whole = any(job.owner == owner for job in batcher._live)
+    stepped = [job for job in rows if job.run is not None]
+    if stepped:  # the caller's oldest stepped request, as the step batcher's progress_for picks it
+        job = min(stepped, key=lambda j: j.enqueued)
+        assert job.run is not None
+        now: Progress | None = Progress(job.run.steps_done, job.run.steps_total, job.started, job.images)
+    else:
+        now = batcher.progress if whole else None
+    return len(mine), len(rows) + int(whole), now, ahead
 
 
 def _remaining_s(now: Progress) -> float:
@@ -138,10 +166,10 @@ class InterruptResponse(BaseModel):
     detail: str
 
 
-def caller(request: Request) -> str | None:
-    """The caller's API key id (set by the auth middleware); None when auth is off (one caller, as in A1111)."""
-    value = request.scope.get("state", {}).get("api_key_id")
-    return str(value) if value is not None else None
+def caller(request: Request) -> str:
+    """The caller's tenant (server/middleware.py ``tenant_label``), as the generation routes name their jobs'
+    owner: ``default`` when auth is off (one caller, as in A1111)."""
+    return tenant_label(request.scope)
 
 
 def _stop(request: Request, response: Response, queued_too: bool) -> InterruptResponse:
@@ -213,7 +241,8 @@ async def png_info(req: PngInfoRequest, request: Request) -> Response:
     worker thread under the request's deadline, bounded (server/infotext_parse.py)."""
     limit = request.app.state.settings.limits.max_image_pixels
     deadline = request.app.state.service.deadline(request.headers.get(headers.TIMEOUT))
-    body = await within_deadline(deadline, png_info_body, req.image, limit)
+    with decoding_for(caller(request)):  # the decoders are shared fairly across tenants
+        body = await within_deadline(deadline, png_info_body, req.image, limit)
     return Response(body, media_type="application/json")
 
 

@@ -32,7 +32,8 @@ from engines.types.request import Batch
 from server import headers
 from server.edits import EditInput, edit_batch, require_edits, within_deadline
 from server.hires import HiresPlan, make_plan
-from server.images_in import alpha_mask, check_pixel_budget, decode, mask_image
+from server.images_in import alpha_mask, check_pixel_budget, decode, decoding_for, mask_image
+from server.middleware import tenant_label
 from server.request_rules import FieldNotes, from_openai, hires_base, openai_notes
 from server.routes.openai_images import run_and_answer
 from server.schemas import ImageGenerationRequest, ImagesResponse, error_responses
@@ -170,8 +171,9 @@ async def edit_images(request: Request, response: Response) -> ImagesResponse:
                             service.settings.limits.max_request_pixels)
     # admitted on its estimated cost before any pixel is decoded; the decodes run under the request's deadline
     deadline = service.preadmit([_first_batch(req, request)], request.headers.get(headers.TIMEOUT))
-    image = await within_deadline(deadline, decode, images[0], "image", limit)
-    mask = await within_deadline(deadline, decode, masks[0], "mask", limit) if masks else None
+    with decoding_for(tenant_label(request.scope)):  # the decoders are shared fairly across tenants
+        image = await within_deadline(deadline, decode, images[0], "image", limit)
+        mask = await within_deadline(deadline, decode, masks[0], "mask", limit) if masks else None
     if mask is not None and mask.size != image.size:
         raise InvalidRequestError(f"mask is {mask.width}x{mask.height} but image is {image.width}x{image.height}: "
                                   "they must have the same dimensions", param="mask")
@@ -194,5 +196,6 @@ async def image_variations(request: Request, response: Response) -> ImagesRespon
     strength = fields.pop("strength", service.settings.limits.variation_strength)
     req = _request({**fields, "prompt": "variation"}).model_copy(update={"prompt": ""})
     deadline = service.preadmit([_first_batch(req, request)], request.headers.get(headers.TIMEOUT))
-    image = await within_deadline(deadline, decode, images[0], "image", service.settings.limits.max_image_pixels)
+    with decoding_for(tenant_label(request.scope)):
+        image = await within_deadline(deadline, decode, images[0], "image", service.settings.limits.max_image_pixels)
     return await _respond(request, response, req, EditInput((image,), None, strength), strength, FieldNotes())

@@ -16,8 +16,8 @@ from server import headers
 from server.encoding import ImageFormat, media_type_of
 from server.hires import HiresPlan, make_plan, run_hires
 from server.images import embed_infotext
-from server.links import image_link, link_base
-from server.middleware import api_key_id
+from server.links import image_link, link_base, may_fetch, store_image
+from server.middleware import tenant_label
 from server.provenance_stage import stamp
 from server.request_rules import FieldNotes, alias_models, from_openai, hires_base, openai_notes, response_format
 from server.routes.a1111 import sampler_label
@@ -67,7 +67,7 @@ async def run_and_answer(request: Request, response: Response, req: ImageGenerat
     if as_url:
         link_base(request, request.app.state.settings.server)  # refuse a Host we cannot link to before computing
     fmt = ImageFormat(req.output_format or "png", 100 if req.output_compression is None else req.output_compression)
-    timeout, owner = request.headers.get(headers.TIMEOUT), api_key_id(request.scope)
+    timeout, owner = request.headers.get(headers.TIMEOUT), tenant_label(request.scope)
     if hires is None:
         out = await service.run(batch, timeout, request.is_disconnected, owner, fmt.encode)
     else:
@@ -80,8 +80,7 @@ async def run_and_answer(request: Request, response: Response, req: ImageGenerat
     if warnings:
         headers.put(response.headers, headers.WARNINGS, "; ".join(warnings))
     if as_url:
-        store = request.app.state.image_store
-        data = [ImageData(url=image_link(request, store.put(p, fmt.name))) for p in out.pngs]
+        data = [ImageData(url=image_link(request, store_image(request, p, fmt.name, owner))) for p in out.pngs]
     else:
         data = [ImageData(b64_json=b64(p)) for p in out.pngs]
     width, height = hires.size if hires is not None and not out.result.interrupted else (batch.width, batch.height)
@@ -111,9 +110,10 @@ def _with_infotexts(out: Generated, batch: Batch, info: ModelInfo, settings: Set
                        **error_responses(404)})
 async def image_file(image_id: str, request: Request) -> Response:
     """An image from a `response_format: url` response (``<id>.png``, ``.jpeg`` or ``.webp``); kept for a short
-    time in a bounded store."""
+    time in a bounded store. 404 as for an unknown image when the fetch presents another tenant's credentials
+    (server/links.py)."""
     media_type = media_type_of(image_id)
-    if media_type is None:
+    if media_type is None or not may_fetch(request, image_id):
         raise HTTPException(404, "image not found or expired")
     return Response(request.app.state.image_store.get(image_id), media_type=media_type)
 
