@@ -187,7 +187,7 @@ def error_response(exc: SdserveError, path: str, request_id: str = "-") -> JSONR
     if status == 500:  # our own failure: log it, tell the client nothing internal
         log.error("request %s failed", request_id, exc_info=exc)
         return internal_error(request_id, type_)
-    code = exc.limit if isinstance(exc, TenantLimitError) else None
+    code = getattr(exc, "limit", None) if isinstance(exc, TenantLimitError) else None
     return JSONResponse(error_body(bounded(str(exc)), type_, code=code), status_code=status, headers=_headers(exc))
 
 
