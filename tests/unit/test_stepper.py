@@ -419,3 +419,28 @@ def test_a_request_run_whole_waits_for_one_operation_per_running_set_not_for_a_r
     asyncio.run(asyncio.wait_for(_release_after(engine, batcher, _one("long", 30), later), 30))
     assert engine.ops[:5] == [("begin", "long"), ("tick", "long"), ("whole", "whole one"), ("tick", "long"),
                               ("whole", "whole two")]
+
+
+def test_admission_prices_the_wait_by_the_policys_order_not_the_whole_queue(engine: StepFakeEngine) -> None:
+    """Issue 52 point 0: three 4-image 50-step requests queued (20 s each at 0.1 s per image-step): a 1-image
+    20-step request (2 s) ranks before them, so it waits for none and is admitted with a 10 s deadline; a fourth
+    large one waits for all three (the whole queue, as the micro-batcher prices it)."""
+    import time
+
+    import server.admission as admission
+    from server.admission import Cost
+    from server.batcher import Job
+
+    async def scenario() -> tuple[float, float, float]:
+        batcher = _batcher(engine)
+        batcher.cost.seed(64, 64, 1, 10, 1.0)
+        loop = asyncio.get_running_loop()
+        for k in range(3):
+            batcher.queue.append(Job(_one(f"large{k}", 50, 4), loop.create_future(), time.monotonic(), None))
+        small, large = [Cost(64, 64, 20, 1)], [Cost(64, 64, 50, 4)]
+        admission.admit(batcher.cost, small, batcher.ahead_seconds(small), 10.0, "x-sdserve-timeout-s")
+        return batcher.ahead_seconds(small), batcher.ahead_seconds(large), batcher.ahead_seconds()
+
+    small_wait, large_wait, whole_queue = asyncio.run(scenario())
+    assert small_wait == 0.0
+    assert abs(large_wait - 60.0) < 1e-9 and abs(whole_queue - 60.0) < 1e-9
