@@ -118,7 +118,7 @@ class ImageService:
         self.cost = CostModel()
         self.batcher: Batcher = StepBatcher(
             engine, metrics, self.lock, q.max_size, q.max_batch, q.max_queue_delay_ms / 1000, self.cost,
-            q.max_running, q.decode_images) if q.batching == "step" else Batcher(
+            q.max_running, q.decode_images, weights=self.tenants.weights) if q.batching == "step" else Batcher(
             engine, metrics, self.lock, q.max_size, q.max_batch, q.max_queue_delay_ms / 1000, self.cost)
         self.memory = MemoryBudget()
         """What one batch's working memory may take (``measure_memory``, at boot)."""

@@ -365,3 +365,19 @@ def test_capabilities_show_labels_weights_and_limits_never_digests(tenants_app: 
     assert section["auth"] is True and section["file"] is None
     for key in (KEY_A, KEY_B, KEY_C):
         assert _sha(key) not in response.text and _sha(key)[:8] not in json.dumps(section)
+
+
+def test_the_step_scheduler_gets_the_tenants_weights_live(tenants_app: TestClient, tmp_path: Path) -> None:
+    """The fair share (server/step_policy.py Share) reads label -> weight from the registry as it is now."""
+    service = tenants_app.app.state.service  # type: ignore[attr-defined]
+    weights = service.batcher.share.weights
+    assert weights is service.tenants.weights
+    assert (weights.get("team-a", 1.0), weights.get("team-b", 1.0), weights.get("x", 1.0)) == (2.0, 1.0, 1.0)
+    path, clock = tmp_path / "tenants.json", Clock()
+    path.write_text(_file_tenants(("team-a", KEY_A, {})))
+    registry = TenantRegistry(AuthSettings(tenants_file=str(path), tenants_reload_s=1.0), clock)
+    live = registry.weights
+    path.write_text(json.dumps({"tenants": [{"label": "team-a", "digests": [_sha(KEY_A)], "weight": 4.0}]}))
+    clock.now += 1
+    registry.refresh()
+    assert live.get("team-a", 1.0) == 4.0
