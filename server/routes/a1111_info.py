@@ -23,7 +23,9 @@ While the model boots (or the watchdog holds it degraded) the boot counts as one
 /interrupt stops the caller's queued requests at once (they answer 409) and its running batch at the next step
 boundary (the images are decoded from the latents so far and the response says it was interrupted); /skip stops
 only the running batch. In a micro-batch shared with another caller's request the batch runs on (the response says
-so): one caller never cuts another's images short.
+so): one caller never cuts another's images short. With API keys each key's tenant sees only its own jobs
+(``caller_view``: another tenant's step, ETA or count never; issue 52 point 4) and reads and writes its own
+options.
 """
 
 from __future__ import annotations
