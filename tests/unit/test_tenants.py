@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+from fastapi import Request
 from fastapi.testclient import TestClient
 
 from engines.errors import ConfigError, InvalidRequestError
@@ -381,3 +382,15 @@ def test_the_step_scheduler_gets_the_tenants_weights_live(tenants_app: TestClien
     clock.now += 1
     registry.refresh()
     assert live.get("team-a", 1.0) == 4.0
+
+
+def test_the_request_context_reaches_the_routes_through_the_whole_stack(tenants_app: TestClient) -> None:
+    """What makes a request's later admissions unchecked (server/tenants.py REQUEST) is set by the auth middleware
+    and seen by a route behind every other middleware."""
+    async def probe(request: Request) -> dict[str, Any]:
+        charge = REQUEST.get()
+        return {"charge": charge is not None and not charge.admitted, "tenant": tenant_label(request.scope)}
+
+    tenants_app.app.add_api_route("/tenant-probe", probe, methods=["POST"])  # type: ignore[attr-defined]
+    answer = tenants_app.post("/tenant-probe", json={}, headers=_bearer(KEY_B))
+    assert answer.json() == {"charge": True, "tenant": "team-b"}
