@@ -400,7 +400,7 @@ class AuthMiddleware:
                                           f"limit, {cap})", 1, "in_flight"), scope, receive, send)
             return
         self.in_flight[label] += counted
-        request = REQUEST.set(RequestCharge())
+        request = REQUEST.set(RequestCharge(label))
         try:
             await self.app(scope, receive, send)
         finally:

@@ -38,7 +38,7 @@ from server.settings import Settings
 from server.state import ServerState
 from server.stepper import StepBatcher
 from server.tenant_config import DEFAULT_TENANT
-from server.tenants import TenantQuotas, TenantRegistry
+from server.tenants import REQUEST, TenantQuotas, TenantRegistry
 
 log = logging.getLogger(__name__)
 
@@ -179,8 +179,13 @@ class ImageService:
                      size_param: str = "size") -> None:
         """Admission by memory (server/admission.py): 4xx when a batch's estimated peak cannot fit the budget.
         ``size``/``encode``: the batches as a Hires fix second pass at that size (checked before the first pass
-        runs); ``size_param``: the field that set the size."""
+        runs); ``size_param``: the field that set the size. A second pass larger than the request's tenant may ask
+        (server/tenants.py) is refused here too, before the first pass runs."""
         q = self.settings.queue
+        request = REQUEST.get()
+        if size is not None and request is not None:
+            self.quotas.check_shape(request.tenant, [dataclasses.replace(b, width=size[0], height=size[1])
+                                                     for b in batches], size_param)
         asks = [MemoryAsk(*(size or (b.width, b.height)), len(b.images), max(len(b.images), q.max_batch),
                           len(b.images) if q.batching == "step" else max(len(b.images), q.max_batch),
                           _encodes(b) if encode is None else encode, size_param, second_pass=size is not None)

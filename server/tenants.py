@@ -38,8 +38,9 @@ NO_LIMITS = TenantLimits()
 
 @dataclass
 class RequestCharge:
-    """One HTTP request's admissions so far: after the first, the rest of the request is charged unchecked."""
+    """One HTTP request: its tenant, and whether it was admitted (then the rest of it is charged unchecked)."""
 
+    tenant: str = DEFAULT_TENANT
     admitted: bool = False
 
 
@@ -234,15 +235,16 @@ class TenantQuotas:
         """Images of each tenant's admitted requests not finished yet."""
         self._buckets: dict[str, TokenBucket] = {}
 
-    def check_shape(self, label: str, batches: Sequence[Batch]) -> None:
-        """400 (A1111: 422) naming the field when a batch is larger or longer than the tenant may ask."""
+    def check_shape(self, label: str, batches: Sequence[Batch], size_param: str = "size") -> None:
+        """400 (A1111: 422) naming the field (``size_param`` for the size) when a batch is larger or longer than
+        the tenant may ask."""
         limits = self.registry.limits(label)
         for b in batches:
             over = _shape_over(limits, b)
             if over is not None:
                 param, what = over
                 raise InvalidRequestError(f"tenant {label!r} may ask at most {what} (its auth.tenants limits)",
-                                          param=param)
+                                          param=size_param if param == "size" else param)
 
     @contextmanager
     def admit(self, label: str, images: int) -> Iterator[None]:

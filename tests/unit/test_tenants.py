@@ -394,3 +394,19 @@ def test_the_request_context_reaches_the_routes_through_the_whole_stack(tenants_
     tenants_app.app.add_api_route("/tenant-probe", probe, methods=["POST"])  # type: ignore[attr-defined]
     answer = tenants_app.post("/tenant-probe", json={}, headers=_bearer(KEY_B))
     assert answer.json() == {"charge": True, "tenant": "team-b"}
+
+
+def test_a_hires_second_pass_over_the_tenants_size_is_refused_before_the_first_pass(
+        tenants_app: TestClient) -> None:
+    service = tenants_app.app.state.service  # type: ignore[attr-defined]
+    service.quotas.registry.current.by_label["team-b"] = TenantConfig(
+        label="team-b", digests=(_sha(KEY_B),), limits=TenantLimits(max_width=96))
+    token = REQUEST.set(RequestCharge("team-b"))
+    try:
+        service.admit_memory([_batch()], (96, 96), False, "hr_scale")  # within the tenant's size
+        with pytest.raises(InvalidRequestError, match="width 96, got 128x128") as err:
+            service.admit_memory([_batch()], (128, 128), False, "hr_scale")
+        assert err.value.param == "hr_scale"
+    finally:
+        REQUEST.reset(token)
+    service.admit_memory([_batch()], (128, 128), False, "hr_scale")  # outside a request: the profile's bounds only
