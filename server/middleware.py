@@ -37,7 +37,7 @@ from server.errors import (
     internal_error,
     request_id_of,
 )
-from server.metrics import Metrics
+from server.metrics import OTHER_TENANT, REFUSAL, Metrics, Refusal, note_refusal, tenant_series
 from server.tenant_config import DEFAULT_TENANT
 from server.tenants import REQUEST, RequestCharge, TenantRegistry
 
@@ -53,7 +53,10 @@ GENERATION_PREFIXES = ("/v1/images/generations", "/v1/images/edits", "/v1/images
                        "/sdapi/v1/img2img")
 """Every generation route: each counts against its tenant's cap on requests in flight."""
 FILES_PREFIX = "/v1/images/files/"
-"""URLs handed out by response_format=url: unguessable 128-bit ids, short-lived, fetched without a key."""
+"""URLs handed out by response_format=url: unguessable 128-bit ids, short-lived, fetched without a key (a valid key
+sent with one names its tenant, never refuses it)."""
+SERIES = "tenant_series"
+"""Where the auth middleware puts the request's metrics label (server/metrics.py tenant_series) in the scope state."""
 
 
 async def answer(exc: SdserveError, scope: Scope, receive: Receive, send: Send) -> None:
@@ -225,7 +228,9 @@ async def _refuse_framing(scope: Scope, receive: Receive, send: Send) -> None:
 
 
 class MetricsMiddleware:
-    """Counts every request by route template (never the raw path) and status, and times it."""
+    """Counts every request by route template (never the raw path) and status, and times it; the same per tenant
+    (the label the auth middleware named, ``other`` when it named none: a 401, an exempt probe with auth on), and
+    each 429 by the limit its refusal noted (server/metrics.py ``note_refusal``; ``busy`` when none did)."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app, self.metrics = app, metrics
@@ -241,12 +246,21 @@ class MetricsMiddleware:
                 status[0] = int(message["status"])
             await send(message)
 
+        refusal = Refusal()
+        token = REFUSAL.set(refusal)
         try:
             await self.app(scope, receive, send_status)
         finally:
+            REFUSAL.reset(token)
+            m, seconds = self.metrics, time.perf_counter() - start
             path = str(getattr(scope.get("route"), "path", "unmatched"))
-            self.metrics.requests.labels(path, str(status[0])).inc()
-            self.metrics.request_seconds.labels(path).observe(time.perf_counter() - start)
+            tenant = str(scope.get("state", {}).get(SERIES, OTHER_TENANT))
+            m.requests.labels(path, str(status[0])).inc()
+            m.request_seconds.labels(path).observe(seconds)
+            m.tenant_requests.labels(tenant, path, str(status[0])).inc()
+            m.tenant_request_seconds.labels(tenant, path).observe(seconds)
+            if status[0] == 429:
+                m.tenant_refused.labels(tenant, refusal.limit or "busy").inc()
 
 
 class BodyLimitMiddleware:
@@ -356,7 +370,8 @@ class AuthMiddleware:
     ``user:pass`` (so ``printf %s 'user:pass' | sha256sum`` gives the entry). Exempt paths (probes) pass without
     one. The caller's id (digest[:8]) is put in ``scope["state"]["api_key_id"]`` and its tenant's label in
     ``scope["state"]["tenant"]`` for the routes (``tenant_label``); without auth every request is the ``default``
-    tenant's. Every generation route counts against the tenant's cap on requests in flight (429 over it)."""
+    tenant's. Every generation route counts against the tenant's cap on requests in flight (429 over it). A url
+    link fetch is never refused: a valid key sent with it names its tenant as on other paths."""
 
     def __init__(self, app: ASGIApp, registry: TenantRegistry, exempt: tuple[str, ...]) -> None:
         self.app, self.registry, self.exempt = app, registry, exempt
@@ -382,7 +397,13 @@ class AuthMiddleware:
         self.registry.refresh()
         if not self.registry.enabled:
             label = DEFAULT_TENANT
-        elif path in self.exempt or path.startswith(FILES_PREFIX):
+        elif path in self.exempt:
+            await self.app(scope, receive, send)
+            return
+        elif path.startswith(FILES_PREFIX):
+            digest = self._match(scope)
+            if digest is not None:
+                self._name(scope, digest)
             await self.app(scope, receive, send)
             return
         else:
@@ -390,12 +411,14 @@ class AuthMiddleware:
             if digest is None:
                 await self._refuse(scope, receive, send)
                 return
-            label = self.registry.label_for(digest)
-            scope.setdefault("state", {})["api_key_id"] = digest[:8]
-        scope.setdefault("state", {})["tenant"] = label
+            label = self._name(scope, digest)
+        state = scope.setdefault("state", {})
+        state["tenant"] = label
+        state[SERIES] = tenant_series(label, self.registry.current.by_label, self.registry.enabled)
         counted = path.startswith(GENERATION_PREFIXES)
         cap = self.registry.in_flight_cap(label) if counted else None
         if cap is not None and self.in_flight[label] >= cap:
+            note_refusal("in_flight")
             await answer(TenantLimitError(f"too many concurrent requests for tenant {label!r} (its in_flight "
                                           f"limit, {cap})", 1, "in_flight"), scope, receive, send)
             return
@@ -408,6 +431,14 @@ class AuthMiddleware:
             self.in_flight[label] -= counted
             if self.in_flight[label] <= 0:
                 del self.in_flight[label]
+
+    def _name(self, scope: Scope, digest: str) -> str:
+        """Put an accepted key's id, tenant and metrics label in the scope state; returns the tenant."""
+        label = self.registry.label_for(digest)
+        state = scope.setdefault("state", {})
+        state["api_key_id"], state["tenant"] = digest[:8], label
+        state[SERIES] = tenant_series(label, self.registry.current.by_label, True)
+        return label
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         refusal = error_response(AuthenticationError("missing or invalid credentials: send Authorization: "

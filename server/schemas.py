@@ -164,7 +164,7 @@ def error_responses(*statuses: int, validation: bool = False) -> dict[int | str,
 
 SECURITY_SCHEMES = {
     "bearerAuth": {"type": "http", "scheme": "bearer", "description": "an API key; its sha256 is in "
-                   "[auth] api_key_sha256 or SDSERVE_API_KEYS_SHA256"},
+                   "[auth] api_key_sha256, SDSERVE_API_KEYS_SHA256 or a tenant's digests"},
     "basicAuth": {"type": "http", "scheme": "basic", "description": "user:pass (A1111's --api-auth); the sha256 "
                   "of the text user:pass is in the same digest list"}}
 
@@ -186,8 +186,8 @@ def _statuses(path: str, method: str, guarded: bool) -> dict[int, str]:
 
 def document_openapi(app: FastAPI, auth: AuthSettings) -> dict[str, Any]:
     """The OpenAPI document with what the middleware answers (401, 413, strict-JSON 400/422, the guard's 500) on
-    every operation it applies to, and the two security schemes; with keys configured every operation but the
-    probes and /metrics requires one of them."""
+    every operation it applies to, and the two security schemes; with auth on (keys or tenants configured:
+    ``auth.enabled``) every operation but the probes, /metrics and url links requires one of them."""
     if app.openapi_schema:
         return app.openapi_schema
     schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
@@ -198,7 +198,7 @@ def document_openapi(app: FastAPI, auth: AuthSettings) -> dict[str, Any]:
         body = model.model_json_schema(ref_template="#/components/schemas/{model}")
         for name, part in {**body.pop("$defs", {}), model.__name__: body}.items():
             models.setdefault(name, part)
-    keys_on = bool(auth.api_key_sha256)
+    keys_on = auth.enabled
     for path, item in schema.get("paths", {}).items():
         open_path = path in auth.exempt_paths or path.startswith("/v1/images/files/")
         for method, operation in item.items():

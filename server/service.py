@@ -27,10 +27,10 @@ from server.admission import Cost, CostModel, MemoryAsk, MemoryBudget, admit, ad
 from server.batcher import Batcher
 from server.caching import Caching
 from server.caching import header_value as cache_header
-from server.errors import ClientGoneError, QueueFullError
+from server.errors import ClientGoneError, QueueFullError, TenantLimitError
 from server.generation import STEP_CACHE, GenerationRequest
 from server.lora_prompt import header_value
-from server.metrics import Metrics
+from server.metrics import Metrics, note_refusal, tenant_series
 from server.provenance import Provenance
 from server.request_rules import build_batch as build_batch  # its old home: importers still find it here
 from server.request_rules import generation_batches
@@ -156,10 +156,13 @@ class ImageService:
         Refused at admission (4xx / 429) when its estimated cost cannot finish before the deadline."""
         return (await self.run_all([batch], timeout_header, disconnected, owner, encode))[0]
 
-    def preadmit(self, batches: list[Batch], timeout_header: str | None) -> float:
+    def preadmit(self, batches: list[Batch], timeout_header: str | None, owner: str | None = None) -> float:
         """Admission: the request's estimated cost against its deadline (4xx when it cannot finish alone, 429
-        behind the work ahead). The edit routes call it before decoding any upload, and ``run_all`` again once the
-        images are ready. Returns the deadline, which bounds the decoding too."""
+        behind the work ahead, priced as the step policy would rank ``owner``'s request under fair share; None:
+        the current request's tenant). The edit routes call it before decoding any upload, and ``run_all`` again
+        once the images are ready. Returns the deadline, which bounds the decoding too."""
+        if owner is None and (request := REQUEST.get()) is not None:
+            owner = request.tenant
         deadline = self.deadline(timeout_header)
         self.admit_memory(batches)
         source = headers.TIMEOUT if timeout_header is not None else "queue.request_timeout_s"
@@ -168,10 +171,13 @@ class ImageService:
         try:
             if merges:  # an adapter set not cached is merged before its first step
                 source += f", less {merges:.2f}s to merge a LoRA set not yet cached"
-            admit(self.cost, [_cost(b) for b in batches], self.batcher.ahead_seconds([_cost(b) for b in batches]),
-                  deadline - time.monotonic() - merges, source)
-        except (InvalidRequestError, QueueFullError):
+            costs = [_cost(b) for b in batches]
+            admit(self.cost, costs, self.batcher.ahead_seconds(costs, owner), deadline - time.monotonic() - merges,
+                  source)
+        except (InvalidRequestError, QueueFullError) as exc:
             self.metrics.refused.labels("over_deadline").inc()
+            if isinstance(exc, QueueFullError):
+                note_refusal("estimated_wait")
             raise
         return deadline
 
@@ -219,9 +225,13 @@ class ImageService:
         images queued, images per minute) are checked before anything is queued."""
         tenant = owner or DEFAULT_TENANT
         self.quotas.check_shape(tenant, batches)
-        deadline = self.preadmit(batches, timeout_header)
-        with self.quotas.admit(tenant, sum(len(b.images) for b in batches)):
-            return [await self._run(b, deadline, disconnected, owner, encode) for b in batches]
+        deadline = self.preadmit(batches, timeout_header, tenant)
+        try:
+            with self.quotas.admit(tenant, sum(len(b.images) for b in batches)):
+                return [await self._run(b, deadline, disconnected, owner, encode) for b in batches]
+        except TenantLimitError as exc:
+            note_refusal(exc.limit)
+            raise
 
     async def _run(self, batch: Batch, deadline: float, disconnected: Disconnected, owner: str | None,
                    encode: Encoder) -> Generated:
@@ -235,7 +245,11 @@ class ImageService:
                     raise NotReadyError("server stopped before this request completed: retry it on another "
                                         "replica")
                 if done:
-                    return task.result()
+                    out = task.result()
+                    series = tenant_series(owner, self.tenants.current.by_label, self.tenants.enabled)
+                    self.metrics.tenant_images.labels(series).inc(len(out.result.images))
+                    self.metrics.tenant_queue_seconds.labels(series).observe(out.queue_seconds)
+                    return out
                 if await disconnected():
                     await _cancel(task)
                     self.metrics.cancelled.labels("disconnect").inc()
@@ -306,6 +320,9 @@ class ImageService:
         start = time.perf_counter()
         try:
             result = await self.batcher.submit(batch, deadline, owner)
+        except QueueFullError:
+            note_refusal("queue_full")
+            raise
         except InvalidRequestError as exc:
             if exc.param != "cache":
                 raise
