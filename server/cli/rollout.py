@@ -36,9 +36,11 @@ PREVIEW = f'service="{PREVIEW_SERVICE}"'
 QUEUE_QUERY = f'sum(sdserve_queue_depth{{service="{ACTIVE_SERVICE}"}}) or vector(0)'
 """KEDA's signal: requests waiting for the engine on the active replicas. The trigger's metric type is
 AverageValue, so KEDA divides it by the replica count and scales toward ``threshold`` waiting requests per replica."""
-ERROR_RATE_QUERY = (f'(sum(rate(sdserve_requests_total{{{PREVIEW},status=~"5.."}}[1m])) or vector(0)) / '
-                    f'(sum(rate(sdserve_requests_total{{{PREVIEW}}}[1m])) > 0 or vector(1))')
-"""Share of the preview's responses that are 5xx (0 while it has no traffic)."""
+ERROR_RATE_QUERY = (f'max(sum by (tenant) (rate(sdserve_tenant_requests_total{{{PREVIEW},status=~"5.."}}[1m])) / '
+                    f'(sum by (tenant) (rate(sdserve_tenant_requests_total{{{PREVIEW}}}[1m])) > 0)) or vector(0)')
+"""Share of the preview's responses that are 5xx, judged per tenant (the ``tenant`` label of server/metrics.py: a
+configured label, ``other``, or ``default`` without auth, which is the whole server): the worst tenant's share, so
+one tenant's failures are not diluted by another's traffic. 0 while no tenant has traffic or errors."""
 READY_QUERY = f"min(min_over_time(sdserve_ready{{{PREVIEW}}}[1m]))"
 """1 when every preview pod's /ready stayed 200 over the last minute; a flip to 503 (degraded, failed) makes it 0.
 Same signal as the SdserveNotReady alert, without its 5 minutes of patience: a candidate gets none."""

@@ -51,7 +51,7 @@ def _value(client: TestClient, name: str, **labels: str) -> float:
     return metrics.registry.get_sample_value(name, labels) or 0.0
 
 
-def _gen(client: TestClient, key: str, n: int = 1) -> httpx.Response:
+def _gen(client: TestClient, key: str, n: int = 1) -> Any:
     return client.post(GEN, json={"prompt": "a secret prompt", "steps": 2, "size": "64x64", "n": n},
                        headers=_bearer(key))
 
