@@ -6,14 +6,19 @@ tenant (never refused), and admission prices a request's wait for its own tenant
 from __future__ import annotations
 
 import asyncio
+import base64
+import dataclasses
 import hashlib
+import io
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from PIL import Image
 
+from engines.types.model import ModelInfo
 from server.metrics import Metrics, tenant_series
 from server.middleware import AuthMiddleware, MetricsMiddleware, Receive, Scope, Send, tenant_label
 from server.settings import AuthSettings, load_settings
@@ -167,7 +172,21 @@ def test_the_openapi_document_shows_auth_for_a_tenants_only_config(engine: Hashe
         assert spec["paths"]["/health"]["get"]["security"] == []
 
 
-def test_admission_prices_the_wait_for_the_requests_own_tenant(app: TestClient) -> None:
+class EditEngine(HashedEngine):
+    """The fake as a model that serves img2img too (A1111's img2img admits before decoding its images)."""
+
+    @property
+    def info(self) -> ModelInfo:
+        info = super().info
+        return dataclasses.replace(info, modes=("txt2img", "img2img"), edit_schedulers=info.schedulers)
+
+
+def test_admission_prices_the_wait_for_the_requests_own_tenant() -> None:
+    for app in _start(EditEngine(), load_settings("dev").model_copy(update={"auth": _auth()})):
+        _wait_is_priced_for_its_tenant(app)
+
+
+def _wait_is_priced_for_its_tenant(app: TestClient) -> None:
     service = app.app.state.service  # type: ignore[attr-defined]
     owners: list[str | None] = []
     real = service.batcher.ahead_seconds
@@ -180,3 +199,9 @@ def test_admission_prices_the_wait_for_the_requests_own_tenant(app: TestClient) 
     assert _gen(app, KEY_B).status_code == 200
     assert _gen(app, KEY_C).status_code == 200
     assert owners == ["team-b", _sha(KEY_C)[:8]]
+    owners.clear()  # img2img admits before decoding (preadmit from the route, no owner passed): the request's tenant
+    image = io.BytesIO()
+    Image.new("RGB", (64, 64), (9, 9, 9)).save(image, format="PNG")
+    body = {"prompt": "p", "steps": 2, "init_images": [base64.b64encode(image.getvalue()).decode()]}
+    assert app.post("/sdapi/v1/img2img", json=body, headers=_bearer(KEY_A)).status_code == 200
+    assert owners and set(owners) == {"team-a"}
