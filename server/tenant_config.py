@@ -69,6 +69,11 @@ class TenantConfig(BaseModel):
     denoising work of 1 while both wait); unconfigured keys weigh 1."""
     limits: TenantLimits = TenantLimits()
     """The tenant's limits and quotas."""
+    lora_refresh: bool = False
+    """The tenant may rescan the shared LoRA library (``POST /sdapi/v1/refresh-loras``); otherwise 403 naming this
+    setting. Listings (``GET /sdapi/v1/loras``) are shared read-only with every tenant. Without auth every caller
+    may; with auth but no tenant bound to a key, every key may (as before tenants); a key in no tenant, once some
+    tenant names keys, may not."""
 
     @field_validator("label")
     @classmethod

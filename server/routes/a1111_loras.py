@@ -6,7 +6,11 @@ operator sees why a name does not work.
 Neither route works on the event loop: a listing can be tens of MB (every file's metadata), so its JSON is built
 in a worker thread once per scan and the bytes are reused until the next one; a refresh runs in a worker thread,
 and concurrent refreshes share one: a caller that arrives while one runs waits (without a thread) and gets the
-result of the next, so a flood of refreshes holds at most one worker thread and runs at most two scans."""
+result of the next, so a flood of refreshes holds at most one worker thread and runs at most two scans.
+
+Tenants (issue 52 point 4): the library is one, shared by every tenant. Its listing is read-only and open to all; a
+refresh changes what every tenant sees, so it is a tenant's right only where its config says so
+(``lora_refresh = true``, server/tenant_config.py; without auth, everyone's), else 403 naming the setting."""
 
 from __future__ import annotations
 
@@ -17,10 +21,13 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
 from engines.protocol import Engine
 from engines.types.model import LoraInfo
+from server.middleware import tenant_label
+from server.tenants import TenantRegistry
 
 router = APIRouter(prefix="/sdapi/v1", tags=["automatic1111"])
 LISTED: dict[int | str, dict[str, Any]] = {200: {
@@ -78,6 +85,22 @@ def _state(request: Request) -> tuple[Listing, Refresher]:
     return pair
 
 
+def may_refresh(registry: TenantRegistry | None, label: str) -> str | None:
+    """None when tenant ``label`` may rescan the library, else why not (the 403's message, naming the setting)."""
+    if registry is None or not registry.enabled:
+        return None
+    tenants = registry.current
+    config = tenants.by_label.get(label)
+    if config is not None:
+        return None if config.lora_refresh else (
+            f"tenant {label!r} may not rescan the LoRA library (shared by every tenant): its [[auth.tenants]] entry "
+            "needs lora_refresh = true; GET /sdapi/v1/loras stays readable")
+    if not any(t.digests for t in tenants.tenants):
+        return None  # auth with keys but no tenants: one trust domain, as before tenants
+    return ("this key is in no tenant and may not rescan the LoRA library (shared by every tenant): only tenants "
+            "with lora_refresh = true in their [[auth.tenants]] entry may; GET /sdapi/v1/loras stays readable")
+
+
 @router.get("/loras", responses=LISTED)
 async def loras(request: Request) -> Response:
     """Every LoRA file of the library ([runtime.lora] dir), usable or not (``problem``)."""
@@ -87,10 +110,14 @@ async def loras(request: Request) -> Response:
     return Response(body, media_type="application/json")
 
 
-@router.post("/refresh-loras", responses=LISTED)
+@router.post("/refresh-loras", responses={**LISTED, 403: {"description": "The tenant may not rescan the "
+                                                                          "library (lora_refresh)"}})
 async def refresh_loras(request: Request) -> Response:
     """Scan the library again (new and changed files hashed off the event loop, unchanged ones kept); answers
-    the new listing (A1111 answers null, which clients ignore)."""
+    the new listing (A1111 answers null, which clients ignore). 403 for a tenant without ``lora_refresh``."""
+    refused = may_refresh(getattr(request.app.state, "tenants", None), tenant_label(request.scope))
+    if refused is not None:
+        raise HTTPException(403, refused)
     listing, refresher = _state(request)
     found = await refresher(request.app.state.engine)
     body = await run_in_threadpool(listing.body, found)
