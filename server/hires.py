@@ -40,6 +40,8 @@ from engines.types.request import Batch, EditImage
 from server import headers
 from server.admission import Cost, admit
 from server.edits import EditInput, edit_batch
+from server.errors import QueueFullError
+from server.metrics import note_refusal
 from server.service import Encoder, Generated, ImageService, encode_png
 
 UPSCALERS: dict[str, Image.Resampling | None] = {"None": None, "Lanczos": Image.Resampling.LANCZOS,
@@ -259,11 +261,13 @@ async def run_hires(service: ImageService, batches: list[Batch], plan: HiresPlan
     service.admit_memory(batches, plan.size, not plan.latent,  # the second pass, before the first runs
                          "hr_scale" if "Hires upscale" in plan.infotext else "size")
     source = headers.TIMEOUT if timeout is not None else "queue.request_timeout_s"
-    try:
-        admit(service.cost, costs(batches, plan), service.batcher.ahead_seconds(), deadline - time.monotonic(),
-              source)
-    except Exception:
+    both = costs(batches, plan)
+    try:  # the wait priced as the step policy ranks this tenant's request (issue 52: not the whole queue)
+        admit(service.cost, both, service.batcher.ahead_seconds(both, owner), deadline - time.monotonic(), source)
+    except Exception as exc:
         service.metrics.refused.labels("over_deadline").inc()
+        if isinstance(exc, QueueFullError):
+            note_refusal("estimated_wait")
         raise
     if plan.latent:  # the first pass hands its latents to the second
         batches = [replace(b, images=tuple(replace(s, keep_latents=True) for s in b.images)) for b in batches]
