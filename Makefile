@@ -87,6 +87,7 @@ bench: $(STAMP) $(MODEL)/manifest.json
 	$(PY) benchmarks/bench_readiness.py --model $(MODEL) --write-readme docs/benchmarks.md
 	$(PY) benchmarks/bench_server.py --model $(MODEL) --write-readme docs/benchmarks.md
 	$(PY) benchmarks/bench_step.py --model $(MODEL) --write-readme docs/benchmarks.md
+	$(PY) benchmarks/bench_tenants.py --model $(MODEL) --write-readme docs/benchmarks.md
 	$(PY) benchmarks/bench_cache.py --model $(MODEL) --write-readme docs/benchmarks.md
 	$(PY) benchmarks/bench_families.py --out benchmarks/results/families_cpu.json
 	$(PY) benchmarks/bench_dit.py --out benchmarks/results/dit_cpu.json
