@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 import engines.families as families
 from engines.config import SCHEDULER_NAMES, RuntimeSettings, SignatureThresholds, parse_size, read_toml
 from engines.errors import ConfigError
+from engines.types.request import CACHE_MIN_STEPS
 from server.tenant_config import TenantConfig, check_tenants
 
 ENV_PREFIX = "SDSERVE_"
@@ -425,7 +426,7 @@ class CacheSettings(BaseModel):
     """The last fraction of evaluations always computed (at least one)."""
     max_reuse: int = Field(3, ge=1, le=100)
     """Consecutive evaluations that may reuse before one is computed."""
-    gate_steps: int = Field(30, ge=9, le=200)
+    gate_steps: int = Field(30, ge=CACHE_MIN_STEPS, le=200)
     """Steps of the gate's canary runs (cached and uncached, same seeds)."""
     gate_min_mean_psnr_db: float = Field(30.0, ge=0, le=100)
     """The gate passes a shape when the canaries' mean PSNR (cached vs uncached) reaches this (Cache-DiT's DBCache

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from engines.config import parse_size
 from engines.errors import ConfigError
+from engines.types.request import CACHE_MIN_STEPS
 from server.caching import Caching
 from server.cli import imagerecord
 from server.cli.common import add_boot_args, boot_config
@@ -143,7 +144,8 @@ def register(sub: Any) -> None:
     add_boot_args(cache)
     cache.add_argument("--method", choices=("output", "first-block"), default=None, help="instead of [cache] method")
     cache.add_argument("--threshold", type=float, default=None, help="instead of [cache] threshold")
-    cache.add_argument("--steps", type=int, default=None, help="instead of [cache] gate_steps (at least 9)")
+    cache.add_argument("--steps", type=int, default=None,
+                       help=f"instead of [cache] gate_steps (at least {CACHE_MIN_STEPS})")
     cache.add_argument("--min-mean-psnr", type=float, default=None, help="dB, instead of gate_min_mean_psnr_db")
     cache.add_argument("--min-worst-psnr", type=float, default=None, help="dB, instead of gate_min_worst_psnr_db")
     cache.add_argument("--size", action="append", default=None, help="WIDTHxHEIGHT (repeatable); default: the "
