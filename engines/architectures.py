@@ -124,10 +124,6 @@ def of(folder: Path) -> Architecture:
     return claimed(class_name(folder)) or next(row for row in REGISTRY.values() if not row.classes)
 
 
-def transformers() -> tuple[Architecture, ...]:
-    return tuple(row for row in REGISTRY.values() if row.denoiser == "transformer")
-
-
 register(Architecture(
     "unet", "unet", "engines.pipelines.unet:StableDiffusionOnnx", memory_parts={"text_encoder": "clip"},
     export="engines.build.export:export_folder"))

@@ -121,11 +121,6 @@ QWEN_TEMPLATE_TOKENS = TEMPLATE_DROP + 5
 ``<|im_start|>assistant``, a newline, in the released vocabulary)."""
 
 
-def qwen_parts(folder: Path) -> dict[str, str]:
-    """A Qwen-Image folder's components: the Qwen2.5-VL language model, the MMDiT, the causal 3D VAE's halves."""
-    return {"text_encoder": "qwen_text", "transformer": "qwen_image", **_vae_parts(folder, "qwen_")}
-
-
 def layout(folder: Path) -> Layout:
     """The folder's family and components, from its JSON files (engines/pipelines/flow_family.py and family.py);
     ModelLoadError when it is no family sdserve serves."""

@@ -109,7 +109,8 @@ class Begun:
 
     @property
     def finished(self) -> bool:
-        return self.stopped or bool(self.state.next_eval >= self.state.evaluations)
+        state = self.run_state
+        return self.stopped or state.next_eval >= state.evaluations
 
     def next_rows(self, images: int) -> tuple[int, int]:
         """The rows the next decode of at most ``images`` images takes: (start, stop)."""
