@@ -29,7 +29,12 @@ Policy: **smallest slowdown first, bounded bypass, deadline guard**.
   larger one could have run counts as one bypass of the larger one; after ``BYPASS_LIMIT`` bypasses in a row, the
   larger one's next operation goes first (then it counts again). A stream of short requests therefore takes at
   most that many operations in a row from a long one (which still fills their ticks when there is room), and never
-  stops it. Requests of equal whole work do not count against each other: among them the one with the least left
+  stops it. **Across sizes an operation counts by its size** (:func:`bypass_weight`): one of a smaller size counts
+  as the ratio of the sizes' work per image-step (a 64x64 operation beside a 256x256 request: 1/16 of a bypass),
+  so the bound is about the waiting request's own operation time, not a count of much shorter operations: a
+  64x64 request (22 operations) is never interrupted by a 256x256 job's tick, which would cost it several times its
+  own length (a 4-image 256x256 tick is longer than the whole small request on a CPU). Within one size an
+  operation counts whole, as before (a 1-image tick costs about a 4-image one's on a GPU). Requests of equal whole work do not count against each other: among them the one with the least left
   goes first, which finishes them in order without starving any (a later equal request has more left), so equal
   long requests do not push each other, or a starved one, ahead of short requests every few operations.
 - **Deadline guard** (:func:`urgent`): a request is urgent, and goes first (earliest deadline first), when it would
@@ -120,8 +125,8 @@ class Record:
     """The cost model's estimate of its whole run in seconds (for the deadline guard); None: nothing measured."""
     decoded: int = 0
     """Its images decoded so far."""
-    bypassed: int = 0
-    """Operations run for smaller requests in a row while it waited."""
+    bypassed: float = 0.0
+    """Operations run for smaller requests in a row while it waited, each weighted by :func:`bypass_weight`."""
     shared: int | None = None
     """The most images any tick of it ran with (its x-sdserve-batch-size); accounting, no rule reads it."""
     tenant: str = DEFAULT_TENANT
@@ -169,9 +174,19 @@ def urgent(r: Record, now: float) -> bool:
     return own * URGENT_FACTOR <= due_in < (own + r.ahead_s) * URGENT_FACTOR
 
 
+def bypass_weight(lead: Record, waiting: Record) -> float:
+    """What one operation led by ``lead`` counts as a bypass of ``waiting``: the ratio of their work per image-step
+    (their sizes' pixels, or a DiT's tokens), at most 1. Within one size: 1."""
+    return min(1.0, lead.scale / waiting.scale) if waiting.scale > 0 else 1.0
+
+
 def _first(r: Record) -> bool:
     """Goes first within its tenant whatever the estimates say: interrupted, or starved (``BYPASS_LIMIT``)."""
-    return r.interrupted or r.bypassed >= BYPASS_LIMIT
+    return r.interrupted or r.bypassed >= BYPASS_LIMIT - _EPS
+
+
+_EPS = 1e-9
+"""Slack for weighted bypass counts summed in floating point."""
 
 
 def rank(r: Record, now: float) -> Rank:
@@ -345,16 +360,16 @@ def choose(found: Sequence[Candidate[T]], now: float, max_batch: int) -> Decisio
 
 def count_bypass(lead: Record, ran: Iterable[Record], waiting: Iterable[Record], times: int) -> None:
     """Bypass accounting after ``times`` operations led by ``lead`` that ran ``ran``: every waiting request of the
-    lead's tenant with more whole work than the lead's is bypassed that many times more; one that ran starts
-    counting again; one of equal or less whole work does not count, nor one of another tenant (fair share bounds
-    what another tenant's work takes from it)."""
+    lead's tenant with more whole work than the lead's is bypassed that many times more (:func:`bypass_weight`
+    each); one that ran starts counting again; one of equal or less whole work does not count, nor one of another
+    tenant (fair share bounds what another tenant's work takes from it)."""
     bar = whole(lead)
     rows = {id(r) for r in ran}
     for r in waiting:
         if id(r) in rows:
-            r.bypassed = 0
+            r.bypassed = 0.0
         elif whole(r) > bar and r.tenant == lead.tenant:
-            r.bypassed += times
+            r.bypassed += times * bypass_weight(lead, r)
 
 
 def run_bound(op: Decision[T], others: Iterable[Record], now: float, whole_in: int | None = None,
@@ -375,7 +390,7 @@ def run_bound(op: Decision[T], others: Iterable[Record], now: float, whole_in: i
     most, until = MAX_RUN, math.inf
     for r in op.waiting:
         if id(r) not in rows and whole(r) > bar and r.tenant == lead.tenant:
-            most = min(most, BYPASS_LIMIT - r.bypassed)
+            most = min(most, math.ceil((BYPASS_LIMIT - r.bypassed) / bypass_weight(lead, r) - _EPS))
     if whole_in is not None:
         most = min(most, whole_in)
     if share is not None and lead.vtime is not None:
@@ -409,7 +424,7 @@ def finish_next(ran: Sequence[Record], now: float, runner_up: Rank | None, decod
     interrupted: that finish is the loop's) and at most one part of its decode left. The rows' bypass counts start
     again first, as :func:`count_bypass` does after the run."""
     for r in ran:
-        r.bypassed = 0
+        r.bypassed = 0.0
     best, k = min((rank(r, now), k) for k, r in enumerate(ran))
     r = ran[k]
     if (not r.begun or not r.finished or r.interrupted or (runner_up is not None and not best < runner_up)

@@ -20,6 +20,7 @@ from server.step_policy import (
     Decision,
     Record,
     Turns,
+    bypass_weight,
     candidates,
     choose,
     count_bypass,
@@ -166,6 +167,32 @@ def test_a_stream_of_short_requests_takes_at_most_the_bypass_limit_in_a_row() ->
     assert leads == (["short"] * BYPASS_LIMIT + ["long"]) * 2
     starved = rec(1, 50, done=1, bypassed=BYPASS_LIMIT)
     assert rank(starved, NOW) == (0, math.inf, 0.0)
+
+
+def test_across_sizes_an_operation_counts_as_its_share_of_the_waiting_requests_work_per_step() -> None:
+    """A 64x64 operation beside a 256x256 request counts 1/16 of a bypass (their work per image-step), so a 64x64
+    request's 22 operations (begin, 20 ticks, decode) never hand a 256x256 job's 4-image tick the lead: that tick
+    costs more than the whole small request. Within one size an operation counts whole (the test above)."""
+    small, large = rec(1, 20, key="64x64"), rec(4, 40, done=1, scale=16.0, key="256x256", at=-1.0)
+    assert bypass_weight(small, large) == 1 / 16 and bypass_weight(large, small) == 1.0
+    leads = []
+    while small.steps_left != 0:
+        found = candidates({"256x256": [(large, "large")], **({"64x64": [(small, "small")]} if small.begun else {})},
+                           [] if small.begun else [(small, "small")], 64)
+        op = choose(found, NOW, 4)
+        assert op is not None
+        leads.append(op.lead.item)
+        count_bypass(op.lead.record, op.ran, op.waiting, 1)
+        if op.lead.item == "small":
+            small.steps_left = 20 if not small.begun else small.steps_left - 1
+    assert set(leads) == {"small"} and len(leads) == 21 and large.bypassed == 21 / 16
+    assert rank(large, NOW)[0] == 1  # not starved
+    large.bypassed = BYPASS_LIMIT - 1  # one bypass left: sixteen 64x64 operations before it goes first
+    op = _tick([(rec(1, 8, done=1), "short")], [], max_batch=1)
+    op.waiting.append(large)
+    assert run_bound(op, [*op.ran, large], NOW)[0] == 16
+    count_bypass(op.lead.record, op.ran, op.waiting, 16)
+    assert rank(large, NOW)[0] == 0  # now it goes first
 
 
 def test_equal_requests_never_push_each_other_ahead() -> None:
