@@ -442,8 +442,11 @@ class CacheSettings(BaseModel):
         return self
 
 
-PROFILES = ("dev", "production", "openvino")
-"""Profiles shipped in configs/ (openvino: the plugin-EP accelerator CI proves the fail-closed path against)."""
+PROFILES = ("dev", "production", "cuda", "openvino")
+"""Profiles shipped in configs/ (cuda: the CUDA provider alone, no TensorRT; openvino: the plugin-EP accelerator CI
+proves the fail-closed path against)."""
+GPU_PROFILES = ("production", "cuda")
+"""Profiles that never run on the CPU (``runtime.allow_cpu = true`` is refused at validation)."""
 
 
 class Settings(BaseModel):
@@ -451,7 +454,7 @@ class Settings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    profile: Literal["dev", "production", "openvino"] = "production"
+    profile: Literal["dev", "production", "cuda", "openvino"] = "production"
     on_boot_failure: Literal["exit", "stay_unready"] = "exit"
     """exit: a failed boot check ends the process with its exit code; stay_unready: keep serving /ready 503."""
     matrix_file: str = "matrix.toml"
@@ -487,9 +490,9 @@ class Settings(BaseModel):
 
     @model_validator(mode="after")
     def _cross(self) -> Settings:
-        if self.profile == "production" and self.runtime.allow_cpu:
-            raise ValueError("production profile with runtime.allow_cpu = true: production never runs on the CPU; "
-                             "use the dev profile")
+        if self.profile in GPU_PROFILES and self.runtime.allow_cpu:
+            raise ValueError(f"{self.profile} profile with runtime.allow_cpu = true: {self.profile} never runs on "
+                             "the CPU; use the dev profile")
         if self.debug.fault_injection and self.profile != "dev":
             raise ValueError("debug.fault_injection is allowed in the dev profile only")
         if self.defaults.steps > self.limits.max_steps:

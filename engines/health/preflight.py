@@ -183,7 +183,8 @@ def _versions(obs: Observations, matrix: Matrix, settings: RuntimeSettings) -> l
                             f"install cuDNN {m.cudnn.major} for CUDA {m.onnxruntime.cuda}"))
     if "TensorrtExecutionProvider" not in settings.providers:
         checks.append(Check("tensorrt_version", "version", "skip", obs.tensorrt_version or "not found",
-                            m.tensorrt.version, "TensorRT is not in the provider policy"))
+                            m.tensorrt.version, "absent by design: TensorRT is not in the provider policy "
+                            f"({', '.join(settings.providers) or 'a plugin EP'}), so it is not required"))
     elif obs.tensorrt_version is None or obs.tensorrt_install == "placeholder":
         observed = ("TensorRT wheel is a placeholder: a pip TensorRT package is installed but libnvinfer.so.10 is "
                     "not (PyPI's tensorrt-cu13-libs only fetches the real wheel from NVIDIA's index at install "
