@@ -13,7 +13,7 @@ The fair-share servers run side by side and their phases alternate (on, off per 
 round), so machine noise hits both alike.
 
     python benchmarks/bench_tenants.py --model models/tiny [--seconds 20] [--rounds 1]
-        [--out benchmarks/results/tenants_cpu.json] [--write-readme docs/benchmarks.md]
+        [--out benchmarks/results/tenants_cpu.json] [--write-readme docs/benchmarks.md] [--cross-only]
     python benchmarks/bench_tenants.py --from-results benchmarks/results/tenants_cpu.json \
         --write-readme docs/benchmarks.md
 """
@@ -169,7 +169,7 @@ async def tenants_phase(url: str, tenants: int, seconds: float) -> dict[str, Any
             "errors": sum(1 for r in record.rows if r["status"] != 200)}
 
 
-async def run(model: Path, seconds: float, rounds: int) -> dict[str, Any]:
+async def run(model: Path, seconds: float, rounds: int, cross_only: bool = False) -> dict[str, Any]:
     results: dict[str, Any] = {"seconds": seconds, "rounds": rounds, "flood_in_flight": FLOOD_IN_FLIGHT,
                                "small": SMALL, "large": LARGE, "job": JOB, "cross": [], "tenants": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -182,6 +182,8 @@ async def run(model: Path, seconds: float, rounds: int) -> dict[str, Any]:
             results["cross"].append({"round": r, **cross})
             print(f"round {r} cross-shape: small p95 {cross['loaded']['p95_s']:.3f} s, solo p95 "
                   f"{cross['solo']['p95_s']:.3f} s", file=sys.stderr)
+            if cross_only:
+                continue
             servers = {mode: Server(model, _config(Path(tmp), f"fair-{mode}", _auth(mode))) for mode in MODES}
             try:
                 for n in TENANT_COUNTS:
@@ -251,11 +253,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "tenants_cpu.json")
     parser.add_argument("--write-readme", type=Path)
     parser.add_argument("--from-results", type=Path)
+    parser.add_argument("--cross-only", action="store_true", help="the cross-shape case alone (no tenant phases)")
     args = parser.parse_args()
     if args.from_results:
         results = json.loads(args.from_results.read_text())
     else:
-        results = asyncio.run(run(args.model, args.seconds, args.rounds))
+        results = asyncio.run(run(args.model, args.seconds, args.rounds, args.cross_only))
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2) + "\n")
     text = render(results)
