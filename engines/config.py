@@ -62,6 +62,14 @@ class CudaOptions(BaseModel):
     """NHWC convolution kernels where available."""
     use_tf32: bool = True
     """TF32 math for fp32 matmul/conv on Ampere and newer."""
+    shared_compute_stream: bool = False
+    """Every CUDA (and TensorRT) session of the engine runs on one CUDA stream the engine creates (provider option
+    ``user_compute_stream``, onnxruntime/core/providers/cuda/cuda_execution_provider_info.cc), so the runs of a
+    step-batching tick (joins, the denoiser, the split, the step graphs) skip ORT's per-run stream synchronize
+    (run option ``disable_synchronize_execution_providers``) and the tick synchronizes once at its end
+    (engines/runtime/buffers.py ``one_tick``). Off: each session keeps its own stream and every run ends in a
+    synchronize, as ORT does by default. When the stream cannot be created (no libcudart) the engine falls back to
+    per-session streams and /capabilities says why. Off by default until a GPU run has measured it."""
 
     @model_validator(mode="after")
     def _no_cuda_graph(self) -> CudaOptions:
@@ -511,6 +519,20 @@ class SelfTestPlan:
     """Used with the model's native size when ``shapes`` is empty."""
     family: str = ""
     """The loaded model's family (set by the engine after load): which SLO windows judge it."""
+    max_images: int = 0
+    """The most images one denoiser call can hold (``max(queue.max_batch, limits.max_n)``): the self-test runs
+    one untimed canary at that batch per served size where it is larger than the size's batch sizes (row_shapes),
+    and boot checks the TensorRT profiles against it (engines/trt_coverage.py). 0: the batch sizes only."""
+    profile: str = ""
+    """The settings profile's name (the rebuild command a refusal names)."""
+
+    def row_shapes(self) -> tuple[Shape, ...]:
+        """Per served size, the largest call the server forms when no batch size reaches it: a row count the
+        engines cannot take fails the self-test at boot, not the first busy minute."""
+        top: dict[tuple[int, int], int] = {}
+        for s in self.shapes:
+            top[(s.width, s.height)] = max(top.get((s.width, s.height), 0), s.batch)
+        return tuple(Shape(w, h, self.max_images) for (w, h), most in top.items() if self.max_images > most)
 
     def windows(self) -> tuple[SloWindow, ...]:
         """The family's own windows when the profile has any, else the windows without a family."""

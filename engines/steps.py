@@ -111,12 +111,14 @@ class StepVerbs:
         first = steps[0]
         if any(s.pipeline is not first.pipeline for s in steps):
             raise ValueError("a tick runs the rows of one pipeline (one step key)")
+        runtime = first.pipeline.runtime
         with self._lock:
             start = time.perf_counter()
-            first.stages.run_denoiser([s.begun.state for s in steps])
-            for s in steps:
-                with first.pipeline.runtime.scoped(s.scope):
-                    first.stages.advance(s.begun.state)
+            with runtime.one_tick():  # on a shared stream: one synchronize at the end, not one per run
+                first.stages.run_denoiser([s.begun.state for s in steps])
+                for s in steps:
+                    with runtime.scoped(s.scope):
+                        first.stages.advance(s.begun.state)
             if self._faults is not None and self._faults.step_latency_s > 0:
                 time.sleep(self._faults.step_latency_s)
             elapsed = time.perf_counter() - start

@@ -8,7 +8,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import onnxruntime as ort
@@ -19,7 +19,32 @@ from engines.types.model import MemoryModel
 
 log = logging.getLogger(__name__)
 MAX_CACHED = 256
-"""Device buffers / host staging buffers kept per (tag, shape, dtype); least recently used go first."""
+"""The least each cache (device buffers, host staging, per-step tables) keeps per (tag, shape, dtype); least
+recently used go first. The bound is ``cache_entries(max_running)``, never less than this."""
+ENTRIES_PER_REQUEST = 16
+"""Entries one running request holds in one cache under its scope (Runtime.scoped): measured on the tiny model
+9-11 device buffers (latents pair, history ring, UNet input and output, text embeddings, noise) and 3 step
+tables; the step cache adds 4 comparison buffers, an edit its image and mask. Host staging holds one per upload
+tag and table on a GPU."""
+CACHE_HEADROOM = 64
+"""Entries outside any request's scope: the joined rows (rows_*), decode buffers, the text encoders' outputs."""
+DEFAULT_MAX_RUNNING = 32
+"""The scheduler's default ``queue.max_running`` (server/settings.py): the cache size a Runtime built without the
+configured value is planned for."""
+
+
+def cache_entries(max_running: int) -> int:
+    """The entries each cache keeps: every running request's (max_running x ENTRIES_PER_REQUEST) and the unscoped
+    ones, so a full running set never evicts a buffer it still uses (an evicted pinned staging buffer is freed with
+    cudaFreeHost and allocated again with cudaHostAlloc on the next step: both synchronize the device)."""
+    return max(MAX_CACHED, max_running * ENTRIES_PER_REQUEST + CACHE_HEADROOM)
+
+
+NO_SYNC = "disable_synchronize_execution_providers"
+"""RunOptions entry (include/onnxruntime/core/session/onnxruntime_run_options_config_keys.h,
+kOrtRunOptionsConfigDisableSynchronizeExecutionProviders): "1" and the run does not synchronize the execution
+providers at its end (InferenceSession::Run passes sync_stream = false to each provider's OnRunEnd; for the CUDA
+provider: no cudaStreamSynchronize on its compute stream). Set only inside ``one_tick`` on a shared stream."""
 
 
 def gpu_mem_limit(settings: RuntimeSettings, total_memory: int | None) -> int | None:
@@ -121,9 +146,21 @@ class DeviceBuffers:
     """The device tensors, host staging and per-step tables one device's sessions are bound to, reused per (scope,
     tag, shape, dtype); and the run that shrinks the shared arena after a large batch's large stages."""
 
-    def __init__(self, device: str, device_id: int) -> None:
+    def __init__(self, device: str, device_id: int, max_cached: int = MAX_CACHED) -> None:
         self.device = device
         self.device_id = device_id
+        self.max_cached = max_cached
+        """Entries each cache keeps (``cache_entries`` of the engine's max_running)."""
+        self.evicted = {"buffers": 0, "staging": 0, "tables": 0}
+        """Entries each cache has evicted (churn): stays 0 while the running set fits ``max_cached``."""
+        self.stream: Stream | None = None
+        """The one stream every session of this runtime runs on (a ComputeStream on CUDA with
+        runtime.cuda.shared_compute_stream, the HostStream on the CPU provider); None: each session on its own
+        stream, so every run must synchronize."""
+        self.syncs = SyncCounter()
+        """Synchronisations issued (or, on the CPU, that the code would issue): per run, per tick."""
+        self._tick: _Tick | None = None
+        self._no_sync: ort.RunOptions | None = None
         self._host: HostAllocator | None = None
         self._staging: OrderedDict[tuple[str, tuple[int, ...], str], tuple[np.ndarray, ort.OrtValue]] = OrderedDict()
         self._buffers: OrderedDict[tuple[str, tuple[int, ...], str], ort.OrtValue] = OrderedDict()
@@ -163,8 +200,9 @@ class DeviceBuffers:
         if value is None:
             value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, self.device, self.device_id)
             self._buffers[key] = value
-            while len(self._buffers) > MAX_CACHED:
+            while len(self._buffers) > self.max_cached:
                 self._buffers.popitem(last=False)
+                self.evicted["buffers"] += 1
         else:
             self._buffers.move_to_end(key)
         return value
@@ -183,9 +221,10 @@ class DeviceBuffers:
         if key not in self._staging:
             array = self.host.empty(shape, dtype)
             self._staging[key] = (array, ort.OrtValue.ortvalue_from_numpy(array))
-            while len(self._staging) > MAX_CACHED:  # bounded like the device buffers; pinned memory is freed
+            while len(self._staging) > self.max_cached:  # bounded like the device buffers; pinned memory is freed
                 old, _ = self._staging.popitem(last=False)[1]
                 self.host.free(old)
+                self.evicted["staging"] += 1
         self._staging.move_to_end(key)
         return self._staging[key]
 
@@ -221,8 +260,9 @@ class DeviceBuffers:
             values = [ort.OrtValue.ortvalue_from_shape_and_type(list(table.shape[1:]), table.dtype.type, self.device,
                                                                 self.device_id) for _ in range(len(table))]
             self._tables[key] = values
-            while len(self._tables) > MAX_CACHED:
+            while len(self._tables) > self.max_cached:
                 self._tables.popitem(last=False)
+                self.evicted["tables"] += 1
         self._tables.move_to_end(key)
         source = self._host_source(tag, table)
         for row, value in enumerate(values):
@@ -235,19 +275,78 @@ class DeviceBuffers:
         """``session.run_with_iobinding``; after the large stages of a large batch (TRIM_AFTER, TRIM_ABOVE_BYTES by
         ``memory`` at the shape of the run's first output) the shared arena is shrunk: the stage is done, so the
         regions it grew are freed at once."""
+        defer = self._defers(outputs)
         options = self._trim_options(component, outputs)
+        if defer and options is not None:
+            options.add_run_config_entry(NO_SYNC, "1")
+        elif defer:
+            options = self._plain(defer)
         if options is None:
             session.run_with_iobinding(binding)
+        else:
+            try:
+                session.run_with_iobinding(binding, options)
+            except Exception as exc:  # ORT refuses the list before running anything: run it plainly, never again
+                if "arena" not in str(exc):
+                    raise
+                self._trim = False
+                log.warning("arena shrinkage refused (%s): large requests keep their memory in the arena",
+                            " ".join(str(exc).split())[:300])
+                session.run_with_iobinding(binding, self._plain(defer))
+        self._count_run(defer)
+
+    def _plain(self, defer: bool) -> ort.RunOptions | None:
+        """The run options of a run without a trim: NO_SYNC inside a tick on a shared stream (made once), else
+        none (ORT's default, which synchronizes)."""
+        if not defer:
+            return None
+        if self._no_sync is None:
+            self._no_sync = ort.RunOptions()
+            self._no_sync.add_run_config_entry(NO_SYNC, "1")
+        return self._no_sync
+
+    def _defers(self, outputs: dict[str, ort.OrtValue]) -> bool:
+        """Whether this run may skip its end-of-run synchronize: inside ``one_tick``, on a shared stream, and
+        writing no output to host memory (a host output is read right after the run, e.g. the step cache's probe
+        scalars: that run synchronizes, which also completes every run deferred before it)."""
+        if self._tick is None or self.stream is None:
+            return False
+        return self.device == "cpu" or all(v.device_name() != "cpu" for v in outputs.values())
+
+    def _count_run(self, deferred: bool) -> None:
+        self.syncs.runs += 1
+        if self._tick is not None:
+            self._tick.runs += 1
+        if deferred:
+            assert self._tick is not None
+            self._tick.pending = True
             return
+        self.syncs.total += 1  # the run synchronized its providers (ORT's default)
+        if self._tick is not None:
+            self._tick.syncs += 1
+            self._tick.pending = False  # that synchronize also finished every run enqueued before it
+
+    @contextmanager
+    def one_tick(self) -> Iterator[None]:
+        """A step-batching tick: on a shared stream its runs skip ORT's per-run synchronize (NO_SYNC) and the
+        tick synchronizes once, at its end, before anything reads the results on the host. On separate streams
+        (no ``stream``) nothing changes: every run synchronizes, as skipping it would race between streams.
+        ``syncs`` counts both (on the CPU, the synchronisations the code issues: one per tick). Nested: the inner
+        block joins the outer tick."""
+        if self._tick is not None:
+            yield
+            return
+        tick = self._tick = _Tick()
         try:
-            session.run_with_iobinding(binding, options)
-        except Exception as exc:  # ORT refuses the list before running anything: run it plainly, never again
-            if "arena" not in str(exc):
-                raise
-            self._trim = False
-            log.warning("arena shrinkage refused (%s): large requests keep their memory in the arena",
-                        " ".join(str(exc).split())[:300])
-            session.run_with_iobinding(binding)
+            yield
+        finally:
+            self._tick = None
+            if tick.pending and self.stream is not None:
+                self.stream.synchronize()
+                tick.syncs += 1
+                self.syncs.total += 1
+            self.syncs.ticks += 1
+            self.syncs.last_tick_runs, self.syncs.last_tick_syncs = tick.runs, tick.syncs
 
     def _trim_options(self, component: str, outputs: dict[str, ort.OrtValue]) -> ort.RunOptions | None:
         device = "cpu:0" if self.host_arena.get("registered") else \
@@ -276,3 +375,44 @@ class DeviceBuffers:
         self._staging.clear()
         if self._host is not None:
             self._host.close()
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
+
+
+class Stream(Protocol):
+    """What a tick needs of a stream: wait for everything enqueued on it (engines/runtime/pinned.py)."""
+
+    kind: str
+    address: int
+
+    def synchronize(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class SyncCounter:
+    """Synchronisations of the device's streams with the host, as the code issues them: one per run that ends in
+    ORT's synchronize, one per tick that deferred its runs' (``DeviceBuffers.one_tick``)."""
+
+    total: int = 0
+    runs: int = 0
+    ticks: int = 0
+    last_tick_runs: int = 0
+    """ORT runs of the last tick (joins, the denoiser, the split, the step graphs, cache probes)."""
+    last_tick_syncs: int = 0
+    """Synchronisations of the last tick: its runs on separate streams; 1 on a shared stream (more only where a
+    run wrote to host memory inside the tick)."""
+
+    def as_dict(self) -> dict[str, int]:
+        return {"total": self.total, "runs": self.runs, "ticks": self.ticks, "last_tick_runs": self.last_tick_runs,
+                "last_tick_syncs": self.last_tick_syncs}
+
+
+@dataclass
+class _Tick:
+    runs: int = 0
+    syncs: int = 0
+    pending: bool = False
+    """Runs since the last synchronize skipped theirs."""

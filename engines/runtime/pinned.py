@@ -140,3 +140,67 @@ class PinnedAllocator:
             self._on_device()
         while self._pointers:
             self._cudart.cudaFreeHost(ctypes.c_void_p(self._pointers.pop()))
+
+
+class ComputeStream:
+    """One CUDA stream (cudaStreamCreate through ctypes on libcudart) that every CUDA session of one engine runs
+    its kernels on, passed as the provider option ``user_compute_stream``: the CUDA provider then keeps no stream
+    of its own (``external_stream_`` and ``use_ep_level_unified_stream_`` in the CUDAExecutionProvider
+    constructor, onnxruntime/core/providers/cuda/cuda_execution_provider.cc; the address is parsed as a decimal
+    size_t by CUDAExecutionProviderInfo::FromProviderOptions, cuda_execution_provider_info.cc, which sets
+    has_user_compute_stream from it), so the runs of a tick are ordered by the stream itself and one
+    cudaStreamSynchronize at the tick's end waits for all of them.
+
+    Blocking on purpose (cudaStreamCreate, not cudaStreamNonBlocking): the binding's own host<->device copies
+    (``OrtValue.update_inplace``, ``OrtValue.numpy()``) are cudaMemcpy calls on the legacy default stream, which
+    waits for a blocking stream's earlier work and makes its later work wait, so an upload between two runs of a
+    tick cannot overtake the run that still reads the buffer it overwrites."""
+
+    kind = "cuda"
+
+    def __init__(self, device_id: int = 0, cudart: Any = None) -> None:
+        self.device_id = device_id
+        self._cudart = cudart if cudart is not None else load_cudart()
+        for name, args in (("cudaSetDevice", [ctypes.c_int]), ("cudaStreamCreate", [ctypes.POINTER(ctypes.c_void_p)]),
+                           ("cudaStreamSynchronize", [ctypes.c_void_p]), ("cudaStreamDestroy", [ctypes.c_void_p])):
+            getattr(self._cudart, name).argtypes = args
+            getattr(self._cudart, name).restype = ctypes.c_int
+        self._call("cudaSetDevice", device_id)
+        handle = ctypes.c_void_p()
+        self._call("cudaStreamCreate", ctypes.byref(handle))
+        if not handle.value:
+            raise GpuUnavailableError("cudaStreamCreate returned no stream")
+        self.address: int = handle.value
+        """The cudaStream_t as an integer: the value of the ``user_compute_stream`` provider option."""
+
+    def _call(self, name: str, *args: Any) -> None:
+        status = getattr(self._cudart, name)(*args)
+        if status != 0:
+            raise GpuUnavailableError(f"{name} failed with CUDA error {status}")
+
+    def synchronize(self) -> None:
+        """Wait until every run and copy enqueued on the stream has finished (cudaStreamSynchronize)."""
+        self._call("cudaSetDevice", self.device_id)
+        self._call("cudaStreamSynchronize", ctypes.c_void_p(self.address))
+
+    def close(self) -> None:
+        """Wait for the stream, then destroy it; the sessions that ran on it must be gone or idle."""
+        if self.address:
+            self.synchronize()
+            self._call("cudaStreamDestroy", ctypes.c_void_p(self.address))
+            self.address = 0
+
+
+class HostStream:
+    """The CPU provider's "stream": every run has finished when it returns, so nothing is left to wait for and a
+    tick's runs are ordered by the calling thread. A tick on the CPU still counts the one synchronisation a
+    shared device stream would issue (Runtime.one_tick)."""
+
+    kind = "host"
+    address = 0
+
+    def synchronize(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None

@@ -13,9 +13,17 @@ import onnxruntime as ort
 from engines.config import RuntimeSettings
 from engines.errors import ArtifactError, GpuUnavailableError, ModelLoadError, PlacementError
 from engines.runtime import enginecheck, placement, plugins
-from engines.runtime.buffers import DeviceBuffers, device_arena, gpu_mem_limit, host_arena
+from engines.runtime.buffers import (
+    DEFAULT_MAX_RUNNING,
+    DeviceBuffers,
+    cache_entries,
+    device_arena,
+    gpu_mem_limit,
+    host_arena,
+)
 from engines.runtime.libdeps import preload
 from engines.runtime.ortlog import capture_ort_output
+from engines.runtime.pinned import ComputeStream, HostStream
 from engines.types.snapshot import OrtEvent, SessionInfo
 
 log = logging.getLogger(__name__)
@@ -98,7 +106,7 @@ def artifact_dirs(settings: RuntimeSettings, model_dir: Path | None) -> tuple[Pa
     return ()
 
 
-def _cuda_options(settings: RuntimeSettings, total_memory: int | None) -> dict[str, str]:
+def _cuda_options(settings: RuntimeSettings, total_memory: int | None, stream: int | None = None) -> dict[str, str]:
     c = settings.cuda
     opts = {"device_id": str(settings.device_id), "arena_extend_strategy": c.arena_extend_strategy,
             "cudnn_conv_algo_search": c.cudnn_conv_algo_search,
@@ -108,7 +116,14 @@ def _cuda_options(settings: RuntimeSettings, total_memory: int | None) -> dict[s
     limit = gpu_mem_limit(settings, total_memory)
     if limit:
         opts["gpu_mem_limit"] = str(limit)
+    if stream:  # a decimal size_t (CUDAExecutionProviderInfo::FromProviderOptions); has_* follows from it
+        opts.update(has_user_compute_stream="1", user_compute_stream=str(stream))
     return opts
+
+
+STREAM_PLACEHOLDER = 0x7F00_0000_0000
+"""A stream address for building and parsing the shared-stream option sets where no stream can be created (no
+libcudart): the parsers read it as a number and never dereference it (sessions never run on it)."""
 
 
 ENV_ALLOCATORS = "session.use_env_allocators"
@@ -121,19 +136,23 @@ def engine_cache_dir(settings: RuntimeSettings, model_dir: Path | None) -> Path:
 
 
 def provider_options(settings: RuntimeSettings, model_dir: Path | None = None,
-                     total_memory: int | None = None) -> list[tuple[str, dict[str, str]]]:
+                     total_memory: int | None = None, stream: int | None = None) -> list[tuple[str, dict[str, str]]]:
     """The (provider, options) list sessions are built with, in priority order, as strings ORT accepts.
-    ``total_memory``: the served device's total bytes (preflight's NVML observation) for gpu_mem_limit."""
+    ``total_memory``: the served device's total bytes (preflight's NVML observation) for gpu_mem_limit;
+    ``stream``: the shared compute stream's address (runtime.cuda.shared_compute_stream), given to CUDA and
+    TensorRT alike, so a session that splits its graph between them runs on the one stream too."""
     out: list[tuple[str, dict[str, str]]] = []
     for name in settings.providers:
         if name == CUDA:
-            opts = _cuda_options(settings, total_memory)
+            opts = _cuda_options(settings, total_memory, stream)
         elif name == TRT:
             t, cache = settings.tensorrt, engine_cache_dir(settings, model_dir)
             opts = {"device_id": str(settings.device_id), "trt_fp16_enable": str(t.fp16),
                     "trt_engine_cache_enable": "True", "trt_engine_cache_path": str(cache),
                     "trt_timing_cache_enable": str(t.timing_cache),
                     "trt_timing_cache_path": str(cache.parent / "timing")}
+            if stream:  # the binding's own TensorRT parser (onnxruntime_pybind_state.cc): "True"/"False", stoull
+                opts.update(has_user_compute_stream="True", user_compute_stream=str(stream))
         else:
             opts = {}
         out.append((name, opts))
@@ -153,17 +172,17 @@ def loading_prebuilt(options: dict[str, str]) -> dict[str, str]:
 
 
 def session_providers(settings: RuntimeSettings, in_process: bool, model_dir: Path | None = None,
-                      total_memory: int | None = None) -> list[tuple[str, dict[str, str]]]:
+                      total_memory: int | None = None, stream: int | None = None) -> list[tuple[str, dict[str, str]]]:
     """The providers of one component: the policy's, except that graphs built in process get CUDA only.
 
     Why: such a graph (the 10-node scheduler step of engines/numerics/step_graph.py, the VAE input scale) has no
     prebuilt engine, so under a TensorRT policy TensorRT would build one on the node at the first request, and
     again per new shape. Its own policy is CUDA only: no build, the same math, still on the GPU."""
-    providers = provider_options(settings, model_dir, total_memory)
+    providers = provider_options(settings, model_dir, total_memory, stream)
     if not in_process or TRT not in settings.providers:
         return providers
     rest = [(p, o) for p, o in providers if p != TRT]
-    return rest if any(p == CUDA for p, _ in rest) else [(CUDA, _cuda_options(settings, total_memory)), *rest]
+    return rest if any(p == CUDA for p, _ in rest) else [(CUDA, _cuda_options(settings, total_memory, stream)), *rest]
 
 
 @dataclass
@@ -188,9 +207,11 @@ class Runtime(DeviceBuffers):
     """Builds sessions for one device under one policy and owns the device buffers bound to them (DeviceBuffers)."""
 
     def __init__(self, settings: RuntimeSettings, model_dir: Path | None = None,
-                 total_memory: int | None = None) -> None:
-        """``total_memory``: the served device's total bytes, from preflight (gpu_mem_limit_fraction needs it)."""
-        super().__init__(settings.device, settings.device_id if settings.device == "cuda" else 0)
+                 total_memory: int | None = None, max_running: int = DEFAULT_MAX_RUNNING) -> None:
+        """``total_memory``: the served device's total bytes, from preflight (gpu_mem_limit_fraction needs it);
+        ``max_running``: the scheduler's queue.max_running, which sizes the buffer caches (cache_entries)."""
+        super().__init__(settings.device, settings.device_id if settings.device == "cuda" else 0,
+                         cache_entries(max_running))
         self.settings = settings
         self.model_dir = model_dir
         self.total_memory = total_memory
@@ -204,6 +225,27 @@ class Runtime(DeviceBuffers):
                 log.info("preload: %s", line)
             if settings.plugin is None and CUDA in settings.providers:
                 self.arena = device_arena(settings, total_memory)  # before the first device OrtValue
+        self.stream_state = self._shared_stream()
+        """Whether the sessions share one stream (``shared``), its kind and address, or why not (``reason``)."""
+
+    def _shared_stream(self) -> dict[str, Any]:
+        """Set ``stream``: the CPU provider's HostStream (runs finish before they return); on CUDA with
+        runtime.cuda.shared_compute_stream, a ComputeStream every session gets as ``user_compute_stream``. Where
+        it cannot be created the runtime falls back to per-session streams (every run synchronizes, as ORT does by
+        default: correct, only slower) and says why; a GPU that cannot give a stream fails the sessions anyway."""
+        if self.settings.plugin is not None:
+            return {"shared": False, "reason": "a plugin EP keeps its own streams"}
+        if self.device == "cpu":
+            self.stream = HostStream()
+            return {"shared": True, "kind": "host", "address": 0}
+        if not self.settings.cuda.shared_compute_stream:
+            return {"shared": False, "reason": "runtime.cuda.shared_compute_stream is off"}
+        try:
+            self.stream = ComputeStream(self.settings.device_id)
+        except GpuUnavailableError as exc:
+            log.warning("no shared compute stream (%s): each session keeps its own and every run synchronizes", exc)
+            return {"shared": False, "reason": f"the shared compute stream could not be created: {exc}"}
+        return {"shared": True, "kind": "cuda", "address": self.stream.address}
 
     def _options(self, audit_only: bool = False, extra: dict[str, str] | None = None) -> ort.SessionOptions:
         """Session options under the policy; ``audit_only``: without disable_cpu_ep_fallback, to name the nodes a
@@ -233,7 +275,8 @@ class Runtime(DeviceBuffers):
         data flow), and a TensorRT component must load prebuilt engines (EP-context nodes, an unchanged cache).
         ``fp32``: TensorRT must not pick fp16 kernels for this component (``trt_fp16_enable`` off whatever the
         profile says), e.g. SDXL's force-upcast VAE."""
-        providers = session_providers(self.settings, isinstance(model, bytes), self.model_dir, self.total_memory)
+        providers = session_providers(self.settings, isinstance(model, bytes), self.model_dir, self.total_memory,
+                                      self.stream.address if self.stream is not None else None)
         if fp32:
             providers = [(p, {**o, "trt_fp16_enable": "False"} if p == TRT else o) for p, o in providers]
         if self.settings.plugin is not None:
