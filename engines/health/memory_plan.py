@@ -22,6 +22,11 @@ What the plan charges, and why (each line is what this codebase does today, not 
   plain ONNX file (on CUDA under a TensorRT policy), a second full copy of its weights at the file's dtype; merged
   sets are cached up to ``[runtime.lora] cache_mb``; each merge uploads W through a device buffer kept per weight
   shape. A set is refused when its merged tensors exceed ``cache_mb`` (``require_fits``).
+- **First-block parts** (``sdserve engines export --first-block``; engines/pipelines/first_block.py
+  ``decide_parts``): where the pipeline loads them, beside the full transformer, they are the transformer's weights
+  a second time (plus the head a third), at the files' dtype, counted as components of their own; their
+  activations are within the transformer's (they run in its place). Under a TensorRT policy they are not loaded
+  (the TensorRT plan builds no engine for them) and the plan says so instead of counting them.
 - **Host**: sessions load one at a time. A TensorRT engine file is read whole into host memory before it is
   deserialized; ORT reads an inline ONNX file whole and memory-maps external data (page cache: reclaimable). The
   LoRA manager keeps a host copy of every adaptable weight of an inline component (``targets.base_weights``;
@@ -420,6 +425,22 @@ def _engines(folder: Path, served: Served) -> int:
     return max(1, len(context_models(folder, TRT_DIR)) or served.sizes)
 
 
+def _first_block(folder: Path, lay: Layout, served: Served) -> dict[str, Any]:
+    """The first-block parts as the pipeline decides them (``decide_parts``): present, loaded, and why not."""
+    from engines.pipelines.flow_family import is_dit_folder
+
+    if not is_dit_folder(folder):
+        return {"present": False, "loaded": False, "parts": [], "weights": 0, "note": ""}
+    from engines.pipelines.first_block import PARTS, decide_parts
+
+    served_parts = bool(getattr(architectures.of(folder).pipeline_class(), "FIRST_BLOCK", False))
+    decision = decide_parts(folder, lay.family, served_parts,
+                            "TensorRT engines, `sdserve engines build`" if served.tensorrt else "")
+    note = "" if decision.load or not decision.present else decision.refusal
+    return {"present": decision.present, "loaded": decision.load, "parts": list(PARTS) if decision.load else [],
+            "weights": 0, "note": note}
+
+
 def plan(folder: Path, served: Served, dtype: str | None = None, budgets: Budgets | None = None) -> dict[str, Any]:
     """The memory plan of ``folder`` served as ``served`` (``dtype``: every component's device dtype instead of
     the policy's), compared with ``budgets``: JSON-ready. ModelLoadError when the folder is no served family."""
@@ -432,6 +453,11 @@ def plan(folder: Path, served: Served, dtype: str | None = None, budgets: Budget
     except (TypeError, ValueError, KeyError, IndexError) as exc:  # a config value of the wrong type or shape
         raise ModelLoadError(f"{folder}: a component's config.json holds values the memory plan cannot read: "
                              f"{exc!r}") from exc
+    first_block = _first_block(folder, lay, served)
+    # loaded only without TensorRT (decide_parts): one engine per component, one copy each; never LoRA-adapted
+    extra = [component(folder, name, "first_block_part", lay, served, dtype) for name in first_block["parts"]]
+    first_block["weights"] = sum(c.weights for c in extra)
+    parts += extra
     engines = _engines(folder, served)
     device, host = _device(parts, served, engines), _host(parts, served)
     return {
@@ -440,7 +466,7 @@ def plan(folder: Path, served: Served, dtype: str | None = None, budgets: Budget
                    "rows": served.images * (2 if lay.cfg else 1), "engines_per_component": engines,
                    "policy": "tensorrt" if served.tensorrt else "onnx"},
         "components": [c.__dict__ for c in parts],
-        "missing": [c.name for c in parts if c.source == "missing"],
+        "missing": [c.name for c in parts if c.source == "missing"], "first_block": first_block,
         "device": {**device, "budget": {"bytes": budgets.device_bytes, "source": budgets.device_source},
                    "verdicts": {k: _verdict(device[k], budgets.device_bytes)
                                 for k in ("base", "lora_denoiser", "lora_all", "lora_denoiser_set_cached")}},

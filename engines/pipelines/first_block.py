@@ -48,6 +48,44 @@ MID = ("first_hidden_states", "first_encoder_hidden_states", "temb")
 """What the first part hands to the rest (and, but for the encoder states, to the skip head)."""
 
 
+NONE = ("the first-block step cache needs the transformer exported in parts (`sdserve engines export "
+        "--first-block`); this model has none: use method 'output'")
+"""Why ``cache.method = "first-block"`` is refused by a model whose folder holds no parts."""
+UNSERVED = ("the first-block step cache is not served for {family}: its transformer is not exported in parts; use "
+            "method 'output'")
+PREBUILT = ("this model has the first-block cache's transformer parts, but this profile serves the transformer "
+            "from prebuilt engines ({what}) that do not cover them, and the parts are not loaded beside those "
+            "engines (they would be a second, uncounted copy of the transformer's weights on the device): the "
+            "first-block cache needs the parts on the CUDA provider (a profile without TensorRT artifacts, e.g. "
+            "--profile cuda); use method 'output'")
+
+
+@dataclass(frozen=True)
+class PartsDecision:
+    """Whether a pipeline loads the first-block cache's parts, and, when not, what a request for the cache is told."""
+
+    present: bool
+    """The folder holds all three parts."""
+    load: bool
+    refusal: str = ""
+    """The 422 message of a ``first-block`` request when not loaded ("" when loaded)."""
+
+
+def decide_parts(folder: Path, family: str, served: bool, prebuilt: str = "") -> PartsDecision:
+    """The one rule for the parts (FlowPipeline loads by it, engines/health/memory_plan.py counts by it): loaded
+    when the family serves them (``served``), the folder holds them and the transformer does not come from prebuilt
+    engines that leave them out (``prebuilt``: what those are, "" when nothing is prebuilt or the prebuilt set
+    covers the parts). Never loaded silently beside such engines: the refusal says they exist and why unused."""
+    present = all((folder / part / "model.onnx").is_file() for part in PARTS)
+    if not served:
+        return PartsDecision(present, False, UNSERVED.format(family=family))
+    if not present:
+        return PartsDecision(False, False, NONE)
+    if prebuilt:
+        return PartsDecision(True, False, PREBUILT.format(what=prebuilt))
+    return PartsDecision(True, True)
+
+
 def build_change_graph(dtype: type[np.generic]) -> bytes:
     """``change`` float32 [2]: (mean |residual - previous|, mean |previous|) over every element, in float32."""
     f32, elem = TensorProto.FLOAT, elem_type(dtype)

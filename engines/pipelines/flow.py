@@ -54,7 +54,7 @@ from engines.numerics.rows import RowPacker, shape_feed
 from engines.numerics.step_cache import OutputCache, Probe, cache_use, partition, record
 from engines.pipelines.contract import Begun, PipelineOutput, check_common, image_rng
 from engines.pipelines.first_block import PARTS as FIRST_BLOCK_PARTS
-from engines.pipelines.first_block import FirstBlockRunner, FirstBlockState
+from engines.pipelines.first_block import FirstBlockRunner, FirstBlockState, decide_parts
 from engines.pipelines.flow_edits import DitEditor
 from engines.pipelines.flow_family import DitFamily, detect_dit
 from engines.pipelines.ort_model import Feed, OrtModel
@@ -195,13 +195,14 @@ class FlowPipeline:
         self.rows = RowPacker(runtime, self._make, kinds,
                               (out_dtype, len(self.transformer.session.get_outputs()[0].shape)))
         self.cache_probe = Probe.build(self._make, [in_dtype, out_dtype])
-        prebuilt = bool(given) and not all(part in given for part in FIRST_BLOCK_PARTS)
-        self.first_block = FirstBlockRunner(folder, runtime, label, given) \
-            if self.FIRST_BLOCK and FirstBlockRunner.available(folder) and not prebuilt else None
+        self.first_block_parts = decide_parts(folder, self.family.name, self.FIRST_BLOCK, prebuilt_what(given))
+        """Whether the parts load, and what a ``first-block`` request is told when they do not."""
+        self.first_block = FirstBlockRunner(folder, runtime, label, given) if self.first_block_parts.load else None
         """The first-block cache's transformer parts (exported with `sdserve engines export --first-block`), or None:
-        loaded beside the full transformer, which uncached requests keep running. Not loaded where the other
-        components run from prebuilt EP-context artifacts that do not cover the parts (the TensorRT plan builds no
-        engine for them yet; building one on the node is what the policy forbids)."""
+        loaded beside the full transformer, which uncached requests keep running (engines/health/memory_plan.py
+        counts their weights). Not loaded where the transformer runs from prebuilt EP-context artifacts that do not
+        cover the parts (the TensorRT plan builds no engine for them; building one on the node is what the policy
+        forbids): the refusal says so."""
         g, vae_in = self.geometry, next(iter(self.vae_decoder.inputs))
         self.decode_scale = self._make(build_flow_decode_graph(
             g.scaling_factor, g.shift_factor, self.vae_decoder.input_dtype(vae_in), self.packed), "flow_decode")
@@ -335,9 +336,7 @@ class FlowPipeline:
             raise InvalidRequestError(f"scheduler {batch.scheduler!r} is not served for {self.family.name}: "
                                       "flow-matching models sample with Euler", param="scheduler")
         if batch.cache is not None and batch.cache.method == "first-block" and self.first_block is None:
-            raise InvalidRequestError("the first-block step cache needs the transformer exported in parts "
-                                      "(`sdserve engines export --first-block`); this model has none: use method "
-                                      "'output'", param="cache")
+            raise InvalidRequestError(self.first_block_parts.refusal, param="cache")
         if any(not spec.prompt.strip() for spec in batch.images):
             raise InvalidRequestError("prompt must not be empty", param="prompt")
 
@@ -548,6 +547,16 @@ class FlowPipeline:
             raise InferenceError("the VAE produced NaN/inf values (fp16 overflow or corrupted weights)")
         image = np.clip(decoded / 2 + 0.5, 0.0, 1.0)
         return np.ascontiguousarray((image.transpose(0, 2, 3, 1) * 255).round().astype(np.uint8))
+
+
+def prebuilt_what(sources: dict[str, Path]) -> str:
+    """What the prebuilt models that leave the first-block parts out are ("" when none are, or they cover them)."""
+    if not sources or all(part in sources for part in FIRST_BLOCK_PARTS):
+        return ""
+    from engines.artifacts import TRT_DIR
+
+    trt = any(TRT_DIR in path.parts for path in sources.values())
+    return "TensorRT engines, `sdserve engines build`" if trt else "EP-context artifacts, `sdserve engines build`"
 
 
 def load_pipeline(folder: Path, runtime: Runtime, label: str = "", sources: dict[str, Path] | None = None) -> Any:

@@ -217,4 +217,10 @@ def render_plan(plan: dict[str, Any]) -> list[str]:
                 f"{_against(d['verdicts']['lora_denoiser_set_cached'], device_src)}")]
     if plan["missing"]:
         lines.append(f"  missing (no model.onnx, no config.json; counted as 0): {', '.join(plan['missing'])}")
+    fbc = plan.get("first_block", {})
+    if fbc.get("loaded"):
+        lines.append(f"  first-block cache parts loaded beside the transformer: {_gib(fbc['weights'])} of weights "
+                     "on the device, counted above (the transformer's weights a second time)")
+    elif fbc.get("present"):
+        lines.append(f"  first-block cache parts present, NOT loaded (not counted): {fbc['note']}")
     return lines
