@@ -7,8 +7,8 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from engines import artifacts
-from engines.config import PluginEp, RuntimeSettings
+from engines import artifacts, trt_coverage
+from engines.config import PluginEp, RuntimeSettings, SelfTestPlan
 from engines.errors import ArtifactError
 from engines.health.preflight import Observations
 from engines.types.snapshot import Artifacts, EngineArtifacts
@@ -27,11 +27,14 @@ class ArtifactChecks:
         self.settings = settings
         self.artifacts = Artifacts()
 
-    def verify(self, observations: Observations | None, nvml_index: Callable[[], int]) -> dict[str, dict[str, Path]]:
-        """The model folder against its manifest; with TensorRT in the policy, the prebuilt engines against this
-        node (``observations``: preflight's; ``nvml_index``: the served card's NVML index, raising when none
-        matches). Returns, per served size, the EP-context models to load instead of the plain ONNX files (one
-        engine per size: engines/artifacts.py context_models); {ANY: {}} for the plain model at every size."""
+    def verify(self, observations: Observations | None, nvml_index: Callable[[], int],
+               plan: SelfTestPlan | None = None) -> dict[str, dict[str, Path]]:
+        """The model folder against its manifest; with TensorRT in the policy, the prebuilt engines against the
+        configuration (``plan``: the self-test plan, which carries the served sizes and the largest call; the
+        recorded profiles must cover them, engines/trt_coverage.py) and this node (``observations``: preflight's;
+        ``nvml_index``: the served card's NVML index, raising when none matches). Returns, per served size, the
+        EP-context models to load instead of the plain ONNX files (one engine per size: engines/artifacts.py
+        context_models); {ANY: {}} for the plain model at every size."""
         artifacts.verify_model(self.model_dir, self.settings.verify, self.settings.manifest_sha256)
         self.artifacts = Artifacts(model_manifest=f"verified ({self.settings.verify})")
         if self.settings.plugin is not None:
@@ -46,6 +49,8 @@ class ArtifactChecks:
                     "the deployed versions (the server never builds engines in production)")
             log.warning("no prebuilt TensorRT engines in %s: TensorRT may build them on this node (slow boot)", trt)
             return {ANY: {}}
+        if plan is not None:
+            self._require_coverage(trt, plan)
         live = artifacts.node_identity(observations.to_model().model_dump() if observations else {}, nvml_index())
         found = artifacts.verify_engines(self.model_dir, live, self.settings.verify)
         self.artifacts = self.artifacts.model_copy(update={"engines": EngineArtifacts.model_validate(found)})
@@ -54,6 +59,14 @@ class ArtifactChecks:
             raise ArtifactError(f"the engine manifest in {trt} lists no served sizes: rebuild with `sdserve engines "
                                 "build`")
         return per_size
+
+    def _require_coverage(self, trt: Path, plan: SelfTestPlan) -> None:
+        """ArtifactError (exit 23) when the engines' recorded profiles do not take the configured rows and sizes:
+        checked before the node, as it holds wherever the engines are loaded."""
+        why = trt_coverage.refusal(artifacts.read_manifest(trt / artifacts.MANIFEST), trt_coverage.Demand.from_plan(
+            plan), str(self.model_dir))
+        if why is not None:
+            raise ArtifactError(why)
 
     def _verify_plugin(self, plugin: PluginEp, observations: Observations | None) -> dict[str, dict[str, Path]]:
         """A plugin EP's EP-context artifacts (<model>/ep/<name>, `sdserve engines build`) against this node's ORT

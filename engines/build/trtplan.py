@@ -29,6 +29,7 @@ import onnx
 from engines.artifacts import COMPONENTS, TRT_DIR
 from engines.errors import ArtifactError
 from engines.pipelines.flow_family import DitFamily, detect_dit
+from engines.trt_coverage import RECORD, parse_shapes, record
 
 ENGINE_CACHE = "engines"
 """Engine cache folder, relative to the context model's folder (trt/<WxH>/engines)."""
@@ -220,6 +221,19 @@ def _options(component: str, inputs: dict[str, list[int | str]], dims: dict[str,
     }
 
 
+def rows(component: str, inputs: dict[str, list[int | str]], dims: dict[str, int | None], p: ShapeProfile,
+         dit: DitFamily | None = None) -> dict[str, int]:
+    """The rows ``component``'s engine takes at profile ``p``: ``per_image`` (what one more image adds to the
+    batch dim with classifier-free guidance: 2 for the UNet and text encoders, 1 for the VAE), ``min`` (batch_min
+    images without guidance) and ``max`` (batch_max images with it), measured on the shapes the plan gives
+    TensorRT, so the boot check (engines/trt_coverage.py) reads the engine's own bounds."""
+    def step(cfg: bool) -> int:
+        one, two = (parse_shapes(component_shapes(component, inputs, dims, p, b, cfg, dit)) for b in (1, 2))
+        return max((b - a for name in one for a, b in zip(one[name], two[name], strict=True)), default=0)
+
+    return {"min": p.batch_min * step(False), "max": p.batch_max * step(True), "per_image": step(True)}
+
+
 def weights(model_dir: Path, source: str) -> dict[str, Any]:
     """How a component's weights reach TensorRT: bytes inline in the graph file, bytes in external files, and
     whether the whole is over protobuf's limit (then the external layout is what makes the build possible)."""
@@ -259,7 +273,9 @@ def plan(model_dir: Path, profiles: list[ShapeProfile], flags: BuildFlags, devic
                                                        precision.get(c, "")),
                           "writes": [f"{TRT_DIR}/{p.name}/{c}_ctx.onnx", f"{TRT_DIR}/{p.name}/{ENGINE_CACHE}/*"]}
                       for c in present}
-        sizes[p.name] = {"profile": asdict(p) | {"name": p.name}, "components": components}
+        sizes[p.name] = {"profile": asdict(p) | {"name": p.name}, "components": components,
+                         RECORD: {c: record(components[c]["provider_options"], rows(c, inputs[c], dims, p, dit))
+                                  for c in present}}
     base = dit.name if dit is not None else _architecture(model_dir)
     return {"model": model_dir.name, "dims": dims, "architecture": base,
             "weights": {c: weights(model_dir, f"{c}/model.onnx") for c in present},

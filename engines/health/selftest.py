@@ -3,7 +3,9 @@
 A shape is (width, height, batch). Each shape runs one warm-up batch (so no first real request pays for a kernel
 choice or an engine build), then ``timed_runs`` timed batches. Every image is sanity-checked (not constant, not
 all-black), compared with the fingerprints recorded next to the model (``selftest.json``), and the p95 latency is
-compared with the SLO window for the shape.
+compared with the SLO window for the shape. Where the largest call the server forms (``max(queue.max_batch,
+limits.max_n)`` images) is more than every batch size, one untimed canary runs at it too (SelfTestPlan.row_shapes),
+so a row count the engines cannot take fails the boot rather than the first busy minute.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from engines.config import SelfTestPlan, Shape
-from engines.errors import InferenceError, SelfTestError
+from engines.errors import InferenceError, SdserveError, SelfTestError
 from engines.types.health import GpuSample, TelemetrySource, fingerprint
 from engines.types.request import Batch, BatchResult
 from engines.types.snapshot import SelfTestReport, ShapeResult
@@ -74,7 +76,7 @@ def record(plan: SelfTestPlan, generate: Generate, model_dir: Path) -> Path:
     """Run every canary shape once and store its fingerprints next to the model."""
     shapes: dict[str, list[dict[str, Any]]] = {}
     provider = ""
-    for shape in plan.shapes:
+    for shape in (*plan.shapes, *plan.row_shapes()):
         result = generate(plan.suite.batch(shape))
         provider = result.provider
         shapes[shape.key] = [{"canary": name, "thumb": fingerprint(img).round(3).tolist()}
@@ -127,6 +129,7 @@ def run(plan: SelfTestPlan, generate: Generate, model_dir: Path, telemetry: Tele
                 _canary_run(generate, batch, shape)
                 latencies.append(time.perf_counter() - t)
         results.append(_judge(plan, shape, warm, latencies, sampler.samples, recorded, tolerance))
+    results += [_largest_call(plan, shape, generate, recorded, tolerance) for shape in plan.row_shapes()]
     failures = [f"{r.shape}: {f}" for r in results for f in r.failures]
     report = SelfTestReport(passed=not failures, shapes=tuple(results), fingerprints=note,
                             seconds=time.perf_counter() - start)
@@ -135,9 +138,26 @@ def run(plan: SelfTestPlan, generate: Generate, model_dir: Path, telemetry: Tele
     return report
 
 
+def _largest_call(plan: SelfTestPlan, shape: Shape, generate: Generate, recorded: dict[str, Any] | None,
+                  tolerance: float) -> ShapeResult:
+    """The largest call the server forms (``plan.max_images`` images), run once, untimed: the engines must take
+    its rows and its images must be sane; no SLO window judges it (one cold run), and its fingerprints are compared
+    where the recording has them (recordings made before it ran lack them)."""
+    t = time.perf_counter()
+    try:
+        warm = generate(plan.suite.batch(shape))
+    except Exception as exc:  # ORT raises plain Fail/RuntimeException: an input outside a TensorRT profile among them
+        if isinstance(exc, SdserveError) and not isinstance(exc, InferenceError):
+            raise
+        raise SelfTestError(f"self-test failed: {shape.key}: the largest call the configuration forms (max(queue."
+                            f"max_batch, limits.max_n) = {shape.batch} images) failed: {exc}") from exc
+    stored = recorded if recorded is not None and shape.key in recorded.get("shapes", {}) else None
+    return _judge(plan, shape, warm, [time.perf_counter() - t], [], stored, tolerance, timed=False)
+
+
 def _judge(plan: SelfTestPlan, shape: Shape, warm: BatchResult, latencies: list[float], samples: list[GpuSample],
-           recorded: dict[str, Any] | None, tolerance: float) -> ShapeResult:
-    window = plan.window(shape)
+           recorded: dict[str, Any] | None, tolerance: float, timed: bool = True) -> ShapeResult:
+    window = plan.window(shape) if timed else None
     p95 = float(np.percentile(latencies, 95))
     util = statistics.median(s.sm_percent for s in samples) if samples else None
     names = plan.suite.names(shape)
