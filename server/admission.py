@@ -92,6 +92,15 @@ class CostModel:
         _ewma(self.per_image_encode, key, (timings.text_encoder + timings.vae_encode) / cost.images)
         _ewma(self.per_image_decode, key, timings.vae_decode / cost.images)
 
+    def observe_step(self, width: int, height: int, images: int, seconds: float) -> None:
+        """One live denoising step of ``images`` images at this size took ``seconds`` (a step-batching tick): the
+        step cost is learned as requests run, so a size's first request is priced from its own ticks after one,
+        not for its whole run from another size's seed scaled by work (the self-test canaries fold text encoding
+        and decoding into their step cost: at 256x256 scaled from 64x64 that was ~4.5x the real step on the CPU,
+        enough to rank large jobs urgent under the deadline guard on a guess)."""
+        if seconds > 0 and images > 0:
+            _ewma(self.per_image_step, (width, height), seconds / images)
+
     def estimate(self, cost: Cost) -> Estimate | None:
         """None until anything was measured (then nothing is refused on a guess)."""
         if not self.per_image_step:

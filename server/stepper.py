@@ -362,9 +362,11 @@ class StepBatcher(Batcher):
             return
         self._count_bypass(op, len(ticks))
         images = sum(j.images for j in picked)
+        shape = picked[0].batch
         for elapsed, _ in ticks:
             self.metrics.batch_size.observe(images)
             self.metrics.unet_step_seconds.observe(elapsed)
+            self.cost.observe_step(shape.width, shape.height, images, elapsed)
         for job in picked:
             if job.first_step_s is None:
                 job.first_step_s = ticks[0][1] - job.enqueued

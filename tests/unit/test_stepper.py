@@ -318,8 +318,14 @@ def test_a_request_near_its_deadline_goes_before_smaller_ones(engine: StepFakeEn
     calls: room is left). Issue 52 point 0: before, due in an hour (less than 2 x its own 5000 s) made it urgent."""
     import time
 
+    from server.admission import CostModel
+
+    class Measured(CostModel):
+        def observe_step(self, width: int, height: int, images: int, seconds: float) -> None:
+            """The fake's ticks take microseconds: the premise here is the 100 s per image-step measured."""
+
     engine.loaded = True
-    batcher = _batcher(engine)
+    batcher = StepBatcher(engine, Metrics(), asyncio.Lock(), 32, 4, 0.0, cost=Measured())
     batcher.cost.seed(64, 64, 1, 1, 100.0)
     due = {"urgent": time.monotonic() + 6255.0}
     asyncio.run(asyncio.wait_for(_release_after(engine, batcher, _one("short", 4), [_one("urgent", 50)], due), 30))
@@ -444,3 +450,32 @@ def test_admission_prices_the_wait_by_the_policys_order_not_the_whole_queue(engi
     small_wait, large_wait, whole_queue = asyncio.run(scenario())
     assert small_wait == 0.0
     assert abs(large_wait - 60.0) < 1e-9 and abs(whole_queue - 60.0) < 1e-9
+
+
+def test_the_cost_model_learns_a_sizes_step_cost_from_each_tick_before_the_request_finishes(
+        engine: StepFakeEngine) -> None:
+    """Each tick's seconds reach the cost model as that size's step cost (CostModel.observe_step, one call per
+    tick, its rows' images), before the finished request's own observation: a size's first request is priced from
+    its own ticks, not from another size's boot-seeded cost scaled by work for its whole run (which made 256x256
+    jobs urgent under the deadline guard on a guess, test_cross_shape's CI failure)."""
+    from server.admission import Cost, CostModel
+
+    calls: list[tuple[str, int, int, int]] = []
+
+    class Recording(CostModel):
+        def observe_step(self, width: int, height: int, images: int, seconds: float) -> None:
+            assert seconds > 0
+            calls.append(("step", width, height, images))
+            super().observe_step(width, height, images, seconds)
+
+        def observe(self, cost: Any, seconds: float, timings: Any = None) -> None:
+            calls.append(("done", cost.width, cost.height, cost.images))
+            super().observe(cost, seconds, timings)
+
+    engine.loaded = True
+    batcher = StepBatcher(engine, Metrics(), asyncio.Lock(), 64, 4, 0.0, cost=Recording())
+    big = Batch(tuple(ImageSpec("big", seed=k) for k in range(2)), steps=3, width=128, height=128)
+    asyncio.run(asyncio.wait_for(_release_after(engine, batcher, big, []), 30))
+    assert calls == [("step", 128, 128, 2)] * 3 + [("done", 128, 128, 2)], calls
+    priced = batcher.cost.estimate(Cost(128, 128, 10, 1))
+    assert priced is not None and priced.basis == "measured at 128x128"
