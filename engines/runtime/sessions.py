@@ -151,8 +151,9 @@ def provider_options(settings: RuntimeSettings, model_dir: Path | None = None,
                     "trt_engine_cache_enable": "True", "trt_engine_cache_path": str(cache),
                     "trt_timing_cache_enable": str(t.timing_cache),
                     "trt_timing_cache_path": str(cache.parent / "timing")}
-            if stream:  # the binding's own TensorRT parser (onnxruntime_pybind_state.cc): "True"/"False", stoull
-                opts.update(has_user_compute_stream="True", user_compute_stream=str(stream))
+            if stream:  # parsed by the binding itself (onnxruntime_pybind_state.cc, std::stoull), which sets
+                # has_user_compute_stream from it and refuses that key by name ("Invalid TensorRT EP option")
+                opts["user_compute_stream"] = str(stream)
         else:
             opts = {}
         out.append((name, opts))
