@@ -70,7 +70,7 @@ def _tick(device: DeviceBuffers, session: FakeSession, runs: int, host_output_at
     with device.one_tick():
         for k in range(runs):
             out = FakeValue("cpu" if k == host_output_at else "cuda")
-            device.run(session, None, "rows_concat2", {"out": out})  # type: ignore[arg-type]
+            device.run(session, None, "rows_concat2", {"out": out})
 
 
 def test_a_tick_on_a_shared_stream_synchronizes_once() -> None:
@@ -108,11 +108,16 @@ def test_a_run_that_writes_host_memory_inside_a_tick_synchronizes() -> None:
 def test_runs_outside_a_tick_synchronize_and_a_failed_tick_still_waits() -> None:
     device, session, stream = DeviceBuffers("cuda", 0), FakeSession(), CountingStream()
     device.stream = stream
-    device.run(session, None, "vae_decoder", {"out": FakeValue()})  # type: ignore[arg-type]
+    device.run(session, None, "vae_decoder", {"out": FakeValue()})
     assert session.skipped == [False] and device.syncs.total == 1
-    with pytest.raises(ValueError, match="boom"), device.one_tick():
-        device.run(session, None, "unet", {"out": FakeValue()})  # type: ignore[arg-type]
-        raise ValueError("boom")
+
+    def failing_tick() -> None:
+        with device.one_tick():
+            device.run(session, None, "unet", {"out": FakeValue()})
+            raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        failing_tick()
     assert stream.synchronized == 1 and device.syncs.ticks == 1
 
 
