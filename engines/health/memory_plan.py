@@ -12,8 +12,9 @@ size a Flux or Qwen-Image deployment.
 What the plan charges, and why (each line is what this codebase does today, not a general rule):
 
 - **Base weights** at the serving dtype: under a TensorRT policy the engine precision `sdserve engines build` uses
-  (engines/build/trtplan_dit.py: bf16 transformer, T5, Qwen2.5-VL and VAE, fp16 CLIP; the UNet families fp16 unless
-  ``tensorrt.fp16`` is off), else the files' own dtype. One engine per served size
+  (engines/build/trtplan_dit.py ``precision``: each exported DiT component's own dtype; a config-only one the
+  registry's, bf16 transformer, T5, Qwen2.5-VL and VAE, fp16 CLIP; the UNet families fp16 unless ``tensorrt.fp16``
+  is off), else the files' own dtype. One engine per served size
   (engines/artifacts.py ``context_models``), each holding its own weights: × the served sizes under TensorRT.
 - **Activations** (``ACTIVATIONS``): conservative; no fused attention assumed, so every attention's score matrix
   is counted in fp32. TensorRT keeps one execution context per engine: summed; the CUDA arena is shared and one
@@ -137,7 +138,9 @@ def layout(folder: Path) -> Layout:
         dit = detect_dit(folder)
         row = architectures.get(dit.base)
         parts = {**row.memory_parts, **_vae_parts(folder, row.vae_formulas)}
-        return Layout(dit.name, parts, dit.cfg, dit.max_sequence_length, {p: row.engine_precision(p) for p in parts},
+        from engines.build.trtplan_dit import precision  # the export's, as the TensorRT plan builds it
+
+        return Layout(dit.name, parts, dit.cfg, dit.max_sequence_length, {p: precision(dit, p, folder) for p in parts},
                       _factor(folder))
     from engines.pipelines.unet_family import detect
 
