@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Container
+from collections.abc import Container, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -156,6 +156,19 @@ class Metrics:
         self.tenant_refused = Counter("sdserve_tenant_rate_limited_total", "429 answers by tenant and the limit "
                                       "refusing them (" + ", ".join(REFUSAL_LIMITS) + ")", ["tenant", "limit"],
                                       registry=r)
+        self.tenant_slo = Gauge("sdserve_tenant_slo_p95_seconds", "Generation p95 (end to end) each configured "
+                                "tenant is judged against (its auth.tenants slo.p95_s, else the default 30 s); "
+                                "tenants without a series are judged against 30 s", ["tenant"], registry=r)
+        self._slo_tenants: set[str] = set()
+
+    def set_tenant_slos(self, slos: Mapping[str, float]) -> None:
+        """The SLO gauge exactly as ``slos`` (tenant series label -> p95 seconds): a tenant no longer in it loses its
+        series, so no stale threshold stays exported."""
+        for label in self._slo_tenants - set(slos):
+            self.tenant_slo.remove(label)
+        for label, seconds in slos.items():
+            self.tenant_slo.labels(label).set(seconds)
+        self._slo_tenants = set(slos)
 
     def _lora_metrics(self, r: CollectorRegistry) -> None:
         self.lora_merges = Counter("sdserve_lora_merges_total", "LoRA adapter sets merged on the device (not found "

@@ -17,6 +17,13 @@ DEFAULT_TENANT = "default"
 _LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 _KEY_ID = re.compile(r"[0-9a-f]{8}")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
+DEFAULT_SLO_P95_S = 30.0
+"""The generation p95 (seconds, end to end) a tenant is judged against when its ``slo.p95_s`` is unset: the
+per-tenant alert's fallback (deploy/prometheus/tenant_alerts.yml) and the rollout analysis's (server/cli/rollout.py)
+use this same number for series without a ``sdserve_tenant_slo_p95_seconds`` gauge (``other``)."""
+MAX_SLO_P95_S = 120.0
+"""The largest finite bucket of the latency histograms (server/metrics.py LATENCY_BUCKETS): a p95 computed from
+them never reads above it, so a larger threshold could never be crossed."""
 
 
 class TenantLimits(BaseModel):
@@ -53,6 +60,23 @@ class TenantLimits(BaseModel):
         return self.burst if self.burst is not None else max(1, int(self.images_per_minute))
 
 
+class TenantSlo(BaseModel):
+    """What a tenant is promised, judged per tenant by the alert and the rollout analysis (issue 52 point 5)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    p95_s: float | None = Field(None, gt=0, le=MAX_SLO_P95_S)
+    """The tenant's generation p95 (end-to-end seconds, over 5 minutes, all replicas) above which
+    ``SdserveTenantP95SloBurn`` fires and the preview analysis fails; exported as
+    ``sdserve_tenant_slo_p95_seconds{tenant}``. Unset: ``DEFAULT_SLO_P95_S`` (30 s). At most 120 s, the latency
+    histogram's largest finite bucket."""
+
+    @property
+    def threshold_p95_s(self) -> float:
+        """The p95 threshold in force: the tenant's own, else the server-wide default."""
+        return self.p95_s if self.p95_s is not None else DEFAULT_SLO_P95_S
+
+
 class TenantConfig(BaseModel):
     """One ``[[auth.tenants]]`` entry (or one ``[[tenants]]`` entry of ``auth.tenants_file``)."""
 
@@ -69,6 +93,8 @@ class TenantConfig(BaseModel):
     denoising work of 1 while both wait); unconfigured keys weigh 1."""
     limits: TenantLimits = TenantLimits()
     """The tenant's limits and quotas."""
+    slo: TenantSlo = TenantSlo()
+    """The tenant's SLO, e.g. ``slo = { p95_s = 10.0 }``."""
     lora_refresh: bool = False
     """The tenant may rescan the shared LoRA library (``POST /sdapi/v1/refresh-loras``); otherwise 403 naming this
     setting. Listings (``GET /sdapi/v1/loras``) are shared read-only with every tenant. Without auth every caller

@@ -28,11 +28,13 @@ from pydantic import ValidationError
 from engines.errors import ConfigError, InvalidRequestError
 from engines.types.request import Batch
 from server.errors import TenantLimitError
+from server.metrics import tenant_series
 from server.settings import AuthSettings
-from server.tenant_config import DEFAULT_TENANT, TenantConfig, TenantLimits, TenantsFile, check_tenants
+from server.tenant_config import DEFAULT_SLO_P95_S, DEFAULT_TENANT, TenantConfig, TenantLimits, TenantsFile, check_tenants
 
 log = logging.getLogger(__name__)
 Clock = Callable[[], float]
+SloListener = Callable[[dict[str, float]], None]
 NO_LIMITS = TenantLimits()
 
 
@@ -147,6 +149,7 @@ class TenantRegistry:
         self.path = Path(auth.tenants_file) if auth.tenants_file else None
         self.reload_error: str | None = None
         self.reloads = 0
+        self._slo_listeners: list[SloListener] = []
         self._checked = clock()
         self._seen = _signature(self.path) if self.path is not None else ()
         try:
@@ -183,6 +186,21 @@ class TenantRegistry:
             return
         self.reload_error, self.reloads = None, self.reloads + 1
         log.info("tenants file reloaded: %d tenant(s)", len(self.current.tenants))
+        for listener in self._slo_listeners:
+            listener(self.slos())
+
+    def slos(self) -> dict[str, float]:
+        """Tenant series label -> the p95 threshold (seconds) in force, for each configured tenant whose label is a
+        series label (server/metrics.py tenant_series: every configured label with auth on, only ``default``
+        without)."""
+        configured = self.current.by_label
+        return {label: tenant.slo.threshold_p95_s for label, tenant in configured.items()
+                if tenant_series(label, configured, self.enabled) == label}
+
+    def watch_slos(self, listener: SloListener) -> None:
+        """Call ``listener`` with ``slos()`` now and after every successful reload (a failed one keeps the old)."""
+        self._slo_listeners.append(listener)
+        listener(self.slos())
 
     def label_for(self, digest: str) -> str:
         """The tenant of an accepted key's digest: its configured label, else its key id (digest[:8])."""
@@ -199,12 +217,16 @@ class TenantRegistry:
         return own if own is not None else self.auth.per_key_concurrency if self.enabled else None
 
     def snapshot(self) -> dict[str, Any]:
-        """For /capabilities: labels, weights and limits, never a digest or a path."""
+        """For /capabilities: labels, weights, limits and SLOs (``default``: the tenant sets none, the server-wide
+        p95 applies), never a digest or a path."""
         return {"auth": self.enabled, "default_tenant": DEFAULT_TENANT,
                 "unconfigured_keys": {"label": "key id (digest[:8])", "weight": 1.0,
-                                      "in_flight": self.auth.per_key_concurrency},
+                                      "in_flight": self.auth.per_key_concurrency,
+                                      "slo": {"p95_s": DEFAULT_SLO_P95_S, "default": True}},
                 "tenants": [{"label": t.label, "weight": t.weight,
-                             "limits": t.limits.model_dump(exclude_none=True)} for t in self.current.tenants],
+                             "limits": t.limits.model_dump(exclude_none=True),
+                             "slo": {"p95_s": t.slo.threshold_p95_s, "default": t.slo.p95_s is None}}
+                            for t in self.current.tenants],
                 "file": None if self.path is None else {"reload_s": self.auth.tenants_reload_s,
                                                         "reloads": self.reloads, "error": self.reload_error}}
 

@@ -40,11 +40,12 @@ def test_tenant_alerts_read_series_the_server_exposes() -> None:
     m.tenant_requests.labels("team-a", "/v1/images/generations", "200").inc()
     m.tenant_request_seconds.labels("team-a", "/v1/images/generations").observe(1.0)
     m.tenant_refused.labels("team-a", "in_flight").inc()
+    m.set_tenant_slos({"team-a": 10.0})
     labels = {s.name: set(s.labels) for f in m.registry.collect() for s in f.samples}
     rules = yaml.safe_load((RULES / "tenant_alerts.yml").read_text())["groups"][0]["rules"]
     selected = [(r["alert"], name, selector) for r in rules
                 for name, selector in re.findall(r"(sdserve_\w+)\{([^}]*)\}", r["expr"])]
-    assert len(selected) == 3
+    assert len(selected) == 6  # the p95 and the SLO gauge twice each (own threshold, or 30 s without one)
     for alert, name, selector in selected:
         assert name in labels, f"{alert}: {name} is not a series of server/metrics.py"
         used = set(re.findall(r"(\w+)\s*(?:=~|!=|=)", selector))
