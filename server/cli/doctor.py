@@ -65,8 +65,9 @@ def doctor(args: argparse.Namespace, settings: Settings, engine: Engine,
         code = code or ExitCode.GPU_UNAVAILABLE
     engine.close()
     plan = plan_memory(args, settings, caps, pod)
+    build = build_estimate(args, settings)
     extra: dict[str, Any] = {"profile": settings.profile, "exit_code": {"code": int(code), "name": code.name},
-                             "memory_plan": plan}
+                             "memory_plan": plan, **({"build_estimate": build.__dict__} if build else {})}
     if signature is not None:
         extra["signature"] = signature
     if args.json:
@@ -74,7 +75,22 @@ def doctor(args: argparse.Namespace, settings: Settings, engine: Engine,
     else:
         print(render(caps, settings.profile, code, signature))
         print("\n" + "\n".join(render_plan(plan)))
+        if build is not None:
+            print("\n" + "\n".join(build.lines()))
     return int(code)
+
+
+def build_estimate(args: argparse.Namespace, settings: Settings) -> Any:
+    """A DiT folder's TensorRT build estimate for the profile's served sizes (engines/health/build_memory.py), or
+    None (a UNet folder, or one the plan cannot read: the memory plan says why)."""
+    from engines.health.build_memory import estimate
+    from engines.pipelines.flow_family import is_dit_folder
+
+    try:
+        dit = is_dit_folder(args.model)
+        return estimate(args.model, max(1, len(settings.serving.sizes))) if dit else None
+    except SdserveError:
+        return None
 
 
 def watch(seconds: float, settings: Settings, engine: Engine) -> dict[str, Any]:

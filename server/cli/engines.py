@@ -189,7 +189,22 @@ def _build_engines(args: argparse.Namespace) -> int:
         return 0
     log.info("option parser: %d TensorRT option sets of the plan accepted by ONNX Runtime's parser (%s)",
              len(verdicts), ", ".join(sorted(verdicts)))
+    _require_node_holds(args.model, len(profiles))
     return _build_on_gpu(args, boot, plan)
+
+
+def _require_node_holds(model: Path, sizes: int) -> None:
+    """A DiT folder's build refused by name (exit 23) before it starts when this node's host RAM or free disk
+    cannot hold it (engines/health/build_memory.py: a Qwen-Image transformer peaks at ~3x its 38 GiB)."""
+    from engines.health.build_memory import estimate, require_fits
+    from engines.pipelines.flow_family import is_dit_folder
+
+    if is_dit_folder(model):
+        found = estimate(model, sizes)
+        readings = require_fits(found, model)
+        log.info("build estimate: host RAM peak %.1f GiB of %.1f GiB, disk %.1f GiB of %.1f GiB free",
+                 found.host_peak / (1 << 30), readings["host_ram"] / (1 << 30), found.disk_total / (1 << 30),
+                 readings["free_disk"] / (1 << 30))
 
 
 def _build_on_gpu(args: argparse.Namespace, boot: Any, plan: dict[str, Any]) -> int:
