@@ -68,8 +68,9 @@ class CudaOptions(BaseModel):
     step-batching tick (joins, the denoiser, the split, the step graphs) skip ORT's per-run stream synchronize
     (run option ``disable_synchronize_execution_providers``) and the tick synchronizes once at its end
     (engines/runtime/buffers.py ``one_tick``). Off: each session keeps its own stream and every run ends in a
-    synchronize, as ORT does by default. When the stream cannot be created (no libcudart) the engine falls back to
-    per-session streams and /capabilities says why. Off by default until a GPU run has measured it."""
+    synchronize, as ORT does by default. When the stream cannot be created (no libcudart, no driver) the engine
+    falls back to per-session streams, logs why and keeps it in ``Runtime.stream_state``. Off by default until a GPU
+    run has measured it."""
 
     @model_validator(mode="after")
     def _no_cuda_graph(self) -> CudaOptions:
