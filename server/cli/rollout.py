@@ -18,6 +18,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from engines.errors import InvalidRequestError
+from server.tenant_config import DEFAULT_SLO_P95_S
 
 log = logging.getLogger("sdserve")
 
@@ -41,6 +42,17 @@ ERROR_RATE_QUERY = (f'max(sum by (tenant) (rate(sdserve_tenant_requests_total{{{
 """Share of the preview's responses that are 5xx, judged per tenant (the ``tenant`` label of server/metrics.py: a
 configured label, ``other``, or ``default`` without auth, which is the whole server): the worst tenant's share, so
 one tenant's failures are not diluted by another's traffic. 0 while no tenant has traffic or errors."""
+GENERATION_ROUTES = ("/v1/images/generations|/v1/images/edits|/v1/images/variations|/sdapi/v1/txt2img|"
+                     "/sdapi/v1/img2img")
+_TENANT_P95 = (f'histogram_quantile(0.95, sum by (le, tenant) (rate(sdserve_tenant_request_duration_seconds_bucket'
+               f'{{{PREVIEW},route=~"{GENERATION_ROUTES}"}}[1m])))')
+_TENANT_SLO = f"min by (tenant) (sdserve_tenant_slo_p95_seconds{{{PREVIEW}}})"
+TENANT_P95_QUERY = (f"max(({_TENANT_P95} / on (tenant) {_TENANT_SLO} or ({_TENANT_P95} unless on (tenant) "
+                    f"{_TENANT_SLO}) / {DEFAULT_SLO_P95_S:g}) >= 0) or vector(0)")
+"""The preview's generation p95 per tenant over its own threshold (``sdserve_tenant_slo_p95_seconds``, a tenant's
+``slo.p95_s``; the strictest where pods differ), or over 30 s (DEFAULT_SLO_P95_S) for a tenant without one
+(``other``; ``default`` without auth unless configured): the worst tenant's ratio, over 1 fails. ``>= 0`` drops a
+tenant whose p95 is NaN (no request in the window); 0 while no tenant has traffic."""
 READY_QUERY = f"min(min_over_time(sdserve_ready{{{PREVIEW}}}[1m]))"
 """1 when every preview pod's /ready stayed 200 over the last minute; a flip to 503 (degraded, failed) makes it 0.
 Same signal as the SdserveNotReady alert, without its 5 minutes of patience: a candidate gets none."""
@@ -57,8 +69,8 @@ preview: 0 when none holds."""
 
 def queries() -> dict[str, str]:
     """Every PromQL expression the rendered objects carry, by name (promtool and the Prometheus test read these)."""
-    return {"queue_depth": QUEUE_QUERY, "error_rate": ERROR_RATE_QUERY, "ready": READY_QUERY,
-            "fast_path_signature": SIGNATURE_QUERY}
+    return {"queue_depth": QUEUE_QUERY, "error_rate": ERROR_RATE_QUERY, "tenant_p95": TENANT_P95_QUERY,
+            "ready": READY_QUERY, "fast_path_signature": SIGNATURE_QUERY}
 
 
 BENCH_ARGS = ("--concurrency", "1,4", "--requests", "16", "--steps", "20")
@@ -133,14 +145,15 @@ def _prometheus_metric(name: str, query: str, condition: str, address: str) -> d
             "provider": {"prometheus": {"address": address, "query": query}}}
 
 
-CONDITIONS = {"error_rate": "result[0] <= 0.01", "ready": "result[0] == 1", "fast_path_signature": "result[0] == 0"}
+CONDITIONS = {"error_rate": "result[0] <= 0.01", "tenant_p95": "result[0] <= 1", "ready": "result[0] == 1",
+              "fast_path_signature": "result[0] == 0"}
 """Argo's successCondition per query (an expr over ``result``, the query's sample values)."""
 
 
 def health_template(address: str) -> dict[str, Any]:
     """(b) Prometheus checks on the preview while the gate Job loads it."""
     metrics = [_prometheus_metric(name.replace("_", "-"), queries()[name], CONDITIONS[name], address)
-               for name in ("error_rate", "ready", "fast_path_signature")]
+               for name in ("error_rate", "tenant_p95", "ready", "fast_path_signature")]
     return {"apiVersion": "argoproj.io/v1alpha1", "kind": "AnalysisTemplate",
             "metadata": {"name": HEALTH_TEMPLATE, "labels": {"app.kubernetes.io/name": APP}},
             "spec": {"metrics": metrics}}

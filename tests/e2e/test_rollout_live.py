@@ -178,7 +178,7 @@ def test_the_scaling_signal_rises_with_the_queue(watched: str, prometheus: Prome
 def test_the_preview_analysis_passes_healthy_and_fails_on_a_readiness_flip(watched: str,
                                                                           prometheus: Prometheus) -> None:
     names = {m["name"] for m in _health_metrics()}
-    assert names == {"error-rate", "ready", "fast-path-signature"}
+    assert names == {"error-rate", "tenant-p95", "ready", "fast-path-signature"}
     # Healthy, under a little traffic: every check passes (five successful requests, no 5xx).
     for _ in range(5):
         body = {"prompt": "a cat wearing a tiny hat", "size": "64x64", "steps": 2}

@@ -159,7 +159,7 @@ def test_promtool_parses_every_rendered_query(plain: Path, tmp_path: Path) -> No
 
     queries = _queries(_docs(K8S) + _docs(plain))
     assert set(queries) == set(rollout.queries().values())  # every constant is rendered, nothing else is
-    assert len(queries) == 5  # the ScaledObject's (in both renders) and the three preview checks
+    assert len(queries) == 6  # the ScaledObject's (in both renders) and the four preview checks
     done = _promtool_check(queries, tmp_path)
     assert done.returncode == 0 and f"SUCCESS: {len(queries)} rules found" in done.stdout, done.stdout + done.stderr
     broken = _promtool_check([queries[0].replace(")", "", 1)], tmp_path)  # the check does parse
@@ -188,7 +188,7 @@ def test_rollout_analyses_and_scaling_are_wired_together() -> None:
     assert container["command"][:3] == ["sdserve", "deploy", "gate"]
     assert "http://sdserve:80" in container["command"] and "http://sdserve-preview:80" in container["command"]
     health = {m["name"]: m for m in templates["sdserve-preview-health"]["spec"]["metrics"]}
-    assert set(health) == {"error-rate", "ready", "fast-path-signature"}
+    assert set(health) == {"error-rate", "tenant-p95", "ready", "fast-path-signature"}
     assert all('service="sdserve-preview"' in m["provider"]["prometheus"]["query"] for m in health.values())
     scaled = kinds["ScaledObject"][0]
     assert scaled["spec"]["scaleTargetRef"] == {"apiVersion": "argoproj.io/v1alpha1", "kind": "Rollout",

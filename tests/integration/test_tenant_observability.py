@@ -87,3 +87,54 @@ def test_the_preview_error_rate_is_judged_per_tenant(tmp_path: Path) -> None:
     done = subprocess.run([_promtool(), "test", "rules", "tests.yml"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def _p95_series(preview: str, tenant: str, upper: float) -> list[tuple[str, str]]:
+    """10 requests a minute, every one in the latency bucket ending at ``upper`` (p95: 95% into that bucket)."""
+    series = f'sdserve_tenant_request_duration_seconds_bucket{{{preview}, tenant="{tenant}", route="/sdapi/v1/txt2img"'
+    return [(f'{series}, le="{le}"}}', "0x10" if le != "+Inf" and float(le) < upper else "0+10x10")
+            for le in ("10", "20", "30", "60", "+Inf")]
+
+
+def test_the_preview_p95_is_judged_per_tenant_against_its_own_slo(tmp_path: Path) -> None:
+    """p95 19.5 s: team-a (slo.p95_s 10, one pod says 25 mid-reload: the strictest counts) is at 1.95x its SLO,
+    team-b (no gauge: 30 s) at 0.65x; p95 58.5 s: team-c (slo 60 s) at 0.975x. The worst ratio, 1.95, fails
+    ``result[0] <= 1``; without team-a, 0.975 passes although team-c is over the default 30 s. A tenant with no
+    request in the window (NaN p95) and an idle preview read 0."""
+    from server.cli.rollout import CONDITIONS, TENANT_P95_QUERY
+
+    assert _analysis_query("tenant-p95") == TENANT_P95_QUERY and CONDITIONS["tenant_p95"] == "result[0] <= 1"
+    preview = 'service="sdserve-preview"'
+    gauges = [(f'sdserve_tenant_slo_p95_seconds{{{preview}, pod="p1", tenant="team-a"}}', "10x10"),
+              (f'sdserve_tenant_slo_p95_seconds{{{preview}, pod="p2", tenant="team-a"}}', "25x10"),
+              (f'sdserve_tenant_slo_p95_seconds{{{preview}, pod="p1", tenant="team-c"}}', "60x10")]
+    team_b_c = _p95_series(preview, "team-b", 20) + _p95_series(preview, "team-c", 60)
+    idle = [(s, "0x10") for s, _ in _p95_series(preview, "team-d", 20)]  # counters that stopped moving
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump({"groups": [{"name": "analysis", "rules": [
+        {"record": "sdserve:preview_tenant_p95_ratio", "expr": TENANT_P95_QUERY}]}]}))
+
+    def case(series: list[tuple[str, str]], per_mille: int) -> dict[str, Any]:
+        return {"interval": "1m", "input_series": [{"series": s, "values": v} for s, v in series],
+                "promql_expr_test": [{"expr": "round(1000 * sdserve:preview_tenant_p95_ratio)", "eval_time": "5m",
+                                      "exp_samples": [{"labels": "{}", "value": per_mille}]}]}
+
+    tests = {"rule_files": ["rules.yml"], "evaluation_interval": "1m", "tests": [
+        case(gauges + _p95_series(preview, "team-a", 20) + team_b_c + idle, 1950),
+        case(gauges + team_b_c, 975),
+        case(gauges + idle, 0)]}
+    (tmp_path / "tests.yml").write_text(yaml.safe_dump(tests))
+    done = subprocess.run([_promtool(), "test", "rules", "tests.yml"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_alerts_default_threshold_is_the_servers() -> None:
+    """The alert's fallback for tenants without a gauge is DEFAULT_SLO_P95_S, and the SLO bound is the latency
+    histogram's largest finite bucket (a p95 read from it never goes higher)."""
+    from server.metrics import LATENCY_BUCKETS
+    from server.tenant_config import DEFAULT_SLO_P95_S, MAX_SLO_P95_S
+
+    rule = yaml.safe_load((RULES / "tenant_alerts.yml").read_text())["groups"][0]["rules"][0]
+    assert rule["alert"] == "SdserveTenantP95SloBurn"
+    assert rule["expr"].endswith(f") > {DEFAULT_SLO_P95_S:g}") and "unless on (tenant)" in rule["expr"]
+    assert MAX_SLO_P95_S == LATENCY_BUCKETS[-1]

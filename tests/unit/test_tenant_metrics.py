@@ -10,19 +10,26 @@ import base64
 import dataclasses
 import hashlib
 import io
+import json
+import logging
+import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
+from prometheus_client import generate_latest
 
+from engines.errors import ConfigError
 from engines.types.model import ModelInfo
 from server.metrics import Metrics, tenant_series
 from server.middleware import AuthMiddleware, MetricsMiddleware, Receive, Scope, Send, tenant_label
 from server.settings import AuthSettings, load_settings
-from server.tenant_config import TenantConfig, TenantLimits
+from server.exitcodes import ExitCode, exit_code_for
+from server.tenant_config import DEFAULT_SLO_P95_S, TenantConfig, TenantLimits, TenantSlo
 from server.tenants import TenantRegistry
 from tests.unit.fakes import HashedEngine
 from tests.unit.fakes import start as _start
@@ -205,3 +212,95 @@ def _wait_is_priced_for_its_tenant(app: TestClient) -> None:
     body = {"prompt": "p", "steps": 2, "init_images": [base64.b64encode(image.getvalue()).decode()]}
     assert app.post("/sdapi/v1/img2img", json=body, headers=_bearer(KEY_A)).status_code == 200
     assert owners and set(owners) == {"team-a"}
+
+
+# ---- per-tenant SLOs: config, the gauge, /capabilities ----------------------------------------------------------
+
+SLO = "sdserve_tenant_slo_p95_seconds"
+
+
+def _exposed_slos(metrics: Metrics) -> dict[str, float]:
+    """The SLO gauge as /metrics renders it (the real prometheus_client text exposition)."""
+    text = generate_latest(metrics.registry).decode()
+    return {m[1]: float(m[2]) for m in re.finditer(rf'^{SLO}{{tenant="([^"]+)"}} (\S+)$', text, re.MULTILINE)}
+
+
+def _tenants_json(*tenants: tuple[str, str, dict[str, Any]]) -> str:
+    return json.dumps({"tenants": [{"label": label, "digests": [_sha(key)], **extra}
+                                   for label, key, extra in tenants]})
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_slo_gauge_follows_boot_and_every_successful_reload(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """At boot: each configured tenant's own p95 (profile and file), 30 s where unset, nothing for unconfigured
+    keys (``other``: the alert's fallback). A reload that changes one and removes another: the removed one loses
+    its series. A reload with a bad value: refused naming the field, the gauge as before."""
+    path, clock = tmp_path / "tenants.json", Clock()
+    path.write_text(_tenants_json(("team-a", KEY_A, {"slo": {"p95_s": 10.0}}), ("team-b", KEY_B, {})))
+    auth = AuthSettings(api_key_sha256=(_sha(KEY_C),), tenants_file=str(path), tenants_reload_s=1.0,
+                        tenants=(TenantConfig(label="team-p", digests=(_sha("sk-p"),), slo=TenantSlo(p95_s=5.0)),))
+    registry, metrics = TenantRegistry(auth, clock), Metrics()
+    registry.watch_slos(metrics.set_tenant_slos)
+    assert _exposed_slos(metrics) == {"team-p": 5.0, "team-a": 10.0, "team-b": DEFAULT_SLO_P95_S}
+    path.write_text(_tenants_json(("team-a", KEY_A, {"slo": {"p95_s": 15.5}}), ("team-c", "sk-c2", {})))
+    clock.now += 1
+    registry.refresh()
+    assert _exposed_slos(metrics) == {"team-p": 5.0, "team-a": 15.5, "team-c": DEFAULT_SLO_P95_S}
+    caplog.set_level(logging.ERROR, logger="server.tenants")
+    path.write_text(_tenants_json(("team-a", KEY_A, {"slo": {"p95_s": -1}})))
+    clock.now += 1
+    registry.refresh()
+    assert "tenants.0.slo.p95_s" in str(registry.snapshot()["file"]["error"]) and "stay in force" in caplog.text
+    assert _exposed_slos(metrics) == {"team-p": 5.0, "team-a": 15.5, "team-c": DEFAULT_SLO_P95_S}
+
+
+def test_without_auth_the_default_tenants_slo_is_its_series() -> None:
+    """Without auth every request is ``default``: a configured ``default`` tenant's SLO is that series'."""
+    registry, metrics = TenantRegistry(AuthSettings(tenants=(
+        TenantConfig(label="default", slo=TenantSlo(p95_s=12.0)),))), Metrics()
+    assert not registry.enabled
+    registry.watch_slos(metrics.set_tenant_slos)
+    assert _exposed_slos(metrics) == {"default": 12.0}
+    assert registry.slos() == {"default": 12.0} and TenantRegistry(AuthSettings()).slos() == {}
+
+
+def _profile(tmp_path: Path, tenant: str) -> Path:
+    text = (Path(__file__).resolve().parents[2] / "configs" / "dev.toml").read_text()
+    path = tmp_path / "dev.toml"
+    path.write_text(f'{text}\n[auth]\n[[auth.tenants]]\nlabel = "team-a"\ndigests = ["{_sha(KEY_A)}"]\n{tenant}')
+    return path
+
+
+@pytest.mark.parametrize(("slo", "fragment"), [
+    ("slo = { p95_s = -1.0 }", "auth.tenants.0.slo.p95_s"),
+    ("slo = { p95_s = 0 }", "auth.tenants.0.slo.p95_s"),
+    ("slo = { p95_s = 121 }", "auth.tenants.0.slo.p95_s"),
+    ("slo = { p99_s = 5.0 }", "auth.tenants.0.slo.p99_s"),
+    ("slo_p95_s = 5.0", "auth.tenants.0.slo_p95_s"),
+])
+def test_a_bad_slo_is_refused_at_boot_naming_the_field(tmp_path: Path, slo: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_settings("dev", _profile(tmp_path, slo))
+    assert fragment in str(err.value) and exit_code_for(err.value) == ExitCode.CONFIG_INVALID
+
+
+def test_an_slo_loads_from_the_profile_and_shows_in_capabilities(engine: HashedEngine, tmp_path: Path) -> None:
+    settings = load_settings("dev", _profile(tmp_path, "[auth.tenants.slo]\np95_s = 10.0\n"))
+    assert settings.auth.tenants[0].slo.p95_s == 10.0
+    auth = settings.auth.model_copy(update={"tenants": (*settings.auth.tenants,
+                                                        TenantConfig(label="team-b", digests=(_sha(KEY_B),)))})
+    for client in _start(engine, load_settings("dev").model_copy(update={"auth": auth})):
+        response = client.get("/capabilities", headers=_bearer(KEY_A))
+        section = response.json()["tenants"]
+        assert [(t["label"], t["slo"]) for t in section["tenants"]] == [
+            ("team-a", {"p95_s": 10.0, "default": False}), ("team-b", {"p95_s": DEFAULT_SLO_P95_S, "default": True})]
+        assert section["unconfigured_keys"]["slo"] == {"p95_s": DEFAULT_SLO_P95_S, "default": True}
+        assert _sha(KEY_A) not in response.text and _sha(KEY_B) not in response.text
