@@ -100,7 +100,7 @@ def problems(manifest: dict[str, Any], demand: Demand) -> list[str]:
             need = demand.images * per_image
             if need > top:
                 found.append(f"{component} at {size}: {demand.images} images per call need {need} rows, the "
-                             f"engine's profile takes at most {top} ({top // per_image} images; max shapes "
+                             f"engine's profile takes at most {top} ({top // per_image} images, max shapes "
                              f"{_max_shapes(rec)})")
     return found
 

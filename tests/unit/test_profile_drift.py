@@ -50,9 +50,9 @@ def test_more_images_per_call_than_built_is_refused_per_component_with_value_bou
     manifest = _manifest("512x512")
     found = trt_coverage.problems(manifest, Demand(5, ("512x512",), "production"))
     assert found == [
-        "unet at 512x512: 5 images per call need 10 rows, the engine's profile takes at most 8 (4 images; max "
+        "unet at 512x512: 5 images per call need 10 rows, the engine's profile takes at most 8 (4 images, max "
         "shapes sample:8x4x64x64,timestep:8,encoder_hidden_states:8x77x768)",
-        "vae_decoder at 512x512: 5 images per call need 5 rows, the engine's profile takes at most 4 (4 images; "
+        "vae_decoder at 512x512: 5 images per call need 5 rows, the engine's profile takes at most 4 (4 images, "
         "max shapes latent_sample:4x4x64x64)"]
     why = trt_coverage.refusal(manifest, Demand(5, ("512x512",), "prod-eu"), "/models/sd15")
     assert why is not None
@@ -127,8 +127,8 @@ def test_the_build_plan_records_each_components_profile_and_rows(tmp_path: Path)
 class _Engine:
     """A fake generate whose engines take at most ``limit`` images per call (what a TensorRT profile does)."""
 
-    def __init__(self, limit: int) -> None:
-        self.limit, self.calls = limit, list[int]()
+    def __init__(self, limit: int, black_from: int = 0) -> None:
+        self.limit, self.black_from, self.calls = limit, black_from, list[int]()
 
     def __call__(self, batch: Batch) -> BatchResult:
         self.calls.append(len(batch.images))
@@ -136,6 +136,8 @@ class _Engine:
             raise RuntimeError(f"[ONNXRuntimeError] : 1 : FAIL : sample dim 0 {2 * len(batch.images)} is out of "
                                f"the profile's range 1..{2 * self.limit}")
         noise = np.random.default_rng(len(self.calls)).integers(0, 255, (8, 8, 3), dtype=np.uint8)
+        if self.black_from and len(batch.images) >= self.black_from:
+            noise[:] = 0
         return BatchResult(tuple(GeneratedImage(Image.fromarray(noise), 1) for _ in batch.images), "fake")
 
 
@@ -151,7 +153,13 @@ def test_the_self_test_runs_the_largest_call_once_untimed(tmp_path: Path) -> Non
     engine = _Engine(limit=4)
     report = selftest.run(_plan(4), engine, tmp_path)
     assert engine.calls == [1, 1, 2, 2, 4]  # warm + 1 timed per batch size, then the largest call once
-    assert [s.shape for s in report.shapes] == ["64x64x1", "64x64x2", "64x64x4"] and report.passed
+    assert [s.shape for s in report.shapes] == ["64x64x1", "64x64x2"] and report.passed  # a check, not a baseline
+
+
+def test_an_insane_image_from_the_largest_call_fails_the_self_test(tmp_path: Path) -> None:
+    engine = _Engine(limit=4, black_from=4)
+    with pytest.raises(SelfTestError, match=r"64x64x4: canary 'c': all-black image"):
+        selftest.run(_plan(4), engine, tmp_path)
 
 
 def test_a_largest_call_the_engines_cannot_take_fails_the_self_test(tmp_path: Path) -> None:
