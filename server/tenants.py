@@ -30,7 +30,14 @@ from engines.types.request import Batch
 from server.errors import TenantLimitError
 from server.metrics import tenant_series
 from server.settings import AuthSettings
-from server.tenant_config import DEFAULT_SLO_P95_S, DEFAULT_TENANT, TenantConfig, TenantLimits, TenantsFile, check_tenants
+from server.tenant_config import (
+    DEFAULT_SLO_P95_S,
+    DEFAULT_TENANT,
+    TenantConfig,
+    TenantLimits,
+    TenantsFile,
+    check_tenants,
+)
 
 log = logging.getLogger(__name__)
 Clock = Callable[[], float]

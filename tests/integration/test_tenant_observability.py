@@ -137,4 +137,4 @@ def test_the_alerts_default_threshold_is_the_servers() -> None:
     rule = yaml.safe_load((RULES / "tenant_alerts.yml").read_text())["groups"][0]["rules"][0]
     assert rule["alert"] == "SdserveTenantP95SloBurn"
     assert rule["expr"].endswith(f") > {DEFAULT_SLO_P95_S:g}") and "unless on (tenant)" in rule["expr"]
-    assert MAX_SLO_P95_S == LATENCY_BUCKETS[-1]
+    assert LATENCY_BUCKETS[-1] == MAX_SLO_P95_S

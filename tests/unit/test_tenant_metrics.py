@@ -25,10 +25,10 @@ from prometheus_client import generate_latest
 
 from engines.errors import ConfigError
 from engines.types.model import ModelInfo
+from server.exitcodes import ExitCode, exit_code_for
 from server.metrics import Metrics, tenant_series
 from server.middleware import AuthMiddleware, MetricsMiddleware, Receive, Scope, Send, tenant_label
 from server.settings import AuthSettings, load_settings
-from server.exitcodes import ExitCode, exit_code_for
 from server.tenant_config import DEFAULT_SLO_P95_S, TenantConfig, TenantLimits, TenantSlo
 from server.tenants import TenantRegistry
 from tests.unit.fakes import HashedEngine
