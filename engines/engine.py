@@ -67,9 +67,12 @@ class OrtEngine:
 
     def __init__(self, model_dir: Path, settings: RuntimeSettings, matrix: Matrix | None = None,
                  plan: SelfTestPlan | None = None, faults: Faults | None = None,
-                 signature_thresholds: SignatureThresholds | None = None, watch_ort_log: bool = False) -> None:
-        """``watch_ort_log``: from preflight on, tee fd 2 and classify what ORT prints after boot (serving only)."""
+                 signature_thresholds: SignatureThresholds | None = None, watch_ort_log: bool = False,
+                 max_running: int = 32) -> None:
+        """``watch_ort_log``: from preflight on, tee fd 2 and classify what ORT prints after boot (serving only);
+        ``max_running``: the step scheduler's resident images, which size the runtime's buffer caches."""
         self.model_dir = model_dir
+        self.max_running = max_running
         self.settings = settings
         self.matrix = matrix or Matrix()
         self.plan = plan
@@ -117,7 +120,7 @@ class OrtEngine:
         try:
             sources = self._verify_artifacts()
             self._integrity = IntegrityWatcher(self.model_dir)  # what was just verified, watched after boot
-            self._runtime = Runtime(self.settings, self.model_dir, self._device_total())
+            self._runtime = Runtime(self.settings, self.model_dir, self._device_total(), max_running=self.max_running)
             self._load_pipelines(sources)
             # admission's estimate and the arena trim's rule; prebuilt engines hold memory sized when they were built
             memory = request_memory.for_folder(self.model_dir) if ANY in self._pipelines else None

@@ -12,11 +12,13 @@ from engines.types.health import Faults
 
 def create_engine(model: Path, runtime: RuntimeSettings, matrix: Matrix | None = None,
                   plan: SelfTestPlan | None = None, faults: Faults | None = None,
-                  signature: SignatureThresholds | None = None, watch_ort_log: bool = False) -> Engine:
-    """The ONNX Runtime engine (nothing loads until ``preflight`` and ``load`` are called)."""
+                  signature: SignatureThresholds | None = None, watch_ort_log: bool = False,
+                  max_running: int = 32) -> Engine:
+    """The ONNX Runtime engine (nothing loads until ``preflight`` and ``load`` are called); ``max_running``: the
+    step scheduler's resident images (``queue.max_running``), which sizes the runtime's buffer caches."""
     from engines.engine import OrtEngine
 
-    return OrtEngine(model, runtime, matrix, plan, faults, signature, watch_ort_log)
+    return OrtEngine(model, runtime, matrix, plan, faults, signature, watch_ort_log, max_running)
 
 
 def accept(model: Path | None, runtime: RuntimeSettings, matrix: Matrix, plan: SelfTestPlan,

@@ -82,4 +82,4 @@ class BootConfig:
         from engines.factory import create_engine
 
         return create_engine(self.model, self.settings.runtime, self.matrix, self.plan, self.faults,
-                             self.settings.signature, watch_ort_log)
+                             self.settings.signature, watch_ort_log, self.settings.queue.max_running)

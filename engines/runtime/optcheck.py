@@ -59,7 +59,7 @@ CUDA_BOOLS = frozenset({"do_copy_in_default_stream", "cudnn_conv_use_max_workspa
                         "enable_skip_layer_norm_strict_mode", "prefer_nhwc", "use_ep_level_unified_stream",
                         "use_tf32", "fuse_conv_bias", "has_user_compute_stream"})
 _BOOL_TEXT = frozenset({"0", "1", "true", "false", "True", "False"})
-_REJECTED = re.compile(r"Invalid [A-Za-z]+ EP option|\[ERROR\] \[TensorRT\]|Unknown provider option")
+_REJECTED = re.compile(r"Invalid [A-Za-z]+ EP option|\[ERROR\] \[TensorRT\]|Unknown provider option|\bstoull\b")
 PATH_SUFFIX = "_path"
 """Options naming a file or folder (engine, timing and context caches): redirected into a scratch folder for the
 probe, so a probe on a GPU node writes nothing next to the model."""

@@ -15,10 +15,11 @@ def test_buffers_are_reused_per_shape_and_bounded() -> None:
     rt = Runtime(CPU)
     first = rt.buffer("latents", (1, 4, 8, 8), np.float32)
     assert rt.buffer("latents", (1, 4, 8, 8), np.float32) is first
-    for i in range(buffers.MAX_CACHED + 10):
+    for i in range(rt.max_cached + 10):
         rt.buffer("x", (i + 1,), np.float32)
         rt.staging("y", (i + 1,), np.float32)
-    assert len(rt._buffers) == buffers.MAX_CACHED and len(rt._staging) == buffers.MAX_CACHED
+    assert len(rt._buffers) == rt.max_cached and len(rt._staging) == rt.max_cached
+    assert rt.max_cached >= buffers.MAX_CACHED
 
 
 def test_staging_output_shares_memory_with_its_ortvalue() -> None:
