@@ -1,7 +1,7 @@
 """The device check: what a first GPU node proves with ONNX Runtime's CUDA provider alone, one line per step.
 
-Steps (benchmarks/gpu/device_steps.py): 1 library resolution and preflight under the CUDA-only policy; 2 the tiny
-model's engine under the strict policy, every session's providers and CPU-node count; 3 joined ticks vs solo (max
+Steps (benchmarks/gpu/device_steps.py): 1 library resolution and preflight under the CUDA profile's policy; 2 the tiny
+model's engine under that policy, every session's providers and CPU-node count; 3 joined ticks vs solo (max
 |delta| of the latents, ms per tick, host reads per tick); 4 the shared capped arena refusing an allocation beyond
 its cap; 5 a full-size SD 1.5-architecture UNet built here with random weights, ms per step at 512x512 ours vs
 diffusers' torch fp16 on the same weights; 6 LoRA on an external-data model; 7 NVML busy and idle. Each prints
@@ -137,18 +137,11 @@ def prepare(work: Path, ort_parts: bool) -> int:
 
 
 def policy(rehearse: bool) -> object:
-    """The CUDA-only policy (configs/cuda.toml when the profile exists, else production's runtime with the CUDA
-    provider alone, ``disable_cpu_ep_fallback`` and no TensorRT engines required); the dev policy rehearsing."""
+    """The CUDA profile's runtime (configs/cuda.toml: the CUDA provider alone, no CPU provider, the placement audit,
+    the shared capped arena), as an operator runs it; the dev policy rehearsing (the CPU provider in its place)."""
     from server.settings import load_settings
 
-    if rehearse:
-        return load_settings("dev").runtime
-    if (ROOT / "configs" / "cuda.toml").is_file():
-        return load_settings("cuda").runtime
-    runtime = load_settings("production").runtime
-    tensorrt = runtime.tensorrt.model_copy(update={"require_engines": False})
-    return runtime.model_copy(update={"providers": ("CUDAExecutionProvider",), "disable_cpu_ep_fallback": True,
-                                      "tensorrt": tensorrt})
+    return load_settings("dev" if rehearse else "cuda").runtime
 
 
 def run_steps(rehearse: bool, work: Path, only: set[int]) -> int:

@@ -66,7 +66,19 @@ def test_a_failing_step_prints_its_real_cause_and_fails_the_run(tmp_path: Path) 
     assert "driver" not in lines["engine"]
 
 
-def test_the_wheel_download_names_every_manylinux_tag_the_node_accepts() -> None:
+@pytest.mark.skipif(not NO_DEVICE, reason="asserts what a machine without an NVIDIA device prints off the rehearsal")
+def test_off_the_rehearsal_a_missing_device_fails_with_nvmls_own_words(tmp_path: Path) -> None:
+    """The first device run reported "no NVIDIA driver" when an import failed: the NVML step now raises what NVML
+    (or the import) raised, and only a rehearsal may SKIP for the device's absence."""
+    done = subprocess.run([sys.executable, str(SCRIPT), "--work", str(tmp_path), "--only", "7"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 1, done.stdout + done.stderr
+    nvml = _steps(done.stdout)["nvml"]
+    assert re.match(r"FAIL \w+: .+ \(raised at \w+\.py:\d+ in \w+\)", nvml), nvml
+
+
+def test_the_node_runs_the_cuda_profile_and_downloads_for_every_manylinux_tag() -> None:
+    """No download: the pip command as built, the wheel list as written, the policy the node's steps get."""
     saved = list(sys.path)
     sys.path.insert(0, str(SCRIPT.parent))
     try:
@@ -85,3 +97,5 @@ def test_the_wheel_download_names_every_manylinux_tag_the_node_accepts() -> None
     assert all(re.fullmatch(r"[a-z0-9-]+==[0-9.]+", ln) for ln in listed), listed  # pinned: CI's versions
     assert not [ln for ln in listed if "tensorrt" in ln.lower()]
     assert {"tokenizers", "pydantic-core", "diffusers"} <= {ln.split("==")[0] for ln in listed}
+    node = device_check.policy(rehearse=False)
+    assert node.providers == ("CUDAExecutionProvider",) and not node.allow_cpu and node.cuda.shared_arena
