@@ -150,6 +150,7 @@ def create_app(engine: Engine, settings: Settings, on_fatal: OnFatal | None = No
     metrics = Metrics(settings.runtime.device_id)
     state = ServerState()
     tenants = TenantRegistry(settings.auth)  # ConfigError (exit 10) for a tenants file unreadable at boot
+    tenants.watch_slos(metrics.set_tenant_slos)  # sdserve_tenant_slo_p95_seconds at boot and on every good reload
     service = ImageService(engine, settings, metrics, state, tenants=tenants)
     app.state.engine, app.state.settings, app.state.metrics = engine, settings, metrics
     app.state.exposition = Exposition(metrics.registry, settings.server.metrics_cache_s)

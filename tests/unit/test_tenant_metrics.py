@@ -304,3 +304,12 @@ def test_an_slo_loads_from_the_profile_and_shows_in_capabilities(engine: HashedE
             ("team-a", {"p95_s": 10.0, "default": False}), ("team-b", {"p95_s": DEFAULT_SLO_P95_S, "default": True})]
         assert section["unconfigured_keys"]["slo"] == {"p95_s": DEFAULT_SLO_P95_S, "default": True}
         assert _sha(KEY_A) not in response.text and _sha(KEY_B) not in response.text
+
+
+def test_the_app_exports_each_configured_tenants_slo_on_metrics(app: TestClient) -> None:
+    """server/app.py wires the registry to the gauge: /metrics (the real exposition) has one SLO series per
+    configured tenant, the 30 s default where unset, none for ``other``."""
+    text = app.get("/metrics").text
+    for label in ("team-a", "team-b"):
+        assert f'sdserve_tenant_slo_p95_seconds{{tenant="{label}"}} {DEFAULT_SLO_P95_S}' in text, text[-2000:]
+    assert 'sdserve_tenant_slo_p95_seconds{tenant="other"}' not in text
