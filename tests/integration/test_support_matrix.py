@@ -89,6 +89,15 @@ PROOFS: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {
          "every session on the EP under the profile's policy, the CPU's images (plain ONNX: its EP-context "
          "artifacts are planned, not built by a test)"),
     ),
+    ("sd1", "cuda"): (
+        ("tests/integration/test_cuda_profile.py::test_every_option_set_passes_orts_parser",
+         "every option set through ORT's parser"),
+        ("tests/integration/test_cuda_profile.py::test_the_placement_audit_under_the_policy",
+         "the placement audit's classification under the policy"),
+        ("tests/integration/test_cuda_profile.py::test_the_optimized_graphs_are_what_the_profile_serves",
+         "`engines optimize --target cuda` graphs verified without TensorRT engines"),
+        ("tests/integration/test_cuda_profile.py::test_serve_exits_20_saying_why", "exit 20 without a GPU"),
+    ),
     ("flux", "production"): (
         ("tests/integration/test_lora.py::test_a_dit_text_encoder_lora_changes_the_image_it_claims_and_matches_"
          "diffusers", "LoRA incl. text encoders matches diffusers on the CPU"),
