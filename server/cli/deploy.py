@@ -84,7 +84,7 @@ def deployment(settings: Settings, matrix: Matrix, image: str, color: str, start
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "template": {"metadata": {"labels": _labels(color), "annotations": {
                 "sdserve/matrix-onnxruntime": matrix.onnxruntime.version,
-                "sdserve/matrix-tensorrt": matrix.tensorrt.version}},
+                "sdserve/matrix-tensorrt": _tensorrt(settings, matrix)}},
                 "spec": {
                     "runtimeClassName": "nvidia", "affinity": _affinity(matrix),
                     # Above the drain timeout: SIGTERM drains queued work before the kubelet's SIGKILL.
@@ -98,6 +98,14 @@ def deployment(settings: Settings, matrix: Matrix, image: str, color: str, start
                                 {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
                                 {"name": "provenance", "secret": {"secretName": PROVENANCE_SECRET, "optional": True,
                                                                   "defaultMode": 0o440}}]}}}}
+
+
+def _tensorrt(settings: Settings, matrix: Matrix) -> str:
+    """The TensorRT major the pod's image must carry, or why it needs none (the cuda profile: CUDA provider alone,
+    docs/deployment.md#cuda-or-tensorrt)."""
+    if "TensorrtExecutionProvider" in settings.runtime.providers:
+        return matrix.tensorrt.version
+    return f"absent by design ({settings.profile} profile)"
 
 
 DEV_IMAGE = "sdserve:0.1.0-notrt"
@@ -247,7 +255,10 @@ def register(sub: Any) -> None:
     register_record(commands)
     rollout.register_gate(commands)
     p = commands.add_parser("render")
-    p.add_argument("--profile", choices=["dev", "production"], default="production")
+    p.add_argument("--profile", choices=["dev", "production", "cuda"], default="production",
+                   help="production: TensorRT engines (a fixed size set, the last 5-30%%); cuda: the CUDA provider "
+                        "alone (many sizes or LoRA sets, frequent model changes, an image without TensorRT): "
+                        "docs/deployment.md#cuda-or-tensorrt")
     p.add_argument("--config", type=Path, default=None)
     p.add_argument("--matrix", type=Path, default=None)
     p.add_argument("--image", default="sdserve:0.1.0")
@@ -310,8 +321,9 @@ def register_record(commands: Any) -> None:
     p.add_argument("--image", required=True)
     p.add_argument("--model", type=Path, default=Path("models/tiny"), help="model folder the doctor boot mounts")
     p.add_argument("--run-flags", default="", help="extra flags for `ENGINE run` (e.g. podman's --runtime)")
-    p.add_argument("--profile", choices=["dev", "production"], default="dev",
-                   help="profile of the doctor boot (production on a GPU node, with the engine's GPU flags)")
+    p.add_argument("--profile", choices=["dev", "production", "cuda"], default="dev",
+                   help="profile of the doctor boot (production or cuda on a GPU node, with the engine's GPU "
+                        "flags)")
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(run=run_record)
 

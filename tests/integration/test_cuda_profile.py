@@ -147,7 +147,8 @@ def test_the_optimized_graphs_are_what_the_profile_serves(optimized: Path) -> No
     """`engines optimize --target cuda`: fused attention and the CUDA-only fusions (engines/build/optimize.py),
     recorded in optimize.json and the manifest; the folder verifies under the cuda policy with no TensorRT engine
     asked for (engines/artifact_checks.py); ops that have no CPU kernel (GroupNorm, NhwcConv:
-    contrib_ops/cuda/diffusion) mean the CPU provider cannot even build the UNet, so these graphs cannot silently run on the CPU."""
+    contrib_ops/cuda/diffusion) mean the CPU provider cannot even build the UNet, so these graphs cannot silently
+    run on the CPU."""
     report = json.loads((optimized / "optimize.json").read_text())
     assert report["target"] == "cuda"
     manifest = json.loads((optimized / "manifest.json").read_text())
@@ -203,3 +204,25 @@ def test_accept_takes_the_profile_and_exits_20(tiny_model: Path, tmp_path: Path)
     done = _sdserve("accept", "--profile", "cuda", "--model", str(tiny_model), "--out", str(tmp_path / "report"))
     assert done.returncode == int(ExitCode.GPU_UNAVAILABLE), done.stderr[-3000:]
     assert "needs an NVIDIA GPU node" in done.stderr and not (tmp_path / "report").exists()
+
+
+def test_the_kubernetes_render_carries_the_profile() -> None:
+    """`sdserve deploy render --profile cuda` (server/cli/deploy.py): every replica boots the cuda profile, the pod
+    template says TensorRT is absent by design, and the GPU request and node affinity are production's."""
+    from server.bootstrap import settings_matrix
+    from server.cli.deploy import render
+
+    def pod(profile: str) -> dict:
+        settings = load_settings(profile)
+        rendered = render(settings, settings_matrix(settings, None), "sdserve:0.1.0-notrt", kind="deployment")
+        return rendered["deployment.yaml"][0]["spec"]["template"]
+
+    cuda, production = pod("cuda"), pod("production")
+    container = cuda["spec"]["containers"][0]
+    assert container["args"][:2] == ["--profile", "cuda"]
+    assert cuda["metadata"]["annotations"]["sdserve/matrix-tensorrt"] == "absent by design (cuda profile)"
+    assert production["metadata"]["annotations"]["sdserve/matrix-tensorrt"] == "10"
+    assert container["resources"] == production["spec"]["containers"][0]["resources"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert cuda["spec"]["affinity"] == production["spec"]["affinity"]
+    assert container["readinessProbe"] == production["spec"]["containers"][0]["readinessProbe"]
