@@ -7,9 +7,10 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from engines import artifacts, trt_coverage
+from engines import artifacts
 from engines.config import PluginEp, RuntimeSettings, SelfTestPlan
 from engines.errors import ArtifactError
+from engines.health import trt_coverage
 from engines.health.preflight import Observations
 from engines.types.snapshot import Artifacts, EngineArtifacts
 
@@ -31,7 +32,7 @@ class ArtifactChecks:
                plan: SelfTestPlan | None = None) -> dict[str, dict[str, Path]]:
         """The model folder against its manifest; with TensorRT in the policy, the prebuilt engines against the
         configuration (``plan``: the self-test plan, which carries the served sizes and the largest call; the
-        recorded profiles must cover them, engines/trt_coverage.py) and this node (``observations``: preflight's;
+        recorded profiles must cover them, engines/health/trt_coverage.py) and this node (``observations``: preflight's;
         ``nvml_index``: the served card's NVML index, raising when none matches). Returns, per served size, the
         EP-context models to load instead of the plain ONNX files (one engine per size: engines/artifacts.py
         context_models); {ANY: {}} for the plain model at every size."""

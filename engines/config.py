@@ -523,7 +523,7 @@ class SelfTestPlan:
     max_images: int = 0
     """The most images one denoiser call can hold (``max(queue.max_batch, limits.max_n)``): the self-test runs
     one untimed canary at that batch per served size where it is larger than the size's batch sizes (row_shapes),
-    and boot checks the TensorRT profiles against it (engines/trt_coverage.py). 0: the batch sizes only."""
+    and boot checks the TensorRT profiles against it (engines/health/trt_coverage.py). 0: the batch sizes only."""
     profile: str = ""
     """The settings profile's name (the rebuild command a refusal names)."""
 

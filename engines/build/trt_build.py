@@ -22,9 +22,9 @@ from engines.artifacts import (
 )
 from engines.build.trtplan import ENGINE_CACHE, MODEL_RELATIVE, TIMING_CACHE
 from engines.errors import ArtifactError, GpuUnavailableError
+from engines.health.trt_coverage import RECORD
 from engines.runtime.libdeps import preload
 from engines.runtime.ortlog import capture_ort_output
-from engines.trt_coverage import RECORD
 
 log = logging.getLogger(__name__)
 TRT = "TensorrtExecutionProvider"
@@ -152,7 +152,7 @@ def build(model_dir: Path, plan: dict[str, Any], observations: dict[str, Any], n
             raise ArtifactError(f"the plan records no engine profiles for {size} (engines/build/trtplan.py plan "
                                 "writes them): boot could not check such engines against its configuration")
         # The profiles TensorRT got, per component: boot refuses a configuration they do not cover
-        # (engines/trt_coverage.py); a manifest without them covers nothing.
+        # (engines/health/trt_coverage.py); a manifest without them covers nothing.
         sizes[size] = {"profile": entry["profile"], RECORD: entry[RECORD],
                        "context_models": {c: ctx.relative_to(trt).as_posix() for c, ctx in built.items()}}
     first = next(iter(plan["sizes"].values()))["components"]

@@ -28,8 +28,8 @@ import onnx
 
 from engines.artifacts import COMPONENTS, TRT_DIR
 from engines.errors import ArtifactError
+from engines.health.trt_coverage import RECORD, parse_shapes, record
 from engines.pipelines.flow_family import DitFamily, detect_dit
-from engines.trt_coverage import RECORD, parse_shapes, record
 
 ENGINE_CACHE = "engines"
 """Engine cache folder, relative to the context model's folder (trt/<WxH>/engines)."""
@@ -226,7 +226,7 @@ def rows(component: str, inputs: dict[str, list[int | str]], dims: dict[str, int
     """The rows ``component``'s engine takes at profile ``p``: ``per_image`` (what one more image adds to the
     batch dim with classifier-free guidance: 2 for the UNet and text encoders, 1 for the VAE), ``min`` (batch_min
     images without guidance) and ``max`` (batch_max images with it), measured on the shapes the plan gives
-    TensorRT, so the boot check (engines/trt_coverage.py) reads the engine's own bounds."""
+    TensorRT, so the boot check (engines/health/trt_coverage.py) reads the engine's own bounds."""
     def step(cfg: bool) -> int:
         one, two = (parse_shapes(component_shapes(component, inputs, dims, p, b, cfg, dit)) for b in (1, 2))
         return max((b - a for name in one for a, b in zip(one[name], two[name], strict=True)), default=0)

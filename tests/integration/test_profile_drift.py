@@ -22,7 +22,7 @@ import pytest
 from engines.artifacts import write_engine_manifest
 from engines.build import trtplan
 from engines.errors import ArtifactError, GpuUnavailableError, NotReadyError
-from engines.trt_coverage import RECORD
+from engines.health.trt_coverage import RECORD
 from server.bootstrap import BootConfig
 from server.exitcodes import ExitCode, exit_code_for
 from server.settings import CONFIG_DIR

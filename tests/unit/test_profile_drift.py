@@ -1,5 +1,5 @@
 """Profile drift (issue 53, point 2): the TensorRT engines' recorded optimization profiles against the running
-configuration, as a pure function (engines/trt_coverage.py), the record the build plan writes
+configuration, as a pure function (engines/health/trt_coverage.py), the record the build plan writes
 (engines/build/trtplan.py), and the self-test's largest call (SelfTestPlan.row_shapes, engines/health/selftest.py).
 
 An input outside an explicitly given profile fails at run time instead of rebuilding (onnxruntime
@@ -15,12 +15,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from engines import trt_coverage
 from engines.build import trtplan
 from engines.config import Canary, CanarySuite, SelfTestPlan, Shape
 from engines.errors import SelfTestError
-from engines.health import selftest
-from engines.trt_coverage import Demand
+from engines.health import selftest, trt_coverage
+from engines.health.trt_coverage import Demand
 from engines.types.request import Batch, BatchResult, GeneratedImage
 from tests.unit.test_trtplan import _model
 
