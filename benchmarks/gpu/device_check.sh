@@ -3,9 +3,10 @@
 # Made here first:  .venv/bin/python benchmarks/gpu/device_check.py --prepare .gpu --ort
 # onnxruntime-gpu reaches the node in parts, one call each, on the same warm machine:
 #   command "mkdir -p ~/stage && cp .gpu/ort/* ~/stage/", carry [".gpu/ort/name", ".gpu/ort/part.00"], then part.01 ...
-# then:  command "bash benchmarks/gpu/device_check.sh", carry [".gpu/wheels", ".gpu/model", ".gpu/tiny-external",
-#        ".gpu/loras", ".gpu/bpe_simple_vocab_16e6.txt.gz"], timeout_s 590. Extra arguments go to device_check.py
-#        (e.g. --only 1,2,3,4,6,7 to leave out the full-size UNet, the long step).
+# then:  command "bash benchmarks/gpu/device_check.sh", carry [".gpu/wheels", ".gpu/model",
+#        ".gpu/bpe_simple_vocab_16e6.txt.gz"] (about 37 MB; the external-data copy and the LoRA folder are derived
+#        on the node), timeout_s 590. Extra arguments go to device_check.py (e.g. --only 1,2,3,4,6,7 to leave out
+#        the full-size UNet, the long step).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || echo "nvidia-smi: not found"
