@@ -212,9 +212,11 @@ def step_joined(node: Node) -> Result:
         joined, joined_s, joined_ticks = _ticks(engine, batches)
         reads = len(runtime.host_reads)
     delta = max(float(np.abs(a - b).max()) for a, b in zip(joined, solo, strict=True))
+    syncs = runtime.syncs
     text = (f"max_abs_delta={delta:.3g} ms_per_tick_joined={1000 * joined_s / joined_ticks:.2f} "
             f"ms_per_tick_solo={1000 * solo_s / solo_ticks:.2f} host_reads_per_tick={reads / joined_ticks:.2f} "
-            f"ticks={joined_ticks}")
+            f"ticks={joined_ticks} last_tick_runs={syncs.last_tick_runs} last_tick_syncs={syncs.last_tick_syncs} "
+            f"shared_stream={bool(runtime.stream_state.get('shared'))}")
     return ("PASS" if delta <= (JOINED_BOUND_CPU if node.rehearse else JOINED_BOUND_GPU) else "FAIL"), text
 
 
