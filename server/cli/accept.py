@@ -44,6 +44,10 @@ against its own budget (--step-budget); the report lists step, seconds, budget a
 budget fails the verdict's "budget" line. Default step budgets (s):
   {budgets}.
 
+--profile cuda (the CUDA provider alone, no TensorRT on the node) accepts a node for that profile: the same GPU
+gate and sections, on the ONNX graphs of --model (`sdserve engines optimize --target cuda`); preflight reports
+TensorRT absent by design.
+
 A plugin-EP profile (--profile openvino: OpenVINO on the CPU, what CI rehearses) runs the same flow on that EP,
 with its EP-context artifacts; the CUDA-only checks (staging, copies, the NVML signature) say "not applicable on
 this EP". The GPU gate applies to NVIDIA devices only.
