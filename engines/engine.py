@@ -189,7 +189,7 @@ class OrtEngine:
 
     def _verify_artifacts(self) -> dict[str, dict[str, Path]]:
         """Per served size, the EP-context models to load (engines/artifact_checks.py)."""
-        return self._verified.verify(self._observations, self.nvml_index)
+        return self._verified.verify(self._observations, self.nvml_index, self.plan)
 
     @property
     def pipeline(self) -> Pipeline:

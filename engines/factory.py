@@ -61,3 +61,20 @@ def memory_plan(model: Path, runtime: RuntimeSettings, width: int, height: int, 
 
     return for_runtime(model, runtime, width, height, images, sizes, dtype,
                        Budgets(device_bytes, device_source, pod_limit, pod_source))
+
+
+def dit_build_estimate(model: Path, sizes: int) -> Any:
+    """A DiT folder's TensorRT build estimate for ``sizes`` served sizes (engines/health/build_memory.py
+    ``BuildEstimate``: host RAM peak, device, disk), or None for a UNet folder."""
+    from engines.health.build_memory import estimate
+    from engines.pipelines.flow_family import is_dit_folder
+
+    return estimate(model, sizes) if is_dit_folder(model) else None
+
+
+def require_build_fits(found: Any, model: Path) -> dict[str, Any]:
+    """ArtifactError (exit 23) naming the numbers when this node's host RAM or free disk under ``model`` cannot
+    hold the build ``found`` estimates; else the node's readings (engines/health/build_memory.py)."""
+    from engines.health.build_memory import require_fits
+
+    return require_fits(found, model)

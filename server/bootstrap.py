@@ -34,7 +34,8 @@ def selftest_plan(settings: Settings) -> SelfTestPlan:
     return SelfTestPlan(load_canaries(config_path(st.canaries_file)), shapes,
                         load_slo(config_path(st.slo_file), settings.profile), st.timed_runs,
                         st.fingerprint_tolerance, st.cross_platform_tolerance, st.require_fingerprints,
-                        batch_sizes=settings.serving.batch_sizes)
+                        batch_sizes=settings.serving.batch_sizes,
+                        max_images=max(settings.queue.max_batch, settings.limits.max_n), profile=settings.profile)
 
 
 def settings_matrix(settings: Settings, override: Path | None = None) -> Matrix:

@@ -187,6 +187,9 @@ def relocation_check(run: Run) -> rep.RelocationSection:
         from engines.build import epctx
 
         epctx.build(built_at, run.options.runtime, [f"{w}x{h}" for w, h in sizes], observed)
+    elif "TensorrtExecutionProvider" not in run.options.runtime.providers:  # the cuda profile: plain graphs
+        run.notes.append("relocation: a CUDA-only policy builds nothing (graphs from `engines optimize --target "
+                         "cuda`); the moved folder must load as it is")
     else:
         plan = trtplan.plan(built_at, trtplan.profiles_from(sizes, batch, batch), trtplan.BuildFlags(
             fp16=run.options.runtime.tensorrt.fp16), run.options.runtime.device_id)

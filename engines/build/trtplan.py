@@ -259,7 +259,7 @@ def plan(model_dir: Path, profiles: list[ShapeProfile], flags: BuildFlags, devic
         dims = trtplan_dit.dims(model_dir, dit)
         upcast: tuple[str, ...] = ()
         present = trtplan_dit.components(dit, model_dir)
-        precision = {c: trtplan_dit.precision(dit, c) for c in present}
+        precision = trtplan_dit.precisions(dit, model_dir)
     else:
         dims = model_dims(model_dir)
         upcast = fp32_components(model_dir)

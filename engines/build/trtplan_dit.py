@@ -16,13 +16,15 @@ its longest templated prompt, the template's 34-token system prefix included, cu
 spans ``input_ids`` [rows, 35 .. 546] (``QWEN_TEXT_MIN``: the prefix and at least one token, what the tokenizer
 requires; ``QWEN_TEXT_OPT``: a typical prompt; max: the prefix + 512), one engine for every prompt length.
 
-Precision per part follows the export (``export_precision``): each component's ``model.onnx`` is built at the
-float type most of its initializers have (read from the protobuf's headers, engines/health/onnx_scan.py: the weights
-are never read): an fp16 export gives ``trt_fp16_enable``, a bf16 one ``trt_bf16_enable``, an fp32 one neither
-(TensorRT's fp32 with its default TF32 math), so `sdserve engines export --dtype` is the one place precision is
-chosen and an fp16 export is never computed in bf16. One exception keeps a range the export kept on purpose: an fp16
-graph holding fp32 weights (``HALF_KEEPS_SHARE`` of its floats or more: T5's ``wo`` kept in fp32, engines/build/
-dit_export.py ``PRECISION``) is built in bf16, since TensorRT's fp16 flag would let those layers run in fp16 too.
+Precision per part follows a half-precision export (engines/health/dit_precision.py ``export_precision``): each
+component's ``model.onnx`` is read for the float type most of its initializers have (the protobuf's headers,
+engines/health/onnx_scan.py: the weights are never read): an fp16 export gives ``trt_fp16_enable``, a bf16 one
+``trt_bf16_enable``, so an fp16 export is never computed in bf16 (nor a bf16 one in fp16). An fp32 export (what
+`sdserve engines export` writes by default) leaves the choice to the registry, as TensorRT's half-precision flags
+on an fp32 graph let the builder lower it: how fp32 exports were always built (fp32 engines would double every
+engine). One exception keeps a range the export kept on purpose: an fp16 graph holding fp32 weights
+(``HALF_KEEPS_SHARE`` of its floats or more: T5's ``wo`` kept in fp32, engines/build/dit_export.py ``PRECISION``)
+is built in bf16, since TensorRT's fp16 flag would let those layers run in fp16 too.
 Where a component has no ``model.onnx`` (a config-only folder the memory plan sizes) the registry's precision
 stands (engines/architectures.py ``ENGINE_PRECISION``: T5 and the transformer in bf16, CLIP in fp16, the VAE in
 bf16; Qwen-Image every part in bf16, its released precision): what to export at. bf16 needs compute capability
@@ -36,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from engines import architectures
+from engines.health.dit_precision import precision
 from engines.numerics.qwen_tokenizer import TEMPLATE_DROP
 from engines.pipelines.flow_family import DitFamily
 
@@ -71,34 +74,6 @@ def t5_component(family: DitFamily) -> str:
 def components(family: DitFamily, folder: Path) -> list[str]:
     parts = architectures.get(family.base).components
     return [p for p in [*parts, "vae_encoder"] if (folder / p / "model.onnx").is_file()]
-
-
-HALF_KEEPS_SHARE = 0.01
-"""An fp16 graph with at least this share of its float weight elements in fp32 keeps them for their range (T5's
-``wo``: about a fifth of T5-XXL; a stray fp32 constant is far below): built in bf16, not fp16."""
-ONNX_FLOAT_TYPES = {1: "fp32", 10: "fp16", 16: "bf16"}
-"""TensorProto.DataType values of the float weights an export writes."""
-
-
-def export_precision(path: Path) -> str | None:
-    """The engine precision of one exported component (the module docstring's rule), or None when its initializers
-    hold no float weights."""
-    from engines.health.onnx_scan import scan_onnx
-
-    floats = {ONNX_FLOAT_TYPES[t]: n for t, n in scan_onnx(path).elements.items() if t in ONNX_FLOAT_TYPES}
-    if not floats:
-        return None
-    dominant = max(floats, key=lambda t: floats[t])
-    if dominant == "fp16" and floats.get("fp32", 0) >= HALF_KEEPS_SHARE * sum(floats.values()):
-        return "bf16"
-    return dominant
-
-
-def precision(family: DitFamily, component: str, folder: Path | None = None) -> str:
-    """The engine precision of ``component``: its export's in ``folder`` when exported, else the registry's."""
-    path = folder / component / "model.onnx" if folder is not None else None
-    found = export_precision(path) if path is not None and path.is_file() else None
-    return found or architectures.get(family.base).engine_precision(component)
 
 
 def precisions(family: DitFamily, folder: Path) -> dict[str, str]:

@@ -12,8 +12,8 @@ size a Flux or Qwen-Image deployment.
 What the plan charges, and why (each line is what this codebase does today, not a general rule):
 
 - **Base weights** at the serving dtype: under a TensorRT policy the engine precision `sdserve engines build` uses
-  (engines/build/trtplan_dit.py ``precision``: each exported DiT component's own dtype; a config-only one the
-  registry's, bf16 transformer, T5, Qwen2.5-VL and VAE, fp16 CLIP; the UNet families fp16 unless ``tensorrt.fp16``
+  (engines/build/trtplan_dit.py ``precision``: a half-precision DiT export's own dtype; an fp32 or config-only one
+  the registry's, bf16 transformer, T5, Qwen2.5-VL and VAE, fp16 CLIP; the UNet families fp16 unless ``tensorrt.fp16``
   is off), else the files' own dtype. One engine per served size
   (engines/artifacts.py ``context_models``), each holding its own weights: × the served sizes under TensorRT.
 - **Activations** (``ACTIVATIONS``): conservative; no fused attention assumed, so every attention's score matrix
@@ -138,7 +138,7 @@ def layout(folder: Path) -> Layout:
         dit = detect_dit(folder)
         row = architectures.get(dit.base)
         parts = {**row.memory_parts, **_vae_parts(folder, row.vae_formulas)}
-        from engines.build.trtplan_dit import precision  # the export's, as the TensorRT plan builds it
+        from engines.health.dit_precision import precision  # the export's, as the TensorRT plan builds it
 
         return Layout(dit.name, parts, dit.cfg, dit.max_sequence_length, {p: precision(dit, p, folder) for p in parts},
                       _factor(folder))

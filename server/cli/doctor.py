@@ -83,12 +83,10 @@ def doctor(args: argparse.Namespace, settings: Settings, engine: Engine,
 def build_estimate(args: argparse.Namespace, settings: Settings) -> Any:
     """A DiT folder's TensorRT build estimate for the profile's served sizes (engines/health/build_memory.py), or
     None (a UNet folder, or one the plan cannot read: the memory plan says why)."""
-    from engines.health.build_memory import estimate
-    from engines.pipelines.flow_family import is_dit_folder
+    from engines.factory import dit_build_estimate
 
     try:
-        dit = is_dit_folder(args.model)
-        return estimate(args.model, max(1, len(settings.serving.sizes))) if dit else None
+        return dit_build_estimate(args.model, max(1, len(settings.serving.sizes)))
     except SdserveError:
         return None
 

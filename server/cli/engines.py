@@ -166,6 +166,12 @@ def _build_engines(args: argparse.Namespace) -> int:
     settings = boot.settings
     if settings.runtime.plugin is not None:
         return _build_plugin(args, boot)
+    if "TensorrtExecutionProvider" not in settings.runtime.providers:
+        from engines.errors import ConfigError
+
+        raise ConfigError(f"profile {settings.profile!r} has no TensorRT in runtime.providers "
+                          f"({', '.join(settings.runtime.providers)}): it serves the ONNX graphs themselves, there "
+                          f"are no engines to build; run `sdserve engines optimize --model {args.model} --target cuda`")
     # Refused before anything else, dry runs included: a plan for a graph TensorRT cannot import is no plan.
     trtplan.refuse_unimportable(args.model)
     if args.int8:
@@ -196,12 +202,11 @@ def _build_engines(args: argparse.Namespace) -> int:
 def _require_node_holds(model: Path, sizes: int) -> None:
     """A DiT folder's build refused by name (exit 23) before it starts when this node's host RAM or free disk
     cannot hold it (engines/health/build_memory.py: a Qwen-Image transformer peaks at ~3x its 38 GiB)."""
-    from engines.health.build_memory import estimate, require_fits
-    from engines.pipelines.flow_family import is_dit_folder
+    from engines.factory import dit_build_estimate, require_build_fits
 
-    if is_dit_folder(model):
-        found = estimate(model, sizes)
-        readings = require_fits(found, model)
+    found = dit_build_estimate(model, sizes)
+    if found is not None:
+        readings = require_build_fits(found, model)
         log.info("build estimate: host RAM peak %.1f GiB of %.1f GiB, disk %.1f GiB of %.1f GiB free",
                  found.host_peak / (1 << 30), readings["host_ram"] / (1 << 30), found.disk_total / (1 << 30),
                  readings["free_disk"] / (1 << 30))

@@ -206,6 +206,14 @@ def test_accept_takes_the_profile_and_exits_20(tiny_model: Path, tmp_path: Path)
     assert "needs an NVIDIA GPU node" in done.stderr and not (tmp_path / "report").exists()
 
 
+def test_engines_build_under_the_profile_is_refused_pointing_at_optimize(tiny_model: Path) -> None:
+    """Nothing to build for a CUDA-only policy: `engines build --profile cuda` exits 10 (CONFIG_INVALID) before any
+    plan, naming `engines optimize --target cuda`, instead of planning TensorRT engines it would never load."""
+    done = _sdserve("engines", "build", "--profile", "cuda", "--model", str(tiny_model), "--dry-run")
+    assert done.returncode == int(ExitCode.CONFIG_INVALID), done.stderr[-3000:]
+    assert "no engines to build" in done.stderr and "--target cuda" in done.stderr
+
+
 def test_the_kubernetes_render_carries_the_profile() -> None:
     """`sdserve deploy render --profile cuda` (server/cli/deploy.py): every replica boots the cuda profile, the pod
     template says TensorRT is absent by design, and the GPU request and node affinity are production's."""

@@ -1,5 +1,5 @@
 """The DiT TensorRT precision follows each component's export (engines/build/trtplan_dit.py ``precision``), and the
-memory plan charges it (engines/health/memory_plan.py): fp16 export -> fp16, bf16 -> bf16, fp32 -> fp32, an fp16
+memory plan charges it (engines/health/memory_plan.py): fp16 export -> fp16, bf16 -> bf16, fp32 -> the registry's (the builder lowers it), an fp16
 graph with fp32-kept weights (T5's ``wo``) -> bf16; a component without ``model.onnx`` keeps the registry's.
 
 Graphs made with onnx.helper carry the element types of each export (one initializer per type, of known size), on
@@ -50,14 +50,16 @@ def flux_export(root: Path, types: dict[str, dict[int, int]]) -> Path:
 
 FP32, FP16, BF16 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16
 EXPORTS = {
-    "fp32": ({c: {FP32: 1000} for c in FLUX}, dict.fromkeys(FLUX, "fp32")),
+    # fp32 (the default export): the registry's precisions, which the builder lowers the fp32 graphs to
+    "fp32": ({c: {FP32: 1000} for c in FLUX},
+             {"text_encoder": "fp16", "text_encoder_2": "bf16", "transformer": "bf16", "vae_decoder": "bf16"}),
     # as `engines export --dtype fp16` writes Flux: T5 with its fp32 `wo` keeps, the force-upcast VAE in fp32
     "fp16": ({"text_encoder": {FP16: 1000}, "text_encoder_2": {FP16: 800, FP32: 200},
               "transformer": {FP16: 1000, FP32: 4}, "vae_decoder": {FP32: 1000}},
-             {"text_encoder": "fp16", "text_encoder_2": "bf16", "transformer": "fp16", "vae_decoder": "fp32"}),
+             {"text_encoder": "fp16", "text_encoder_2": "bf16", "transformer": "fp16", "vae_decoder": "bf16"}),
     "bf16": ({"text_encoder": {FP16: 1000}, "text_encoder_2": {BF16: 1000}, "transformer": {BF16: 1000},
               "vae_decoder": {FP32: 1000}},
-             {"text_encoder": "fp16", "text_encoder_2": "bf16", "transformer": "bf16", "vae_decoder": "fp32"}),
+             {"text_encoder": "fp16", "text_encoder_2": "bf16", "transformer": "bf16", "vae_decoder": "bf16"}),
 }
 
 
@@ -72,20 +74,20 @@ def test_each_component_is_built_at_its_exported_dtype(tmp_path: Path, dtype: st
 
 def test_fp16_and_fp32_exports_get_different_flags(tmp_path: Path) -> None:
     """The transformer's precision, and so its TensorRT flags (engines/build/trtplan.py ``_options``: fp16 ->
-    trt_fp16_enable, bf16 -> trt_bf16_enable, fp32 -> neither), differ between the fp16 and fp32 exports."""
+    trt_fp16_enable, bf16 -> trt_bf16_enable), differ between the fp16 and fp32 exports."""
     got = {d: trtplan_dit.precision(detect_dit(f), "transformer", f)
            for d, f in ((d, flux_export(tmp_path / d, EXPORTS[d][0])) for d in ("fp32", "fp16"))}
-    assert got == {"fp32": "fp32", "fp16": "fp16"}
+    assert got == {"fp32": "bf16", "fp16": "fp16"}  # before: bf16 for both
 
 
 def test_a_component_without_an_export_keeps_the_registry_precision(tmp_path: Path) -> None:
     """A config-only folder: the registry's (bf16 transformer and T5, fp16 CLIP), what the memory plan sizes it at;
-    an exported fp16 transformer beside it is charged at 2 bytes, an fp32 one at 4."""
+    an exported fp16 transformer beside it is charged as fp16, an fp32 one at the bf16 the builder lowers it to."""
     folder = flux_export(tmp_path / "config", {})
     dit = detect_dit(folder)
     assert [trtplan_dit.precision(dit, c, folder) for c in FLUX] == ["fp16", "bf16", "bf16", "bf16"]
-    for dtype, item in (("fp16", 2), ("fp32", 4)):
+    for dtype, engine in (("fp16", "fp16"), ("fp32", "bf16")):
         exported = flux_export(tmp_path / dtype, {"transformer": EXPORTS[dtype][0]["transformer"]})
         parts = {c["name"]: c for c in mp.plan(exported, mp.Served(1024, 1024, 1))["components"]}
-        assert parts["transformer"]["dtype"] == dtype
-        assert parts["transformer"]["weights"] == item * parts["transformer"]["params"]
+        assert parts["transformer"]["dtype"] == engine
+        assert parts["transformer"]["weights"] == 2 * parts["transformer"]["params"]
