@@ -150,3 +150,10 @@ register(Architecture(
     memory_parts={"text_encoder": "qwen_text", "transformer": "qwen_image"}, vae_formulas="qwen_",
     precision={"text_encoder": "bf16"}, text_tokens="fixed", export="engines.build.qwen_export:export_qwen_folder"))
 """Qwen-Image: an img2img folder (QwenImageImg2ImgPipeline) holds the text-to-image weights: served as both."""
+register(Architecture(
+    "z-image", "transformer", "engines.pipelines.zimage:ZImagePipeline",
+    frozenset({"ZImagePipeline", "ZImageImg2ImgPipeline", "OnnxZImagePipeline"}), "ZImageTransformer2DModel",
+    cfg=True, components=("text_encoder", "transformer", "vae_decoder"), precision={"text_encoder": "bf16"},
+    text_tokens="fixed", export="engines.build.zimage:export_zimage_folder"))
+"""Z-Image (Turbo and base; Qwen3 text encoder, single-stream transformer): engines/pipelines/zimage.py. Latents run
+unpacked ([B, 16, h, w]: the transformer patchifies them itself); the caption is a fixed length with a token mask."""

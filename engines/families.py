@@ -133,3 +133,14 @@ register(FamilyFacts("qwen-image", ("qwen-image",), "transformer", 50, 4.0,
                      "keys from the file"))
 """Qwen-Image: diffusers' defaults (50 steps, ``true_cfg_scale`` 4.0, ``max_sequence_length`` 512: the text states
 the transformer attends to, ``t5_length`` here); its model card's square size is 1328."""
+register(FamilyFacts("z-image", ("z-image",), "transformer", 50, 5.0,
+                     "Z-Image (Qwen3 text encoder, CFG with negative prompts)", t5_length=512, own_defaults=True,
+                     trained_size=1024))
+register(FamilyFacts("z-image-turbo", ("z-image",), "transformer", 8, 0.0,
+                     "Z-Image-Turbo (distilled: 8 steps, no CFG)",
+                     claim=lambda configs: configs.get("scheduler", {}).get("shift") == 3.0, t5_length=512,
+                     own_defaults=True, trained_size=1024))
+"""Z-Image: diffusers' ``ZImagePipeline`` defaults (50 steps, guidance 5.0, ``max_sequence_length`` 512); Turbo's
+model card: 8 transformer evaluations at guidance 0. A folder whose scheduler shifts by 3.0 (Turbo's released
+config) is ``z-image-turbo`` once detection hands the claim the scheduler config (engines/pipelines/flow_family.py
+passes only the index and the transformer config so far: until then every Z-Image folder is ``z-image``)."""

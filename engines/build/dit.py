@@ -200,6 +200,17 @@ OWN_BUILDERS: dict[str, Callable[[Path, Path | None, Path | None, bool, bool], P
 first_block) -> out."""
 
 
+def _build_zimage(family: str) -> Callable[[Path, Path | None, Path | None, bool, bool], Path]:
+    def build(out: Path, bpe: Path | None, diffusers_out: Path | None, vae_encoder: bool, first_block: bool) -> Path:
+        from engines.build.zimage import build_tiny_zimage
+
+        return build_tiny_zimage(family, out, bpe, diffusers_out, vae_encoder, first_block)
+    return build
+
+
+OWN_BUILDERS.update({name: _build_zimage(name) for name in ("z-image-turbo", "z-image")})
+
+
 def build_tiny_dit(family: str, out: Path, bpe: Path | None = None, diffusers_out: Path | None = None,
                    vae_encoder: bool = True, first_block: bool = False) -> Path:
     """Build the tiny ``family`` model and export it to ``out``; ``diffusers_out``: the same weights as a diffusers
