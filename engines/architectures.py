@@ -157,3 +157,10 @@ register(Architecture(
     text_tokens="fixed", export="engines.build.zimage:export_zimage_folder"))
 """Z-Image (Turbo and base; Qwen3 text encoder, single-stream transformer): engines/pipelines/zimage.py. Latents run
 unpacked ([B, 16, h, w]: the transformer patchifies them itself); the caption is a fixed length with a token mask."""
+register(Architecture(
+    "flux2-klein", "transformer", "engines.pipelines.flux2:Flux2Pipeline",
+    frozenset({"Flux2KleinPipeline", "OnnxFlux2KleinPipeline"}), "Flux2Transformer2DModel", cfg=True,
+    variant_keys=("guidance_embeds",), components=("text_encoder", "transformer", "vae_decoder"),
+    precision={"text_encoder": "bf16"}, text_tokens="fixed", export="engines.build.flux2:export_flux2_folder"))
+"""FLUX.2 [klein] (Qwen3 text encoder; the step-distilled and the base checkpoints, ``is_distilled`` telling them
+apart): engines/pipelines/flux2.py. Latents run unpacked ([B, 128, h, w]: the transformer flattens them itself)."""

@@ -144,3 +144,13 @@ register(FamilyFacts("z-image-turbo", ("z-image",), "transformer", 8, 0.0,
 model card: 8 transformer evaluations at guidance 0. A folder whose scheduler shifts by 3.0 (Turbo's released
 config) is ``z-image-turbo`` once detection hands the claim the scheduler config (engines/pipelines/flow_family.py
 passes only the index and the transformer config so far: until then every Z-Image folder is ``z-image``)."""
+register(FamilyFacts("flux2-klein", ("flux2-klein",), "transformer", 4, 1.0,
+                     "FLUX.2 [klein] (Qwen3 text encoder, step-distilled: no CFG)", t5_length=512,
+                     own_defaults=True, trained_size=1024))
+register(FamilyFacts("flux2-klein-base", ("flux2-klein",), "transformer", 50, 4.0,
+                     "FLUX.2 [klein] base (Qwen3 text encoder, CFG)",
+                     claim=lambda configs: not configs.get("index", {}).get("is_distilled", False), t5_length=512,
+                     own_defaults=True, trained_size=1024))
+"""FLUX.2 [klein]: diffusers' ``Flux2KleinPipeline`` defaults (``max_sequence_length`` 512: the text states the
+transformer attends to, ``t5_length`` here); the distilled checkpoints' model cards use 4 steps, the base ones 50
+steps at guidance 4.0. A folder whose model_index.json says ``is_distilled`` is ``flux2-klein``."""

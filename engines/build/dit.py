@@ -195,7 +195,18 @@ def _build_qwen(out: Path, bpe: Path | None, diffusers_out: Path | None, vae_enc
     return build_tiny_qwen(out, bpe, diffusers_out, vae_encoder)
 
 
-OWN_BUILDERS: dict[str, Callable[[Path, Path | None, Path | None, bool, bool], Path]] = {"qwen-image": _build_qwen}
+def _build_flux2(distilled: bool) -> Callable[[Path, Path | None, Path | None, bool, bool], Path]:
+    def build(out: Path, bpe: Path | None, diffusers_out: Path | None, vae_encoder: bool, first_block: bool) -> Path:
+        from engines.build.flux2 import build_tiny_flux2
+
+        if first_block:
+            raise ValueError("the first-block cache's transformer parts are not exported for FLUX.2")
+        return build_tiny_flux2(out, bpe, diffusers_out, distilled)  # txt2img only: no VAE encoder
+    return build
+
+
+OWN_BUILDERS: dict[str, Callable[[Path, Path | None, Path | None, bool, bool], Path]] = {
+    "qwen-image": _build_qwen, "flux2-klein": _build_flux2(True), "flux2-klein-base": _build_flux2(False)}
 """The DiT families built by a module of their own, not from a recipe here: (out, bpe, diffusers_out, vae_encoder,
 first_block) -> out."""
 

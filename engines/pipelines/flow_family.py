@@ -10,9 +10,11 @@ folder's ``model_index.json`` and component configs before any session runs.
 - ``qwen-image``: Qwen-Image: a Qwen2.5-VL text encoder's last states (a chat template, its system prefix dropped),
   2×2-packed latents with centred rotary positions, true CFG with a negative prompt and norm rescaling
   (engines/pipelines/qwen.py).
+- ``flux2-klein`` / ``flux2-klein-base``: FLUX.2 [klein] step-distilled / base (engines/pipelines/flux2.py).
 
-Refused by name: Flux.1 Kontext (image-conditioned editing: reference-image tokens in the sequence), Flux.2
-(another transformer, text encoder and VAE), the Flux tools (Fill, Canny/Depth control, Redux) and ControlNets;
+Refused by name: Flux.1 Kontext (image-conditioned editing: reference-image tokens in the sequence), FLUX.2 [dev]
+(its Mistral text encoder), FLUX.2 [klein] inpainting and KV-cached editing, the Flux tools (Fill, Canny/Depth
+control, Redux) and ControlNets;
 the Qwen-Image variants other than text-to-image and img2img (Edit / Edit Plus, Layered, inpainting, ControlNet,
 Qwen-Image 2.1): a folder of one of them raises ModelLoadError saying what it is and what is served.
 """
@@ -28,11 +30,13 @@ from engines.errors import ModelLoadError
 from engines.pipelines.unet_family import read_json
 
 DIT_FAMILIES = families.names("transformer")
-SERVED = ("sdserve serves Flux.1 dev/schnell (FluxPipeline), SD 3 / 3.5 (StableDiffusion3Pipeline) and Qwen-Image "
-          "(QwenImagePipeline) DiT folders")
+SERVED = ("sdserve serves Flux.1 dev/schnell (FluxPipeline), SD 3 / 3.5 (StableDiffusion3Pipeline), Qwen-Image "
+          "(QwenImagePipeline) and FLUX.2 [klein] (Flux2KleinPipeline) DiT folders")
 REFUSED: dict[str, str] = {
     "FluxKontext": "Flux.1 Kontext (image-conditioned editing)",
-    "Flux2": "Flux.2 (a different transformer, text encoder and VAE)",
+    "Flux2Pipeline": "FLUX.2 [dev] (the Mistral Small 3.1 text encoder: not yet served)",
+    "Flux2KleinInpaint": "FLUX.2 [klein] inpainting (masks are not served for the DiT families)",
+    "Flux2KleinKV": "FLUX.2 [klein] with a reference-image KV cache (image-conditioned editing)",
     "FluxFill": "Flux.1 Fill (inpainting/outpainting tool)",
     "FluxControl": "Flux.1 Canny/Depth control",
     "FluxPriorRedux": "Flux.1 Redux (image variation)",
