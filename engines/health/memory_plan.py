@@ -52,6 +52,7 @@ from engines.health.param_counts import (
     clip_text,
     flux_transformer,
     ival,
+    qwen3_text,
     qwen_text,
     qwen_text_config,
     qwen_transformer,
@@ -63,6 +64,7 @@ from engines.health.param_counts import (
     unet,
     vae_decoder,
     vae_encoder,
+    zimage_transformer,
 )
 from engines.numerics.qwen_tokenizer import TEMPLATE_DROP
 
@@ -179,7 +181,8 @@ def count(kind: str, config: Mapping[str, Any]) -> Tally:
     formulas = {"t5": t5_encoder, "flux_transformer": flux_transformer, "sd3_transformer": sd3_transformer,
                 "unet": unet, "vae_decoder": vae_decoder, "vae_encoder": vae_encoder, "qwen_text": qwen_text,
                 "qwen_image": qwen_transformer, "qwen_vae_decoder": qwen_vae_decoder,
-                "qwen_vae_encoder": qwen_vae_encoder}
+                "qwen_vae_encoder": qwen_vae_encoder, "qwen3_text": qwen3_text,
+                "zimage_transformer": zimage_transformer}
     return formulas[kind](config)
 
 
@@ -264,6 +267,15 @@ def activations(kind: str, config: Mapping[str, Any], served: Served, lay: Layou
         d, ff = ival(lm, "hidden_size", 3584), ival(lm, "intermediate_size", 18944)
         gated = rows * tokens * max(0, 4 * ff - 8 * d) * item  # gate, up, SiLU(gate), their product
         return _block(rows, tokens, d, ival(lm, "num_attention_heads", 28), item, scores) + gated
+    if kind == "qwen3_text":  # the templated prompt, at most max_sequence_length tokens in all (Z-Image)
+        tokens, d = lay.text_tokens or 512, ival(config, "hidden_size", 2560)
+        ff = ival(config, "intermediate_size", 9728)
+        gated = rows * tokens * max(0, 4 * ff - 8 * d) * item
+        return _block(rows, tokens, d, ival(config, "num_attention_heads", 32), item, scores) + gated
+    if kind == "zimage_transformer":  # one stream: the caption (padded to max_sequence_length) and the 2x2 patches
+        patch, heads = lay.factor * 2, ival(config, "n_heads", 30)
+        return _block(rows, (lay.text_tokens or 512) + (h // patch) * (w // patch), ival(config, "dim", 3840), heads,
+                      item, scores)
     if kind.startswith("qwen_vae"):  # the causal 3D VAE on one frame: AutoencoderKL's levels, padded in time
         view = {"block_out_channels": qwen_vae_dims(config)}
         return _vae(view, served.images, h, w, item, kind == "qwen_vae_decoder", measured, CAUSAL_PAD_FRAMES)

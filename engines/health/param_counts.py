@@ -282,6 +282,54 @@ def qwen_transformer(c: Mapping[str, Any]) -> Tally:
     return t
 
 
+def zimage_transformer(c: Mapping[str, Any]) -> Tally:
+    """ZImageTransformer2DModel (Z-Image's single-stream DiT): the patch embedder, the noise refiner blocks (with
+    adaLN modulation) and the context refiner blocks (without), the main blocks (with); each block bias-free q/k/v/out
+    with per-head RMS q/k norms, a SwiGLU MLP at 8/3 x width, four RMS norms; the timestep MLP to the 256-wide
+    modulation input, the caption embedder (RMS norm, Linear), two pad tokens, the final layer with its own adaLN."""
+    t, d = Tally(), ival(c, "dim", 3840)
+    hd, ff, a = d // ival(c, "n_heads", 30), int(d / 3 * 8), min(d, 256)
+    p = int((c.get("all_patch_size") or [2])[0])
+    f = int((c.get("all_f_patch_size") or [1])[0])
+    in_ch, cap = ival(c, "in_channels", 16), ival(c, "cap_feat_dim", 2560)
+    refiner, layers = ival(c, "n_refiner_layers", 2), ival(c, "n_layers", 30)
+    t.linear(f * p * p * in_ch, d)  # x_embedder
+    for modulated in (refiner + layers, refiner):  # noise refiner + main blocks; context refiner (no modulation)
+        t.linear(d, d, bias=False, n=4 * modulated)  # to_q, to_k, to_v, to_out
+        t.add(2 * hd, n=modulated)  # norm_q, norm_k
+        t.linear(d, ff, bias=False, n=2 * modulated)  # w1, w3
+        t.linear(ff, d, bias=False, n=modulated)  # w2
+        t.add(4 * d, n=modulated)  # attention_norm1/2, ffn_norm1/2
+    t.linear(a, 4 * d, n=refiner + layers)  # adaLN_modulation of the modulated blocks
+    t.linear(256, 1024)  # t_embedder
+    t.linear(1024, a)
+    t.add(cap)  # cap_embedder: RMSNorm, Linear
+    t.linear(cap, d)
+    t.add(2 * d)  # x_pad_token, cap_pad_token
+    t.linear(d, p * p * f * in_ch)  # final layer
+    t.linear(a, d)
+    return t
+
+
+def qwen3_text(c: Mapping[str, Any]) -> Tally:
+    """A Qwen3 language model as the pipelines run it (Z-Image's, FLUX.2 [klein]'s text encoder): the token
+    embedding, per layer bias-free grouped-query attention with per-head RMS q/k norms, a gated SiLU MLP, two RMS
+    norms, the final norm. No LM head (the pipelines read hidden states)."""
+    t, d, n = Tally(), ival(c, "hidden_size", 2560), ival(c, "num_hidden_layers", 36)
+    heads = ival(c, "num_attention_heads", 32)
+    hd = ival(c, "head_dim", d // heads)
+    kv, ff = ival(c, "num_key_value_heads", heads) * hd, ival(c, "intermediate_size", 9728)
+    t.add(ival(c, "vocab_size", 151936) * d)
+    t.linear(d, heads * hd, bias=False, n=n)
+    t.linear(d, kv, bias=False, n=2 * n)
+    t.linear(heads * hd, d, bias=False, n=n)
+    t.add(2 * hd, n=n)  # q_norm, k_norm
+    t.linear(d, ff, bias=False, n=2 * n)  # gate, up
+    t.linear(ff, d, bias=False, n=n)
+    t.add(d, n=2 * n + 1)
+    return t
+
+
 def qwen_text_config(c: Mapping[str, Any]) -> Mapping[str, Any]:
     """The language model's fields of a Qwen2.5-VL config: its ``text_config`` where it has one, else the top level
     (the released folder's layout); the top level fills what ``text_config`` leaves out."""
