@@ -142,8 +142,8 @@ register(FamilyFacts("z-image-turbo", ("z-image",), "transformer", 8, 0.0,
                      own_defaults=True, trained_size=1024))
 """Z-Image: diffusers' ``ZImagePipeline`` defaults (50 steps, guidance 5.0, ``max_sequence_length`` 512); Turbo's
 model card: 8 transformer evaluations at guidance 0. A folder whose scheduler shifts by 3.0 (Turbo's released
-config) is ``z-image-turbo`` once detection hands the claim the scheduler config (engines/pipelines/flow_family.py
-passes only the index and the transformer config so far: until then every Z-Image folder is ``z-image``)."""
+config) is ``z-image-turbo`` (engines/pipelines/flow_family.py ``detect_dit`` hands the claims the scheduler config
+beside the index and the transformer's)."""
 register(FamilyFacts("flux2-klein", ("flux2-klein",), "transformer", 4, 1.0,
                      "FLUX.2 [klein] (Qwen3 text encoder, step-distilled: no CFG)", t5_length=512,
                      own_defaults=True, trained_size=1024))

@@ -114,6 +114,7 @@ def detect_dit(folder: Path) -> DitFamily:
     if row is None or row.denoiser != "transformer":
         raise ModelLoadError(f"{folder}: pipeline class {class_name or '(none)'} is not a DiT family; {SERVED}")
     config = _checked(folder, row)
-    found = families.resolve(row.name, {"index": index, "denoiser": config})
+    scheduler = read_json(folder / "scheduler" / "scheduler_config.json")
+    found = families.resolve(row.name, {"index": index, "denoiser": config, "scheduler": scheduler})
     guided = bool(config.get("guidance_embeds", False)) if row.guidance_embeds else False
     return DitFamily(found.name, row.name, guided, found.steps, found.guidance, found.t5_length, row.cfg)
