@@ -107,6 +107,10 @@ class Flux2Pipeline(FlowPipeline):
     def uses_cfg(self, guidance: np.ndarray) -> bool:
         return not self.distilled and bool((guidance > 1.0).any())
 
+    def describe(self) -> str:
+        return f"{self.family.name} (flow matching, " + ("step-distilled: no guidance)" if self.distilled else
+                                                         "classifier-free guidance)")
+
     def encode(self, batch: Batch, length: int, cfg: bool, adapters: Adapters | None) -> DitConditioning:
         """The stacked states of each templated prompt at the fixed length (negatives first under CFG)."""
         negatives = [s.negative_prompt for s in batch.images] if cfg else []
