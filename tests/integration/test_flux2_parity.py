@@ -8,6 +8,8 @@ against transformers' with the chat template. ORT runs the exported graphs with 
 from __future__ import annotations
 
 import functools
+import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 from engines.config import RuntimeSettings
+from engines.errors import ModelLoadError
 from engines.pipelines.contract import image_rng
 from engines.pipelines.flow_family import detect_dit
 from engines.pipelines.flux2 import TEMPLATE, Flux2Pipeline
@@ -115,3 +118,18 @@ def test_tokenizer_matches_transformers(dit_build: Builder) -> None:
 
     ours = Tokenizer.from_file(str(onnx_dir / "tokenizer" / "tokenizer.json")).encode(text).ids
     assert ours == theirs.input_ids[:len(ours)] and sum(theirs.attention_mask) == len(ours)
+
+
+@pytest.mark.parametrize(("class_name", "what"), [("Flux2Pipeline", "FLUX.2 [dev]"),
+                                                  ("Flux2KleinInpaintPipeline", "inpainting"),
+                                                  ("Flux2KleinKVPipeline", "KV cache")])
+def test_variants_not_served_are_refused_by_name(class_name: str, what: str, dit_build: Builder,
+                                                 tmp_path: Path) -> None:
+    """A klein folder relabelled as FLUX.2 [dev] or a klein variant not served is refused at load, by name."""
+    folder = tmp_path / "model"
+    shutil.copytree(dit_build("flux2-klein")[1], folder)
+    index = json.loads((folder / "model_index.json").read_text(encoding="utf-8"))
+    (folder / "model_index.json").write_text(json.dumps({**index, "_class_name": class_name}), encoding="utf-8")
+    with pytest.raises(ModelLoadError, match=what.replace("[", r"\[").replace("]", r"\]")) as caught:
+        detect_dit(folder)
+    assert class_name in str(caught.value) and "Flux2KleinPipeline" in str(caught.value)
