@@ -133,3 +133,18 @@ def test_variants_not_served_are_refused_by_name(class_name: str, what: str, dit
     with pytest.raises(ModelLoadError, match=what.replace("[", r"\[").replace("]", r"\]")) as caught:
         detect_dit(folder)
     assert class_name in str(caught.value) and "Flux2KleinPipeline" in str(caught.value)
+
+
+def test_export_of_the_diffusers_folder_is_the_tiny_build(dit_build: Builder, tmp_path: Path) -> None:
+    """`sdserve engines export --from` a Flux2KleinPipeline folder (the registry row's ``export``) writes the graphs,
+    tokenizer and ``is_distilled`` the tiny build wrote from the same weights."""
+    from engines import architectures
+
+    onnx_dir, diffusers_dir = dit_build("flux2-klein")
+    row = architectures.of(diffusers_dir)
+    assert row.name == "flux2-klein"
+    out = row.load(row.export)(diffusers_dir, tmp_path / "exported")
+    for part in ("text_encoder/model.onnx", "transformer/model.onnx", "vae_decoder/model.onnx",
+                 "tokenizer/tokenizer.json"):
+        assert (out / part).read_bytes() == (onnx_dir / part).read_bytes(), part
+    assert json.loads((out / "model_index.json").read_text(encoding="utf-8"))["is_distilled"] is True
