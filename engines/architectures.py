@@ -162,9 +162,9 @@ register(Architecture(
     "flux2-klein", "transformer", "engines.pipelines.flux2:Flux2Pipeline",
     frozenset({"Flux2KleinPipeline", "OnnxFlux2KleinPipeline"}), "Flux2Transformer2DModel", cfg=True,
     variant_keys=("guidance_embeds",), components=("text_encoder", "transformer", "vae_decoder"),
-    memory_parts={"text_encoder": "qwen3_text", "transformer": "flux_transformer"},
+    memory_parts={"text_encoder": "qwen3_text", "transformer": "flux2_transformer"},
     precision={"text_encoder": "bf16"}, text_tokens="fixed", export="engines.build.flux2:export_flux2_folder"))
 """FLUX.2 [klein] (Qwen3 text encoder; the step-distilled and the base checkpoints, ``is_distilled`` telling them
 apart): engines/pipelines/flux2.py. Latents run unpacked ([B, 128, h, w]: the transformer flattens them itself).
-Memory plan: the Qwen3 encoder's own formula; Flux.1's transformer formula stands in for FLUX.2's (it over-counts:
-per-block modulation, 4x MLPs) until one of its own."""
+Memory plan: the Qwen3 encoder's and FLUX.2 transformer's own formulas; the VAE (AutoencoderKLFlux2) is
+AutoencoderKL's halves (its batch norm holds buffers only)."""

@@ -50,6 +50,8 @@ from engines.health.onnx_scan import scan_onnx
 from engines.health.param_counts import (
     Tally,
     clip_text,
+    decoder_channels,
+    flux2_transformer,
     flux_transformer,
     ival,
     qwen3_text,
@@ -182,7 +184,7 @@ def count(kind: str, config: Mapping[str, Any]) -> Tally:
                 "unet": unet, "vae_decoder": vae_decoder, "vae_encoder": vae_encoder, "qwen_text": qwen_text,
                 "qwen_image": qwen_transformer, "qwen_vae_decoder": qwen_vae_decoder,
                 "qwen_vae_encoder": qwen_vae_encoder, "qwen3_text": qwen3_text,
-                "zimage_transformer": zimage_transformer}
+                "zimage_transformer": zimage_transformer, "flux2_transformer": flux2_transformer}
     return formulas[kind](config)
 
 
@@ -223,7 +225,8 @@ structure, not measured)."""
 
 def _vae(config: Mapping[str, Any], rows: int, height: int, width: int, item: int, decoder: bool,
          measured: bool = False, pad_frames: int = 0) -> int:
-    blocks = [int(b) for b in config.get("block_out_channels") or (128, 256, 512, 512)]
+    blocks = decoder_channels(config) if decoder else [int(b) for b in config.get("block_out_channels") or
+                                                       (128, 256, 512, 512)]
     factor = 1 << (len(blocks) - 1)
     latent = (height // factor) * (width // factor)
     levels = list(reversed(blocks))
@@ -276,6 +279,10 @@ def activations(kind: str, config: Mapping[str, Any], served: Served, lay: Layou
         patch, heads = lay.factor * 2, ival(config, "n_heads", 30)
         return _block(rows, (lay.text_tokens or 512) + (h // patch) * (w // patch), ival(config, "dim", 3840), heads,
                       item, scores)
+    if kind == "flux2_transformer":  # the caption (max_sequence_length) joined to the 2x2-patchified latents' tokens
+        heads = ival(config, "num_attention_heads", 48)
+        tokens = (lay.text_tokens or 512) + (h // (lay.factor * 2)) * (w // (lay.factor * 2))
+        return _block(rows, tokens, heads * ival(config, "attention_head_dim", 128), heads, item, scores)
     if kind.startswith("qwen_vae"):  # the causal 3D VAE on one frame: AutoencoderKL's levels, padded in time
         view = {"block_out_channels": qwen_vae_dims(config)}
         return _vae(view, served.images, h, w, item, kind == "qwen_vae_decoder", measured, CAUSAL_PAD_FRAMES)

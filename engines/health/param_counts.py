@@ -152,8 +152,9 @@ def _vae_mid(t: Tally, ch: int, attention: bool) -> None:
 
 
 def vae_decoder(c: Mapping[str, Any]) -> Tally:
-    """AutoencoderKL's decoder as exported (post_quant_conv + decoder)."""
-    t, blocks = Tally(), [int(b) for b in c.get("block_out_channels") or (128, 256, 512, 512)]
+    """AutoencoderKL's decoder as exported (post_quant_conv + decoder); AutoencoderKLFlux2's too (its decoder's own
+    ``decoder_block_out_channels`` where set; its batch-norm statistics are buffers, not parameters)."""
+    t, blocks = Tally(), decoder_channels(c)
     latent, layers = ival(c, "latent_channels", 4), ival(c, "layers_per_block", 2)
     if c.get("use_post_quant_conv", True):
         t.conv(latent, latent, 1)
@@ -169,6 +170,12 @@ def vae_decoder(c: Mapping[str, Any]) -> Tally:
     t.add(2 * blocks[0])
     t.conv(blocks[0], ival(c, "out_channels", 3), 3)
     return t
+
+
+def decoder_channels(c: Mapping[str, Any]) -> list[int]:
+    """An AutoencoderKL(-Flux2) decoder's channels per level, full size first."""
+    blocks = c.get("decoder_block_out_channels") or c.get("block_out_channels") or (128, 256, 512, 512)
+    return [int(b) for b in blocks]
 
 
 def vae_encoder(c: Mapping[str, Any]) -> Tally:
@@ -308,6 +315,36 @@ def zimage_transformer(c: Mapping[str, Any]) -> Tally:
     t.add(2 * d)  # x_pad_token, cap_pad_token
     t.linear(d, p * p * f * in_ch)  # final layer
     t.linear(a, d)
+    return t
+
+
+def flux2_transformer(c: Mapping[str, Any]) -> Tally:
+    """Flux2Transformer2DModel (FLUX.2 [klein] and [dev]): bias-free throughout; the timestep (and guidance)
+    embedding, one shared adaLN modulation per stream kind (double-stream image and text: 2 x 3 x width; single:
+    3 x width) instead of Flux.1's per block; double-stream blocks with q/k/v/out per stream, per-head RMS q/k norms
+    and SwiGLU MLPs at ``mlp_ratio`` x width; single-stream blocks fusing q/k/v with the MLP's input projection and
+    the attention's output with the MLP's; adaLN-continuous out."""
+    t, hd = Tally(), ival(c, "attention_head_dim", 128)
+    d, p = ival(c, "num_attention_heads", 48) * hd, ival(c, "patch_size", 1)
+    in_ch, m = ival(c, "in_channels", 128), int(d * float(c.get("mlp_ratio") or 3.0))
+    double, single = ival(c, "num_layers", 8), ival(c, "num_single_layers", 48)
+    channels = ival(c, "timestep_guidance_channels", 256)
+    embedders = 2 if c.get("guidance_embeds", True) else 1  # timestep[, guidance]: Linear, Linear
+    t.linear(channels, d, bias=False, n=embedders)
+    t.linear(d, d, bias=False, n=embedders)
+    t.linear(d, 6 * d, bias=False, n=2)  # double_stream_modulation_img, _txt
+    t.linear(d, 3 * d, bias=False)  # single_stream_modulation
+    t.linear(in_ch, d, bias=False)  # x_embedder
+    t.linear(ival(c, "joint_attention_dim", 15360), d, bias=False)  # context_embedder
+    t.linear(d, d, bias=False, n=8 * double)  # to_q, to_k, to_v, to_out, add_q, add_k, add_v, to_add_out
+    t.add(4 * hd, n=double)  # norm_q, norm_k, norm_added_q, norm_added_k
+    t.linear(d, 2 * m, bias=False, n=2 * double)  # ff, ff_context: linear_in (SwiGLU halves it)
+    t.linear(m, d, bias=False, n=2 * double)  # linear_out
+    t.linear(d, 3 * d + 2 * m, bias=False, n=single)  # to_qkv_mlp_proj
+    t.linear(d + m, d, bias=False, n=single)  # to_out over [attention, mlp]
+    t.add(2 * hd, n=single)
+    t.linear(d, 2 * d, bias=False)  # norm_out
+    t.linear(d, p * p * (ival(c, "out_channels", 0) or in_ch), bias=False)
     return t
 
 
