@@ -15,6 +15,9 @@ layout engines/build/zimage.py writes (its docstring has the transformer's fixed
    the base's ``neg + w (pos - neg)`` with ``w = g + 1``; ``cfg_normalization`` off and ``cfg_truncation`` 1 (the
    pipeline's defaults: no step is cut). Turbo runs with guidance 0: one row per image.
 5. Decode: ``latents / scaling + shift`` through the VAE (the base's).
+6. img2img: the base's (engines/pipelines/flow_edits.py), as ``ZImageImg2ImgPipeline`` does it: the VAE sample
+   ``(x - shift) * scaling`` noised to the first kept step's sigma, ``int(steps - steps * strength)`` steps cut from
+   this schedule; no hook differs (tests/integration/test_zimage_img2img_parity.py).
 """
 
 from __future__ import annotations
