@@ -1,4 +1,5 @@
-"""TensorRT build plan for the DiT families (Flux.1 dev/schnell, SD 3 / 3.5, Qwen-Image): per served size and
+"""TensorRT build plan for the DiT families (Flux.1 dev/schnell, SD 3 / 3.5, Qwen-Image, Z-Image, FLUX.2 [klein]):
+per served size and
 component, the exact provider options of one engine, as engines/build/trtplan.py plans the UNet families.
 
 Every symbolic dim comes from the folder and the serving pipeline's own rules (engines/pipelines/flow.py):
@@ -15,6 +16,11 @@ tables over 512 + image tokens. Its text encoder is fed *variable-length* ids: e
 its longest templated prompt, the template's 34-token system prefix included, cut at 34 + 512. So the profile
 spans ``input_ids`` [rows, 35 .. 546] (``QWEN_TEXT_MIN``: the prefix and at least one token, what the tokenizer
 requires; ``QWEN_TEXT_OPT``: a typical prompt; max: the prefix + 512), one engine for every prompt length.
+
+Z-Image and FLUX.2 [klein] (engines/pipelines/zimage.py, flux2.py) are fixed-length text families too
+(``text_dims``: which id lengths each text encoder is fed); Z-Image's image tables run over its 2x2 tokens padded to
+a multiple of 32; FLUX.2's VAE patchifies its latents itself (``vae_dims``: 128 channels at 1/16, one latent per
+token), and its step-distilled checkpoints never run CFG (their rows are never doubled).
 
 Precision per part follows a half-precision export (engines/health/dit_precision.py ``export_precision``): each
 component's ``model.onnx`` is read for the float type most of its initializers have (the protobuf's headers,
@@ -41,12 +47,15 @@ from engines import architectures
 from engines.health.dit_precision import precision
 from engines.numerics.qwen_tokenizer import TEMPLATE_DROP
 from engines.pipelines.flow_family import DitFamily
+from engines.pipelines.zimage import SEQ_MULTI_OF
 
 QWEN_TEXT_MIN = TEMPLATE_DROP + 1
 """The shortest ids the Qwen pipeline feeds: the template's system prefix and one token past it (the tokenizer
 refuses less)."""
 QWEN_TEXT_OPT = TEMPLATE_DROP + 128
 """The length the text encoder's engine is tuned for: a prompt of up to ~120 tokens in the template."""
+TEXT_OPT = 128
+"""The same for a Qwen3 encoder fed the whole templated prompt (Z-Image): a prompt of about 120 tokens."""
 
 NAMED: dict[str, tuple[str, ...]] = {
     "input_ids": ("rows", "clip_tokens"),
@@ -54,6 +63,10 @@ NAMED: dict[str, tuple[str, ...]] = {
     "encoder_hidden_states": ("rows", "text_tokens", "joint"),
     "pooled_projections": ("rows", "pooled"),
     "encoder_hidden_states_mask": ("rows", "text_tokens"),
+    "attention_mask": ("rows", "text_ids"),
+    "image_index": ("padded_image_tokens",), "image_pad": ("padded_image_tokens",),
+    "image_rope_cos": ("padded_image_tokens", "rope_dim"), "image_rope_sin": ("padded_image_tokens", "rope_dim"),
+    "text_rope_cos": ("text_tokens", "rope_dim"), "text_rope_sin": ("text_tokens", "rope_dim"),
     "timestep": ("rows",), "guidance": ("rows",),
     "rope_cos": ("rope_tokens", "rope_dim"), "rope_sin": ("rope_tokens", "rope_dim"),
     "latent_sample": ("batch", "latent_channels", "height", "width"),
@@ -85,8 +98,12 @@ def dims(folder: Path, family: DitFamily) -> dict[str, int | None]:
     """The values the roles take for every size (the size-dependent ones are added per profile)."""
     vae = _json(folder / "vae_decoder" / "config.json")
     row = architectures.get(family.base)
+    # rows per image under CFG: 1 where the family never runs it, and for a step-distilled checkpoint
+    # (model_index.json ``is_distilled``: diffusers' Flux2KleinPipeline ignores the guidance scale, so does ours)
+    distilled = bool(_json(folder / "model_index.json").get("is_distilled", False))
+    cfg = {"cfg_rows": 2 if family.cfg and not distilled else 1}
     if row.text_tokens == "fixed":
-        return qwen_dims(family, vae)
+        return {**text_dims(family, folder), **vae_dims(vae), **cfg}
     t5_tok = _json(folder / row.t5.replace("text_encoder", "tokenizer") / "tokenizer_config.json")
     clip_tok = _json(folder / "tokenizer" / "tokenizer_config.json")
     cap = t5_tok.get("model_max_length")
@@ -94,27 +111,53 @@ def dims(folder: Path, family: DitFamily) -> dict[str, int | None]:
         family.max_sequence_length
     clip = clip_tok.get("model_max_length")
     clip = clip if isinstance(clip, int) and 0 < clip < 100_000 else 77
-    blocks = vae.get("block_out_channels")
     return {"t5_tokens": t5, "clip_tokens": clip,
-            "text_tokens": clip + t5 if row.text_tokens == "clip+t5" else t5,
-            "latent_channels": int(vae.get("latent_channels", 16)), "image_channels": 3,
-            "factor": 2 ** (len(blocks) - 1) if isinstance(blocks, list) and blocks else 8}
+            "text_tokens": clip + t5 if row.text_tokens == "clip+t5" else t5, **vae_dims(vae), **cfg}
 
 
-def qwen_dims(family: DitFamily, vae: dict[str, Any]) -> dict[str, int | None]:
-    """Qwen-Image's: the fixed text length of the transformer, the text encoder's id lengths, the 16-channel VAE
-    (``z_dim``) and its factor (one 2x downsample per ``temperal_downsample`` entry)."""
-    temporal = vae.get("temperal_downsample")
-    return {"text_tokens": family.max_sequence_length, "qwen_tokens_min": QWEN_TEXT_MIN,
-            "qwen_tokens_opt": min(QWEN_TEXT_OPT, TEMPLATE_DROP + family.max_sequence_length),
-            "qwen_tokens_max": TEMPLATE_DROP + family.max_sequence_length,
-            "latent_channels": int(vae.get("z_dim", 16)), "image_channels": 3,
-            "factor": 2 ** len(temporal) if isinstance(temporal, list) and temporal else 8}
+def text_dims(family: DitFamily, folder: Path) -> dict[str, int | None]:
+    """A fixed-length text family's: the transformer's text length (``max_sequence_length``) and the id lengths its
+    text encoder is fed (min, opt, max), as the pipelines feed them:
+
+    - Qwen-Image (a Qwen2.5-VL encoder, ``qwen_text``): each batch's rows padded to its longest templated prompt,
+      the 34-token system prefix read and then dropped: 35 .. 34 + max_sequence_length;
+    - FLUX.2 (an encoder taking an ``attention_mask``): every row padded to max_sequence_length with the mask:
+      one length;
+    - Z-Image (a Qwen3 encoder without a mask): each batch's rows padded to its longest templated prompt, cut at
+      max_sequence_length with the template: 1 (a safe floor below the template's own tokens) .. the length."""
+    from engines.runtime.optcheck import graph_input_types
+
+    n = family.max_sequence_length
+    encoder = folder / "text_encoder" / "model.onnx"
+    if architectures.get(family.base).memory_parts.get("text_encoder") == "qwen_text":
+        ids = (QWEN_TEXT_MIN, min(QWEN_TEXT_OPT, TEMPLATE_DROP + n), TEMPLATE_DROP + n)
+    elif encoder.is_file() and "attention_mask" in graph_input_types(encoder):
+        ids = (n, n, n)
+    else:
+        ids = (1, min(TEXT_OPT, n), n)
+    return {"text_tokens": n, **{f"text_ids_{b}": v for b, v in zip(("min", "opt", "max"), ids, strict=True)}}
+
+
+def vae_dims(vae: dict[str, Any]) -> dict[str, int | None]:
+    """The latents' channels and scale factor, and ``pack``: the latent side of one transformer token. Qwen-Image's
+    causal VAE: 16 channels (``z_dim``), one 2x downsample per ``temperal_downsample`` entry; AutoencoderKL's:
+    ``latent_channels``, 2^(levels - 1); AutoencoderKLFlux2 (``patch_size``) 2x2-patchifies its latents into
+    channels itself, so they run at one more 2x with 4x the channels, one latent per token; the others' transformers
+    pack 2x2 latents into a token (Z-Image patchifies inside its graph, the same count)."""
+    temporal, blocks = vae.get("temperal_downsample"), vae.get("block_out_channels")
+    if isinstance(temporal, list) and temporal and not blocks:
+        return {"latent_channels": int(vae.get("z_dim", 16)), "image_channels": 3, "factor": 2 ** len(temporal),
+                "pack": 2}
+    patch = vae.get("patch_size")
+    p = int(patch[0]) if isinstance(patch, list) and patch else 1
+    factor = 2 ** (len(blocks) - 1) if isinstance(blocks, list) and blocks else 8
+    return {"latent_channels": int(vae.get("latent_channels", 16)) * p * p, "image_channels": 3, "factor": factor * p,
+            "pack": 1 if p > 1 else 2}
 
 
 def roles(family: DitFamily, component: str, name: str, rank: int) -> tuple[str, ...] | None:
     if name == "input_ids" and architectures.get(family.base).text_tokens == "fixed":
-        return ("rows", "qwen_tokens")
+        return ("rows", "text_ids")
     if name == "input_ids":
         return ("rows", "t5_tokens") if component == t5_component(family) else ("rows", "clip_tokens")
     if component == "transformer" and name == "hidden_states" and rank == 4:
@@ -125,11 +168,14 @@ def roles(family: DitFamily, component: str, name: str, rank: int) -> tuple[str,
 def values(family: DitFamily, base: dict[str, int | None], width: int, height: int, batch: int,
            cfg: bool, bound: str = "max") -> dict[str, int | None]:
     """Every role's value at one profile bound (``min``, ``opt`` or ``max``): the batch's, and where a dim varies
-    within a size (the Qwen text encoder's id length), the bound's."""
-    factor = base["factor"] or 8
+    within a size (a Qwen text encoder's id length), the bound's. Z-Image's image tables run over the tokens padded
+    to a multiple of ``SEQ_MULTI_OF`` (engines/pipelines/zimage.py ``image_tables``)."""
+    factor, pack = base["factor"] or 8, base.get("pack") or 2
     h, w = height // factor, width // factor
-    image_tokens = (h // 2) * (w // 2)
+    image_tokens = (h // pack) * (w // pack)
     text = base["text_tokens"] or 0
-    return {**base, "batch": batch, "rows": 2 * batch if cfg and family.cfg else batch, "height": h, "width": w,
+    rows = batch * (base.get("cfg_rows") or 1) if cfg else batch
+    return {**base, "batch": batch, "rows": rows, "height": h, "width": w,
             "pixel_height": height, "pixel_width": width, "image_tokens": image_tokens,
-            "rope_tokens": text + image_tokens, "qwen_tokens": base.get(f"qwen_tokens_{bound}")}
+            "padded_image_tokens": image_tokens + (-image_tokens) % SEQ_MULTI_OF,
+            "rope_tokens": text + image_tokens, "text_ids": base.get(f"text_ids_{bound}")}
