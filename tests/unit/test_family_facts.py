@@ -62,3 +62,21 @@ def test_each_family_is_judged_by_its_own_slo_windows() -> None:
     assert suite.for_family("flux").guidance_scale == 3.5 and suite.for_family("sd35").guidance_scale == 4.5
     families = {w.family for w in slo if w.family}
     assert families <= set(suite.family)  # every family with windows has its canary table
+
+
+@pytest.mark.parametrize("profile", ["production", "cuda"])
+def test_the_2026_families_have_windows_at_their_native_size_for_their_canary_steps(profile: str) -> None:
+    """Issue 54: FLUX.2 [klein] and Z-Image are judged by windows of their own in both GPU profiles, at 1024x1024
+    and the steps their canary tables run (configs/canaries.toml: a window at other steps would never match)."""
+    import dataclasses
+
+    from engines.config import SelfTestPlan, Shape, load_canaries, load_slo
+    from server.settings import CONFIG_DIR
+
+    suite = load_canaries(CONFIG_DIR / "canaries.toml")
+    plan = SelfTestPlan(suite, (), load_slo(CONFIG_DIR / "slo.toml", profile))
+    for family in ("flux2-klein", "flux2-klein-base", "z-image-turbo", "z-image"):
+        own = dataclasses.replace(plan, suite=suite.for_family(family), family=family)
+        window = own.window(Shape(1024, 1024, 1))
+        assert window is not None and window.family == family, family
+        assert window.steps == own.suite.steps and window.min_gpu_util_percent is not None, family
