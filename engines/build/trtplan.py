@@ -58,11 +58,12 @@ NAMED_ROLES: dict[str, dict[str, tuple[str, ...]]] = {
 """SDXL's extra UNet inputs (same rank, told apart by name): the pooled projection of the second text encoder and
 the six micro-conditioning time ids (original size, crop top-left, target size)."""
 BUILD_BUDGET_S = {"sd1": 900.0, "sd2": 900.0, "sdxl": 2700.0, "flux": 5400.0, "flux-schnell": 5400.0,
-                  "sd3": 2700.0, "sd35": 3600.0, "qwen-image": 9000.0}
+                  "sd3": 2700.0, "sd35": 3600.0, "qwen-image": 9000.0, "flux2-klein": 3600.0, "z-image": 3600.0}
 """Seconds `engines build` may take per served size, by architecture (fp16 engines, builder optimization level 3,
 one H200): estimates scaled from the denoiser's FLOPs (SDXL's UNet ~3x SD 1.5's, plus a second text encoder and
 an fp32 VAE; Flux's 12B transformer and T5-XXL; Qwen-Image's 20B transformer and 7B text encoder about 1.7x
-Flux's), not yet measured on a GPU. The plan carries the
+Flux's; FLUX.2 [klein]'s 4-9B and Z-Image's 6B transformers with a 4-8B Qwen3 encoder about two thirds of Flux's),
+not yet measured on a GPU. The plan carries the
 total; `sdserve accept` budgets its relocation step (which builds every size) with it."""
 PROTOBUF_LIMIT = 2**31 - 1
 """Bytes one serialized ModelProto may hold. The TensorRT provider hands the parser a serialized graph

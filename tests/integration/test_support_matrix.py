@@ -66,6 +66,24 @@ PROOFS: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {
         ("tests/integration/test_qwen_parity.py::test_img2img_matches_diffusers", "img2img parity"),
         ("tests/e2e/test_qwen_serving.py::test_through_the_openai_sdk", "served through the openai SDK"),
     ),
+    ("z-image-turbo", "dev"): (
+        ("tests/integration/test_zimage_parity.py::test_images_match_diffusers",
+         "txt2img parity with diffusers, with and without CFG, two sizes"),
+        ("tests/integration/test_zimage_img2img_parity.py::test_img2img_matches_diffusers", "img2img parity"),
+    ),
+    ("z-image", "dev"): (
+        ("tests/e2e/test_zimage_serving.py::test_through_the_openai_sdk", "served through the openai SDK"),
+        ("tests/e2e/test_zimage_serving.py::test_the_a1111_route_uses_the_negative_prompt_and_repeats_a_seed",
+         "CFG with negative prompts on the A1111 route (parity: the Turbo row, the same architecture)"),
+    ),
+    ("flux2-klein", "dev"): (
+        ("tests/integration/test_flux2_parity.py::test_images_match_diffusers", "txt2img parity with diffusers"),
+        ("tests/e2e/test_flux2_serving.py::test_through_the_openai_sdk", "served through the openai SDK"),
+    ),
+    ("flux2-klein-base", "dev"): (
+        ("tests/integration/test_flux2_parity.py::test_images_match_diffusers",
+         "txt2img parity with diffusers, CFG, two sizes"),
+    ),
     ("sd1", "openvino"): (
         ("tests/integration/test_plugin_ep.py::test_built_artifacts_boot_on_the_ep",
          "served from EP-context artifacts"),
