@@ -25,18 +25,19 @@ Policy: **smallest slowdown first, bounded bypass, deadline guard**.
   the call holds ``max_batch`` images (the TensorRT profiles and the memory plan are sized for it; a larger
   request runs alone). A queued request of that set that fits the room left begins first, so it joins this very
   call: a call of four images costs about twice one image's on a CPU, and about one image's on a GPU.
-- **Bounded bypass** (:func:`count_bypass`): each operation run for a smaller request (less whole work) while a
-  larger one could have run counts as one bypass of the larger one; after ``BYPASS_LIMIT`` bypasses in a row, the
-  larger one's next operation goes first (then it counts again). A stream of short requests therefore takes at
-  most that many operations in a row from a long one (which still fills their ticks when there is room), and never
-  stops it. **Across sizes an operation counts by its size** (:func:`bypass_weight`): one of a smaller size counts
-  as the ratio of the sizes' work per image-step (a 64x64 operation beside a 256x256 request: 1/16 of a bypass),
-  so the bound is about the waiting request's own operation time, not a count of much shorter operations: a
-  64x64 request (22 operations) is never interrupted by a 256x256 job's tick, which would cost it several times its
-  own length (a 4-image 256x256 tick is longer than the whole small request on a CPU). Within one size an
-  operation counts whole, as before (a 1-image tick costs about a 4-image one's on a GPU). Requests of equal whole work do not count against each other: among them the one with the least left
-  goes first, which finishes them in order without starving any (a later equal request has more left), so equal
-  long requests do not push each other, or a starved one, ahead of short requests every few operations.
+- **Bounded bypass** (:func:`count_bypass`): each operation run for a smaller request (less whole work) while a larger
+  one could have run counts as one bypass of the larger one; after ``BYPASS_LIMIT`` bypasses in a row, the larger
+  one's next operation goes first (then it counts again). A stream of short requests therefore takes at most that many
+  operations in a row from a long one (which still fills their ticks when there is room), and never stops it. **Across
+  sizes an operation counts by its size** (:func:`bypass_weight`): one of a smaller size counts as the ratio of the
+  sizes' work per image-step (a 64x64 operation beside a 256x256 request: 1/16 of a bypass), so the bound is about the
+  waiting request's own operation time, not a count of much shorter operations: a 64x64 request (22 operations) is
+  never interrupted by a 256x256 job's tick, which would cost it several times its own length (a 4-image 256x256 tick
+  is longer than the whole small request on a CPU). Within one size an operation counts whole, as before (a 1-image
+  tick costs about a 4-image one's on a GPU). Requests of equal whole work do not count against each other: among them
+  the one with the least left goes first, which finishes them in order without starving any (a later equal request has
+  more left), so equal long requests do not push each other, or a starved one, ahead of short requests every few
+  operations.
 - **Deadline guard** (:func:`urgent`): a request is urgent, and goes first (earliest deadline first), when it would
   miss its deadline *because of the work that ranks before it* and would meet it going first: with the margin
   ``URGENT_FACTOR``, its own remaining seconds fit before its deadline and those plus the seconds of the work ranked

@@ -27,7 +27,8 @@ LARGE = 3
 @pytest.fixture(scope="module")
 def hour_server(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[str]:
     """The dev profile with a one-hour request deadline: no request here is ever near its deadline."""
-    profile = dev_config(tmp_path_factory.mktemp("cross"), replace={"request_timeout_s = 120": "request_timeout_s = 3600"})
+    profile = dev_config(tmp_path_factory.mktemp("cross"),
+                         replace={"request_timeout_s = 120": "request_timeout_s = 3600"})
     server = ServerProcess("--config", str(profile), "--model", str(tiny_model))
     try:
         yield server.wait_ready()

@@ -1,11 +1,12 @@
 """The DiT TensorRT precision follows each component's export (engines/build/trtplan_dit.py ``precision``), and the
-memory plan charges it (engines/health/memory_plan.py): fp16 export -> fp16, bf16 -> bf16, fp32 -> the registry's (the builder lowers it), an fp16
-graph with fp32-kept weights (T5's ``wo``) -> bf16; a component without ``model.onnx`` keeps the registry's.
+memory plan charges it (engines/health/memory_plan.py): fp16 export -> fp16, bf16 -> bf16, fp32 -> the registry's
+(the builder lowers it), an fp16 graph with fp32-kept weights (T5's ``wo``) -> bf16; a component without
+``model.onnx`` keeps the registry's.
 
-Graphs made with onnx.helper carry the element types of each export (one initializer per type, of known size), on
-the released Flux.1 dev configs (tests/data/model_configs.json). The fp16 row's shares are a real tiny fp16 export's
-(engines/build/dit_export.py ``export_dit(dtype="fp16")``, read once: T5 2.6 % fp32 elements, the transformer 16
-fp32 elements of 83,632); exporting it here would take half a minute of these 2 cores."""
+Graphs made with onnx.helper carry the element types of each export (one initializer per type, of known size), on the
+released Flux.1 dev configs (tests/data/model_configs.json). The fp16 row's shares are a real tiny fp16 export's
+(engines/build/dit_export.py ``export_dit(dtype="fp16")``, read once: T5 2.6 % fp32 elements, the transformer 16 fp32
+elements of 83,632); exporting it here would take half a minute of these 2 cores."""
 
 from __future__ import annotations
 
