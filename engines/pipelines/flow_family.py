@@ -31,7 +31,7 @@ from engines.pipelines.unet_family import read_json
 
 DIT_FAMILIES = families.names("transformer")
 SERVED = ("sdserve serves Flux.1 dev/schnell (FluxPipeline), SD 3 / 3.5 (StableDiffusion3Pipeline), Qwen-Image "
-          "(QwenImagePipeline) and FLUX.2 [klein] (Flux2KleinPipeline) DiT folders")
+          "(QwenImagePipeline), Z-Image (ZImagePipeline) and FLUX.2 [klein] (Flux2KleinPipeline) DiT folders")
 REFUSED: dict[str, str] = {
     "FluxKontext": "Flux.1 Kontext (image-conditioned editing)",
     "Flux2Pipeline": "FLUX.2 [dev] (the Mistral Small 3.1 text encoder: not yet served)",

@@ -40,7 +40,8 @@ def test_families_are_detected(tmp_path: Path, class_name: str, transformer: dic
 
 @pytest.mark.parametrize(("class_name", "named"), [
     ("FluxKontextPipeline", "Flux.1 Kontext"), ("FluxKontextInpaintPipeline", "Flux.1 Kontext"),
-    ("Flux2Pipeline", "Flux.2"), ("Flux2KleinPipeline", "Flux.2"), ("FluxFillPipeline", "Flux.1 Fill"),
+    ("Flux2Pipeline", r"FLUX\.2 \[dev\]"), ("Flux2KleinInpaintPipeline", r"FLUX\.2 \[klein\] inpainting"),
+    ("FluxFillPipeline", "Flux.1 Fill"),
     ("FluxControlPipeline", "control"), ("StableDiffusion3ControlNetPipeline", "ControlNet"),
 ])
 def test_unsupported_dit_folders_are_refused_by_name(tmp_path: Path, class_name: str, named: str) -> None:
