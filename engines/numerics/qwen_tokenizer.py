@@ -38,6 +38,21 @@ class QwenTokens:
     truncated: tuple[bool, ...]
 
 
+def load_unpadded(path: Path, name: str, where: object) -> tuple[Tokenizer, int]:
+    """A Qwen-family ``tokenizer.json`` loaded with padding and truncation off (the pipelines pad themselves), and
+    its ``PAD`` id; ModelLoadError naming ``name`` and ``where`` when it cannot load or lacks the pad token."""
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises plain Exception
+        raise ModelLoadError(f"cannot load the {name} tokenizer {where}: {exc}") from exc
+    pad = tok.token_to_id(PAD)
+    if pad is None:
+        raise ModelLoadError(f"{name} tokenizer pad token {PAD!r} is not in the vocabulary of {where}")
+    tok.no_padding()
+    tok.no_truncation()
+    return tok, pad
+
+
 class QwenTokenizer:
     """Prompts -> templated, right-padded ids and the states each row keeps."""
 
@@ -47,16 +62,7 @@ class QwenTokenizer:
             raise ModelLoadError(f"{folder} has no tokenizer.json: sdserve reads Qwen's tokenizer with the "
                                  "`tokenizers` library (`sdserve engines export` writes it from vocab.json and "
                                  "merges.txt)")
-        try:
-            self._tok = Tokenizer.from_file(str(path))
-        except Exception as exc:  # tokenizers raises plain Exception
-            raise ModelLoadError(f"cannot load the Qwen tokenizer in {folder}: {exc}") from exc
-        pad = self._tok.token_to_id(PAD)
-        if pad is None:
-            raise ModelLoadError(f"Qwen tokenizer pad token {PAD!r} is not in the vocabulary of {folder}")
-        self.pad_id = pad
-        self._tok.no_padding()
-        self._tok.no_truncation()
+        self._tok, self.pad_id = load_unpadded(path, "Qwen", f"in {folder}")
 
     def __call__(self, prompts: list[str], max_sequence_length: int) -> QwenTokens:
         encodings = self._tok.encode_batch([TEMPLATE.format(p) for p in prompts])

@@ -25,11 +25,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer
 
-from engines.errors import ModelLoadError
 from engines.lora.active import Adapters
 from engines.numerics.flow_schedule import FlowSchedule, flow_schedule, flux_sigmas
+from engines.numerics.qwen_tokenizer import load_unpadded
 from engines.pipelines.flow import DitConditioning, FlowPipeline, Geometry, run
 from engines.pipelines.flux import flux_rope
 from engines.pipelines.ort_model import OrtModel
@@ -38,7 +37,6 @@ from engines.types.request import Batch
 
 TEMPLATE = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 """What ``apply_chat_template([{"role": "user", ...}], add_generation_prompt=True, enable_thinking=False)`` gives."""
-PAD = "<|endoftext|>"
 TEMPLATE_TOKENS = 12
 """The template's own tokens in the released vocabulary (a prompt may use the rest of the length)."""
 
@@ -73,16 +71,7 @@ class Flux2Pipeline(FlowPipeline):
 
     def load_text(self, folder: Path, models: dict[str, OrtModel]) -> None:
         path = folder / "tokenizer" / "tokenizer.json"
-        try:
-            self.tokenizer = Tokenizer.from_file(str(path))
-        except Exception as exc:  # tokenizers raises plain Exception
-            raise ModelLoadError(f"cannot load the Qwen3 tokenizer {path}: {exc}") from exc
-        pad = self.tokenizer.token_to_id(PAD)
-        if pad is None:
-            raise ModelLoadError(f"Qwen3 tokenizer pad token {PAD!r} is not in the vocabulary of {path}")
-        self.pad_id = pad
-        self.tokenizer.no_padding()
-        self.tokenizer.no_truncation()
+        self.tokenizer, self.pad_id = load_unpadded(path, "Qwen3", path)
         self.text_encoder = models["text_encoder"]
         self.text_encoders.append(self.text_encoder)
         self.distilled = bool(read_json(folder / "model_index.json").get("is_distilled", False))

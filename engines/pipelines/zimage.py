@@ -25,12 +25,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer
 
 from engines.errors import ModelLoadError
 from engines.lora.active import Adapters
 from engines.numerics.flow_graph import flow_coefficients
 from engines.numerics.flow_schedule import FlowSchedule, flow_schedule
+from engines.numerics.qwen_tokenizer import load_unpadded
 from engines.pipelines.flow import DitConditioning, FlowPipeline, run
 from engines.pipelines.ort_model import OrtModel
 from engines.types.request import Batch
@@ -38,7 +38,6 @@ from engines.types.request import Batch
 TEMPLATE = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 """What ``apply_chat_template([{"role": "user", ...}], add_generation_prompt=True, enable_thinking=True)`` gives
 with Qwen3's template."""
-PAD = "<|endoftext|>"
 SEQ_MULTI_OF = 32
 ROPE_THETA = 256.0
 
@@ -97,16 +96,7 @@ class ZImageTokenizer:
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise ModelLoadError(f"{folder} has no tokenizer.json (`sdserve engines export` writes it)")
-        try:
-            self._tok = Tokenizer.from_file(str(path))
-        except Exception as exc:  # tokenizers raises plain Exception
-            raise ModelLoadError(f"cannot load the Qwen3 tokenizer in {folder}: {exc}") from exc
-        pad = self._tok.token_to_id(PAD)
-        if pad is None:
-            raise ModelLoadError(f"Qwen3 tokenizer pad token {PAD!r} is not in the vocabulary of {folder}")
-        self.pad_id = pad
-        self._tok.no_padding()
-        self._tok.no_truncation()
+        self._tok, self.pad_id = load_unpadded(path, "Qwen3", f"in {folder}")
 
     def __call__(self, prompts: list[str], limit: int) -> tuple[np.ndarray, list[int], tuple[bool, ...]]:
         encodings = self._tok.encode_batch([TEMPLATE.format(p) for p in prompts])
