@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from engines.types.request import Mode
@@ -98,6 +99,15 @@ class ModelInfo:
     """A 9-channel inpainting UNet (edits: inpainting only)."""
     edit_schedulers: tuple[str, ...] = ()
     """The schedulers that serve edits."""
+    instruct_images: int = 0
+    """An instruction-edit model (Qwen-Image-Edit, FLUX.1 Kontext, FLUX.2 with reference images): the most input
+    images one edit takes, as its diffusers pipeline accepts; 0: edits are img2img and inpainting only. With it, an
+    edit without a mask is an instruction edit (mode ``instruct``, EditImage.references)."""
+    instruct_size: Callable[[tuple[tuple[int, int], ...]], tuple[int, int]] | None = field(default=None,
+                                                                                          compare=False)
+    """An instruction-edit model's output (width, height) from its input images' (width, height), by its diffusers
+    pipeline's rule (a target area at the input's aspect, a preferred-resolution table), used when the request
+    names no size; None: the batch's size as for img2img."""
     token_patch: int = 0
     """A DiT's pixels per image-token edge (VAE factor x patch: 16); 0 for a UNet (cost scaled by pixels)."""
     text_tokens: int = 0

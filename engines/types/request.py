@@ -30,6 +30,11 @@ class EditImage:
     latents: np.ndarray | None = None
     """float32 [C, h, w]: init latents as the denoiser sees them (scaled), used instead of encoding ``image``
     (Hires fix's latent upscale, A1111's latent_scale_mode); None: ``image`` is encoded."""
+    references: tuple[np.ndarray, ...] = ()
+    """Instruction edits (ModelInfo.instruct_images > 0, no mask): every input image as sent, uint8 [h, w, 3] RGB
+    at its own size (decoded, oriented and bounded as uploads are). The model conditions on them (reference latents,
+    a vision tower) as its diffusers pipeline does and starts from noise; ``image`` is then the first of them at the
+    batch's size, kept for the overlay-free result and provenance. Empty: img2img or inpainting."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,7 @@ class ImageSpec:
     """Return this image's final latents (GeneratedImage.latents): a Hires fix first pass with a latent upscale."""
 
 
-Mode = Literal["txt2img", "img2img", "inpaint"]
+Mode = Literal["txt2img", "img2img", "inpaint", "instruct"]
 
 
 CACHE_METHODS = ("output", "first-block")
@@ -145,6 +150,8 @@ class Batch:
     def mode(self) -> Mode:
         """txt2img, img2img or inpaint, from the first image (check_inputs refuses mixed batches)."""
         edit = self.images[0].edit if self.images else None
+        if edit is not None and edit.references:
+            return "instruct"
         return "txt2img" if edit is None else "img2img" if edit.mask is None else "inpaint"
 
 
