@@ -10,6 +10,7 @@ from engines.types.request import Timings
 from server.admission import Cost, CostModel
 from server.step_policy import (
     BEGIN,
+    FAIR_SLICE_S,
     FINISH,
     TICK,
     Candidate,
@@ -175,3 +176,43 @@ def test_another_tenants_wait_counts_only_the_fair_share_of_a_flooding_tenant() 
     mine = rec("b", 1, 50, at=10.0, estimate_s=10.0)
     assert waits([*flood, mine])[id(mine)] == 10.0
     assert waits([*flood, mine], Share({"b": 2.0}))[id(mine)] == 5.0
+
+
+def _run_two_tenants(estimate_s: float | None, turns: int) -> tuple[list[int], float]:
+    """Two tenants with one 1-image 200-step request each, run as the loop runs them: a decision, then the run's
+    bound of ticks back to back (run_bound). Returns each run's length and the largest lag in served work."""
+    share = Share()
+    a, b = rec("a", 1, 200, estimate_s=estimate_s), rec("b", 1, 200, at=1.0, estimate_s=estimate_s)
+    a.steps_left, b.steps_left = 200, 200
+    runs, lag, served = [], 0.0, {"a": 0.0, "b": 0.0}
+    for _ in range(turns):
+        prepare([a, b], share)
+        op = choose(candidates({KEY: [(a, "a"), (b, "b")]}, [], 64), NOW, 1)
+        assert op is not None and op.kind == TICK
+        most = run_bound(op, [a, b], NOW, share=share)[0]
+        runs.append(most)
+        for _ in range(most):
+            share.charge(TICK, op.ran, 1, 1)
+            for r in op.ran:
+                assert r.steps_left is not None
+                r.steps_left -= 1
+                served[r.tenant] += 1.0
+            lag = max(lag, abs(served["a"] - served["b"]))
+    return runs, lag
+
+
+def test_short_ticks_run_a_slice_past_the_other_tenants_virtual_time_in_one_call() -> None:
+    """Ticks estimated at 1 ms (a 200-step request estimated at 0.202 s) run FAIR_SLICE_S / 1 ms more per turn
+    than the exact bound, so a turn is a thread call of many ticks, not one hop per tick; the service of the two
+    tenants stays within the slice plus one operation of each other."""
+    slice_ops = int(FAIR_SLICE_S / 0.001)
+    runs, lag = _run_two_tenants(0.202, 6)
+    assert slice_ops >= 2 and all(n >= slice_ops for n in runs), runs
+    assert lag <= slice_ops * 2 + 1, (runs, lag)
+    exact, exact_lag = _run_two_tenants(None, 6)  # unmeasured: switch after every operation, as before
+    assert exact[1:] == [1] * 5 and exact_lag <= 1.0
+
+
+def test_ticks_longer_than_the_slice_switch_tenants_after_one_operation() -> None:
+    runs, lag = _run_two_tenants(FAIR_SLICE_S * 2 * 202, 6)  # one tick: two slices
+    assert runs[1:] == [1] * 5 and lag <= 1.0
