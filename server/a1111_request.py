@@ -75,6 +75,10 @@ class Txt2ImgRequest(BaseModel):
     def refuse_unsupported(self) -> None:
         """Rule 1 (server/request_rules.py): a feature whose ignoring would return an image the client did not ask
         for is a 422 naming it; the same fields when off, and the others A1111 clients send, are accepted."""
+        for script in self.alwayson_scripts:  # A1111's modules/api/api.py init_script_args: 422 naming the script
+            raise InvalidRequestError(f"always on script {str(script)[:64]} not found: {str(script)[:64]} is not "
+                                      "installed on this server (sdserve runs no A1111 extensions)",
+                                      param=f"alwayson_scripts.{str(script)[:64]}")
         for name, why in REFUSED.items():
             if getattr(self, name):
                 raise InvalidRequestError(f"{name} is not supported by sdserve: {why}", param=name)
@@ -113,8 +117,9 @@ class Txt2ImgRequest(BaseModel):
 
 
 REFUSED = {"restore_faces": "no face restoration model", "tiling": "no seamless tiling (the image would not tile)",
-           "script_name": "no scripts", "alwayson_scripts": "no extensions"}
-"""Features sdserve does not implement, refused when on, and why."""
+           "script_name": "no scripts"}
+"""Features sdserve does not implement, refused when on, and why (an ``alwayson_scripts`` entry is refused naming its
+script, as A1111 refuses a script it does not have)."""
 NO_STYLE = ("None", "")
 """Style entries that mean no style: a UI's "None" choice, an empty entry."""
 HIRES_FIELDS = frozenset({"denoising_strength", "hr_scale", "hr_upscaler", "hr_second_pass_steps", "hr_resize_x",

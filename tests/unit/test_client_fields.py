@@ -176,3 +176,15 @@ def test_checkpoint_unload_and_reload_say_the_model_stays_resident(client: TestC
     assert answer.json()["resident"] is True and answer.json()["model"] == TITLE
     assert "resident" in answer.json()["detail"]
     assert client.post(TXT2IMG, json={"prompt": "x", "steps": 2}).status_code == 200  # still serving at once
+
+
+def test_an_always_on_script_is_refused_naming_it_as_a1111_refuses_a_missing_script(client: TestClient) -> None:
+    """SillyTavern sends ADetailer in alwayson_scripts: A1111 without it answers 422 "always on script ADetailer not
+    found" (modules/api/api.py init_script_args); so does sdserve, naming the script; an empty table is no script."""
+    body: dict[str, Any] = {"prompt": "a", "width": 64, "height": 64, "steps": 2,
+                            "alwayson_scripts": {"ADetailer": {"args": [True, {"ad_model": "face_yolov8n.pt"}]}}}
+    answer = client.post(TXT2IMG, json=body)
+    assert answer.status_code == 422, answer.text
+    text = json.dumps(answer.json())
+    assert "always on script ADetailer not found" in text and "ADetailer is not installed" in text
+    assert client.post(TXT2IMG, json={**body, "alwayson_scripts": {}}).status_code == 200
