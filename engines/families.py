@@ -133,24 +133,28 @@ register(FamilyFacts("qwen-image", ("qwen-image",), "transformer", 50, 4.0,
                      "keys from the file"))
 """Qwen-Image: diffusers' defaults (50 steps, ``true_cfg_scale`` 4.0, ``max_sequence_length`` 512: the text states
 the transformer attends to, ``t5_length`` here); its model card's square size is 1328."""
+ZIMAGE_TEXT_LORA = ("Z-Image LoRAs adapt the transformer only (diffusers' ZImageLoraLoaderMixin loads none into the "
+                    "Qwen3 text encoder): remove the text-encoder keys from the file")
+FLUX2_TEXT_LORA = ("FLUX.2 [klein] LoRAs adapt the transformer only (diffusers' Flux2LoraLoaderMixin loads none into "
+                   "the Qwen3 text encoder): remove the text-encoder keys from the file")
 register(FamilyFacts("z-image", ("z-image",), "transformer", 50, 5.0,
                      "Z-Image (Qwen3 text encoder, CFG with negative prompts)", t5_length=512, own_defaults=True,
-                     trained_size=1024))
+                     trained_size=1024, lora_text_encoders=ZIMAGE_TEXT_LORA))
 register(FamilyFacts("z-image-turbo", ("z-image",), "transformer", 8, 0.0,
                      "Z-Image-Turbo (distilled: 8 steps, no CFG)",
                      claim=lambda configs: configs.get("scheduler", {}).get("shift") == 3.0, t5_length=512,
-                     own_defaults=True, trained_size=1024))
+                     own_defaults=True, trained_size=1024, lora_text_encoders=ZIMAGE_TEXT_LORA))
 """Z-Image: diffusers' ``ZImagePipeline`` defaults (50 steps, guidance 5.0, ``max_sequence_length`` 512); Turbo's
 model card: 8 transformer evaluations at guidance 0. A folder whose scheduler shifts by 3.0 (Turbo's released
 config) is ``z-image-turbo`` (engines/pipelines/flow_family.py ``detect_dit`` hands the claims the scheduler config
 beside the index and the transformer's)."""
 register(FamilyFacts("flux2-klein", ("flux2-klein",), "transformer", 4, 1.0,
                      "FLUX.2 [klein] (Qwen3 text encoder, step-distilled: no CFG)", t5_length=512,
-                     own_defaults=True, trained_size=1024))
+                     own_defaults=True, trained_size=1024, lora_text_encoders=FLUX2_TEXT_LORA))
 register(FamilyFacts("flux2-klein-base", ("flux2-klein",), "transformer", 50, 4.0,
                      "FLUX.2 [klein] base (Qwen3 text encoder, CFG)",
                      claim=lambda configs: not configs.get("index", {}).get("is_distilled", False), t5_length=512,
-                     own_defaults=True, trained_size=1024))
+                     own_defaults=True, trained_size=1024, lora_text_encoders=FLUX2_TEXT_LORA))
 """FLUX.2 [klein]: diffusers' ``Flux2KleinPipeline`` defaults (``max_sequence_length`` 512: the text states the
 transformer attends to, ``t5_length`` here); the distilled checkpoints' model cards use 4 steps, the base ones 50
 steps at guidance 4.0. A folder whose model_index.json says ``is_distilled`` is ``flux2-klein``."""
