@@ -107,6 +107,13 @@ class Batcher:
         """The provider the last executed batch reported (the watchdog compares it with the boot one)."""
         self._wake = asyncio.Event()
         self._listeners: list[Callable[[], None]] = []
+        self.call_images: Callable[[int, int], int] = lambda width, height: self.max_batch
+        """Images one denoiser call at (width, height) may hold: ``max_batch``, fewer where the memory budget says
+        (ImageService.call_images, set at boot). A request with more images than that runs in a call of its own."""
+
+    def room(self, job: Job) -> int:
+        """Images a denoiser call at ``job``'s size may hold (``call_images`` within ``max_batch``, at least 1)."""
+        return max(1, min(self.max_batch, self.call_images(job.batch.width, job.batch.height)))
 
     @property
     def busy(self) -> bool:
@@ -221,9 +228,9 @@ class Batcher:
     def _take(self) -> list[Job]:
         """The oldest job and the compatible ones behind it, up to max_batch images (FIFO within a group)."""
         head = self.queue.popleft()
-        taken, images = [head], head.images
+        taken, images, room = [head], head.images, self.room(head)
         for job in list(self.queue):
-            if job.group == head.group and images + job.images <= self.max_batch:
+            if job.group == head.group and images + job.images <= room:
                 self.queue.remove(job)
                 taken.append(job)
                 images += job.images
@@ -237,7 +244,7 @@ class Batcher:
                 await self.rest()
                 continue
             head = self.queue[0]
-            if sum(j.images for j in self.queue if j.group == head.group) < self.max_batch:
+            if sum(j.images for j in self.queue if j.group == head.group) < self.room(head):
                 wait = head.enqueued + self.max_delay_s - time.monotonic()
                 if wait > 0:  # give compatible requests a moment to join
                     await asyncio.sleep(wait)

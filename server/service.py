@@ -122,6 +122,8 @@ class ImageService:
             engine, metrics, self.lock, q.max_size, q.max_batch, q.max_queue_delay_ms / 1000, self.cost)
         self.memory = MemoryBudget()
         """What one batch's working memory may take (``measure_memory``, at boot)."""
+        self._rooms: dict[tuple[int, int, int | None], int] = {}
+        self.batcher.call_images = self.call_images
         self.window_s = window_s
         self.recent: deque[Sample] = deque(maxlen=10_000)
         self._last_done = time.monotonic()
@@ -192,15 +194,36 @@ class ImageService:
         if size is not None and request is not None:
             self.quotas.check_shape(request.tenant, [dataclasses.replace(b, width=size[0], height=size[1])
                                                      for b in batches], size_param)
-        asks = [MemoryAsk(*(size or (b.width, b.height)), len(b.images), max(len(b.images), q.max_batch),
-                          len(b.images) if q.batching == "step" else max(len(b.images), q.max_batch),
-                          _encodes(b) if encode is None else encode, size_param, second_pass=size is not None)
-                for b in batches]
+        asks = []
+        for b in batches:
+            width, height = size or (b.width, b.height)
+            n, encodes = len(b.images), _encodes(b) if encode is None else encode
+            # the calls the scheduler makes: a denoiser call shares only what fits (call_images); under step-level
+            # batching a request's decode runs decode_images at a time (its VAE encode, all of them at its begin)
+            decode = max(n, q.max_batch) if q.batching != "step" else n if encodes else min(n, q.decode_images)
+            asks.append(MemoryAsk(width, height, n, max(n, self.call_images(width, height)), decode, encodes,
+                                  size_param, second_pass=size is not None))
         try:
             admit_memory(self.engine.info.memory, self.memory, asks)
         except InvalidRequestError:
             self.metrics.refused.labels("over_memory").inc()
             raise
+
+    def call_images(self, width: int, height: int) -> int:
+        """Images one denoiser call at ``width`` x ``height`` may hold: ``[queue] max_batch``, or fewer when the
+        model's memory estimate of the denoiser stage says a fuller call would not fit the budget (at least 1: a
+        request admitted alone runs in a call of its own). The scheduler shares calls up to it; admission prices it."""
+        max_batch, model, budget = self.settings.queue.max_batch, self.engine.info.memory, self.memory.bytes
+        if model is None or budget is None:
+            return max_batch
+        key = (width, height, budget)
+        if key not in self._rooms:
+            if len(self._rooms) >= 1024:
+                self._rooms.clear()
+            fits = (k for k in range(max_batch, 1, -1)
+                    if dict(model.need(width, height, k, 1).stages).get("denoiser", 0) <= budget)
+            self._rooms[key] = next(fits, 1)
+        return self._rooms[key]
 
     def measure_memory(self) -> MemoryBudget:
         """The memory budget, once the self-test has warmed the model: ``[limits] memory_budget_mb``, else the

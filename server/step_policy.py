@@ -341,9 +341,11 @@ def candidates(running: Mapping[Hashable, Sequence[tuple[Record, T]]], queued: I
     return found
 
 
-def choose(found: Sequence[Candidate[T]], now: float, max_batch: int) -> Decision[T] | None:
+def choose(found: Sequence[Candidate[T]], now: float, max_batch: int,
+           rooms: Mapping[Hashable, int] | None = None) -> Decision[T] | None:
     """The next operation among ``found`` (None: nothing can run): that of the best-ranked request. A tick takes
-    the lead's set's other ticking rows in rank order while the call holds at most ``max_batch`` images; a queued
+    the lead's set's other ticking rows in rank order while the call holds at most ``max_batch`` images (or its
+    key's ``rooms`` entry: fewer where the memory budget says; a lead larger than that runs alone); a queued
     request of that set that fits the room left begins first instead (so it joins this very call)."""
     if not found:
         return None
@@ -352,13 +354,13 @@ def choose(found: Sequence[Candidate[T]], now: float, max_batch: int) -> Decisio
     lead = order[0]
     op = Decision(lead.kind, lead, [lead], [c.record for c in found], ranked[0][0][-3] == 0)  # its own tier
     if lead.kind == TICK:
-        images = lead.record.images
+        images, room = lead.record.images, (rooms or {}).get(lead.key, max_batch)
         for other in order[1:]:
-            if other.kind == TICK and other.key == lead.key and images + other.record.images <= max_batch:
+            if other.kind == TICK and other.key == lead.key and images + other.record.images <= room:
                 op.rows.append(other)
                 images += other.record.images
         for other in order[1:]:  # a queued request that fits the call's room begins first
-            if other.kind == BEGIN and other.key == lead.key and images + other.record.images <= max_batch:
+            if other.kind == BEGIN and other.key == lead.key and images + other.record.images <= room:
                 return Decision(BEGIN, other, [other], op.waiting, op.first)
     ran = {id(c.record) for c in op.rows}
     op.runner_up = next((p for p, k in ranked if id(found[k].record) not in ran), None)

@@ -254,9 +254,9 @@ class StepBatcher(Batcher):
 
     def _take_whole(self, head: Job) -> list[Job]:
         """``head`` and the compatible whole-run requests behind it, up to max_batch images."""
-        taken, images = [head], head.images
+        taken, images, room = [head], head.images, self.room(head)
         for job in list(self.queue):
-            if (job is not head and job.group == head.group and images + job.images <= self.max_batch
+            if (job is not head and job.group == head.group and images + job.images <= room
                     and self._key(job) == WHOLE):
                 taken.append(job)
                 images += job.images
@@ -273,7 +273,8 @@ class StepBatcher(Batcher):
         queued = [(self._sync(job), job) for job in self.queue]
         running = {key: [(self._sync(job), job) for job in s.jobs] for key, s in self.sets.items()}
         prepare([r for r, _ in queued] + [r for rows in running.values() for r, _ in rows], self.share)
-        return choose(candidates(running, queued, self.max_running), now, self.max_batch)
+        rooms = {self._record(job).key: self.room(job) for job in [*self.queue, *self.rows()]}
+        return choose(candidates(running, queued, self.max_running), now, self.max_batch, rooms)
 
     def _count_bypass(self, op: Operation, times: int) -> None:
         """``times`` operations like ``op`` ran: the bypass counts (step_policy.count_bypass) and the turns."""

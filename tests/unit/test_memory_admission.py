@@ -8,6 +8,7 @@ integration and e2e tests of the same name."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -23,7 +24,7 @@ from engines.types.model import MemoryNeed, ModelInfo
 from server import admission
 from server.admission import MemoryAsk, MemoryBudget, admit_memory, memory_budget
 from server.settings import Settings, load_settings
-from tests.unit.fakes import FakeEngine, start
+from tests.unit.fakes import FakeEngine, StepFakeEngine, start, wait_for
 
 CONFIGS = json.loads((Path(__file__).resolve().parents[1] / "data" / "model_configs.json").read_text())
 GEN, A1111 = "/v1/images/generations", "/sdapi/v1/txt2img"
@@ -205,15 +206,42 @@ def test_a1111_counts_batch_size_and_a_size_over_the_budget(client: TestClient, 
     assert "memory budget 1.00 GiB ([limits] memory_budget_mb)" in huge.json()["detail"][0]["msg"]
 
 
-def test_the_call_a_request_may_share_counts(engine: MeasuredEngine) -> None:
-    """max_batch 4: one 512x512 image may share its denoiser call with three others (4 x 250 MiB = 1 GiB fits);
-    at 2000 B per pixel it does not, and the refusal says the queue's max_batch is why."""
+def test_a_request_that_fits_alone_is_admitted_and_shares_only_the_calls_that_fit(engine: MeasuredEngine) -> None:
+    """Issue 57 point 3: max_batch 4, 1 GiB, 2000 B per pixel: one 512x512 image (500 MiB) fits alone, so it is
+    admitted; a denoiser call at that size holds at most 2 images (call_images), what admission prices; 3 images in
+    one request do not fit even alone: refused naming n. (Before, one image was refused for a 4-image call it might
+    share.)"""
     engine.memory = PerPixel(2000)
     for client in start(engine, _settings(1024, max_batch=4)):
-        refused = client.post(GEN, json={"prompt": "a", "size": "512x512", "steps": 1})
-        assert refused.status_code == 400 and "max_batch" in refused.json()["error"]["message"]
-        engine.memory = PerPixel(1000)
         assert client.post(GEN, json={"prompt": "a", "size": "512x512", "steps": 1}).status_code == 200
+        service = client.app.state.service  # type: ignore[attr-defined]
+        assert service.call_images(512, 512) == 2 and service.call_images(256, 256) == 4
+        refused = client.post(GEN, json={"prompt": "a", "size": "512x512", "steps": 1, "n": 3})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "n"
+        assert client.post(GEN, json={"prompt": "a", "size": "512x512", "steps": 1, "n": 2}).status_code == 200
+
+
+@dataclass(frozen=True)
+class HeavyDecode(PerPixel):
+    """The VAE decode takes three times the denoiser's bytes per pixel (as at large sizes on a real model)."""
+
+    def need(self, width: int, height: int, denoise_images: int, images: int, encode: bool = False) -> MemoryNeed:
+        stages = (("denoiser", width * height * denoise_images * self.bytes_per_pixel),
+                  ("VAE decode", width * height * images * 3 * self.bytes_per_pixel))
+        stage, peak = max(stages, key=lambda s: s[1])
+        return MemoryNeed(peak, stage, stages, "per pixel")
+
+
+def test_step_level_decodes_are_priced_as_they_run_one_part_at_a_time(engine: MeasuredEngine) -> None:
+    """Issue 57: under step-level batching a request's decode runs ``[queue] decode_images`` images at a time (1 on
+    the dev profile): 2 images of 512x512 (denoiser 500 MiB, one decode 750 MiB) fit 1 GiB; micro-batching
+    decodes the batch at once (1.46 GiB) and refuses them naming n."""
+    engine.memory = HeavyDecode(1000)
+    for client in start(engine, _settings(1024, max_batch=1)):
+        assert client.post(GEN, json={"prompt": "a", "size": "512x512", "steps": 1, "n": 2}).status_code == 200
+    for client in start(engine, _settings(1024, max_batch=1, batching="micro")):
+        refused = client.post(GEN, json={"prompt": "a", "size": "512x512", "steps": 1, "n": 2})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "n", refused.text
 
 
 # ---- item 8: admission by cost counts batch_size x n_iter -----------------------------------------------------
@@ -238,3 +266,42 @@ def test_cost_admission_counts_batch_size_times_n_iter() -> None:
         for size, iters in ((3, 1), (1, 3)):  # (live batches then refine the cost: checked last)
             answer = client.post(A1111, json={**body, "batch_size": size, "n_iter": iters}, headers=deadline)
             assert answer.status_code == 200, answer.text
+
+
+class SteppedMeasured(StepFakeEngine):
+    """The step-level fake with a memory model: 2000 B per pixel, so a 512x512 call holds two images in 1 GiB."""
+
+    @property
+    def info(self) -> ModelInfo:
+        return replace(super().info, memory=PerPixel(2000))
+
+
+def test_the_step_scheduler_shares_a_call_only_up_to_what_fits_the_budget() -> None:
+    """Three 1-image 512x512 requests with max_batch 4 and a 1 GiB budget: every tick holds at most the 2 images a
+    call fits (ImageService.call_images through step_policy.choose's rooms), and some tick holds 2 (calls are
+    still shared). Decided on events: the first tick is held until the other two are queued."""
+    engine = SteppedMeasured()
+    try:
+        for client in start(engine, _settings(1024, max_batch=4)):
+            engine.hold.clear()
+            answers: list[Any] = []
+
+            def post(prompt: str, into: list[Any] = answers, to: TestClient = client) -> threading.Thread:
+                worker = threading.Thread(target=lambda: into.append(to.post(
+                    "/sdapi/v1/txt2img", json={"prompt": prompt, "width": 512, "height": 512, "steps": 4})))
+                worker.start()
+                return worker
+
+            workers = [post("a")]
+            wait_for(client, "/sdapi/v1/progress", lambda r: r.json()["state"]["job_count"] == 1)
+            assert engine.in_tick.wait(20)
+            workers += [post("b"), post("c")]
+            wait_for(client, "/sdapi/v1/progress", lambda r: r.json()["state"]["job_count"] == 3)
+            engine.hold.set()
+            for worker in workers:
+                worker.join(30)
+            assert [a.status_code for a in answers] == [200] * 3
+            sizes = [len(t) for t in engine.tick_log]
+            assert max(sizes) == 2 and sum(sizes) == 12, engine.tick_log
+    finally:
+        engine.hold.set()
