@@ -24,9 +24,19 @@ DIT_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "
 QWEN_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
                 "net.0.proj", "net.2", "img_mod.1", "txt_mod.1"]
 """Every Linear of a Qwen-Image joint block (``net.*`` matches both ``img_mlp`` and ``txt_mlp``)."""
+FLUX2_TARGETS = (r".*(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out|"
+                 r"to_qkv_mlp_proj)|single_transformer_blocks\.\d+\.attn\.to_out|ff(_context)?\.linear_(in|out)|"
+                 r"x_embedder|context_embedder|proj_out|norm_out\.linear|"
+                 r"(single_stream_modulation|double_stream_modulation_img|double_stream_modulation_txt)\.linear|"
+                 r"timestep_embedder\.linear_[12])")
+"""Every Linear of the FLUX.2 transformer (a peft regex, matched whole: ``to_out`` is a Linear only in the single
+blocks)."""
+ZIMAGE_TARGETS = (r".*(attention\.(to_q|to_k|to_v|to_out\.0)|feed_forward\.w[123]|adaLN_modulation\.[01]|"
+                  r"all_x_embedder\.2-1|all_final_layer\.2-1\.linear|cap_embedder\.1|t_embedder\.mlp\.[02])")
+"""Every Linear of the Z-Image transformer (refiners, main layers, embedders, final layer)."""
 
 
-def lora_factors(module: torch.nn.Module, targets: list[str], rank: int, seed: int,
+def lora_factors(module: torch.nn.Module, targets: list[str] | str, rank: int, seed: int,
                  scale: float = 0.2) -> dict[str, torch.Tensor]:
     """Random LoRA factors for ``module`` in PEFT names (no component prefix), made by peft itself."""
     from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
@@ -99,6 +109,30 @@ def kohya_sgm_file(path: Path, unet: dict[str, torch.Tensor], alpha: float) -> P
         name = "lora_unet_" + sgm_name(module)
         out[f"{name}.{ {'A.weight': 'lora_down.weight', 'B.weight': 'lora_up.weight'}[kind]}"] = value
         out[f"{name}.alpha"] = torch.tensor(float(alpha))
+    return save_safetensors(path, out)
+
+
+def fused(factors: dict[str, torch.Tensor], modules: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One LoRA on a fused projection (qkv) equal to separate LoRAs on its parts (PEFT names, same rank): down
+    the parts' downs stacked along the rank, up block-diagonal; row chunk i of up times down is part i's product."""
+    downs = [factors[f"{m}.lora_A.weight"] for m in modules]
+    ups = [factors[f"{m}.lora_B.weight"] for m in modules]
+    return torch.cat(downs, dim=0), torch.block_diag(*ups)
+
+
+def renamed_file(path: Path, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], prefix: str, flat: bool,
+                 kohya_suffixes: bool, alpha: float | None = None, dots: bool = False) -> Path:
+    """``{module: (down, up)}`` under another convention: ``prefix`` + the module (kohya: '.' -> '_'), suffixes
+    ``lora_down``/``lora_up`` (``lora.down``/``lora.up`` with ``dots``) or ``lora_A``/``lora_B``, an ``alpha`` each
+    when given."""
+    names = ((".lora.down.weight", ".lora.up.weight") if dots else (".lora_down.weight", ".lora_up.weight")) \
+        if kohya_suffixes else (".lora_A.weight", ".lora_B.weight")
+    out: dict[str, torch.Tensor] = {}
+    for module, (down, up) in pairs.items():
+        name = prefix + (module.replace(".", "_") if flat else module)
+        out[name + names[0]], out[name + names[1]] = down, up
+        if alpha is not None:
+            out[f"{name}.alpha"] = torch.tensor(float(alpha))
     return save_safetensors(path, out)
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import numpy as np
+
 from engines.lora.safetensors import LoraFileError
 
 DENOISER = "denoiser"
@@ -141,3 +143,85 @@ def sgm_to_diffusers(path: str, layers_per_block: int) -> str:
     if j > 2:
         return path
     return f"up_blocks_{block}_{INNER[j]}_{layer if j < 2 else 0}_{rest}"
+
+
+Rows = tuple[tuple[int, int], ...]
+"""The rows of a file's up factor a weight takes: chunks ``(index, of count)`` of its rows, concatenated in that
+order; ``()`` is every row. A fused projection of the original checkpoint layout is several weights in diffusers'
+(the qkv Linear is ``to_q``, ``to_k``, ``to_v``): each takes its third of the up factor and the whole down factor,
+which is the product diffusers' conversions give (down shared, up split; their "sparse" split is the same product)."""
+Rule = tuple[str, tuple[tuple[str, Rows], ...]]
+
+
+def _thirds(*names: str) -> tuple[tuple[str, Rows], ...]:
+    return tuple((name, ((i, 3),)) for i, name in enumerate(names))
+
+
+FLUX2_RULES: tuple[Rule, ...] = (
+    (r"double_blocks_(\d+)_img_attn_qkv",
+     _thirds(r"transformer_blocks_\1_attn_to_q", r"transformer_blocks_\1_attn_to_k",
+             r"transformer_blocks_\1_attn_to_v")),
+    (r"double_blocks_(\d+)_txt_attn_qkv",
+     _thirds(r"transformer_blocks_\1_attn_add_q_proj", r"transformer_blocks_\1_attn_add_k_proj",
+             r"transformer_blocks_\1_attn_add_v_proj")),
+    (r"double_blocks_(\d+)_img_attn_proj", ((r"transformer_blocks_\1_attn_to_out_0", ()),)),
+    (r"double_blocks_(\d+)_txt_attn_proj", ((r"transformer_blocks_\1_attn_to_add_out", ()),)),
+    (r"double_blocks_(\d+)_img_mlp_0", ((r"transformer_blocks_\1_ff_linear_in", ()),)),
+    (r"double_blocks_(\d+)_img_mlp_2", ((r"transformer_blocks_\1_ff_linear_out", ()),)),
+    (r"double_blocks_(\d+)_txt_mlp_0", ((r"transformer_blocks_\1_ff_context_linear_in", ()),)),
+    (r"double_blocks_(\d+)_txt_mlp_2", ((r"transformer_blocks_\1_ff_context_linear_out", ()),)),
+    (r"sformer_blocks_(.+)", ((r"transformer_blocks_\1", ()),)),
+    (r"single_blocks_(\d+)_linear1", ((r"single_transformer_blocks_\1_attn_to_qkv_mlp_proj", ()),)),
+    (r"single_blocks_(\d+)_linear2", ((r"single_transformer_blocks_\1_attn_to_out", ()),)),
+    (r"img_in", (("x_embedder", ()),)),
+    (r"txt_in", (("context_embedder", ()),)),
+    (r"time_in_in_layer", (("time_guidance_embed_timestep_embedder_linear_1", ()),)),
+    (r"time_in_out_layer", (("time_guidance_embed_timestep_embedder_linear_2", ()),)),
+    (r"guidance_in_in_layer", (("time_guidance_embed_guidance_embedder_linear_1", ()),)),
+    (r"guidance_in_out_layer", (("time_guidance_embed_guidance_embedder_linear_2", ()),)),
+    (r"final_layer_linear", (("proj_out", ()),)),
+    (r"final_layer_adaLN_modulation_1", (("norm_out_linear", ((1, 2), (0, 2))),)),
+    (r"(single_stream_modulation|double_stream_modulation_img|double_stream_modulation_txt)_lin",
+     ((r"\1_linear", ()),)),
+)
+"""FLUX.2's original (BFL) module names, as ComfyUI/ai-toolkit (``diffusion_model.``) and kohya (``lora_unet_``)
+files name them, in diffusers' names, as diffusers' ``_convert_non_diffusers_flux2_lora_to_diffusers`` and
+``_convert_kohya_flux2_lora_to_diffusers`` map them (src/diffusers/loaders/lora_conversion_utils.py), with one
+difference: the final layer's modulation keeps the original's meaning: its rows are
+(shift, scale) where diffusers' ``norm_out.linear`` holds (scale, shift) (single_file_utils.py
+``convert_flux2_transformer_checkpoint_to_diffusers`` swaps them for the weights; the LoRA conversion does not,
+which would shift by the scale's delta), so the up factor's halves are swapped."""
+
+ZIMAGE_RULES: tuple[Rule, ...] = (
+    (r"(.+_attention)_qkv", _thirds(r"\1_to_q", r"\1_to_k", r"\1_to_v")),
+    (r"(.+_attention)_out", ((r"\1_to_out_0", ()),)),
+    (r"all_x_embedder_(.+)", ((r"\1", ()),)),
+    (r"all_final_layer_(.+)", ((r"\1", ()),)),
+    (r"x_embedder", (("2-1", ()),)),
+    (r"final_layer_(.+)", ((r"2-1_\1", ()),)),
+)
+"""Z-Image: the original checkpoint's fused ``attention.qkv`` and ``attention.out`` (ComfyUI's and kohya-style
+trainers' names; diffusers' ``_convert_non_diffusers_z_image_lora_to_diffusers`` splits and renames them the same
+way), and the ``all_x_embedder`` / ``all_final_layer`` ModuleDicts: the export scopes a ModuleDict child by its key
+alone (``/2-1/MatMul``), so diffusers' ``all_x_embedder.2-1`` is the graph's ``2-1``; the original checkpoint's
+``x_embedder`` and ``final_layer`` are the released model's only patch key, ``2-1``."""
+
+ORIGINAL_LAYOUTS: dict[str, tuple[Rule, ...]] = {"flux2-klein": FLUX2_RULES, "z-image": ZIMAGE_RULES}
+"""Per architecture (engines/families.py ``bases``): a module's other names, in kohya's flat naming."""
+
+
+def renamed(architecture: str, flat: str) -> tuple[tuple[str, Rows], ...]:
+    """The flat names (and row chunks) in the served graph of a module the file names in the architecture's
+    original layout; ``()`` when no rule names it."""
+    for pattern, outputs in ORIGINAL_LAYOUTS.get(architecture, ()):
+        found = re.fullmatch(pattern, flat)
+        if found is not None:
+            return tuple((found.expand(name), rows) for name, rows in outputs)
+    return ()
+
+
+def take_rows(up: np.ndarray, rows: Rows) -> np.ndarray:
+    """The rows of an up factor a weight takes (``rows`` as in ``Rows``)."""
+    if not rows:
+        return up
+    return np.concatenate([np.split(up, count, axis=0)[index] for index, count in rows], axis=0)

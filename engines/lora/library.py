@@ -68,6 +68,9 @@ class Resolved:
     """The session it changes: ``unet``, ``transformer``, ``text_encoder``, ``text_encoder_2``, ``text_encoder_3``."""
     target: Target
     module: LoraModule
+    rows: keys.Rows = ()
+    """The rows of the module's up factor this weight takes (a fused projection of the original checkpoint
+    layout split over diffusers' weights: engines/lora/keys.py ``renamed``); ``()``: all of them."""
 
 
 @dataclass(frozen=True)
@@ -331,6 +334,12 @@ def resolve(file: str, modules: list[LoraModule], header: Header, targets: Model
                                 f"LoRA file {file} adapts {component}, which this {family} model does not have "
                                 f"(its components: {', '.join(sorted(targets))}): a LoRA for another model family")
         target = _match(m, weights, indexes[component], layers_per_block if component == "unet" else None)
+        parts = _renamed(m, weights, indexes[component], family) if target is None else ()
+        if parts:  # the architecture's original layout (FLUX.2's BFL names, Z-Image's fused qkv)
+            for part, rows in parts:
+                _check_shapes(file, m, header, part, family, rows)
+                out.append(Resolved(component, part, m, rows))
+            continue
         sibling = pruned_sibling(_flat(m), indexes[component]) if target is None else None
         if sibling is not None:  # checked against the same module of an earlier block, then left out
             _check_shapes(file, m, header, weights[sibling], family)
@@ -369,12 +378,28 @@ def _match(m: LoraModule, weights: dict[str, Target], index: dict[str, str],
     return weights.get(keys.normalize(m.path))
 
 
-def _check_shapes(file: str, m: LoraModule, header: Header, target: Target, family: str) -> None:
+def _renamed(m: LoraModule, weights: dict[str, Target], index: dict[str, str],
+             family: str) -> tuple[tuple[Target, keys.Rows], ...]:
+    """The weights a module named in its architecture's original checkpoint layout adapts; ``()`` unless every
+    one of them is in the graph."""
+    found = families.REGISTRY.get(family)
+    parts = keys.renamed(found.bases[0] if found is not None else family, _flat(m))
+    dotted = [index.get(flat) for flat, _ in parts]
+    if not parts or any(d is None or d not in weights for d in dotted):
+        return ()
+    return tuple((weights[d], rows) for d, (_, rows) in zip(dotted, parts, strict=True) if d is not None)
+
+
+def _check_shapes(file: str, m: LoraModule, header: Header, target: Target, family: str,
+                  rows: keys.Rows = ()) -> None:
     down, up = header.tensors[m.down].shape, header.tensors[m.up].shape
     out_features, in_features = target.out_in
     rank = down[0] if down else 0
     flat_down = math.prod(down[1:]) if len(down) > 1 else 0
-    ok = (len(up) >= 2 and up[0] == out_features and math.prod(up[1:]) == rank and rank > 0
+    taken = up[0] if up else 0
+    if rows and up:  # the chunks of the up factor's rows this weight takes: whole chunks, as many rows as it has
+        taken = sum(up[0] // count for _, count in rows) if all(up[0] % count == 0 for _, count in rows) else -1
+    ok = (len(up) >= 2 and taken == out_features and math.prod(up[1:]) == rank and rank > 0
           and flat_down == in_features)
     if not ok:
         raise LoraFileError(f"LoRA file {file}: module {m.path} has factors up {list(up)} x down {list(down)}, "

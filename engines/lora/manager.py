@@ -31,7 +31,7 @@ import onnxruntime as ort
 
 from engines.config import LoraSettings
 from engines.errors import InvalidRequestError, ModelLoadError
-from engines.lora import library, merge, targets
+from engines.lora import keys, library, merge, targets
 from engines.lora.active import Weights
 from engines.lora.library import LoraFile
 from engines.lora.safetensors import LoraFileError
@@ -306,7 +306,7 @@ class LoraManager:
             multiplier = use.te if r.component in TEXT_ENCODERS else use.unet
             if multiplier == 0:
                 continue
-            down, up = tensors[r.module.down], tensors[r.module.up]
+            down, up = tensors[r.module.down], keys.take_rows(tensors[r.module.up], r.rows)
             rank = down.shape[0]
             alpha = float(tensors[r.module.alpha].reshape(-1)[0]) if r.module.alpha else None
             scale = multiplier * (alpha / rank if alpha is not None else 1.0)  # A1111 network.py calc_scale
