@@ -1,8 +1,9 @@
 """The issue's reproducer (issue 43, item 2): a 1024x1792 OpenAI request on an SD 1.x model, served through Hires
 fix (``[serving] openai_sizes_hires``), grew the server past 20 GB until the kernel killed it (a 500 under a 13 GB
 limit). Now its memory is estimated before anything runs and it is refused with a 4xx naming the budget; the server
-stays up and serves what fits. The tiny model is SD 1.x; the budget is set so its 1024x1792 estimate (tens of GiB:
-the VAE's mid-block attention over 28,672 latent pixels, the UNet's over 7,168) cannot fit."""
+stays up and serves what fits. The tiny model is SD 1.x; the budget (300 MiB) is set so its 1024x1792 estimate (tens
+of GiB: the VAE's mid-block attention over 28,672 latent pixels, the UNet's over 7,168) cannot fit, nor one 512x512
+image's decode (379 MiB), while 256x256 (95 MiB) does."""
 
 from __future__ import annotations
 
@@ -22,11 +23,11 @@ GEN, A1111 = "/v1/images/generations", "/sdapi/v1/txt2img"
 def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     profile = dev_config(tmp_path_factory.mktemp("memory"), replace={
         "openai_sizes = false": "openai_sizes = false\nopenai_sizes_hires = true",
-        "memory_budget_mb = 0 ": "memory_budget_mb = 512 "})
+        "memory_budget_mb = 0 ": "memory_budget_mb = 300 "})
     process = ServerProcess("--config", str(profile), "--model", str(tiny_model))
     try:
         yield process.wait_ready(timeout=300)
-        assert "memory budget per batch: 0.50 GiB ([limits] memory_budget_mb)" in process.log
+        assert "memory budget per batch: 0.29 GiB ([limits] memory_budget_mb)" in process.log
     finally:
         assert process.stop() == 0, process.log
 
@@ -40,7 +41,7 @@ def test_1024x1792_on_sd1_is_refused_before_any_compute_naming_the_budget(server
     assert error["param"] == "size" and error["type"] == "invalid_request_error"
     message = error["message"]
     assert "estimated peak memory" in message and "at 1024x1792" in message and "Hires fix" in message
-    assert "exceeds this server's memory budget 0.50 GiB ([limits] memory_budget_mb)" in message
+    assert "exceeds this server's memory budget 0.29 GiB ([limits] memory_budget_mb)" in message
     assert httpx.get(f"{server}/health").status_code == 200
     metrics = httpx.get(f"{server}/metrics").text
     assert 'sdserve_requests_refused_total{reason="over_memory"}' in metrics
