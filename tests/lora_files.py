@@ -31,8 +31,9 @@ FLUX2_TARGETS = (r".*(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_
                  r"timestep_embedder\.linear_[12])")
 """Every Linear of the FLUX.2 transformer (a peft regex, matched whole: ``to_out`` is a Linear only in the single
 blocks)."""
-ZIMAGE_TARGETS = (r".*(attention\.(to_q|to_k|to_v|to_out\.0)|feed_forward\.w[123]|adaLN_modulation\.[01]|"
-                  r"all_x_embedder\.2-1|all_final_layer\.2-1\.linear|cap_embedder\.1|t_embedder\.mlp\.[02])")
+ZIMAGE_TARGETS = (r".*(attention\.(to_q|to_k|to_v|to_out\.0)|feed_forward\.w[123]|"
+                  r"(layers|refiner)\.\d+\.adaLN_modulation\.0|all_x_embedder\.2-1|"
+                  r"all_final_layer\.2-1\.(linear|adaLN_modulation\.1)|cap_embedder\.1|t_embedder\.mlp\.[02])")
 """Every Linear of the Z-Image transformer (refiners, main layers, embedders, final layer)."""
 
 
