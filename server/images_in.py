@@ -192,6 +192,12 @@ def _open(data: bytes, field: str, max_pixels: int) -> Image.Image:
     return image
 
 
+def open_header(data: bytes, field: str, max_pixels: int) -> Image.Image:
+    """The image opened and checked as every upload is (``_open``: bounds, format, size, frames, scans) with no
+    pixel decoded and no decoder slot taken: for what reads metadata only (png-info)."""
+    return _open(data, field, max_pixels)
+
+
 def jpeg_scans(data: bytes) -> int:
     """Start-of-scan (SOS, FF DA) markers in a JPEG stream, without decoding it.
 

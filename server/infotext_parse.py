@@ -26,7 +26,8 @@ from typing import Any
 from PIL import Image
 
 from engines.errors import InvalidRequestError
-from server.images_in import decode, from_base64_bytes
+from server import png_text
+from server.images_in import from_base64_bytes, open_header
 
 KEY = re.compile(r"(?<![\w \-/])[ \-/]*+(\w[\w \-/]++):")
 """A key: the first word character of a run of key characters, up to the colon that ends the run."""
@@ -144,7 +145,11 @@ def png_info_body(image_text: str, max_pixels: int) -> bytes:
     """The JSON reply of POST /sdapi/v1/png-info for A1111's base64 ``image`` (run in a worker thread): its
     infotext, other text items and parsed parameters, within this module's bounds (else a 422 naming ``image``)."""
     data = from_base64_bytes(image_text.strip(), "image")
-    image = decode(data, "image", max_pixels)  # server/png_text.py's bounds first, then the upload limits
+    # server/png_text.py's bounds first, then the upload limits; no pixel is decoded: the text is all png-info
+    # needs (a PNG's text chunks after its image data are read from the chunks, where Pillow would decode first)
+    image = open_header(data, "image", max_pixels)
+    if image.format == "PNG":
+        image.info.update(png_text.texts(data))
     text, items = read_infotext(image)
     chars = _text_chars(text, items)
     if chars > MAX_TEXT_CHARS:

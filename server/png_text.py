@@ -64,6 +64,38 @@ def text_size(kind: bytes, payload: bytes, limit: int) -> int:
     return len(rest)
 
 
+def texts(data: bytes) -> dict[str, str]:
+    """Each text chunk's keyword -> text, read from the chunks without decoding a pixel (Pillow reads text chunks
+    after the image data only when it decodes the pixels): tEXt and zTXt in Latin-1, iTXt in UTF-8, compressed
+    ones inflated within ``MAX_CHUNK_TEXT``. Call ``check`` first (it bounds the count and the text in all); a
+    chunk that does not parse is skipped, as Pillow skips it. The last chunk of a keyword wins, as in Pillow."""
+    found: dict[str, str] = {}
+    if not data.startswith(SIGNATURE):
+        return found
+    for kind, payload in chunks(data):
+        if kind not in TEXT_KINDS:
+            continue
+        key, _, rest = payload.partition(b"\x00")
+        try:
+            if kind == b"tEXt":
+                text = rest.decode("latin-1")
+            elif kind == b"zTXt":
+                text = _inflate(rest[1:]).decode("latin-1")
+            else:
+                compressed, body = rest[:1] == b"\x01", rest[2:].split(b"\x00", 2)
+                raw = body[2] if len(body) == 3 else b""
+                text = (_inflate(raw) if compressed else raw).decode("utf-8")
+        except (zlib.error, UnicodeDecodeError):
+            continue
+        found[key.decode("latin-1")] = text
+    return found
+
+
+def _inflate(payload: bytes) -> bytes:
+    inflate = zlib.decompressobj()
+    return inflate.decompress(payload, MAX_CHUNK_TEXT)
+
+
 def check(data: bytes, field: str) -> None:
     """Refuse (InvalidRequestError naming ``field``) a PNG whose chunks or text go past this module's bounds;
     anything that is not a PNG passes untouched."""

@@ -297,3 +297,33 @@ def test_the_cap_never_closes_a_connection_younger_than_the_grace_without_its_he
     in_slot.waiting[probe] = 0.0  # type: ignore[index]
     in_slot.probes[probe] = None  # type: ignore[index]
     assert in_slot.evictable(100.0) is None
+
+
+def _png_text_after_pixels(value: str, corrupt_pixels: bool) -> bytes:
+    """A 4096x4096 PNG with its ``parameters`` text after the image data (where Pillow reads it only by decoding
+    every pixel); ``corrupt_pixels``: its IDAT stream cut to a few bytes, so no decode could succeed."""
+    buffer = io.BytesIO()
+    Image.new("L", (4096, 4096)).save(buffer, "PNG")
+    data = buffer.getvalue()
+    chunks = list(png_text.chunks(data))
+    if corrupt_pixels:
+        chunks = [(k, p[:16] if k == b"IDAT" else p) for k, p in chunks]
+    chunks.insert(len(chunks) - 1, text("parameters", value))
+    return png_text.SIGNATURE + b"".join(struct.pack(">I", len(p)) + k + p + struct.pack(">I", zlib.crc32(k + p))
+                                         for k, p in chunks)
+
+
+def test_png_info_reads_the_text_without_decoding_a_pixel(client: TestClient) -> None:
+    """Issue 57: png-info decoded every pixel to read the text, in the decoder slots img2img uses (8 clients posting
+    a 4096x4096 PNG denied everyone's uploads). The text is read from the chunks: it answers even when the pixel
+    data is corrupt (a decode would be a 422), and a text after the image data is found as A1111 finds it."""
+    infotext = "a lighthouse\nSteps: 20, Sampler: Euler, CFG scale: 7, Seed: 1, Size: 512x512"
+    for corrupt in (False, True):
+        data = _png_text_after_pixels(infotext, corrupt)
+        answer = client.post(PNG_INFO, json={"image": _b64(data)})
+        assert answer.status_code == 200, answer.text[:300]
+        assert answer.json()["info"] == infotext and answer.json()["parameters"]["Seed"] == "1"
+    with pytest.raises(InvalidRequestError, match="truncated or corrupt"):
+        images_in.decode(_png_text_after_pixels(infotext, True), "image", 1 << 25)
+    assert png_text.texts(_png(ztxt("z", b"zipped"), itxt("i", "\u00e9t\u00e9", compressed=True), text("t", "x"))) \
+        == {"z": "zipped", "i": "\u00e9t\u00e9", "t": "x"}
