@@ -139,7 +139,26 @@ def resolve(wanted: Iterable[Wanted], library: Mapping[str, LoraInfo], max_count
         if found.problem:
             raise InvalidRequestError(f"{w.field}: LoRA {w.name!r} is refused: {found.problem}", param=w.field)
         uses.append(LoraUse(found.name, found.sha256, w.te, w.unet))
-    return tuple(sorted(uses, key=lambda u: (u.sha256, u.te, u.unet)))
+    return tuple(sorted(_once_each(uses, items, max_multiplier), key=lambda u: (u.sha256, u.te, u.unet)))
+
+
+def _once_each(uses: list[LoraUse], items: list[Wanted], max_multiplier: float) -> list[LoraUse]:
+    """One use per file: a file named more than once (two tags, or a tag and an alias) is applied once with the
+    sum of its multipliers, which is what adding its delta once per tag comes to; the sum is held to the same
+    bound as one multiplier (eight tags at 10 would otherwise be an 80x delta)."""
+    merged: dict[str, LoraUse] = {}
+    for use, w in zip(uses, items, strict=True):
+        seen = merged.get(use.sha256)
+        if seen is None:
+            merged[use.sha256] = use
+            continue
+        te, unet = seen.te + use.te, seen.unet + use.unet
+        if max(abs(te), abs(unet)) > max_multiplier:
+            raise InvalidRequestError(f"{w.field}: LoRA {w.name!r} is named more than once and its multipliers "
+                                      f"add up to {max(te, unet, key=abs):g}, outside [-{max_multiplier:g}, "
+                                      f"{max_multiplier:g}] ([runtime.lora] max_multiplier)", param=w.field)
+        merged[use.sha256] = LoraUse(seen.name, seen.sha256, te, unet)
+    return list(merged.values())
 
 
 def lookup(name: str, field: str, library: Mapping[str, LoraInfo]) -> LoraInfo:

@@ -120,3 +120,19 @@ def test_parsing_stops_at_the_most_tags_any_profile_takes() -> None:
     with pytest.raises(InvalidRequestError, match="more than 64 LoRA tags") as caught:
         parse_prompt("<lora:a:1>" * 65)
     assert caught.value.param == "prompt"
+
+
+def test_a_file_named_twice_is_applied_once_with_the_sum_held_to_the_bound() -> None:
+    """Issue 57: eight copies of one tag at weight 10 were accepted, an 80x delta. A file named more than once (by
+    its name or its alias) becomes one use with the summed multipliers (adding its delta once per tag comes to the
+    same), and the sum is bounded like one multiplier."""
+    from server.lora_prompt import resolve
+
+    library = {i.name: i for i in (_info("ink", "inky", sha="b"), _info("grain", sha="c"))}
+    _, wanted = parse_prompt("a <lora:ink:0.5> b <lora:inky:0.25> <lora:grain:1>")
+    uses = resolve(wanted, library, 8, 10.0)
+    assert sorted((u.name, u.te, u.unet) for u in uses) == [("grain", 1.0, 1.0), ("ink", 0.75, 0.75)]
+    _, wanted = parse_prompt("<lora:ink:10>" * 8)
+    with pytest.raises(InvalidRequestError, match=r"named more than once and its multipliers add up to 20") as over:
+        resolve(wanted, library, 8, 10.0)
+    assert over.value.param == "prompt"
