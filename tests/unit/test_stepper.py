@@ -479,3 +479,36 @@ def test_the_cost_model_learns_a_sizes_step_cost_from_each_tick_before_the_reque
     assert calls == [("step", 128, 128, 2)] * 3 + [("done", 128, 128, 2)], calls
     priced = batcher.cost.estimate(Cost(128, 128, 10, 1))
     assert priced is not None and priced.basis == "measured at 128x128"
+
+
+def test_no_more_images_than_max_running_are_resident_at_once(engine: StepFakeEngine) -> None:
+    """[queue] max_running bounds the images denoising at once (their state on the device). max_running 2,
+    max_batch 1, ticks let through one at a time: a long request runs, a 6-step one begins beside it (it ranks
+    first by least work), then a 2-step one arrives and ranks before both; it may begin only once a row has left,
+    so at most 2 are resident. Counted from the engine's begin/finish order."""
+    dev = load_settings("dev")
+    settings = dev.model_copy(update={"queue": dev.queue.model_copy(update={"max_running": 2, "max_batch": 1})})
+    for client in start(engine, settings):
+        gate = engine.gate = threading.Semaphore(0)
+        results: list[Any] = []
+        workers = [_post(client, {"prompt": "long", "steps": 12}, results)]
+        _begun(engine, 1)
+        assert engine.in_tick.wait(20)
+        workers.append(_post(client, {"prompt": "six", "steps": 6}, results))
+        _queued(client, 2)
+        engine.in_tick.clear()
+        gate.release()  # long's first tick ends; "six" begins and its first tick waits at the gate
+        _begun(engine, 2)
+        assert engine.in_tick.wait(20)
+        workers.append(_post(client, {"prompt": "two", "steps": 2}, results))
+        _queued(client, 3)
+        engine.gate = None
+        gate.release(100)
+        for worker in workers:
+            worker.join(30)
+        assert [r.status_code for r in results] == [200] * 3
+        resident, most = 0, 0
+        for kind, _ in engine.ops:
+            resident += {"begin": 1, "finish": -1}.get(kind, 0)
+            most = max(most, resident)
+        assert most == 2 and ("begin", "two") in engine.ops, engine.ops
