@@ -103,8 +103,8 @@ def klein(dit_build: Builder, tmp_path_factory: pytest.TempPathFactory) -> Itera
         engine.close()
 
 
-def _batch(uses: tuple[LoraUse, ...] = ()) -> Batch:
-    return Batch(tuple(ImageSpec(p, "", seed=s, guidance_scale=GUIDANCE) for p, s in zip(PROMPTS, SEEDS,
+def _batch(uses: tuple[LoraUse, ...] = (), guidance: float = GUIDANCE) -> Batch:
+    return Batch(tuple(ImageSpec(p, "", seed=s, guidance_scale=guidance) for p, s in zip(PROMPTS, SEEDS,
                                                                                           strict=True)),
                  SIZE, SIZE, STEPS, loras=uses)
 
@@ -119,7 +119,7 @@ def _use(engine: OrtEngine, name: str, multiplier: float) -> LoraUse:
     return LoraUse(name, found.sha256, multiplier, multiplier)
 
 
-def _diffusers_images(diffusers_dir: Path, lora: Path, multiplier: float) -> np.ndarray:
+def _diffusers_images(diffusers_dir: Path, lora: Path, multiplier: float, guidance: float = GUIDANCE) -> np.ndarray:
     import diffusers
 
     pipe = diffusers.Flux2KleinPipeline.from_pretrained(diffusers_dir)
@@ -129,7 +129,7 @@ def _diffusers_images(diffusers_dir: Path, lora: Path, multiplier: float) -> np.
     noise = np.stack([image_rng(s).standard_normal((128, SIZE // 16, SIZE // 16), dtype=np.float32)
                       for s in SEEDS])
     with torch.no_grad():
-        images = pipe(prompt=PROMPTS, guidance_scale=GUIDANCE, height=SIZE, width=SIZE, num_inference_steps=STEPS,
+        images = pipe(prompt=PROMPTS, guidance_scale=guidance, height=SIZE, width=SIZE, num_inference_steps=STEPS,
                       latents=torch.from_numpy(noise), output_type="np").images
     return np.asarray((images * 255).round().astype(np.uint8))
 
@@ -202,3 +202,29 @@ def test_a_file_with_text_encoder_keys_is_refused_by_name(klein: dict[str, Any])
         for path in paths:
             path.unlink()
         engine.refresh_loras()
+
+
+def test_the_base_model_with_cfg_matches_diffusers(dit_build: Builder, tmp_path: Path) -> None:
+    """flux2-klein-base (CFG with diffusers' empty negative prompt: the transformer runs on both halves with the
+    merged weights) with a kohya file made from its own transformer."""
+    import diffusers
+
+    onnx_dir, diffusers_dir = dit_build("flux2-klein-base")
+    transformer = diffusers.Flux2Transformer2DModel.from_pretrained(diffusers_dir / "transformer")
+    factors = lf.lora_factors(transformer, lf.FLUX2_TARGETS, 4, seed=6, scale=2.0)
+    path = lf.renamed_file(tmp_path / "base_kohya.safetensors", _bfl(factors, transformer.config.num_layers,
+                                                                      transformer.config.num_single_layers, False),
+                           "lora_unet_", flat=True, kohya_suffixes=True, alpha=ALPHA)
+    engine = OrtEngine(onnx_dir, RuntimeSettings(providers=("CPUExecutionProvider",), allow_cpu=True,
+                                                 lora=LoraSettings(dir=str(tmp_path))))
+    engine.load()
+    try:
+        assert engine.info.family == "flux2-klein-base"
+        base = _images(engine, _batch(guidance=4.0))
+        result = engine.generate(_batch((_use(engine, "base_kohya", 1.2),), guidance=4.0))
+    finally:
+        engine.close()
+    mine = np.stack([np.asarray(i.image) for i in result.images])
+    assert result.adapted == ("transformer",)
+    _compare(mine, _diffusers_images(diffusers_dir, path, 1.2, guidance=4.0), "flux2-klein-base kohya x1.2 cfg 4")
+    assert _changed(mine, base) > 0.05
