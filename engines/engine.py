@@ -204,8 +204,11 @@ class OrtEngine:
         size = f"{batch.width}x{batch.height}"
         found = self._pipelines.get(size) or self._pipelines.get(ANY)
         if found is None:
-            raise InvalidRequestError(f"size {size} has no prebuilt TensorRT engine on this server; served sizes: "
-                                      f"{', '.join(self._pipelines)}", param="size")
+            plugin = self.settings.plugin
+            provider: str = plugin.name if plugin is not None else next(iter(self.settings.providers), "its provider")
+            raise InvalidRequestError(f"size {size} has no prebuilt engine artifact (EP-context model) for "
+                                      f"{provider} on this server; served sizes: {', '.join(self._pipelines)}",
+                                      param="size")
         return found
 
     @property

@@ -30,7 +30,8 @@ def test_each_size_runs_on_its_own_engine() -> None:
     engine = _engine({"512x512": small, "768x512": large})
     assert engine._pipeline_for(_batch(512, 512)) is small
     assert engine._pipeline_for(_batch(768, 512)) is large
-    with pytest.raises(InvalidRequestError, match="size 640x640 has no prebuilt TensorRT engine.*512x512, 768x512"):
+    with pytest.raises(InvalidRequestError, match="size 640x640 has no prebuilt engine artifact "
+                       r"\(EP-context model\) for CPUExecutionProvider on this server.*512x512, 768x512"):
         engine._pipeline_for(_batch(640, 640))
 
 
