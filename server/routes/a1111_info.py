@@ -203,7 +203,8 @@ async def skip(request: Request, response: Response) -> InterruptResponse:
 async def schedulers(request: Request) -> list[dict[str, Any]]:
     """The schedule types sdserve serves on the loaded model (A1111's modules/sd_schedulers.py shape): Automatic
     (the sampler's own), Uniform, Karras, Exponential, SGM Uniform on the UNet families; Automatic only where the
-    family has one schedule (FLUX.1, SD 3.x)."""
+    family has one schedule (the flow-matching families: FLUX.1, FLUX.2, SD 3.x, Qwen-Image, Z-Image), as the model's
+    ModelInfo.schedulers says."""
     served = served_schedules(request.app.state.engine.info.schedulers)
     return [{"name": aliases[0], "label": label, "aliases": list(aliases[1:]) or None,
              "default_rho": 7.0 if label == "Karras" else -1.0, "need_inner_model": False}
