@@ -73,12 +73,16 @@ PROOFS: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {
     ),
     ("z-image", "dev"): (
         ("tests/e2e/test_zimage_serving.py::test_through_the_openai_sdk", "served through the openai SDK"),
+        ("tests/integration/test_zimage_lora.py::test_transformer_lora_images_match_diffusers",
+         "LoRA (transformer) matches diffusers; text-encoder LoRA refused by name"),
         ("tests/e2e/test_zimage_serving.py::test_the_a1111_route_uses_the_negative_prompt_and_repeats_a_seed",
          "CFG with negative prompts on the A1111 route (parity: the Turbo row, the same architecture)"),
     ),
     ("flux2-klein", "dev"): (
         ("tests/integration/test_flux2_parity.py::test_images_match_diffusers", "txt2img parity with diffusers"),
         ("tests/e2e/test_flux2_serving.py::test_through_the_openai_sdk", "served through the openai SDK"),
+        ("tests/integration/test_flux2_lora.py::test_transformer_lora_images_match_diffusers",
+         "LoRA (transformer) matches diffusers; text-encoder LoRA refused by name"),
     ),
     ("flux2-klein-base", "dev"): (
         ("tests/integration/test_flux2_parity.py::test_images_match_diffusers",
