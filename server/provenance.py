@@ -165,12 +165,35 @@ def _algorithm(key: Any) -> str:
 
 
 def manifest_definition(generation: dict[str, Any], version: str) -> dict[str, Any]:
-    """The C2PA manifest: created by a trained model (IPTC trainedAlgorithmicMedia), with sdserve's facts."""
+    """The C2PA manifest: created by a trained model (IPTC trainedAlgorithmicMedia), with sdserve's facts. An edit
+    (``generation["ingredients"]``, server/provenance_stage.py ingredient) records each input image as a C2PA
+    ingredient (ingredient.v3: its title, format, relationship and ``instance_id`` ``sha256:<hex>`` of the bytes
+    as sent): the actions are then ``c2pa.opened`` of the ``parentOf`` ingredient (the image edited), ``c2pa.edited``
+    by the model and ``c2pa.placed`` of the ``componentOf`` ones (an instruction edit's other reference images);
+    ``inputTo`` ingredients (the mask) are recorded without an action."""
     agent = {"name": "sdserve", "version": version}
-    return {"claim_generator_info": [agent], "title": "generated image",
-            "assertions": [{"label": "c2pa.actions.v2", "data": {"actions": [
-                {"action": "c2pa.created", "digitalSourceType": DIGITAL_SOURCE_TYPE, "softwareAgent": agent}]}},
-                {"label": GENERATION_LABEL, "data": generation}]}
+    inputs: list[dict[str, Any]] = generation.get("ingredients") or []
+    if not inputs:
+        actions = [{"action": "c2pa.created", "digitalSourceType": DIGITAL_SOURCE_TYPE, "softwareAgent": agent}]
+    else:
+        labels = [f"ingredient{i}" for i in range(len(inputs))]
+        by: dict[str, list[str]] = {}
+        for label, item in zip(labels, inputs, strict=True):
+            by.setdefault(item["relationship"], []).append(label)
+        actions = [*([{"action": "c2pa.opened", "parameters": {"ingredientIds": by["parentOf"]}}]
+                     if "parentOf" in by else []),
+                   {"action": "c2pa.edited", "digitalSourceType": DIGITAL_SOURCE_TYPE, "softwareAgent": agent},
+                   *([{"action": "c2pa.placed", "parameters": {"ingredientIds": by["componentOf"]}}]
+                     if "componentOf" in by else [])]
+    definition: dict[str, Any] = {
+        "claim_generator_info": [agent], "title": "edited image" if inputs else "generated image",
+        "assertions": [{"label": "c2pa.actions.v2", "data": {"actions": actions}},
+                       {"label": GENERATION_LABEL, "data": generation}]}
+    if inputs:  # described, not parsed: the upload's bytes never reach the C2PA library's readers
+        definition["ingredients"] = [{"title": item["title"], "format": item["format"],
+                                      "relationship": item["relationship"], "instance_id": f"sha256:{item['sha256']}",
+                                      "label": label} for label, item in zip(labels, inputs, strict=True)]
+    return definition
 
 
 def sign_bytes(credential: Credential, data: bytes, kind: str, generation: dict[str, Any],

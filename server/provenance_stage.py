@@ -13,6 +13,7 @@ marked image and the manifest records each image's payload (or why it has none).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 from functools import cache
 from pathlib import Path
@@ -26,7 +27,7 @@ from engines.types.request import Batch, ImageSpec
 from engines.types.snapshot import Capabilities
 from server import headers
 from server.errors import request_id_of
-from server.provenance import HEADER, WATERMARK_HEADER, Provenance, digest_of
+from server.provenance import HEADER, WATERMARK_HEADER, Provenance, digest_of, media_type
 from server.service import Generated
 from server.watermark import Marked
 
@@ -64,6 +65,25 @@ def _versions(caps: Capabilities) -> dict[str, str | None]:
             "cuda_driver": obs.nvml.cuda_driver_version or None, "driver": obs.nvml.driver_version or None,
             "cudnn": obs.cudnn.version, "tensorrt": obs.tensorrt.version,
             **({"plugin": f"{obs.plugin.package} {obs.plugin.package_version}"} if obs.plugin else {})}
+
+
+def ingredient(data: bytes, title: str, relationship: str) -> dict[str, Any]:
+    """One input image as a C2PA ingredient (server/provenance.py manifest_definition): ``title`` (the request's
+    field: ``image``, ``image.1``, ``init_images.0``, ``mask``), its format as its bytes say, the SHA-256 of the
+    bytes as sent, and its ``relationship``: ``parentOf`` the image edited (img2img's and inpainting's init image,
+    an instruction edit's first image), ``componentOf`` an instruction edit's other reference images, ``inputTo``
+    the mask (C2PA 2.x: an input to the model that made the asset)."""
+    kind = media_type(data) or ("image/gif" if data[:4] == b"GIF8" else "image/bmp" if data[:2] == b"BM"
+                                else "application/octet-stream")
+    return {"title": title, "format": kind, "relationship": relationship,
+            "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def record_inputs(request: Request, per_image: list[list[dict[str, Any]]]) -> None:
+    """An edit route's input images, recorded for the provenance stage: image ``i`` of each batch takes the
+    ingredients ``per_image[i % len(per_image)]`` (A1111's init_images cycle over the batch; one list for every
+    image of an OpenAI edit or an instruction edit)."""
+    request.state.provenance_inputs = per_image
 
 
 def server_facts(request: Request) -> dict[str, Any]:
@@ -130,6 +150,10 @@ async def sign_images(request: Request, response: Response, runs: list[tuple[Bat
         shared = server_facts(request)
         include = provenance.settings.include_prompt
         facts = [{**shared, **image_facts(batch, out, i, include)} for batch, out, i in items]
+        inputs: list[list[dict[str, Any]]] = getattr(request.state, "provenance_inputs", None) or []
+        if inputs:  # the edit's input images, as C2PA ingredients (and in sdserve's assertion)
+            for n, (_, _, i) in enumerate(items):
+                facts[n]["ingredients"] = inputs[i % len(inputs)]
         for n, mark in enumerate(marks):
             facts[n]["watermark"] = mark.record(n)
         stamped = await run_in_threadpool(provenance.stamp, final, facts, sdserve_version())

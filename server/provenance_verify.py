@@ -43,11 +43,14 @@ class Verification:
     generator: list[dict[str, Any]] = field(default_factory=list)
     watermark: dict[str, Any] | None = None
     """What the pixels' watermark says (``read_watermark``); None when the image could not be decoded."""
+    ingredients: list[dict[str, Any]] = field(default_factory=list)
+    """An edit's input images as the manifest's C2PA ingredients: title, format, relationship (parentOf,
+    componentOf, inputTo) and the SHA-256 of the bytes sent (from the ingredient's ``sha256:`` instance id)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"verdict": self.verdict, "problems": self.problems, "media_type": self.media_type,
                 "signer": self.signer, "claim_generator": self.generator, "actions": self.actions,
-                "generation": self.generation, "watermark": self.watermark}
+                "ingredients": self.ingredients, "generation": self.generation, "watermark": self.watermark}
 
 
 def _explain(code: str, explanation: str = "") -> str:
@@ -128,7 +131,8 @@ def _verdict(store: dict[str, Any], kind: str, trust_given: bool) -> Verificatio
     assertions = {a.get("label"): a.get("data") for a in active.get("assertions", [])}
     actions = (assertions.get("c2pa.actions.v2") or assertions.get("c2pa.actions") or {}).get("actions", [])
     result = Verification("invalid", [], kind, active.get("signature_info", {}), actions,
-                          assertions.get(GENERATION_LABEL), active.get("claim_generator_info", []))
+                          assertions.get(GENERATION_LABEL), active.get("claim_generator_info", []),
+                          ingredients=[_ingredient(i) for i in active.get("ingredients", [])])
     statuses = store.get("validation_status") or []
     state = store.get("validation_state", "")
     untrusted = [s for s in statuses if s.get("code") == "signingCredential.untrusted"]
@@ -143,3 +147,10 @@ def _verdict(store: dict[str, Any], kind: str, trust_given: bool) -> Verificatio
         result.problems = [_explain(str(s.get("code")), str(s.get("explanation", ""))) for s in failures] or \
             [f"validation state {state or 'unknown'}"]
     return result
+
+
+def _ingredient(item: dict[str, Any]) -> dict[str, Any]:
+    """One ingredient as verify shows it (the hash read back from sdserve's ``sha256:<hex>`` instance id)."""
+    instance = str(item.get("instance_id", ""))
+    return {"title": item.get("title"), "format": item.get("format"), "relationship": item.get("relationship"),
+            "sha256": instance.removeprefix("sha256:") if instance.startswith("sha256:") else None}
