@@ -14,9 +14,13 @@ A reply the client does not take (a slow reader: a tiny receive window, pipeline
 bounded too: when the connection stops taking bytes (the buffer over its high-water mark), or its response ends
 with bytes still buffered, and the client has not taken them down (to the low-water mark, or all of them) within
 ``server.write_timeout_s``, the connection is reset and its buffer dropped (``transport.close()`` would wait for
-the buffer to drain, holding the slot); such connections are evictable after idle ones. ``server.probe_slots``
-connections beyond the cap take only probes (GET/HEAD /health or /ready, decided on the request line's first
-bytes), one request each, so no client behaviour can take the probes' way in. Accepted sockets get TCP_NODELAY."""
+the buffer to drain, holding the slot); such connections are evictable after idle ones. The bytes such replies hold
+are bounded across connections too (``server.max_unread_reply_mb``): past it, the connections holding unread bytes
+longest are reset first, so clients that never read cannot pin memory by numbers before their timeout (64 of them
+on one amplified png-info reply each held 470 MB for 30 s: issue 57); probes hold nothing unread and are never cut.
+``server.probe_slots`` connections beyond the cap take only probes (GET/HEAD /health or /ready, decided on the
+request line's first bytes), one request each, so no client behaviour can take the probes' way in. Accepted sockets
+get TCP_NODELAY."""
 
 from __future__ import annotations
 
@@ -62,6 +66,23 @@ class Bounds:
     """Connections whose request head arrived but whose body is still coming, oldest first (evicted last)."""
     probes: dict[BoundedH11Protocol, None] = field(default_factory=dict)
     """Connections in a probe slot (beyond the cap), oldest first."""
+    max_unread_bytes: int = 1 << 62
+    """Reply bytes all connections together may hold that their clients have not taken (server.max_unread_reply_mb)."""
+    unread: dict[BoundedH11Protocol, None] = field(default_factory=dict)
+    """Connections holding reply bytes their client has not taken (stalled, or a response ended with bytes still
+    buffered), oldest first."""
+
+    def hold(self, conn: BoundedH11Protocol) -> None:
+        """``conn`` holds unread reply bytes: while all such connections hold more than ``max_unread_bytes``, the
+        one holding them longest is reset (its buffer dropped)."""
+        self.unread.setdefault(conn, None)
+        total = sum(c.transport.get_write_buffer_size() for c in self.unread)
+        while total > self.max_unread_bytes and self.unread:
+            oldest = next(iter(self.unread))
+            total -= oldest.transport.get_write_buffer_size()
+            conn_log.warning("replies held unread by clients exceed %d bytes (server.max_unread_reply_mb): cutting "
+                             "off the connection holding one longest", self.max_unread_bytes)
+            oldest.expire()
 
     def evictable(self, now: float) -> BoundedH11Protocol | None:
         """The connection an over-cap one may close: the oldest that has waited ``HEAD_GRACE_S`` (at loop time
@@ -157,7 +178,8 @@ class BoundedH11Protocol(H11Protocol):
             self.transport.close()
 
     def forget(self) -> None:
-        for table in (self.bounds.waiting, self.bounds.stalled, self.bounds.reading, self.bounds.probes):
+        for table in (self.bounds.waiting, self.bounds.stalled, self.bounds.reading, self.bounds.probes,
+                      self.bounds.unread):
             table.pop(self, None)
 
     def data_received(self, data: bytes) -> None:
@@ -195,8 +217,10 @@ class BoundedH11Protocol(H11Protocol):
         super().on_response_complete()  # may start a pipelined request
         if self.transport.get_write_buffer_size():  # the client has not taken all of it yet
             self.arm_write_deadline()
+            self.bounds.hold(self)
         else:
             self.disarm_write_deadline()
+            self.bounds.unread.pop(self, None)
         self.track_body()
         if self.cycle is not self.seen_cycle:
             self.head_arrived()
@@ -208,12 +232,14 @@ class BoundedH11Protocol(H11Protocol):
         super().pause_writing()
         self.bounds.stalled[self] = None
         self.arm_write_deadline()
+        self.bounds.hold(self)
 
     def resume_writing(self) -> None:
         """The client took the buffer down to the low-water mark (48 KiB or more since the pause): the stall is
         over. A byte now and then does not end it, so a client that barely reads is still cut off."""
         super().resume_writing()
         self.bounds.stalled.pop(self, None)
+        self.bounds.unread.pop(self, None)
         self.disarm_write_deadline()
 
     def arm_write_deadline(self) -> None:

@@ -189,7 +189,8 @@ class Launcher:
         s = self.settings.server
         sock = bind(s.host, s.port)
         cap, backlog = fd_budget(s.max_connections)
-        bounds = Bounds(cap, s.header_timeout_s, s.write_timeout_s, s.probe_slots)
+        bounds = Bounds(cap, s.header_timeout_s, s.write_timeout_s, s.probe_slots,
+                        max_unread_bytes=s.max_unread_reply_mb << 20)
         # log_config=None: uvicorn's lines go through our handler (text or JSON), not its own formatter; the
         # access log is ours (server/middleware.py GuardMiddleware), one line per request.
         config = BoundedConfig(app, bounds, host=s.host, port=s.port, log_level="warning", access_log=False,

@@ -46,6 +46,9 @@ class ServerSettings(BaseModel):
     """Seconds a reply may stay unread in the server's buffer once the client stops taking it (or after the
     response ends); then the connection is cut off and the buffer dropped. A connection whose reply is stuck can
     be evicted by the connection cap like an idle one."""
+    max_unread_reply_mb: int = Field(256, ge=1, le=1 << 20)
+    """MiB of reply bytes all connections together may hold that their clients have not taken (stalled readers);
+    past it the connections holding them longest are cut off, before ``write_timeout_s``."""
     probe_slots: int = Field(16, ge=1, le=1024)
     """Connections accepted beyond ``max_connections`` when every connection is busy, for probes only: one
     ``GET``/``HEAD`` of /health or /ready each, answered and closed; anything else on them is a 503."""

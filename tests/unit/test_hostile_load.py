@@ -132,6 +132,39 @@ def test_probe_slots_sit_beyond_the_cap_and_the_oldest_probe_without_a_head_give
     assert _bounds().probe_slot()
 
 
+class Holding(Conn):
+    """A connection whose transport holds ``held`` reply bytes its client has not taken; an expiry drops them."""
+
+    def __init__(self, held: int, bounds: Bounds) -> None:
+        super().__init__()
+        self.held, self.bounds = held, bounds
+        self.transport = self
+
+    def get_write_buffer_size(self) -> int:
+        return self.held
+
+    def expire(self) -> None:
+        super().expire()
+        self.held = 0
+        self.bounds.unread.pop(self, None)  # type: ignore[call-overload]
+
+
+def test_unread_reply_bytes_are_bounded_across_connections_oldest_holder_cut_first() -> None:
+    """Issue 57: 64 clients that never read an 8 MB png-info reply each pinned 470 MB until their write timeout.
+    With a budget, a connection that starts holding unread bytes past it cuts off the ones holding longest, until
+    the rest fit; a connection whose bytes fit is never cut."""
+    bounds = Bounds(100, 1.0, 3600.0, max_unread_bytes=10 << 20)
+    conns = [Holding(4 << 20, bounds) for _ in range(4)]
+    for conn in conns[:2]:
+        bounds.hold(conn)  # type: ignore[arg-type]
+    assert not any(c.expired for c in conns)  # 8 MiB: within the budget
+    bounds.hold(conns[2])  # type: ignore[arg-type]  # 12 MiB: the oldest holder goes
+    assert [c.expired for c in conns] == [True, False, False, False]
+    bounds.hold(conns[3])  # type: ignore[arg-type]
+    assert [c.expired for c in conns] == [True, True, False, False]
+    assert sum(c.held for c in conns) <= 10 << 20 and list(bounds.unread) == conns[2:]
+
+
 def test_the_request_pixel_budget_cannot_be_below_one_image() -> None:
     with pytest.raises(ValidationError, match="max_request_pixels 100000 is below max_image_pixels"):
         Limits(max_image_pixels=1 << 20, max_request_pixels=100_000)
