@@ -15,6 +15,11 @@ The hooks, in the order ``begin`` runs them:
 5. ``read_geometry``, ``patch_size`` and ``native_size`` read the folder's VAE and transformer configs (the latent
    grid, the token patch, the default size); the registry row's ``packed`` says whether latents go in as 2x2 tokens
    (unpacked again before the VAE).
+6. ``extra_tokens`` (instruction edits): per image, latent tokens the transformer sees beside the noisy ones (the
+   reference images' latents) with their position ids, before or after them (engines/pipelines/flow_extra.py
+   ``ExtraTokens``); run after ``encode`` and handed to ``position_feeds`` as ``DitConditioning.extra``. Every
+   evaluation joins them to the input on the token axis and drops their output; rows with other extra tokens never
+   share a call (``extra_key``).
 
 Sessions are built by the Runtime (providers under the policy) and run through IO binding. The text encoders run
 once per request with host outputs (the conditioning is assembled on the host and uploaded once); the denoising
@@ -38,7 +43,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +61,7 @@ from engines.pipelines.contract import Begun, PipelineOutput, check_common, imag
 from engines.pipelines.first_block import PARTS as FIRST_BLOCK_PARTS
 from engines.pipelines.first_block import FirstBlockRunner, FirstBlockState, decide_parts
 from engines.pipelines.flow_edits import DitEditor
+from engines.pipelines.flow_extra import ExtraJoin, ExtraState, ExtraTokens
 from engines.pipelines.flow_family import DitFamily, detect_dit
 from engines.pipelines.ort_model import Feed, OrtModel
 from engines.pipelines.unet_family import read_json
@@ -112,6 +118,8 @@ class DitConditioning:
     truncated: tuple[bool, ...]
     negative_truncated: tuple[bool, ...]
     mask: np.ndarray | None = None
+    extra: ExtraTokens | None = None
+    """The ``extra_tokens`` hook's tokens (their ids for ``position_feeds``), or None."""
 
 
 @dataclass
@@ -136,6 +144,8 @@ class DitDenoising:
     """The request's output-level step cache (engines/numerics/step_cache.py), or None: every evaluation runs."""
     first_block: FirstBlockState | None = None
     """The request's first-block cache state (engines/pipelines/first_block.py), or None."""
+    extra: ExtraState | None = None
+    """The request's extra tokens on the device (flow_extra.py), or None."""
 
 
 @dataclass(frozen=True)
@@ -195,6 +205,7 @@ class FlowPipeline:
         self.rows = RowPacker(runtime, self._make, kinds,
                               (out_dtype, len(self.transformer.session.get_outputs()[0].shape)))
         self.cache_probe = Probe.build(self._make, [in_dtype, out_dtype])
+        self.extra = ExtraJoin(self._make, runtime, in_dtype, out_dtype)
         self.first_block_parts = decide_parts(folder, self.family.name, self.FIRST_BLOCK, prebuilt_what(given))
         """Whether the parts load, and what a ``first-block`` request is told when they do not."""
         self.first_block = FirstBlockRunner(folder, runtime, label, given) if self.first_block_parts.load else None
@@ -279,6 +290,11 @@ class FlowPipeline:
     def coefficients(self, sigma: float, sigma_next: float, guidance: np.ndarray, cfg: bool) -> np.ndarray:
         """Hook: one step's coefficients for the step graph ``step_graphs`` gave."""
         return flow_coefficients(sigma, sigma_next, guidance, cfg)
+
+    def extra_tokens(self, batch: Batch) -> ExtraTokens | None:
+        """Hook: latent tokens each image's transformer calls take beside the noisy ones (instruction edits'
+        reference latents) with their ids; None: none."""
+        return None
 
     def uses_cfg(self, guidance: np.ndarray) -> bool:
         """Whether a batch runs classifier-free guidance (two rows per image)."""
@@ -372,6 +388,8 @@ class FlowPipeline:
         cfg = self.uses_cfg(guidance)
         # 1. Text: the architecture's encoders (negatives first under CFG).
         cond = self.encode(batch, length, cfg, adapters)
+        extra = self.extra_tokens(batch)
+        cond = replace(cond, extra=extra) if extra is not None else cond
         t1 = time.perf_counter()
         # 2. Initial noise per image from its seed, the request's schedule (an edit's strength skips the first
         #    steps) and the start latents: the noise (txt2img) or the encoded image noised to the first step.
@@ -388,11 +406,15 @@ class FlowPipeline:
         # 3. The denoising state on the device.
         feeds = self.transformer_feeds(cond, guidance, h, w, len(batch.images))
         state = self._start_denoise(start, model_in, feeds, guidance, schedule, cfg, adapters, (h, w))
+        state.extra = self.extra.upload(self.runtime, extra, 2 if cfg else 1) if extra is not None else None
         if batch.cache is not None and batch.steps >= CACHE_MIN_STEPS:
             if batch.cache.method == "output":
                 state.cache = OutputCache.start(batch.cache, state.evaluations, self.cache_probe, state.model_in,
                                                 state.model_out, self.runtime.buffer)
             elif self.first_block is not None:
+                if extra is not None:
+                    raise InvalidRequestError("the first-block step cache is not served with reference images",
+                                              param="cache")
                 if adapters is not None and adapters.of(self.transformer.component):
                     raise InvalidRequestError("the first-block step cache runs the transformer's parts with their "
                                               "base weights: not with a LoRA on the transformer", param="cache")
@@ -444,32 +466,38 @@ class FlowPipeline:
         for state in running:
             if state.first_block is not None and self.first_block is not None:
                 self.first_block.run(state)  # its first block, then the rest or the cached tail
-        if joined:
-            self._run_joined(joined)
+        groups: dict[Any, list[DitDenoising]] = {}
+        for state in joined:  # rows with other extra tokens (other rope tables) never share a call
+            groups.setdefault(state.extra.key if state.extra else None, []).append(state)
+        for group in groups.values():
+            self._run_joined(group)
         record(running)
 
     def _run_joined(self, states: Sequence[DitDenoising]) -> None:
-        first = states[0]
-        if len(states) == 1:
-            self.transformer.run({"hidden_states": first.model_in, "timestep": first.timesteps[first.next_eval],
-                                  **first.feeds}, {"out_hidden_states": first.model_out}, first.adapters)
-            return
-        join = self.rows.join
+        first, join, one = states[0], self.rows.join, len(states) == 1
         feeds: dict[str, Feed] = {
             "hidden_states": join("hidden_states", [s.model_in for s in states]),
             "timestep": join("timestep", [s.timesteps[s.next_eval] for s in states])}
         for name, value in first.feeds.items():
             values = [s.feeds[name] for s in states]
-            if not all(isinstance(v, ort.OrtValue) for v in values):
+            if not one and not all(isinstance(v, ort.OrtValue) for v in values):
                 raise InferenceError("rows joined into one transformer call must bind device inputs")
             feeds[name] = join(name, values) if name in ROW_INPUTS else value
         shape = (sum(s.model_out.shape()[0] for s in states), *first.model_out.shape()[1:])
-        out = self.runtime.buffer("dit_rows_out", shape, self.transformer.output_dtype())
-        self.transformer.run(feeds, {"out_hidden_states": out}, first.adapters)  # one LoRA set per step key
+        out = first.model_out if one else self.runtime.buffer("dit_rows_out", shape, self.transformer.output_dtype())
+        full = out
+        if first.extra is not None:  # the extra tokens joined on the token axis, their output dropped
+            extra = join("extra", [s.extra.tokens for s in states if s.extra is not None])
+            feeds["hidden_states"] = self.extra.join(feeds["hidden_states"], extra, first.extra.prepend)
+            full = self.extra.output(out, extra)
+        self.transformer.run(feeds, {"out_hidden_states": full}, first.adapters)  # one LoRA set per step key
+        if first.extra is not None:
+            self.extra.strip(full, out, first.extra.prepend)
         for state in states[1:]:
             if state.adapters is not None and first.adapters is not None:
                 state.adapters.adapted |= first.adapters.adapted
-        self.rows.split(out, [s.model_out for s in states])
+        if not one:
+            self.rows.split(out, [s.model_out for s in states])
 
     def advance(self, state: DitDenoising) -> bool:
         """The step graph writes the next latents and the next transformer input. Every evaluation is a step."""
