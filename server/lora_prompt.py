@@ -161,6 +161,15 @@ def _once_each(uses: list[LoraUse], items: list[Wanted], max_multiplier: float) 
     return list(merged.values())
 
 
+def by_name(files: Iterable[LoraInfo]) -> dict[str, LoraInfo]:
+    """The library by file name, as its scan decided: of two files with one name the first (listed usable) wins;
+    the second, listed refused ("another file has the same name"), never hides it."""
+    found: dict[str, LoraInfo] = {}
+    for file in files:
+        found.setdefault(file.name, file)
+    return found
+
+
 def lookup(name: str, field: str, library: Mapping[str, LoraInfo]) -> LoraInfo:
     """The library's file for ``name`` (NFC, as the library normalizes file names): by file name first, else by
     alias among usable files, as A1111 resolves them; InvalidRequestError naming ``field`` for an unknown name or

@@ -22,7 +22,7 @@ from starlette.responses import Response
 from engines.errors import InvalidRequestError, NotReadyError
 from engines.protocol import Engine
 from engines.types.request import Batch, BatchResult, LoraUse
-from server import headers
+from server import headers, lora_prompt
 from server.admission import Cost, CostModel, MemoryAsk, MemoryBudget, admit, admit_memory, memory_budget
 from server.batcher import Batcher
 from server.caching import Caching
@@ -143,7 +143,7 @@ class ImageService:
         """The request as the engine's batches (``req.batches`` of them: server/request_rules.py
         ``generation_batches``), each one's step cache decided by the policy and the gate (server/caching.py; a
         request asking where the cache cannot run is a 4xx naming step_cache)."""
-        batches = generation_batches(req, self.settings, self.engine.info, {f.name: f for f in self.engine.loras()})
+        batches = generation_batches(req, self.settings, self.engine.info, lora_prompt.by_name(self.engine.loras()))
         caches = [self.caching.spec_for(req.step_cache, b) for b in batches]
         return [dataclasses.replace(b, cache=c) if c is not None else b for b, c in zip(batches, caches, strict=True)]
 

@@ -136,3 +136,15 @@ def test_a_file_named_twice_is_applied_once_with_the_sum_held_to_the_bound() -> 
     with pytest.raises(InvalidRequestError, match=r"named more than once and its multipliers add up to 20") as over:
         resolve(wanted, library, 8, 10.0)
     assert over.value.param == "prompt"
+
+
+def test_of_two_files_with_one_name_the_first_listed_usable_is_the_one_used() -> None:
+    """Issue 57: the scan lists the first of two files named "x" usable and the second refused ("another file has
+    the same name"); building the request's library by name let the second overwrite the first, so "x" was a 400
+    while listed usable. The library by name keeps the first, as the scan decided."""
+    from server.lora_prompt import by_name
+
+    first = _info("x", sha="a")
+    second = _info("x", problem="another file has the same name (a/x.safetensors); rename one", sha="b")
+    library = by_name([first, second])
+    assert lookup("x", "prompt", library) is first and not library["x"].problem
