@@ -299,3 +299,26 @@ def test_a_merge_holds_its_factors_once_and_counts_them_in_the_budget(tiny_model
         assert caught.value.param == "loras"
     finally:
         engine.close()
+
+
+def test_a_rescan_reads_a_same_size_rewrite_again_even_with_its_mtime_put_back(
+        tmp_path: Path, model_targets: library.ModelTargets, factors: dict[str, np.ndarray]) -> None:
+    """Issue 57, two rules no test held: a file is judged unchanged by its whole fingerprint (device, inode, size,
+    mtime and ctime), never its size alone, and never without the ctime. A same-size rewrite is read again; so is
+    one whose mtime was put back with os.utime (only the ctime, which no user call can set, says it changed)."""
+    root = tmp_path / "loras"
+    root.mkdir()
+    path = root / "style.safetensors"
+    lf.write_safetensors(path, factors)
+    first = library.scan(root, model_targets, "sd1", LIMITS)
+    before = first.files["style"].sha256
+    other = {k: (v * 0.5).astype(v.dtype) for k, v in factors.items()}  # same shapes and dtypes: same size
+    stat = path.stat()
+    lf.write_safetensors(path, other)
+    assert path.stat().st_size == stat.st_size
+    second = library.scan(root, model_targets, "sd1", LIMITS, first.by_file)
+    assert second.read == 1 and second.files["style"].sha256 != before  # a same-size edit is a change
+    lf.write_safetensors(path, factors)
+    os.utime(path, ns=(path.stat().st_atime_ns, second.files["style"].fingerprint[3]))  # mtime put back
+    third = library.scan(root, model_targets, "sd1", LIMITS, second.by_file)
+    assert third.read == 1 and third.files["style"].sha256 == before  # the ctime told it
