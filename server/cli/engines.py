@@ -30,6 +30,9 @@ def register(sub: Any) -> None:
                       default=families.names()[0],
                       help="which family's structure to build in miniature (default sd1, the embedded model; "
                            "flux, flux-schnell, sd3, sd35: the flow-matching DiT families)")
+    tiny.add_argument("--controlnet", type=Path, default=None, metavar="DIR",
+                      help="sd1 only: also a tiny ControlNet exported to DIR and the UNet's residual variant "
+                           "(unet_controlnet/) in the model; --diffusers-out gets its weights in controlnet/")
     export = engines.add_parser("export", help="export a local diffusers SD 1.x/2.x/XL, Flux.1 or SD 3 folder to ONNX")
     export.add_argument("--from", dest="src", type=Path, required=True)
     export.add_argument("--out", type=Path, required=True)
@@ -37,6 +40,9 @@ def register(sub: Any) -> None:
                         help="Flux/SD 3 only: fp16 or bf16 networks (T5's fp32 keeps and Flux's fp16 clamps kept, "
                              "graph inputs/outputs fp32; docs/families.md); SD 1.x/2.x/XL: fp32, then "
                              "`engines optimize --fp16`")
+    export.add_argument("--controlnet", action="store_true",
+                        help="--from a diffusers ControlNet folder: export it alone; --from an SD 1.x/2.x folder: "
+                             "the model plus the UNet's residual variant (unet_controlnet/)")
     export.add_argument("--first-block", action="store_true",
                         help="Flux/SD 3 only: also the transformer in parts for the first-block step cache "
                              "(transformer_first/, transformer_rest/, transformer_skip/: the transformer's weights "
@@ -95,6 +101,19 @@ def run(args: argparse.Namespace) -> int:
         from engines.build.tiny import build_tiny
 
         out = build_tiny(args.out, args.bpe, args.diffusers_out, args.family)
+        if getattr(args, "controlnet", None) is not None:
+            from engines.build.controlnet import build_tiny_controlnet
+            from engines.errors import ConfigError
+
+            if args.family != "sd1":
+                raise ConfigError(f"--controlnet: a tiny ControlNet is built for sd1 only, not {args.family}")
+            build_tiny_controlnet(args.controlnet, out,
+                                  args.diffusers_out / "controlnet" if args.diffusers_out else None)
+    elif args.engines_cmd == "export" and getattr(args, "controlnet", False) \
+            and not (args.src / "model_index.json").is_file():
+        from engines.build.controlnet import export_controlnet_folder
+
+        out = export_controlnet_folder(args.src, args.out)
     elif args.engines_cmd == "export" and _dit_source(args.src):
         from engines.build.dit_export import export_dit_folder
 
@@ -106,6 +125,10 @@ def run(args: argparse.Namespace) -> int:
         check_diffusers_folder(args.src)
         _unet_dtype(getattr(args, "dtype", "fp32"))
         out = export_folder(args.src, args.out)
+        if getattr(args, "controlnet", False):
+            from engines.build.controlnet import export_controlled_unet_folder
+
+            export_controlled_unet_folder(args.src, out)
     elif args.engines_cmd == "optimize":
         from engines.build.optimize import optimize_folder
 

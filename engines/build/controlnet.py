@@ -1,0 +1,177 @@
+"""SD 1.x ControlNets: the tiny faithful one, the ONNX export of a diffusers ``ControlNetModel`` folder, and the
+UNet variant that takes the ControlNet residuals (issue 56).
+
+Build-time only: imports torch and diffusers. Layouts::
+
+    ControlNet folder:  model.onnx  config.json  manifest.json
+        inputs  sample [B,4,h,w], timestep [B], encoder_hidden_states [B,77,D], controlnet_cond [B,3,H,W] (pixels in
+                [0, 1], H = 8h), conditioning_scale [B] (one scale per row: rows of several requests can share a call)
+        outputs down_block_res_sample_<i> (one per UNet down-block residual: 12 on SD 1.5), mid_block_res_sample
+    model folder:       unet_controlnet/model.onnx (+ config.json), beside the plain unet/ (which stays as it was:
+                        a model without ControlNet runs no slower)
+        inputs  sample, timestep, encoder_hidden_states, down_block_additional_residual_<i>,
+                mid_block_additional_residual;  output out_sample
+
+The tiny ControlNet has the tiny SD 1.x UNet's widths (engines/build/tiny.py UNET). diffusers zero-initialises a
+ControlNet's output convolutions (``zero_module``): a tiny one built so would add nothing and prove nothing, so its
+zero convolutions get seeded random weights instead, as a trained ControlNet's are non-zero.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engines.artifacts import MANIFEST, read_manifest, write_model_manifest
+from engines.build.export import _export, _write_json, write_manifest
+from engines.build.tiny import SEED, UNET
+
+CONTROLNET = {key: UNET[key] for key in ("block_out_channels", "layers_per_block", "in_channels",
+                                         "down_block_types", "cross_attention_dim", "attention_head_dim",
+                                         "norm_num_groups")}
+CONTROLNET |= {"conditioning_embedding_out_channels": (8, 16, 32, 32)}
+"""The tiny UNet's widths; the conditioning embedding keeps four levels (a factor 8 from pixels to latents)."""
+ZERO_CONV_STD = 0.05
+"""Standard deviation of the tiny ControlNet's (otherwise zero) output convolutions."""
+
+
+def down_residuals(config: Any) -> int:
+    """How many down-block residuals a UNet or ControlNet of ``config`` gives: the input conv's, one per resnet
+    layer, one per downsampler (every block but the last): 12 on SD 1.5."""
+    blocks = len(config["block_out_channels"] if isinstance(config, dict) else config.block_out_channels)
+    layers = int(config["layers_per_block"] if isinstance(config, dict) else config.layers_per_block)
+    return 1 + blocks * layers + (blocks - 1)
+
+
+def make_tiny_controlnet(seed: int = SEED) -> Any:
+    """The tiny SD 1.x ControlNet, seeded, its zero convolutions given random weights."""
+    from diffusers import ControlNetModel
+
+    torch.manual_seed(seed + 7)  # not the UNet's weights again
+    net = ControlNetModel(**CONTROLNET).eval()
+    generator = torch.Generator().manual_seed(seed + 8)
+    with torch.no_grad():
+        for conv in [*net.controlnet_down_blocks, net.controlnet_mid_block]:
+            for param in conv.parameters():
+                param.copy_(torch.randn(param.shape, generator=generator) * ZERO_CONV_STD)
+    return net
+
+
+class _ControlNet(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, sample: torch.Tensor, timestep: torch.Tensor, hidden: torch.Tensor, cond: torch.Tensor,
+                scale: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        down, mid = self.model(sample, timestep, hidden, cond, conditioning_scale=1.0, return_dict=False)
+        rows = scale.reshape(-1, 1, 1, 1)  # diffusers multiplies every residual by the (scalar) scale
+        return (*[d * rows for d in down], mid * rows)
+
+
+class _ControlledUNet(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, sample: torch.Tensor, timestep: torch.Tensor, hidden: torch.Tensor,
+                *residuals: torch.Tensor) -> torch.Tensor:
+        return self.model(sample, timestep, hidden, down_block_additional_residuals=list(residuals[:-1]),
+                          mid_block_additional_residual=residuals[-1], return_dict=False)[0]
+
+
+def _residual_shapes(config: Any, rows: int, size: int) -> list[tuple[int, ...]]:
+    """The residuals' shapes for a latent ``size`` x ``size`` (down blocks, then the mid block)."""
+    channels = list(config.block_out_channels)
+    layers = int(config.layers_per_block)
+    shapes = [(rows, channels[0], size, size)]
+    for level, width in enumerate(channels):
+        shapes += [(rows, width, size, size)] * layers
+        if level < len(channels) - 1:
+            size //= 2
+            shapes.append((rows, width, size, size))
+    return shapes + [(rows, channels[-1], size, size)]
+
+
+def _residual_dynamic(count: int, prefix: str, mid: str) -> dict[str, dict[int, str]]:
+    names = [f"{prefix}_{i}" for i in range(count)] + [mid]
+    return {name: {0: "batch", 2: f"height{i}", 3: f"width{i}"} for i, name in enumerate(names)}
+
+
+def export_controlnet(net: Any, out: Path, source: dict[str, Any]) -> Path:
+    """``net`` (a diffusers ControlNetModel) as ``out``/model.onnx with its config.json and manifest."""
+    out.mkdir(parents=True, exist_ok=True)
+    size, rows = 8, 2
+    count = down_residuals(net.config)
+    args = (torch.randn(rows, int(net.config.in_channels), size, size), torch.tensor([1.0] * rows),
+            torch.randn(rows, 77, int(net.config.cross_attention_dim)), torch.rand(rows, 3, size * 8, size * 8),
+            torch.ones(rows))
+    outputs = [f"down_block_res_sample_{i}" for i in range(count)] + ["mid_block_res_sample"]
+    dynamic = {"sample": {0: "batch", 2: "height", 3: "width"}, "timestep": {0: "batch"},
+               "encoder_hidden_states": {0: "batch"}, "controlnet_cond": {0: "batch", 2: "pixels_h", 3: "pixels_w"},
+               "conditioning_scale": {0: "batch"}, **_residual_dynamic(count, "down_block_res_sample",
+                                                                      "mid_block_res_sample")}
+    _export(_ControlNet(net), args, out / "model.onnx",
+            ["sample", "timestep", "encoder_hidden_states", "controlnet_cond", "conditioning_scale"], outputs, dynamic)
+    _write_json(out / "config.json", {"_class_name": "ControlNetModel", **dict(net.config)})
+    write_manifest(out, source)
+    return out
+
+
+def export_controlled_unet(unet: Any, out: Path) -> Path:
+    """``unet`` (SD 1.x/2.x) with the residual inputs, as ``out``/unet_controlnet/model.onnx (+ config.json)."""
+    size, rows = 8, 2
+    count = down_residuals(unet.config)
+    residuals = [torch.randn(shape) for shape in _residual_shapes(unet.config, rows, size)]
+    args = (torch.randn(rows, int(unet.config.in_channels), size, size), torch.tensor([1.0] * rows),
+            torch.randn(rows, 77, int(unet.config.cross_attention_dim)), *residuals)
+    inputs = ["sample", "timestep", "encoder_hidden_states",
+              *[f"down_block_additional_residual_{i}" for i in range(count)], "mid_block_additional_residual"]
+    dynamic = {"sample": {0: "batch", 2: "height", 3: "width"}, "timestep": {0: "steps"},
+               "encoder_hidden_states": {0: "batch"}, "out_sample": {0: "batch", 2: "height", 3: "width"},
+               **_residual_dynamic(count, "down_block_additional_residual", "mid_block_additional_residual")}
+    target = out / "unet_controlnet"
+    _export(_ControlledUNet(unet), args, target / "model.onnx", inputs, ["out_sample"], dynamic)
+    _write_json(target / "config.json", dict(unet.config))
+    if (out / MANIFEST).is_file():  # the folder's manifest covers the new files too (its other keys kept)
+        kept = {k: v for k, v in read_manifest(out / MANIFEST).items() if k not in ("files", "format")}
+        write_model_manifest(out, kept)
+    return target
+
+
+def build_tiny_controlnet(out: Path, model: Path | None = None, diffusers_out: Path | None = None) -> Path:
+    """The tiny ControlNet exported to ``out``; with ``model`` (the tiny SD 1.x model's folder) its UNet's residual
+    variant is added there; ``diffusers_out``: the ControlNet's torch weights too (parity tests)."""
+    net = make_tiny_controlnet()
+    export_controlnet(net, out, {"kind": "tiny", "family": "sd1-controlnet", "seed": SEED})
+    if model is not None:
+        from engines.build.tiny import make_components
+
+        export_controlled_unet(make_components()["unet"], model)
+    if diffusers_out is not None:
+        net.save_pretrained(diffusers_out)
+    return out
+
+
+def export_controlnet_folder(src: Path, out: Path) -> Path:
+    """Export a local diffusers ControlNet folder (config.json with ``_class_name`` ControlNetModel)."""
+    from diffusers import ControlNetModel
+
+    config_path = src / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{src} is not a diffusers ControlNet folder (no config.json)")
+    kind = json.loads(config_path.read_text(encoding="utf-8")).get("_class_name")
+    if kind != "ControlNetModel":
+        raise ValueError(f"{src}: config.json names {kind!r}, not ControlNetModel (an SD 1.x/2.x ControlNet)")
+    return export_controlnet(ControlNetModel.from_pretrained(src).eval(), out,
+                             {"kind": "diffusers-folder", "path_name": src.name})
+
+
+def export_controlled_unet_folder(src: Path, out: Path) -> Path:
+    """Add unet_controlnet/ to the exported model ``out`` from the diffusers SD folder ``src`` it came from."""
+    from diffusers import UNet2DConditionModel
+
+    return export_controlled_unet(UNet2DConditionModel.from_pretrained(src / "unet").eval(), out)
