@@ -135,6 +135,15 @@ register(Architecture(
     memory_parts={"text_encoder": "clip", "text_encoder_2": "t5", "transformer": "flux_transformer"},
     export="engines.build.dit_export:export_dit_folder"))
 register(Architecture(
+    "flux-kontext", "transformer", "engines.pipelines.kontext:KontextPipeline",
+    frozenset({"FluxKontextPipeline", "OnnxFluxKontextPipeline"}), "FluxTransformer2DModel",
+    packed=True, guidance_embeds=True, components=("text_encoder", "text_encoder_2", "transformer", "vae_decoder"),
+    t5="text_encoder_2",
+    memory_parts={"text_encoder": "clip", "text_encoder_2": "t5", "transformer": "flux_transformer"},
+    export="engines.build.kontext:export_kontext_folder"))
+"""FLUX.1 Kontext [dev] (instruction edits: the reference image's tokens after the noisy ones): Flux.1's networks,
+engines/pipelines/kontext.py."""
+register(Architecture(
     "sd3", "transformer", "engines.pipelines.sd3:SD3Pipeline",
     frozenset({"StableDiffusion3Pipeline", "OnnxStableDiffusion3Pipeline", "ORTStableDiffusion3Pipeline"}),
     cfg=True, components=("text_encoder", "text_encoder_3", "transformer", "vae_decoder", "text_encoder_2"),

@@ -119,6 +119,9 @@ register(FamilyFacts("flux", ("flux",), "transformer", 28, 3.5, "FLUX.1 dev (gui
 register(FamilyFacts("flux-schnell", ("flux",), "transformer", 4, 0.0, "FLUX.1 schnell (timestep-distilled)",
                      claim=lambda configs: not configs.get("denoiser", {}).get("guidance_embeds", False),
                      t5_length=256, own_defaults=True, trained_size=1024))
+register(FamilyFacts("flux-kontext", ("flux-kontext",), "transformer", 28, 3.5,
+                     "FLUX.1 Kontext [dev] (instruction edits, guidance embedded)", t5_length=512, own_defaults=True,
+                     trained_size=1024, distilled_guidance=True))
 register(FamilyFacts("sd3", ("sd3",), "transformer", 28, 7.0, "Stable Diffusion 3", t5_length=256,
                      own_defaults=True, trained_size=1024))
 register(FamilyFacts("sd35", ("sd3",), "transformer", 28, 4.5, "Stable Diffusion 3.5 (QK norm / dual attention)",
