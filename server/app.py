@@ -26,6 +26,7 @@ from server.metrics import Exposition, Metrics
 from server.middleware import AuthMiddleware, BodyLimitMiddleware, GuardMiddleware, MetricsMiddleware
 from server.routes import (
     a1111,
+    a1111_extras,
     a1111_img2img,
     a1111_info,
     a1111_loras,
@@ -163,7 +164,7 @@ def create_app(engine: Engine, settings: Settings, on_fatal: OnFatal | None = No
     errors.install(app)
     _add_middleware(app, settings, metrics, tenants)
     for router in (health.router, observability.router, openai_images.router, a1111.router, a1111_info.router,
-                   a1111_loras.router, edits.router, a1111_img2img.router):
+                   a1111_loras.router, edits.router, a1111_img2img.router, a1111_extras.router):
         app.include_router(router)
     if settings.debug.fault_injection and faults is not None:
         app.include_router(debug.router)

@@ -48,6 +48,7 @@ from server.images_in import decoding_for
 from server.infotext_parse import png_info_body
 from server.middleware import tenant_label
 from server.routes.a1111 import SCHEDULES, served_schedules
+from server.routes.a1111_extras import library as extras_library
 from server.schemas import error_responses
 
 router = APIRouter(prefix="/sdapi/v1", tags=["automatic1111"])
@@ -212,12 +213,15 @@ async def schedulers(request: Request) -> list[dict[str, Any]]:
 
 
 @router.get("/upscalers")
-async def upscalers() -> list[dict[str, Any]]:
+async def upscalers(request: Request) -> list[dict[str, Any]]:
     """The Hires fix upscalers sdserve offers (server/hires.py), as A1111 lists its built-in ones
     (modules/upscaler.py UpscalerNone, UpscalerLanczos, UpscalerNearest: no model files, scale 4); "None" first,
-    which SillyTavern expects."""
-    return [{"name": name, "model_name": None, "model_path": None, "model_url": None, "scale": 4.0}
-            for name in UPSCALERS]
+    which SillyTavern expects. Then the ONNX upscalers of ``[runtime] upscaler_dir``, which the extras routes
+    serve (server/routes/a1111_extras.py; model_path is the file's name only)."""
+    return [*({"name": name, "model_name": None, "model_path": None, "model_url": None, "scale": 4.0}
+              for name in UPSCALERS),
+            *({"name": name, "model_name": name, "model_path": f"{name}.onnx", "model_url": None, "scale": scale}
+              for name, scale in extras_library(request).listed() if name not in UPSCALERS)]
 
 
 @router.get("/latent-upscale-modes")
