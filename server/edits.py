@@ -38,6 +38,34 @@ class EditInput:
     overlay: bool = True
     fill: LatentFill = "original"
     """With a mask: what the masked init latents start from (A1111's inpainting_fill 2 "noise", 3 "nothing")."""
+    instruct: bool = False
+    """An instruction edit (``is_instruct``): every image conditions every output image (EditImage.references),
+    the first, resized to the batch's size, is ``EditImage.image``; no mask, no strength."""
+
+
+def is_instruct(info: ModelInfo, images: int, masks: int, image_field: str = "image") -> bool:
+    """Whether an edit of ``images`` input images and ``masks`` masks is an instruction edit (a model with
+    ModelInfo.instruct_images, no mask); 400 naming the field for what the model cannot take: more images than it
+    takes, a mask on a model that cannot inpaint. Several images on a model that is not an instruction-edit model
+    are the route's to judge (OpenAI edits take one; A1111's init_images cycle over the batch)."""
+    if images < 1:
+        raise InvalidRequestError("send an image to edit", param=image_field)
+    if masks > 1:
+        raise InvalidRequestError(f"send at most one mask (got {masks})", param="mask")
+    if masks and info.instruct_images and "inpaint" not in info.modes:
+        raise InvalidRequestError(f"this model ({info.name}) edits by instruction and cannot inpaint: send no mask "
+                                  "and say in the prompt what to change", param="mask")
+    instruct = info.instruct_images > 0 and not masks
+    if instruct and images > info.instruct_images:
+        raise InvalidRequestError(f"this model ({info.name}) takes at most {info.instruct_images} input images per "
+                                  f"edit (got {images})", param=image_field)
+    return instruct
+
+
+def instruct_size(info: ModelInfo, sizes: list[tuple[int, int]]) -> tuple[int, int] | None:
+    """An instruction edit's output (width, height) when the request names none (or ``auto``): the model's
+    diffusers rule on the input images' sizes (ModelInfo.instruct_size); None: the batch's default size."""
+    return info.instruct_size(tuple(sizes)) if info.instruct_size is not None else None
 
 
 def require_edits(info: ModelInfo) -> None:
@@ -51,6 +79,8 @@ def edit_batch(batch: Batch, edit: EditInput, info: ModelInfo, default_strength:
     """``batch`` (validated as txt2img) with the edit inputs resized to its size; refuses what the model cannot
     edit, naming the field."""
     require_edits(info)
+    if edit.instruct:
+        return _instruct_batch(batch, edit, info)
     if batch.scheduler not in info.edit_schedulers:
         raise InvalidRequestError(f"scheduler {batch.scheduler!r} does not serve edits (img2img, inpainting); use "
                                   f"one of {list(info.edit_schedulers)}", param="scheduler")
@@ -70,6 +100,20 @@ def edit_batch(batch: Batch, edit: EditInput, info: ModelInfo, default_strength:
     specs = tuple(replace(spec, edit=EditImage(np.ascontiguousarray(pixels[i % len(pixels)]), mask, fill))
                   for i, spec in enumerate(batch.images))
     return replace(batch, images=specs, strength=strength, overlay=edit.overlay)
+
+
+def _instruct_batch(batch: Batch, edit: EditInput, info: ModelInfo) -> Batch:
+    """An instruction edit: every image of the batch conditions on all the input images at their own sizes (the
+    model resizes them as its diffusers pipeline does) and starts from noise (strength 1)."""
+    if batch.scheduler not in info.edit_schedulers:
+        raise InvalidRequestError(f"scheduler {batch.scheduler!r} does not serve instruction edits; use one of "
+                                  f"{list(info.edit_schedulers)}", param="scheduler")
+    references = tuple(np.ascontiguousarray(np.asarray(im.convert("RGB"))) for im in edit.images)
+    first = np.ascontiguousarray(np.asarray(resize(edit.images[0].convert("RGB"), batch.width, batch.height,
+                                                   edit.resize_mode)))
+    specs = tuple(replace(spec, edit=EditImage(first, None, "original", references=references))
+                  for spec in batch.images)
+    return replace(batch, images=specs, strength=1.0, overlay=False)
 
 
 async def within_deadline(deadline: float, call: Callable[..., T], *args: object) -> T:

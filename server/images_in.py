@@ -292,6 +292,16 @@ def check_pixel_budget(uploads: Sequence[tuple[str, bytes | str | None]], max_pi
                                       "(limits.max_request_pixels): send fewer or smaller images", param=field)
 
 
+def declared_size(item: bytes | str, field: str, max_pixels: int) -> tuple[int, int]:
+    """The (width, height) an upload (bytes, or A1111's base64 text) is edited at, as its header declares it and
+    after its EXIF orientation (a 90-degree turn swaps them), with no pixel decoded: an instruction edit's output
+    size is chosen, and the request admitted, before its images are decoded."""
+    data = _from_base64_text(item, field) if isinstance(item, str) else item
+    image = _open(data, field, max_pixels)
+    turned = image.getexif().get(0x0112) in (5, 6, 7, 8)
+    return (image.height, image.width) if turned else (image.width, image.height)
+
+
 def _normalize(image: Image.Image) -> Image.Image:
     """RGB, RGBA or L; 16-bit and 32-bit integer images scaled to 8 bits, palette transparency kept as alpha."""
     if image.mode in ("I;16", "I;16B", "I;16L", "I"):

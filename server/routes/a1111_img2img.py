@@ -32,10 +32,19 @@ from engines.types.model import ModelInfo
 from engines.types.request import LatentFill
 from server import headers
 from server.a1111_request import HIRES_FIELDS, Txt2ImgRequest, from_a1111
-from server.edits import EditInput, edit_batch, require_edits, within_deadline
-from server.images_in import blur_mask, check_pixel_budget, decoding_for, fill_masked, from_base64, resize
+from server.edits import EditInput, edit_batch, instruct_size, is_instruct, require_edits, within_deadline
+from server.images_in import (
+    blur_mask,
+    check_pixel_budget,
+    declared_size,
+    decoding_for,
+    fill_masked,
+    from_base64,
+    from_base64_bytes,
+    resize,
+)
 from server.middleware import tenant_label
-from server.provenance_stage import stamp_a1111
+from server.provenance_stage import ingredient, record_inputs, stamp_a1111
 from server.routes.a1111 import (
     Txt2ImgResponse,
     check_common,
@@ -80,8 +89,11 @@ class Img2ImgRequest(Txt2ImgRequest):
             raise InvalidRequestError("initial_noise_multiplier other than 1 is not supported",
                                       param="initial_noise_multiplier")
 
-    def ignored(self, distilled: bool = False) -> dict[str, str]:
+    def ignored(self, distilled: bool = False, instruct: bool = False) -> dict[str, str]:
         found = dict.fromkeys(self.model_extra or {}, "not used by sdserve")
+        if instruct and "denoising_strength" in self.model_fields_set:
+            found["denoising_strength"] = ("an instruction edit starts from noise and conditions on init_images; "
+                                           "the prompt says what to change")
         if self.styles:
             found["styles"] = f"{self.styles[:4]!r} is the no-style choice"
         found |= dict.fromkeys(sorted((HIRES_FIELDS - {"denoising_strength"} | {"enable_hr"}) & self.model_fields_set),
@@ -141,6 +153,19 @@ def _decode(req: Img2ImgRequest, limit: int) -> tuple[list[Image.Image], Image.I
     return images, mask
 
 
+def _ingredients(req: Img2ImgRequest, instruct: bool) -> list[list[dict[str, Any]]]:
+    """The C2PA ingredients of each image of a batch (server/provenance_stage.py record_inputs): image i edits
+    init_images[i % len] (parentOf); an instruction edit's images all have init_images.0 as parent and the others
+    as components; the mask is an input to the model."""
+    sent = [from_base64_bytes(t, f"init_images.{i}") for i, t in enumerate(req.init_images)]
+    mask = [ingredient(from_base64_bytes(req.mask, "mask"), "mask", "inputTo")] if req.mask is not None else []
+    titles = [f"init_images.{i}" for i in range(len(sent))]
+    if instruct:
+        return [[ingredient(data, title, "parentOf" if i == 0 else "componentOf")
+                 for i, (title, data) in enumerate(zip(titles, sent, strict=True))]]
+    return [[ingredient(data, title, "parentOf"), *mask] for title, data in zip(titles, sent, strict=True)]
+
+
 def _paste_full_res(png: bytes, whole: Image.Image, mask: Image.Image, box: tuple[int, int, int, int]) -> bytes:
     """"Only masked": the inpainted crop, resized back, pasted into the whole image through the mask."""
     crop = Image.open(io.BytesIO(png)).convert("RGB").resize((box[2] - box[0], box[3] - box[1]),
@@ -163,10 +188,16 @@ async def img2img(req: Img2ImgRequest, request: Request, response: Response) -> 
     req.refuse_unsupported_edits()
     name = req.sampler_name or req.sampler_index
     scheduler = resolve_sampler(name, req.scheduler, served=info.edit_schedulers) if name else None
-    batches = service.to_batches(from_a1111(req, info, scheduler))
+    instruct = is_instruct(info, len(req.init_images), int(req.mask is not None), "init_images")
     uploads = [*((f"init_images.{i}", t) for i, t in enumerate(req.init_images)), ("mask", req.mask)]
     await run_in_threadpool(check_pixel_budget, uploads, settings.limits.max_image_pixels,
                             settings.limits.max_request_pixels)  # headers only, before any pixel is decoded
+    if instruct and not {"width", "height"} & req.model_fields_set:  # the model's rule on the inputs' sizes
+        sizes = [await run_in_threadpool(declared_size, t, f"init_images.{i}", settings.limits.max_image_pixels)
+                 for i, t in enumerate(req.init_images)]
+        size = instruct_size(info, sizes)
+        req = req if size is None else req.model_copy(update={"width": size[0], "height": size[1]})
+    batches = service.to_batches(from_a1111(req, info, scheduler))
     # admitted on the batches' estimated cost before any pixel is decoded; decoding runs under the deadline
     deadline = service.preadmit(batches, request.headers.get(headers.TIMEOUT))
     with decoding_for(tenant_label(request.scope)):  # the decoders are shared fairly across tenants
@@ -177,13 +208,14 @@ async def img2img(req: Img2ImgRequest, request: Request, response: Response) -> 
     crops = [im.crop(box) for im in images] if box else images
     edit = EditInput(tuple(crops), mask.crop(box) if box and mask else mask, req.denoising_strength,
                      2 if box else req.resize_mode, overlay=True,  # type: ignore[arg-type]
-                     fill=FILLS[req.inpainting_fill][0])
+                     fill=FILLS[req.inpainting_fill][0], instruct=instruct)
     batches = [edit_batch(b, edit, info, req.denoising_strength) for b in batches]
+    record_inputs(request, await run_in_threadpool(_ingredients, req, instruct))
     outs = await asyncio.gather(*(service.run(b, request.headers.get(headers.TIMEOUT),
                                               request.is_disconnected, tenant_label(request.scope)) for b in batches))
     outs[-1].trace_headers(response)
     response.headers[headers.MODE] = batches[0].mode
-    ignored = req.ignored(families.facts(info.family).distilled_guidance)
+    ignored = req.ignored(families.facts(info.family).distilled_guidance, instruct)
     warnings = outs[0].warnings + ignored_headers(response, ignored)
     pngs = [p for out in outs for p in out.pngs]
     if box is not None and mask is not None:

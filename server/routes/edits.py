@@ -9,6 +9,15 @@ official SDK sends them).
   ``scheduler``. The image is resized to ``size`` by crop-and-resize (A1111's resize mode 1); a mask must have the
   image's dimensions, as OpenAI requires. Refused by name: ``stream``, ``background=transparent``, more than one
   image; ``input_fidelity`` and ``partial_images`` are named as ignored (x-sdserve-ignored-fields).
+- instruction edits (a model with ModelInfo.instruct_images: Qwen-Image-Edit, FLUX.1 Kontext, FLUX.2 with
+  reference images): without a mask, the prompt says what to change and every image sent (``image[]`` repeated, as
+  the openai SDK sends a list; up to the model's limit, else a 400 naming ``image``) conditions every output image
+  (mode ``instruct``); the output size is ``size``, else (or ``auto``) the model's rule on the inputs' sizes
+  (ModelInfo.instruct_size). ``strength`` and ``input_fidelity`` are named as ignored; a mask on such a model that
+  cannot inpaint is a 400 naming ``mask``.
+
+Each input image is a C2PA ingredient of the signed manifest (server/provenance_stage.py record_inputs): the image
+edited ``parentOf``, an instruction edit's other images ``componentOf``, the mask ``inputTo``.
 - variations: img2img of ``image`` with an empty prompt at ``limits.variation_strength`` (fields ``image``, ``n``,
   ``size``, ``response_format``, ``model``, ``user``; extension ``seed``, ``strength``).
 
@@ -30,10 +39,11 @@ from engines.config import parse_size
 from engines.errors import InvalidRequestError
 from engines.types.request import Batch
 from server import headers
-from server.edits import EditInput, edit_batch, require_edits, within_deadline
+from server.edits import EditInput, edit_batch, instruct_size, is_instruct, require_edits, within_deadline
 from server.hires import HiresPlan, make_plan
-from server.images_in import alpha_mask, check_pixel_budget, decode, decoding_for, mask_image
+from server.images_in import alpha_mask, check_pixel_budget, declared_size, decode, decoding_for, mask_image
 from server.middleware import tenant_label
+from server.provenance_stage import ingredient, record_inputs
 from server.request_rules import FieldNotes, from_openai, hires_base, openai_notes
 from server.routes.openai_images import run_and_answer
 from server.schemas import ImageGenerationRequest, ImagesResponse, error_responses
@@ -80,13 +90,17 @@ def _fields(form: FormData, allowed: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
-def _edit_notes(fields: dict[str, Any]) -> FieldNotes:
+def _edit_notes(fields: dict[str, Any], instruct: bool) -> FieldNotes:
     notes = FieldNotes()
     if fields.pop("stream", "false").lower() not in ("false", "0"):
         raise InvalidRequestError("stream is not supported: sdserve answers when the images are done", param="stream")
     if "input_fidelity" in fields:
-        notes.ignore("input_fidelity", f"{str(fields.pop('input_fidelity'))[:16]!r}: the strength decides how "
-                     "much of the image is kept")
+        why = ("the model conditions on the input images in full (its pipeline has no fidelity setting)"
+               if instruct else "the strength decides how much of the image is kept")
+        notes.ignore("input_fidelity", f"{str(fields.pop('input_fidelity'))[:16]!r}: {why}")
+    if instruct and "strength" in fields:
+        notes.ignore("strength", f"{fields.pop('strength')!r}: an instruction edit starts from noise and "
+                     "conditions on the input images; the prompt says what to change")
     if "partial_images" in fields:
         notes.ignore("partial_images", "no partial images are sent (no streaming)")
         fields.pop("partial_images")
@@ -145,6 +159,10 @@ async def _respond(request: Request, response: Response, req: ImageGenerationReq
     notes.ignored += more.ignored
     notes.warnings += more.warnings
     hires = first_pass(req, request) is not req
+    if hires and edit.instruct:
+        raise InvalidRequestError(f"size {req.size} is served through Hires fix on this profile ([serving] "
+                                  "openai_sizes_hires), which instruction edits do not take: ask a served size, or "
+                                  "leave size out for the model's own", param="size")
     batch = edit_batch(_first_batch(req, request), edit, service.engine.info, strength)
     plan = _hires(req, batch, request, notes) if hires else None
     answer, out = await run_and_answer(request, response, req, batch, notes, plan)
@@ -162,22 +180,37 @@ async def edit_images(request: Request, response: Response) -> ImagesResponse:
     service.require_ready()
     require_edits(service.engine.info)
     fields, images, masks = await _read(request, (*TEXT, *NUMBERS, *ACCEPTED))
-    notes = _edit_notes(fields)
+    info = service.engine.info
+    instruct = is_instruct(info, len(images), len(masks))
+    if not instruct and len(images) != 1:
+        raise InvalidRequestError(f"send one image (got {len(images)}): this model edits one image (several are "
+                                  "for an instruction-edit model, and without a mask)", param="image")
+    notes = _edit_notes(fields, instruct)
     strength = fields.pop("strength", None)
-    if len(images) != 1 or len(masks) > 1:
-        raise InvalidRequestError(f"send one image (got {len(images)}) and at most one mask", param="image")
     req, limit = _request(fields), service.settings.limits.max_image_pixels  # cheap checks before the decodes
-    await run_in_threadpool(check_pixel_budget, [("image", images[0]), *(("mask", m) for m in masks)], limit,
+    uploads = [("image" if len(images) == 1 else f"image.{i}", data) for i, data in enumerate(images)]
+    await run_in_threadpool(check_pixel_budget, [*uploads, *(("mask", m) for m in masks)], limit,
                             service.settings.limits.max_request_pixels)
+    if instruct and req.size in (None, "auto"):  # the model's rule on the inputs' sizes, read from their headers
+        sizes = [await run_in_threadpool(declared_size, data, name, limit) for name, data in uploads]
+        size = instruct_size(info, sizes)
+        req = req if size is None else req.model_copy(update={"size": f"{size[0]}x{size[1]}"})
     # admitted on its estimated cost before any pixel is decoded; the decodes run under the request's deadline
     deadline = service.preadmit([_first_batch(req, request)], request.headers.get(headers.TIMEOUT))
     with decoding_for(tenant_label(request.scope)):  # the decoders are shared fairly across tenants
-        image = await within_deadline(deadline, decode, images[0], "image", limit)
+        decoded = [await within_deadline(deadline, decode, data, name, limit) for name, data in uploads]
         mask = await within_deadline(deadline, decode, masks[0], "mask", limit) if masks else None
+    image = decoded[0]
     if mask is not None and mask.size != image.size:
         raise InvalidRequestError(f"mask is {mask.width}x{mask.height} but image is {image.width}x{image.height}: "
                                   "they must have the same dimensions", param="mask")
-    edit = EditInput((image,), mask_image(mask) if mask is not None else alpha_mask(image), strength)
+    if instruct:
+        edit = EditInput(tuple(decoded), instruct=True)
+    else:
+        edit = EditInput((image,), mask_image(mask) if mask is not None else alpha_mask(image), strength)
+    record_inputs(request, [[ingredient(data, name, "parentOf" if i == 0 else "componentOf")
+                             for i, (name, data) in enumerate(uploads)]
+                            + [ingredient(m, "mask", "inputTo") for m in masks]])
     return await _respond(request, response, req, edit, service.settings.limits.edit_strength, notes)
 
 
@@ -198,4 +231,5 @@ async def image_variations(request: Request, response: Response) -> ImagesRespon
     deadline = service.preadmit([_first_batch(req, request)], request.headers.get(headers.TIMEOUT))
     with decoding_for(tenant_label(request.scope)):
         image = await within_deadline(deadline, decode, images[0], "image", service.settings.limits.max_image_pixels)
+    record_inputs(request, [[ingredient(images[0], "image", "parentOf")]])
     return await _respond(request, response, req, EditInput((image,), None, strength), strength, FieldNotes())
