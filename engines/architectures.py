@@ -66,6 +66,12 @@ class Architecture:
     text_tokens: str = "t5"
     """What the transformer's text sequence is: ``t5`` (T5's states), ``clip+t5`` (SD 3: CLIP's 77, then T5's) or
     ``fixed`` (the family's max_sequence_length, a key mask past each prompt: Qwen-Image)."""
+    text_ids: str = ""
+    """How a ``fixed`` family's text encoder is fed ids (engines/build/trtplan_dit.py ``text_dims`` plans its
+    lengths from it): ``padded`` (every row padded to max_sequence_length, an attention mask beside: one length),
+    ``longest`` (each batch's rows padded to its longest templated prompt, cut at max_sequence_length: variable) or
+    ``longest+prefix`` (the same, plus a system prefix the encoder reads and the pipeline drops: Qwen-Image); ""
+    where the text encoders' lengths are their tokenizers' (T5, CLIP)."""
     export: str = ""
     """``"module:function"`` exporting a diffusers folder of it, ``(src, out, dtype, ...)``."""
 
@@ -157,14 +163,15 @@ register(Architecture(
     variant_keys=("guidance_embeds", "zero_cond_t", "use_additional_t_cond", "use_layer3d_rope"),
     components=("text_encoder", "transformer", "vae_decoder"),
     memory_parts={"text_encoder": "qwen_text", "transformer": "qwen_image"}, vae_formulas="qwen_",
-    precision={"text_encoder": "bf16"}, text_tokens="fixed", export="engines.build.qwen_export:export_qwen_folder"))
+    precision={"text_encoder": "bf16"}, text_tokens="fixed", text_ids="longest+prefix",
+    export="engines.build.qwen_export:export_qwen_folder"))
 """Qwen-Image: an img2img folder (QwenImageImg2ImgPipeline) holds the text-to-image weights: served as both."""
 register(Architecture(
     "z-image", "transformer", "engines.pipelines.zimage:ZImagePipeline",
     frozenset({"ZImagePipeline", "ZImageImg2ImgPipeline", "OnnxZImagePipeline"}), "ZImageTransformer2DModel",
     cfg=True, components=("text_encoder", "transformer", "vae_decoder"), precision={"text_encoder": "bf16"},
     memory_parts={"text_encoder": "qwen3_text", "transformer": "zimage_transformer"},
-    text_tokens="fixed", export="engines.build.zimage:export_zimage_folder"))
+    text_tokens="fixed", text_ids="longest", export="engines.build.zimage:export_zimage_folder"))
 """Z-Image (Turbo and base; Qwen3 text encoder, single-stream transformer): engines/pipelines/zimage.py. Latents run
 unpacked ([B, 16, h, w]: the transformer patchifies them itself); the caption is a fixed length with a token mask."""
 register(Architecture(
@@ -172,7 +179,8 @@ register(Architecture(
     frozenset({"Flux2KleinPipeline", "OnnxFlux2KleinPipeline"}), "Flux2Transformer2DModel", cfg=True,
     variant_keys=("guidance_embeds",), components=("text_encoder", "transformer", "vae_decoder"),
     memory_parts={"text_encoder": "qwen3_text", "transformer": "flux2_transformer"},
-    precision={"text_encoder": "bf16"}, text_tokens="fixed", export="engines.build.flux2:export_flux2_folder"))
+    precision={"text_encoder": "bf16"}, text_tokens="fixed", text_ids="padded",
+    export="engines.build.flux2:export_flux2_folder"))
 """FLUX.2 [klein] (Qwen3 text encoder; the step-distilled and the base checkpoints, ``is_distilled`` telling them
 apart): engines/pipelines/flux2.py. Latents run unpacked ([B, 128, h, w]: the transformer flattens them itself).
 Memory plan: the Qwen3 encoder's and FLUX.2 transformer's own formulas; the VAE (AutoencoderKLFlux2) is
