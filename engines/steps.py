@@ -13,7 +13,7 @@ from engines.lora.active import Adapters, Weights
 from engines.pipelines.contract import Begun, Pipeline, PipelineOutput, Stepwise
 from engines.protocol import StepRun
 from engines.types.health import Faults
-from engines.types.request import Batch, BatchResult
+from engines.types.request import Batch, BatchResult, control_key
 
 Result = Callable[[Batch, Pipeline, PipelineOutput, Mapping[str, object], set[str], bool], BatchResult]
 """The engine's answer for a finished batch: (batch, pipeline, output, merged weights, adapted components,
@@ -79,12 +79,12 @@ class StepVerbs:
         """Buffer scopes of the batches denoised side by side."""
 
     def step_key(self, batch: Batch) -> Hashable | None:
-        """(size's pipeline, width, height, LoRA set) for a pipeline staged for step-level batching; None for one
+        """(size's pipeline, width, height, LoRA set, ControlNet set) for a pipeline staged for step-level batching; None for one
         that runs batches whole."""
         pipeline = self._pipeline_for(batch)
         if pipeline.stepwise() is None:
             return None
-        return (id(pipeline), batch.width, batch.height, batch.lora_key)
+        return (id(pipeline), batch.width, batch.height, batch.lora_key, control_key(batch.control))
 
     def begin(self, batch: Batch) -> StepRun:
         pipeline = self._pipeline_for(batch)

@@ -40,6 +40,7 @@ from engines.numerics.step_graph import (
     step_coefficients,
 )
 from engines.numerics.tokenizer import ClipTokenizer
+from engines.pipelines import controlnet
 from engines.pipelines import unet_family as families
 from engines.pipelines.contract import Begun, PipelineOutput, check_common, image_rng
 from engines.pipelines.ort_model import Feed, OrtModel, built_fp16, tensorrt_fp16
@@ -106,6 +107,8 @@ class Denoising:
     equal timesteps."""
     cache: OutputCache | None = None
     """The request's output-level step cache (engines/numerics/step_cache.py), or None: every evaluation runs."""
+    control: controlnet.ControlRun | None = None
+    """The request's ControlNet units (engines/pipelines/controlnet.py), or None: the plain UNet."""
 
     @property
     def evaluations(self) -> int:
@@ -163,6 +166,8 @@ class StableDiffusionOnnx:
         self._load_geometry(folder, label)
         self._load_second_encoder(folder, paths, label)
         self.editor: Editor | None = None
+        self.controls: controlnet.ControlNets | None = None
+        """The ControlNets served with this model (controlnet.attach), None without."""
         if self.vae_encoder is not None:
             self._check_encoder(folder, self.vae_encoder)
             self.editor = Editor(runtime, self.vae_encoder, lambda m, name: OrtModel(runtime, m, name + label),
@@ -319,6 +324,7 @@ class StableDiffusionOnnx:
             prepared = self.editor.prepare(batch, plan, latents, rngs, 2 if cfg else 1, start == 0)
         t2 = time.perf_counter()
         state = self.start_denoise(plan, latents, cond, guidance, rngs, batch, prepared, adapters)
+        state.control = controlnet.start(self, batch, state)
         if batch.cache is not None and batch.steps >= CACHE_MIN_STEPS:
             state.cache = OutputCache.start(batch.cache, state.evaluations, self.cache_probe, state.model_in,
                                             state.model_out, self.runtime.buffer)
@@ -436,6 +442,7 @@ class StableDiffusionOnnx:
         groups: dict[float, list[Denoising]] = {}
         for state in running:
             key = 0.0 if self.io.timestep_rows else state.timestep_values[state.next_eval]
+            key = key if state.control is None else id(state)  # each controlled state runs its own units
             groups.setdefault(key, []).append(state)
         for group in groups.values():
             self._run_joined(group)
@@ -444,6 +451,9 @@ class StableDiffusionOnnx:
     def _run_joined(self, states: list[Denoising]) -> None:
         first = states[0]
         names = list(first.feeds)
+        if first.control is not None and self.controls is not None:
+            self.controls.run(self, first, first.control)
+            return
         if len(states) == 1:
             self.unet.run({self.io.sample: first.model_in, self.io.timestep: first.timesteps[first.next_eval],
                            **first.feeds}, {self.io.out: first.model_out}, first.adapters)

@@ -115,6 +115,28 @@ def lora_key(uses: tuple[LoraUse, ...]) -> tuple[tuple[str, float, float], ...]:
     return tuple(sorted((u.sha256, u.te, u.unet) for u in uses))
 
 
+@dataclass(frozen=True, eq=False)
+class ControlUnit:
+    """One ControlNet unit of a request (diffusers' multi-ControlNet: the units' residuals are summed). Compared by
+    identity: it holds an array."""
+
+    image: np.ndarray
+    """The control image, uint8 [H, W, 3] (already preprocessed: canny edges, ...); resized to the output size."""
+    model: str
+    """The ControlNet's name in the server's ControlNet folder."""
+    weight: float = 1.0
+    """diffusers' ``controlnet_conditioning_scale`` (A1111's ``weight``)."""
+    guidance_start: float = 0.0
+    """Fraction of the steps before which the unit is inactive (diffusers' ``control_guidance_start``)."""
+    guidance_end: float = 1.0
+    """Fraction of the steps after which the unit is inactive (diffusers' ``control_guidance_end``)."""
+
+
+def control_key(units: tuple[ControlUnit, ...]) -> tuple[str, ...]:
+    """A control set's batching key: the ControlNets it runs, in order (rows join only runs with the same ones)."""
+    return tuple(u.model for u in units)
+
+
 @dataclass(frozen=True)
 class Batch:
     """Images that share shape, step count and scheduler, so they run as one batch."""
@@ -140,6 +162,8 @@ class Batch:
     """The adapter set: requests batch together only with the same set (engines/lora/manager.py set_key)."""
     cache: StepCache | None = None
     """The request's step cache (None: every denoiser evaluation runs)."""
+    control: tuple[ControlUnit, ...] = ()
+    """ControlNet units (SD 1.x/2.x UNets with a ControlNet library); () runs the plain UNet."""
 
     @property
     def lora_key(self) -> tuple[tuple[str, float, float], ...]:

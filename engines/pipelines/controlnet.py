@@ -1,0 +1,192 @@
+"""ControlNet units on the SD 1.x/2.x UNet pipeline (issue 56), with diffusers' StableDiffusionControlNetPipeline
+semantics: every denoiser evaluation runs each active unit's ControlNet on the UNet's input (the scaled latents,
+every CFG row), its timestep and text states, and the control image; the units' residuals are summed (diffusers'
+MultiControlNetModel) and the UNet's residual variant (``unet_controlnet/``, engines/build/controlnet.py) takes
+them. A unit is active at evaluation ``i`` of ``n`` unless ``i / n < guidance_start`` or ``(i + 1) / n >
+guidance_end`` (diffusers' ``controlnet_keep``); an evaluation with no active unit runs the plain UNet, which is
+what the residual variant computes with zero residuals. The control image is prepared as diffusers'
+``prepare_image`` does: resized to the output size (PIL Lanczos, ``VaeImageProcessor``), RGB in [0, 1], one copy
+per row, doubled under CFG.
+
+A pipeline serves ControlNet once ``attach`` gave it the ControlNets and its residual UNet; the plain UNet and its
+path are unchanged otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import onnxruntime as ort
+from PIL import Image
+
+from engines.errors import InvalidRequestError, ModelLoadError
+from engines.pipelines.ort_model import Feed, OrtModel
+from engines.pipelines.unet_family import read_json
+from engines.types.request import Batch, ControlUnit
+
+if TYPE_CHECKING:
+    from engines.pipelines.unet import Denoising, StableDiffusionOnnx
+
+DOWN = "down_block_additional_residual_"
+MID = "mid_block_additional_residual"
+NET_DOWN = "down_block_res_sample_"
+NET_MID = "mid_block_res_sample"
+
+
+@dataclass(frozen=True)
+class ControlNet:
+    """One loaded ControlNet: its session and its residuals' geometry (channels, downsampling per residual)."""
+
+    name: str
+    model: OrtModel
+    levels: tuple[tuple[int, int], ...]
+    """Per residual, down blocks then mid: (channels, latent downsampling factor)."""
+
+
+@dataclass
+class ActiveUnit:
+    """One unit of a running request: its ControlNet, the prepared image and scale rows on the device."""
+
+    net: ControlNet
+    cond: ort.OrtValue
+    scale: ort.OrtValue
+    keep: tuple[bool, ...]
+    """Per evaluation: whether the unit runs (diffusers' controlnet_keep != 0)."""
+
+
+@dataclass
+class ControlRun:
+    """The control set of one running request (Denoising.control)."""
+
+    units: list[ActiveUnit] = field(default_factory=list)
+
+
+def residual_levels(config: dict[str, object]) -> tuple[tuple[int, int], ...]:
+    """(channels, downsampling) of each residual of a ControlNet of ``config``: the input conv's, one per resnet
+    layer, one per downsampler, then the mid block's."""
+    channels = [int(c) for c in config["block_out_channels"]]  # type: ignore[attr-defined]
+    layers = int(config["layers_per_block"])  # type: ignore[arg-type]
+    factor, levels = 1, [(channels[0], 1)]
+    for level, width in enumerate(channels):
+        levels += [(width, factor)] * layers
+        if level < len(channels) - 1:
+            factor *= 2
+            levels.append((width, factor))
+    return (*levels, (channels[-1], factor))
+
+
+class ControlNets:
+    """The ControlNets a pipeline serves and its UNet's residual variant."""
+
+    def __init__(self, pipe: StableDiffusionOnnx, folder: Path, nets: dict[str, Path], label: str = "") -> None:
+        """``folder``: the model's folder (its unet_controlnet/model.onnx); ``nets``: name -> ControlNet folder
+        (model.onnx, config.json). ModelLoadError names what does not fit the model."""
+        if pipe.family.xl or pipe.family.inpainting:
+            raise ModelLoadError(f"{folder.name}: ControlNet is served on SD 1.x/2.x text-to-image UNets only")
+        path = folder / "unet_controlnet" / "model.onnx"
+        if not path.is_file():
+            raise ModelLoadError(f"{folder} has no unet_controlnet/model.onnx (export the model with "
+                                 "`sdserve engines export --controlnet` to serve ControlNet)")
+        self.unet = OrtModel(pipe.runtime, path, "unet_controlnet" + label)
+        count = sum(name.startswith(DOWN) for name in self.unet.inputs)
+        self.residuals = [f"{DOWN}{i}" for i in range(count)] + [MID]
+        missing = [name for name in self.residuals if name not in self.unet.inputs]
+        if missing:
+            raise ModelLoadError(f"{path}: no input {missing[0]} (not a UNet exported with residual inputs)")
+        self.nets: dict[str, ControlNet] = {}
+        for name, net_folder in sorted(nets.items()):
+            config = read_json(net_folder / "config.json")
+            levels = residual_levels(config)
+            if len(levels) != len(self.residuals):
+                raise ModelLoadError(f"ControlNet {name}: {len(levels)} residuals, the UNet takes "
+                                     f"{len(self.residuals)} (a ControlNet for another base model)")
+            width = int(config.get("cross_attention_dim", 0))
+            if width != pipe.hidden_width:
+                raise ModelLoadError(f"ControlNet {name}: cross_attention_dim {width}, the model's text states "
+                                     f"are {pipe.hidden_width} wide (a ControlNet for another base model)")
+            model = OrtModel(pipe.runtime, net_folder / "model.onnx", f"controlnet_{name}" + label)
+            self.nets[name] = ControlNet(name, model, levels)
+
+    def start(self, pipe: StableDiffusionOnnx, batch: Batch, state: Denoising) -> ControlRun:
+        """The request's units on the device: images prepared, scales per row, activity per evaluation."""
+        rows = int(state.model_in.shape()[0])
+        evaluations = state.evaluations
+        run = ControlRun()
+        for k, unit in enumerate(batch.control):
+            net = self.nets.get(unit.model)
+            if net is None:
+                raise InvalidRequestError(f"unknown ControlNet {unit.model!r}; this server has "
+                                          f"{sorted(self.nets) or 'none'}", param="controlnet.model")
+            image = prepare_image(unit, batch.width, batch.height)
+            cond = np.repeat(image[None], rows, axis=0).astype(net.model.input_dtype("controlnet_cond"))
+            scale = np.full((rows,), unit.weight, dtype=net.model.input_dtype("conditioning_scale"))
+            keep = tuple(not (i / evaluations < unit.guidance_start or (i + 1) / evaluations > unit.guidance_end)
+                         for i in range(evaluations))
+            run.units.append(ActiveUnit(net, pipe.runtime.upload(f"control{k}", cond),
+                                        pipe.runtime.upload(f"control_scale{k}", scale), keep))
+        return run
+
+    def run(self, pipe: StableDiffusionOnnx, state: Denoising, control: ControlRun) -> None:
+        """The state's next evaluation with its active units: their summed residuals into the residual UNet; the
+        plain UNet when none is active."""
+        i = state.next_eval
+        timestep = state.timesteps[i]
+        base: dict[str, Feed] = {pipe.io.sample: state.model_in, pipe.io.timestep: timestep, **state.feeds}
+        active = [unit for unit in control.units if unit.keep[i]]
+        if not active:
+            pipe.unet.run(base, {pipe.io.out: state.model_out}, state.adapters)
+            return
+        rows, _, height, width = state.model_in.shape()
+        summed: list[np.ndarray] | None = None
+        outputs: list[ort.OrtValue] = []
+        for k, unit in enumerate(active):
+            dtype = unit.net.model.output_dtype()
+            outputs = [pipe.runtime.buffer(f"control_res{k}_{j}", (rows, c, height // f, width // f), dtype)
+                       for j, (c, f) in enumerate(unit.net.levels)]
+            names = [f"{NET_DOWN}{j}" for j in range(len(outputs) - 1)] + [NET_MID]
+            unit.net.model.run({"sample": state.model_in, "timestep": timestep,
+                                "encoder_hidden_states": state.feeds[pipe.io.hidden],
+                                "controlnet_cond": unit.cond, "conditioning_scale": unit.scale},
+                               dict(zip(names, outputs)))
+            if len(active) > 1:  # MultiControlNetModel: the units' residuals summed, in unit order
+                values = [out.numpy() for out in outputs]
+                summed = values if summed is None else [a + b for a, b in zip(summed, values)]
+        residuals: list[Feed] = list(outputs) if summed is None else [
+            pipe.runtime.upload(f"control_sum{j}", value) for j, value in enumerate(summed)]
+        self.unet.run({**base, **dict(zip(self.residuals, residuals))}, {pipe.io.out: state.model_out},
+                      state.adapters)
+
+
+def prepare_image(unit: ControlUnit, width: int, height: int) -> np.ndarray:
+    """The control image as diffusers' ``prepare_image`` gives it for one row: [3, height, width] float32 RGB in
+    [0, 1], resized (PIL Lanczos, VaeImageProcessor's default) when it is not the output size."""
+    image = np.asarray(unit.image)
+    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+        raise InvalidRequestError(f"control image must be uint8 [H, W, 3], got {image.dtype} {list(image.shape)}",
+                                  param="controlnet.image")
+    if image.shape[:2] != (height, width):
+        image = np.asarray(Image.fromarray(image).resize((width, height), Image.Resampling.LANCZOS))
+    return (image.astype(np.float32) / 255.0).transpose(2, 0, 1)
+
+
+def start(pipe: StableDiffusionOnnx, batch: Batch, state: Denoising) -> ControlRun | None:
+    """The request's control set, or None without units (the pipeline's plain path). InvalidRequestError when the
+    pipeline serves no ControlNet, or with LoRA (the residual UNet has no LoRA variant yet)."""
+    if not batch.control:
+        return None
+    controls: ControlNets | None = getattr(pipe, "controls", None)
+    if controls is None:
+        raise InvalidRequestError("this model serves no ControlNet (no ControlNet folder or no "
+                                  "unet_controlnet/model.onnx)", param="controlnet")
+    if batch.loras:
+        raise InvalidRequestError("ControlNet with LoRA is not served yet", param="controlnet")
+    return controls.start(pipe, batch, state)
+
+
+def attach(pipe: StableDiffusionOnnx, folder: Path, nets: dict[str, Path], label: str = "") -> ControlNets:
+    """Give ``pipe`` (loaded from ``folder``) the ControlNets ``nets`` (name -> exported ControlNet folder)."""
+    pipe.controls = ControlNets(pipe, folder, nets, label)
+    return pipe.controls

@@ -1,0 +1,151 @@
+"""ControlNet on our ORT pipeline vs diffusers' torch StableDiffusionControlNetPipeline on the same weights and
+initial latents (issue 56): one unit, two units (MultiControlNetModel: residuals summed), guidance_start/end and
+the conditioning scale, a control image resized to the output size; weight 0 gives the image without control.
+
+The ONNX files run on ONNX Runtime's CPU execution provider; the residual inputs are bound through IO binding
+(onnxruntime/python/onnxruntime_inference_collection.py IOBinding.bind_ortvalue_input)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from engines.build.controlnet import export_controlled_unet, export_controlnet, make_tiny_controlnet
+from engines.config import RuntimeSettings
+from engines.errors import InvalidRequestError
+from engines.pipelines import controlnet
+from engines.pipelines.contract import image_rng
+from engines.pipelines.unet import StableDiffusionOnnx
+from engines.runtime.sessions import Runtime
+from engines.types.request import Batch, ControlUnit, ImageSpec
+
+PROMPTS = ["a photo of an astronaut riding a horse", "a red cube on a table, studio lighting"]
+SEEDS = [21, 22]
+SIZE, STEPS, GUIDANCE = 64, 8, 7.5
+SCHEDULERS = {"euler": "EulerDiscreteScheduler", "plms": "PNDMScheduler"}
+
+
+@pytest.fixture(scope="module")
+def built(tiny_build: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A copy of the tiny model with unet_controlnet/, two tiny ControlNets (ONNX and torch weights)."""
+    from diffusers import UNet2DConditionModel
+
+    onnx_dir, diffusers_dir = tiny_build
+    root = tmp_path_factory.mktemp("controlnet")
+    model = root / "model"
+    shutil.copytree(onnx_dir, model)
+    export_controlled_unet(UNet2DConditionModel.from_pretrained(diffusers_dir / "unet").eval(), model)
+    paths = {"model": model, "diffusers": diffusers_dir}
+    for name, seed in (("edges", 0), ("depth", 5)):
+        net = make_tiny_controlnet(seed)
+        export_controlnet(net, root / name, {"kind": "tiny", "seed": seed})
+        net.save_pretrained(root / f"{name}_torch")
+        paths[name], paths[f"{name}_torch"] = root / name, root / f"{name}_torch"
+    return paths
+
+
+@pytest.fixture(scope="module")
+def ours(built: dict[str, Path]) -> StableDiffusionOnnx:
+    pipe = StableDiffusionOnnx(built["model"], Runtime(RuntimeSettings(providers=("CPUExecutionProvider",),
+                                                                        allow_cpu=True)))
+    controlnet.attach(pipe, built["model"], {"edges": built["edges"], "depth": built["depth"]})
+    return pipe
+
+
+def _control_image(seed: int, height: int, width: int) -> np.ndarray:
+    """A blocky pattern, as an edge or depth map is: large areas, sharp borders."""
+    rng = np.random.default_rng(seed)
+    cells = rng.integers(0, 256, size=(height // 8 + 1, width // 8 + 1, 3), dtype=np.uint8)
+    return np.ascontiguousarray(np.repeat(np.repeat(cells, 8, axis=0), 8, axis=1)[:height, :width])
+
+
+def _theirs(built: dict[str, Path], scheduler: str, units: list[ControlUnit], latents: np.ndarray) -> np.ndarray:
+    import diffusers
+    from diffusers import ControlNetModel, StableDiffusionControlNetPipeline
+
+    nets = [ControlNetModel.from_pretrained(built[f"{u.model}_torch"]).eval() for u in units]
+    pipe = StableDiffusionControlNetPipeline.from_pretrained(
+        built["diffusers"], controlnet=nets if len(nets) > 1 else nets[0], safety_checker=None)
+    config = json.loads((built["model"] / "scheduler" / "scheduler_config.json").read_text())
+    pipe.scheduler = getattr(diffusers, SCHEDULERS[scheduler]).from_config(config)
+    pipe.set_progress_bar_config(disable=True)
+    images = [Image.fromarray(u.image) for u in units]
+    one = len(units) == 1
+    with torch.no_grad():
+        out = pipe(PROMPTS, image=images[0] if one else images, height=SIZE, width=SIZE, num_inference_steps=STEPS,
+                   guidance_scale=GUIDANCE, latents=torch.from_numpy(latents), output_type="np",
+                   controlnet_conditioning_scale=units[0].weight if one else [u.weight for u in units],
+                   control_guidance_start=units[0].guidance_start if one else [u.guidance_start for u in units],
+                   control_guidance_end=units[0].guidance_end if one else [u.guidance_end for u in units]).images
+    return np.asarray((out * 255).round().astype(np.uint8))
+
+
+def _mine(ours: StableDiffusionOnnx, scheduler: str, units: tuple[ControlUnit, ...],
+          latents: np.ndarray) -> np.ndarray:
+    batch = Batch(tuple(ImageSpec(p, seed=s, guidance_scale=GUIDANCE) for p, s in zip(PROMPTS, SEEDS, strict=True)),
+                  SIZE, SIZE, STEPS, scheduler, control=units)
+    return np.asarray(ours(batch, latents=latents).images)
+
+
+def _latents() -> np.ndarray:
+    return np.stack([image_rng(s).standard_normal((4, SIZE // 8, SIZE // 8), dtype=np.float32) for s in SEEDS])
+
+
+def _assert_close(mine: np.ndarray, theirs: np.ndarray, what: str) -> None:
+    diff = np.abs(mine.astype(np.int16) - theirs.astype(np.int16))
+    assert mine.shape == theirs.shape == (2, SIZE, SIZE, 3)
+    assert (diff <= 1).mean() >= 0.999, f"{what}: {(diff > 1).sum()} pixels differ by more than 1/255"
+    assert diff.max() <= 3, f"{what}: max difference {diff.max()}/255"
+
+
+def _differs(a: np.ndarray, b: np.ndarray) -> float:
+    return float((np.abs(a.astype(np.int16) - b.astype(np.int16)) > 1).mean())
+
+
+CASES = {
+    # one unit; a control image of another size, resized to the output as diffusers' VaeImageProcessor does
+    "one": ("euler", [("edges", 1.0, 0.0, 1.0, (40, 56))]),
+    # MultiControlNet: residuals summed, each unit's scale and its own active fraction of the steps; PLMS runs
+    # one more UNet evaluation than steps (diffusers' timesteps hold it too)
+    "two": ("plms", [("edges", 0.8, 0.2, 0.8, (SIZE, SIZE)), ("depth", 1.3, 0.0, 0.5, (SIZE, SIZE))]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_controlnet_matches_diffusers(case: str, ours: StableDiffusionOnnx, built: dict[str, Path]) -> None:
+    scheduler, specs = CASES[case]
+    units = tuple(ControlUnit(_control_image(k, h, w), name, weight, start, end)
+                  for k, (name, weight, start, end, (h, w)) in enumerate(specs))
+    latents = _latents()
+    mine = _mine(ours, scheduler, units, latents)
+    _assert_close(mine, _theirs(built, scheduler, list(units), latents), case)
+    # The control has teeth: the same request without it differs far more than the tolerance.
+    assert _differs(mine, _mine(ours, scheduler, (), latents)) > 0.3
+
+
+def test_weight_zero_is_the_image_without_control(ours: StableDiffusionOnnx, built: dict[str, Path]) -> None:
+    latents = _latents()
+    unit = ControlUnit(_control_image(3, SIZE, SIZE), "edges", 0.0)
+    mine = _mine(ours, "euler", (unit,), latents)
+    plain = _mine(ours, "euler", (), latents)
+    _assert_close(mine, plain, "weight 0")
+    _assert_close(mine, _theirs(built, "euler", [unit], latents), "weight 0 vs diffusers")
+
+
+def test_unit_inactive_over_every_step_runs_the_plain_unet(ours: StableDiffusionOnnx) -> None:
+    latents = _latents()
+    unit = ControlUnit(_control_image(4, SIZE, SIZE), "edges", 1.0, guidance_start=1.0, guidance_end=1.0)
+    assert np.array_equal(_mine(ours, "euler", (unit,), latents), _mine(ours, "euler", (), latents))
+
+
+def test_unknown_controlnet_is_refused_by_name(ours: StableDiffusionOnnx) -> None:
+    unit = ControlUnit(_control_image(0, SIZE, SIZE), "lineart")
+    with pytest.raises(InvalidRequestError, match="lineart") as raised:
+        _mine(ours, "euler", (unit,), _latents())
+    assert raised.value.param == "controlnet.model"
