@@ -12,7 +12,10 @@ folder's ``model_index.json`` and component configs before any session runs.
   (engines/pipelines/qwen.py).
 - ``flux2-klein`` / ``flux2-klein-base``: FLUX.2 [klein] step-distilled / base (engines/pipelines/flux2.py).
 
-Refused by name: Flux.1 Kontext (image-conditioned editing: reference-image tokens in the sequence), FLUX.2 [dev]
+- ``flux-kontext``: FLUX.1 Kontext [dev]: Flux.1 dev with a reference image's tokens in the sequence (instruction
+  edits, engines/pipelines/kontext.py).
+
+Refused by name: Flux.1 Kontext inpainting, FLUX.2 [dev]
 (its Mistral text encoder), FLUX.2 [klein] inpainting and KV-cached editing, the Flux tools (Fill, Canny/Depth
 control, Redux) and ControlNets;
 the Qwen-Image variants other than text-to-image and img2img (Edit / Edit Plus, Layered, inpainting, ControlNet,
@@ -31,9 +34,10 @@ from engines.pipelines.unet_family import read_json
 
 DIT_FAMILIES = families.names("transformer")
 SERVED = ("sdserve serves Flux.1 dev/schnell (FluxPipeline), SD 3 / 3.5 (StableDiffusion3Pipeline), Qwen-Image "
-          "(QwenImagePipeline), Z-Image (ZImagePipeline) and FLUX.2 [klein] (Flux2KleinPipeline) DiT folders")
+          "(QwenImagePipeline), Z-Image (ZImagePipeline), FLUX.2 [klein] (Flux2KleinPipeline) and FLUX.1 Kontext "
+          "[dev] (FluxKontextPipeline) DiT folders")
 REFUSED: dict[str, str] = {
-    "FluxKontext": "Flux.1 Kontext (image-conditioned editing)",
+    "FluxKontextInpaint": "Flux.1 Kontext inpainting (masks are not served for the DiT families)",
     "Flux2Pipeline": "FLUX.2 [dev] (the Mistral Small 3.1 text encoder: not yet served)",
     "Flux2KleinInpaint": "FLUX.2 [klein] inpainting (masks are not served for the DiT families)",
     "Flux2KleinKV": "FLUX.2 [klein] with a reference-image KV cache (image-conditioned editing)",

@@ -252,8 +252,8 @@ def test_engines_export_from_a_diffusers_folder_gives_the_same_images(dit_build:
     np.testing.assert_array_equal(exported, _ours(onnx_dir)(batch).images)
     kontext = tmp_path / "kontext"
     (kontext / "transformer").mkdir(parents=True)
-    (kontext / "model_index.json").write_text(json.dumps({"_class_name": "FluxKontextPipeline"}))
-    with pytest.raises(ModelLoadError, match="Flux.1 Kontext"):
+    (kontext / "model_index.json").write_text(json.dumps({"_class_name": "FluxKontextInpaintPipeline"}))
+    with pytest.raises(ModelLoadError, match="Flux.1 Kontext inpainting"):
         engines_run(argparse.Namespace(engines_cmd="export", src=kontext, out=tmp_path / "k"))
 
 

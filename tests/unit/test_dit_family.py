@@ -25,6 +25,9 @@ def _folder(root: Path, class_name: str, transformer: dict[str, Any] | None) -> 
     ("FluxPipeline", {"_class_name": "FluxTransformer2DModel", "guidance_embeds": True}, "flux", 28, False),
     ("FluxPipeline", {"_class_name": "FluxTransformer2DModel", "guidance_embeds": False}, "flux-schnell", 4, False),
     ("OnnxFluxPipeline", {"guidance_embeds": False}, "flux-schnell", 4, False),
+    ("FluxKontextPipeline", {"_class_name": "FluxTransformer2DModel", "guidance_embeds": True}, "flux-kontext", 28,
+     False),
+    ("OnnxFluxKontextPipeline", {"guidance_embeds": True}, "flux-kontext", 28, False),
     ("StableDiffusion3Pipeline", {"_class_name": "SD3Transformer2DModel", "qk_norm": None,
                                   "dual_attention_layers": []}, "sd3", 28, True),
     ("StableDiffusion3Pipeline", {"qk_norm": "rms_norm", "dual_attention_layers": []}, "sd35", 28, True),
@@ -34,12 +37,13 @@ def test_families_are_detected(tmp_path: Path, class_name: str, transformer: dic
                                steps: int, cfg: bool) -> None:
     found = detect_dit(_folder(tmp_path / "m", class_name, transformer))
     assert (found.name, found.steps, found.cfg) == (family, steps, cfg)
-    assert found.guidance_embeds == (family == "flux")
-    assert found.max_sequence_length == (512 if family == "flux" else 256)
+    assert found.guidance_embeds == (family in ("flux", "flux-kontext"))
+    assert found.max_sequence_length == (512 if family in ("flux", "flux-kontext") else 256)
 
 
 @pytest.mark.parametrize(("class_name", "named"), [
-    ("FluxKontextPipeline", "Flux.1 Kontext"), ("FluxKontextInpaintPipeline", "Flux.1 Kontext"),
+    ("FluxKontextInpaintPipeline", "Flux.1 Kontext inpainting"),
+    ("OnnxFluxKontextInpaintPipeline", "Kontext inpainting"),
     ("Flux2Pipeline", r"FLUX\.2 \[dev\]"), ("Flux2KleinInpaintPipeline", r"FLUX\.2 \[klein\] inpainting"),
     ("FluxFillPipeline", "Flux.1 Fill"),
     ("FluxControlPipeline", "control"), ("StableDiffusion3ControlNetPipeline", "ControlNet"),

@@ -245,8 +245,8 @@ def test_dtype_override_and_budgets(tmp_path: Path) -> None:
 def test_a_refused_or_empty_folder_says_why(tmp_path: Path) -> None:
     kontext = tmp_path / "kontext"
     kontext.mkdir()
-    (kontext / "model_index.json").write_text(json.dumps({"_class_name": "FluxKontextPipeline"}))
-    with pytest.raises(ModelLoadError, match="Kontext"):
+    (kontext / "model_index.json").write_text(json.dumps({"_class_name": "FluxKontextInpaintPipeline"}))
+    with pytest.raises(ModelLoadError, match="Kontext inpainting"):
         mp.plan(kontext, mp.Served(1024, 1024, 1))
     with pytest.raises(ModelLoadError, match="not a folder"):
         mp.plan(tmp_path / "nowhere", mp.Served(1024, 1024, 1))
