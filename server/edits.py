@@ -49,7 +49,8 @@ def is_instruct(info: ModelInfo, images: int, masks: int, image_field: str = "im
     takes, a mask on a model that cannot inpaint. Several images on a model that is not an instruction-edit model
     are the route's to judge (OpenAI edits take one; A1111's init_images cycle over the batch)."""
     if images < 1:
-        raise InvalidRequestError("send an image to edit", param=image_field)
+        more = f" (this model takes up to {info.instruct_images})" if info.instruct_images > 1 else ""
+        raise InvalidRequestError(f"send one image (got 0){more}", param=image_field)
     if masks > 1:
         raise InvalidRequestError(f"send at most one mask (got {masks})", param="mask")
     if masks and info.instruct_images and "inpaint" not in info.modes:

@@ -55,8 +55,9 @@ def _checked(image: bytes, response: httpx.Response, credential: SigningCredenti
     assert facts["model_served"] == response.headers["x-sdserve-model"]
     assert str(facts["seed"]) in response.headers["x-sdserve-seeds"].split(",")
     assert facts["readiness"] == "ready" and "prompt" not in facts  # prompts only when the profile opts in
-    assert result.actions[0]["action"] == "c2pa.created"
-    assert result.actions[0]["digitalSourceType"].endswith("/trainedAlgorithmicMedia")
+    made = result.actions[1] if result.ingredients else result.actions[0]  # an edit: opened, then edited
+    assert made["action"] == ("c2pa.edited" if result.ingredients else "c2pa.created")
+    assert made["digitalSourceType"].endswith("/trainedAlgorithmicMedia")
     return result
 
 
