@@ -32,17 +32,17 @@ byte-identical to what this module wrote before ``--dtype`` existed.
 
 from __future__ import annotations
 
-import json
+import inspect
 import logging
 import re
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from engines import architectures
+from engines.build.dit_folder import export_onnx, write_json
 from engines.build.export import OPSET, VaeDecoderExport, VaeEncoderExport, write_manifest
 
 log = logging.getLogger(__name__)
@@ -271,13 +271,14 @@ def _sdpa_symbolic(g: Any, query: Any, key: Any, value: Any, attn_mask: Any = No
 
 def _export(module: torch.nn.Module, args: tuple[torch.Tensor, ...], path: Path, inputs: list[str],
             outputs: list[str], dynamic: dict[str, dict[int, str]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    register_half_symbolics()
+    export_onnx(module, args, path, inputs, outputs, dynamic)
+
+
+def register_half_symbolics() -> None:
+    """The legacy exporter's ``aten::rms_norm`` and half-precision-safe SDPA symbolics (fp32 SDPA: torch's own)."""
     torch.onnx.register_custom_op_symbolic("aten::rms_norm", _rms_norm_symbolic, OPSET)
     torch.onnx.register_custom_op_symbolic("aten::scaled_dot_product_attention", _sdpa_symbolic, OPSET)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the tracer warns at every Python branch on shapes: expected here
-        torch.onnx.export(module.eval(), args, str(path), input_names=inputs, output_names=outputs,
-                          dynamic_axes=dynamic, opset_version=OPSET, dynamo=False, do_constant_folding=True)
 
 
 def _batch(*names: str) -> dict[str, dict[int, str]]:
@@ -368,14 +369,6 @@ def _export_vae(vae: Any, out: Path, encoder: bool, dtype: str = "fp32") -> None
             {"sample": spatial, "latent_parameters": spatial})
 
 
-def write_json(path: Path, data: Any) -> None:
-    """Sorted, indented JSON (diffusers' ``_use_default_values`` set sorted too: same inputs, same bytes)."""
-    if isinstance(data, dict) and isinstance(data.get("_use_default_values"), list):
-        data = {**data, "_use_default_values": sorted(data["_use_default_values"])}  # a set's order otherwise
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8")
-
-
 def _config(model: Any) -> dict[str, Any]:
     return dict(model.config.to_dict() if hasattr(model.config, "to_dict") else model.config)
 
@@ -454,9 +447,10 @@ def export_dit_folder(src: Path, out: Path, dtype: str = "fp32", first_block: bo
     family = detect_dit(src)
     row = architectures.get(family.base)
     if row.export != EXPORT:  # another architecture's export module (Qwen-Image's: engines/build/qwen_export.py)
-        if dtype != "fp32" or first_block:
+        export = row.load(row.export)
+        if first_block or (dtype != "fp32" and "dtype" not in inspect.signature(export).parameters):
             raise ModelLoadError(f"--from {src}: {family.name} exports in fp32 only, without --first-block")
-        return row.load(row.export)(src, out)  # type: ignore[no-any-return]
+        return export(src, out, dtype) if dtype != "fp32" else export(src, out)  # type: ignore[no-any-return]
     if (src / "manifest.json").exists() or (src / "transformer" / "model.onnx").exists():
         raise ModelLoadError(f"--from {src}: this is an sdserve ONNX model folder already; export reads a diffusers "
                              "folder (transformer/, vae/, text encoders with their config.json and weights)")

@@ -39,13 +39,12 @@ import json
 import logging
 import shutil
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engines.build.export import OPSET, write_manifest
+from engines.build.dit_folder import config_of, export_onnx, write_folder
 
 log = logging.getLogger(__name__)
 SEED = 0
@@ -75,24 +74,15 @@ SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True,
 TINY_NATIVE_SIZE = 64
 
 
-def write_json(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8")
-
-
 def _export(module: torch.nn.Module, args: tuple[torch.Tensor, ...], path: Path, inputs: list[str],
             outputs: list[str], dynamic: dict[str, dict[int, str]]) -> None:
     """Legacy-exporter ONNX of ``module`` (fp32), its ``torch.nn.RMSNorm`` layers written as plain ops meanwhile (the
     legacy exporter has no ``aten::rms_norm`` symbolic)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     norms = [m for m in module.modules() if isinstance(m, torch.nn.RMSNorm)]
     for norm in norms:
         norm.forward = functools.partial(_rms_norm, norm)  # type: ignore[method-assign]
     try:
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the tracer warns at every Python branch on shapes: expected here
-            torch.onnx.export(module.eval(), args, str(path), input_names=inputs, output_names=outputs,
-                              dynamic_axes=dynamic, opset_version=OPSET, dynamo=False, do_constant_folding=True)
+        export_onnx(module, args, path, inputs, outputs, dynamic)
     finally:
         for norm in norms:
             del norm.forward
@@ -289,36 +279,19 @@ def _export_vae(vae: Any, out: Path) -> None:
             ["latent_sample"], ["sample"], {"latent_sample": spatial, "sample": spatial})
 
 
-def _config(model: Any) -> dict[str, Any]:
-    return dict(model.config.to_dict() if hasattr(model.config, "to_dict") else model.config)
-
-
 def export_flux2(components: dict[str, Any], tokenizer_dir: Path, out: Path, source: dict[str, Any],
                  native_size: int | None = None) -> Path:
     """Export FLUX.2 [klein]'s networks, the tokenizer and the scheduler config; write model_index.json
     (``OnnxFlux2KleinPipeline``, with ``is_distilled``) and the manifest."""
-    from engines.build.qwen_export import write_tokenizer_json
-
     out.mkdir(parents=True, exist_ok=True)
     _export_text(components["text_encoder"], out)
     _export_transformer(components["transformer"], out)
     _export_vae(components["vae"], out)
-    write_json(out / "text_encoder" / "config.json", components["text_encoder"].config.to_dict())
-    write_json(out / "transformer" / "config.json", _config(components["transformer"]))
-    write_json(out / "vae_decoder" / "config.json", _config(components["vae"]))  # batch norm folded in
-    write_tokenizer_json(tokenizer_dir, out / "tokenizer")
-    scheduler = components["scheduler"]
-    write_json(out / "scheduler" / "scheduler_config.json", {"_class_name": type(scheduler).__name__,
-                                                             **dict(scheduler.config)})
-    onnx = ["diffusers", "OnnxRuntimeModel"]
-    index: dict[str, Any] = {"_class_name": CLASS_NAME, "scheduler": ["diffusers", type(scheduler).__name__],
-                             "tokenizer": ["tokenizers", "Tokenizer"], "is_distilled": components["is_distilled"],
-                             **{n: onnx for n in ["text_encoder", "transformer", "vae_decoder"]}}
-    if native_size is not None:  # engines/pipelines/flow.py NATIVE_SIZE_KEY
-        index["_sdserve_native_size"] = native_size
-    write_json(out / "model_index.json", index)
-    write_manifest(out, source)
-    return out
+    configs = {"text_encoder": components["text_encoder"].config.to_dict(),
+               "transformer": config_of(components["transformer"]),
+               "vae_decoder": config_of(components["vae"])}  # batch norm folded in
+    return write_folder(out, CLASS_NAME, configs, tokenizer_dir, components["scheduler"], source, native_size,
+                        {"is_distilled": components["is_distilled"]})
 
 
 def export_flux2_folder(src: Path, out: Path) -> Path:

@@ -28,39 +28,19 @@ Output layout (ONNX, legacy exporter, fp32)::
 
 from __future__ import annotations
 
-import json
 import logging
-import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from engines.build.export import OPSET, write_manifest
+from engines.build.dit_folder import config_of, write_folder
+from engines.build.dit_folder import export_onnx as _export
 
 log = logging.getLogger(__name__)
 CLASS_NAME = "OnnxQwenImagePipeline"
 """model_index.json ``_class_name`` of an exported folder (engines/pipelines/flow_family.py QWEN_CLASSES)."""
-
-
-def write_json(path: Path, data: Any) -> None:
-    """Sorted, indented JSON, as engines/build/dit_export.py writes it (not imported: it routes Qwen-Image folders
-    here, and the import would close a cycle)."""
-    if isinstance(data, dict) and isinstance(data.get("_use_default_values"), list):
-        data = {**data, "_use_default_values": sorted(data["_use_default_values"])}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8")
-
-
-def _export(module: torch.nn.Module, args: tuple[torch.Tensor, ...], path: Path, inputs: list[str],
-            outputs: list[str], dynamic: dict[str, dict[int, str]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the tracer warns at every Python branch on shapes: expected here
-        torch.onnx.export(module.eval(), args, str(path), input_names=inputs, output_names=outputs,
-                          dynamic_axes=dynamic, opset_version=OPSET, dynamo=False, do_constant_folding=True)
 
 
 class _TextModel(torch.nn.Module):
@@ -237,25 +217,6 @@ def _export_vae_parts(vae: Any, out: Path, encoder: bool, spatial: dict[int, str
                 ["latent_parameters"], {"sample": spatial, "latent_parameters": spatial})
 
 
-def write_tokenizer_json(src: Path, out: Path) -> None:
-    """``out/tokenizer.json`` (and the tokenizer's configs) from a diffusers tokenizer folder: tokenizer.json as it
-    is, or built by transformers' ``Qwen2Tokenizer`` from vocab.json and merges.txt."""
-    from transformers import Qwen2Tokenizer
-
-    out.mkdir(parents=True, exist_ok=True)
-    if (src / "tokenizer.json").is_file():
-        shutil.copyfile(src / "tokenizer.json", out / "tokenizer.json")
-    else:
-        Qwen2Tokenizer.from_pretrained(src).backend_tokenizer.save(str(out / "tokenizer.json"))
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        if (src / name).is_file():
-            shutil.copyfile(src / name, out / name)
-
-
-def _config(model: Any) -> dict[str, Any]:
-    return dict(model.config.to_dict() if hasattr(model.config, "to_dict") else model.config)
-
-
 def export_qwen(components: dict[str, Any], tokenizer_dir: Path, out: Path, source: dict[str, Any],
                 vae_encoder: bool = True, native_size: int | None = None) -> Path:
     """Export Qwen-Image's networks, the tokenizer and the scheduler config; write model_index.json
@@ -265,24 +226,11 @@ def export_qwen(components: dict[str, Any], tokenizer_dir: Path, out: Path, sour
     _export_transformer(components["transformer"], out)
     _export_vae(components["vae"], out, vae_encoder)
     text = components["text_encoder"].config
-    write_json(out / "text_encoder" / "config.json", getattr(text, "text_config", text).to_dict())
-    write_json(out / "transformer" / "config.json", _config(components["transformer"]))
     vaes = ["vae_decoder", "vae_encoder"] if vae_encoder else ["vae_decoder"]
-    for name in vaes:  # latents_mean/std are folded into the graphs (module docstring)
-        write_json(out / name / "config.json", _config(components["vae"]))
-    write_tokenizer_json(tokenizer_dir, out / "tokenizer")
-    scheduler = components["scheduler"]
-    write_json(out / "scheduler" / "scheduler_config.json", {"_class_name": type(scheduler).__name__,
-                                                             **dict(scheduler.config)})
-    onnx = ["diffusers", "OnnxRuntimeModel"]
-    index: dict[str, Any] = {"_class_name": CLASS_NAME, "scheduler": ["diffusers", type(scheduler).__name__],
-                             "tokenizer": ["tokenizers", "Tokenizer"],
-                             **{n: onnx for n in ["text_encoder", "transformer", *vaes]}}
-    if native_size is not None:  # engines/pipelines/flow.py NATIVE_SIZE_KEY
-        index["_sdserve_native_size"] = native_size
-    write_json(out / "model_index.json", index)
-    write_manifest(out, source)
-    return out
+    configs = {"text_encoder": getattr(text, "text_config", text).to_dict(),
+               "transformer": config_of(components["transformer"]),
+               **dict.fromkeys(vaes, config_of(components["vae"]))}  # latents_mean/std folded in (module docstring)
+    return write_folder(out, CLASS_NAME, configs, tokenizer_dir, components["scheduler"], source, native_size)
 
 
 def export_qwen_folder(src: Path, out: Path) -> Path:

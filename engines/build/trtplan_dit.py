@@ -18,9 +18,10 @@ spans ``input_ids`` [rows, 35 .. 546] (``QWEN_TEXT_MIN``: the prefix and at leas
 requires; ``QWEN_TEXT_OPT``: a typical prompt; max: the prefix + 512), one engine for every prompt length.
 
 Z-Image and FLUX.2 [klein] (engines/pipelines/zimage.py, flux2.py) are fixed-length text families too
-(``text_dims``: which id lengths each text encoder is fed); Z-Image's image tables run over its 2x2 tokens padded to
-a multiple of 32; FLUX.2's VAE patchifies its latents itself (``vae_dims``: 128 channels at 1/16, one latent per
-token), and its step-distilled checkpoints never run CFG (their rows are never doubled).
+(``text_dims``: which id lengths each text encoder is fed, by the registry row's ``text_ids``); Z-Image's image
+tables run over its 2x2 tokens padded to a multiple of 32; FLUX.2's VAE patchifies its latents itself
+(``vae_dims``: 128 channels at 1/16, one latent per token), and its step-distilled checkpoints never
+run CFG (their rows are never doubled).
 
 Precision per part follows a half-precision export (engines/health/dit_precision.py ``export_precision``): each
 component's ``model.onnx`` is read for the float type most of its initializers have (the protobuf's headers,
@@ -103,7 +104,7 @@ def dims(folder: Path, family: DitFamily) -> dict[str, int | None]:
     distilled = bool(_json(folder / "model_index.json").get("is_distilled", False))
     cfg = {"cfg_rows": 2 if family.cfg and not distilled else 1}
     if row.text_tokens == "fixed":
-        return {**text_dims(family, folder), **vae_dims(vae), **cfg}
+        return {**text_dims(family), **vae_dims(vae), **cfg}
     t5_tok = _json(folder / row.t5.replace("text_encoder", "tokenizer") / "tokenizer_config.json")
     clip_tok = _json(folder / "tokenizer" / "tokenizer_config.json")
     cap = t5_tok.get("model_max_length")
@@ -115,26 +116,26 @@ def dims(folder: Path, family: DitFamily) -> dict[str, int | None]:
             "text_tokens": clip + t5 if row.text_tokens == "clip+t5" else t5, **vae_dims(vae), **cfg}
 
 
-def text_dims(family: DitFamily, folder: Path) -> dict[str, int | None]:
+def text_dims(family: DitFamily) -> dict[str, int | None]:
     """A fixed-length text family's: the transformer's text length (``max_sequence_length``) and the id lengths its
-    text encoder is fed (min, opt, max), as the pipelines feed them:
+    text encoder is fed (min, opt, max), as its registry row's ``text_ids`` says the pipeline feeds them:
 
-    - Qwen-Image (a Qwen2.5-VL encoder, ``qwen_text``): each batch's rows padded to its longest templated prompt,
+    - ``longest+prefix`` (Qwen-Image's Qwen2.5-VL encoder): each batch's rows padded to its longest templated prompt,
       the 34-token system prefix read and then dropped: 35 .. 34 + max_sequence_length;
-    - FLUX.2 (an encoder taking an ``attention_mask``): every row padded to max_sequence_length with the mask:
-      one length;
-    - Z-Image (a Qwen3 encoder without a mask): each batch's rows padded to its longest templated prompt, cut at
+    - ``padded`` (FLUX.2's encoder, with an ``attention_mask``): every row padded to max_sequence_length: one length;
+    - ``longest`` (Z-Image's Qwen3 encoder): each batch's rows padded to its longest templated prompt, cut at
       max_sequence_length with the template: 1 (a safe floor below the template's own tokens) .. the length."""
-    from engines.runtime.optcheck import graph_input_types
-
     n = family.max_sequence_length
-    encoder = folder / "text_encoder" / "model.onnx"
-    if architectures.get(family.base).memory_parts.get("text_encoder") == "qwen_text":
+    kind = architectures.get(family.base).text_ids
+    if kind == "longest+prefix":
         ids = (QWEN_TEXT_MIN, min(QWEN_TEXT_OPT, TEMPLATE_DROP + n), TEMPLATE_DROP + n)
-    elif encoder.is_file() and "attention_mask" in graph_input_types(encoder):
+    elif kind == "padded":
         ids = (n, n, n)
-    else:
+    elif kind == "longest":
         ids = (1, min(TEXT_OPT, n), n)
+    else:
+        raise ValueError(f"{family.base}: a fixed-length text row needs text_ids (padded, longest, longest+prefix), "
+                         f"not {kind!r}")
     return {"text_tokens": n, **{f"text_ids_{b}": v for b, v in zip(("min", "opt", "max"), ids, strict=True)}}
 
 

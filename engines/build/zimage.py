@@ -36,15 +36,15 @@ from __future__ import annotations
 
 import logging
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from engines.build.dit_export import write_json
-from engines.build.export import OPSET, VaeDecoderExport, VaeEncoderExport, write_manifest
+from engines.build.dit_folder import TORCH_DTYPES, apply_dtype, config_of, half_plan, with_io, write_folder
+from engines.build.dit_folder import export_onnx as _export
+from engines.build.export import VaeDecoderExport, VaeEncoderExport
 
 log = logging.getLogger(__name__)
 SEED = 0
@@ -150,8 +150,9 @@ class _Attention:
         cos, sin = freqs_cis
         query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
         scores = torch.matmul(query.transpose(1, 2), key.permute(0, 2, 3, 1)) / float(query.shape[-1]) ** 0.5
-        if attention_mask is not None:
-            scores = scores + attention_mask[:, None, None, :]
+        if attention_mask is not None:  # an fp32 key mask (the wrapper's own) added in a half export's dtype
+            mask = attention_mask if attention_mask.dtype == scores.dtype else attention_mask.to(scores.dtype)
+            scores = scores + mask[:, None, None, :]
         out = torch.matmul(torch.softmax(scores, dim=-1), value.transpose(1, 2)).transpose(1, 2).flatten(2, 3)
         return attn.to_out[0](out.to(query.dtype))
 
@@ -228,27 +229,18 @@ def image_tables_example(h: int, w: int, text: int, axes: list[int]) -> tuple[to
     return (*(torch.from_numpy(t) for t in tables), torch.from_numpy(text_cos), torch.from_numpy(text_sin))
 
 
-def _export(module: torch.nn.Module, args: tuple[torch.Tensor, ...], path: Path, inputs: list[str],
-            outputs: list[str], dynamic: dict[str, dict[int, str]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the tracer warns at every Python branch on shapes: expected here
-        torch.onnx.export(module.eval(), args, str(path), input_names=inputs, output_names=outputs,
-                          dynamic_axes=dynamic, opset_version=OPSET, dynamo=False, do_constant_folding=True)
-
-
-def _export_vae(vae: Any, out: Path, encoder: bool) -> None:
+def _export_vae(vae: Any, out: Path, encoder: bool, dtype: str = "fp32") -> None:
     spatial = {0: "batch", 2: "height", 3: "width"}
-    _export(VaeDecoderExport(vae), (torch.randn(1, int(vae.config.latent_channels), 4, 4),),
+    _export(with_io(VaeDecoderExport(vae), dtype), (torch.randn(1, int(vae.config.latent_channels), 4, 4),),
             out / "vae_decoder" / "model.onnx", ["latent_sample"], ["sample"],
             {"latent_sample": spatial, "sample": spatial})
     if encoder:
-        _export(VaeEncoderExport(vae), (torch.randn(1, int(vae.config.in_channels), 32, 32),),
+        _export(with_io(VaeEncoderExport(vae), dtype), (torch.randn(1, int(vae.config.in_channels), 32, 32),),
                 out / "vae_encoder" / "model.onnx", ["sample"], ["latent_parameters"],
                 {"sample": spatial, "latent_parameters": spatial})
 
 
-def _export_transformer(transformer: Any, out: Path) -> None:
+def _export_transformer(transformer: Any, out: Path, dtype: str = "fp32") -> None:
     config = transformer.config
     if config.get("siglip_feat_dim") is not None:
         raise ValueError("the transformer has SigLIP features: Z-Image Omni, not Z-Image text-to-image")
@@ -273,58 +265,44 @@ def _export_transformer(transformer: Any, out: Path) -> None:
                    "image_index": {0: "image_tokens"}, "image_pad": {0: "image_tokens"},
                    "image_rope_cos": {0: "image_tokens"}, "image_rope_sin": {0: "image_tokens"},
                    "text_rope_cos": {0: "text_tokens"}, "text_rope_sin": {0: "text_tokens"}}
-        _export(wrapper, args, out / "transformer" / "model.onnx", names, ["out_hidden_states"], dynamic)
+        _export(with_io(wrapper, dtype), args, out / "transformer" / "model.onnx", names, ["out_hidden_states"],
+                dynamic)
     finally:
         for module, processor in zip(attentions, processors, strict=True):
             module.set_processor(processor)
 
 
-def _export_text(model: Any, out: Path) -> None:
+def _export_text(model: Any, out: Path, dtype: str = "fp32") -> None:
     attention = model.config._attn_implementation
     model.config._attn_implementation = "eager"  # grouped-query SDPA has no legacy-exporter symbolic
     try:
         seq = {0: "batch", 1: "sequence"}
-        _export(_TextModel(model), (torch.zeros(1, 40, dtype=torch.int64),), out / "text_encoder" / "model.onnx",
-                ["input_ids"], ["prompt_embeds"], {"input_ids": seq, "prompt_embeds": seq})
+        _export(with_io(_TextModel(model), dtype), (torch.zeros(1, 40, dtype=torch.int64),),
+                out / "text_encoder" / "model.onnx", ["input_ids"], ["prompt_embeds"],
+                {"input_ids": seq, "prompt_embeds": seq})
     finally:
         model.config._attn_implementation = attention
 
 
-def _config(model: Any) -> dict[str, Any]:
-    return dict(model.config.to_dict() if hasattr(model.config, "to_dict") else model.config)
-
-
 def export_zimage(components: dict[str, Any], tokenizer_dir: Path, out: Path, source: dict[str, Any],
-                  vae_encoder: bool = True, native_size: int | None = None) -> Path:
-    """Export Z-Image's networks, the tokenizer and the scheduler config; model_index.json and the manifest."""
-    from engines.build.qwen_export import write_tokenizer_json
-
+                  vae_encoder: bool = True, native_size: int | None = None, dtype: str = "fp32") -> Path:
+    """Export Z-Image's networks, the tokenizer and the scheduler config; model_index.json and the manifest.
+    ``dtype``: fp32, or fp16/bf16 per engines/build/dit_folder.py ``half_plan`` (the networks cast in place)."""
     out.mkdir(parents=True, exist_ok=True)
-    _export_text(components["text_encoder"], out)
-    _export_transformer(components["transformer"], out)
-    _export_vae(components["vae"], out, vae_encoder)
-    write_json(out / "text_encoder" / "config.json", _config(components["text_encoder"]))
-    write_json(out / "transformer" / "config.json", _config(components["transformer"]))
+    dtypes, source = apply_dtype(components, dtype, source)
+    _export_text(components["text_encoder"], out, dtypes["text_encoder"])
+    _export_transformer(components["transformer"], out, dtypes["transformer"])
+    _export_vae(components["vae"], out, vae_encoder, dtypes["vae"])
     vaes = ["vae_decoder", "vae_encoder"] if vae_encoder else ["vae_decoder"]
-    for name in vaes:
-        write_json(out / name / "config.json", _config(components["vae"]))
-    write_tokenizer_json(tokenizer_dir, out / "tokenizer")
-    scheduler = components["scheduler"]
-    write_json(out / "scheduler" / "scheduler_config.json", {"_class_name": type(scheduler).__name__,
-                                                             **dict(scheduler.config)})
-    onnx = ["diffusers", "OnnxRuntimeModel"]
-    index: dict[str, Any] = {"_class_name": CLASS_NAME, "scheduler": ["diffusers", type(scheduler).__name__],
-                             "tokenizer": ["tokenizers", "Tokenizer"],
-                             **{n: onnx for n in ["text_encoder", "transformer", *vaes]}}
-    if native_size is not None:  # engines/pipelines/flow.py NATIVE_SIZE_KEY
-        index["_sdserve_native_size"] = native_size
-    write_json(out / "model_index.json", index)
-    write_manifest(out, source)
-    return out
+    configs = {"text_encoder": config_of(components["text_encoder"]),
+               "transformer": config_of(components["transformer"]),
+               **dict.fromkeys(vaes, config_of(components["vae"]))}
+    return write_folder(out, CLASS_NAME, configs, tokenizer_dir, components["scheduler"], source, native_size)
 
 
-def export_zimage_folder(src: Path, out: Path) -> Path:
-    """Export a local diffusers ``ZImagePipeline`` folder (fp32)."""
+def export_zimage_folder(src: Path, out: Path, dtype: str = "fp32") -> Path:
+    """Export a local diffusers ``ZImagePipeline`` folder in ``dtype`` (``export_zimage``); the networks load in
+    their export dtype (half the memory of an fp32 load), the VAE in fp32 (cast after, by its config)."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
     from transformers import AutoModel
 
@@ -335,13 +313,16 @@ def export_zimage_folder(src: Path, out: Path) -> Path:
     if (src / "manifest.json").exists() or (src / "transformer" / "model.onnx").exists():
         raise ModelLoadError(f"--from {src}: this is an sdserve ONNX model folder already; export reads a diffusers "
                              "folder (transformer/, vae/, text_encoder/ with their config.json and weights)")
-    parts = {"text_encoder": AutoModel.from_pretrained(src / "text_encoder", dtype=torch.float32),
-             "transformer": ZImageTransformer2DModel.from_pretrained(src / "transformer", torch_dtype=torch.float32),
-             "vae": AutoencoderKL.from_pretrained(src / "vae"),
+    vae = AutoencoderKL.from_pretrained(src / "vae")
+    plan = {n: TORCH_DTYPES[d] for n, d in half_plan(dtype, config_of(vae)).items()}
+    parts = {"text_encoder": AutoModel.from_pretrained(src / "text_encoder", dtype=plan["text_encoder"]),
+             "transformer": ZImageTransformer2DModel.from_pretrained(src / "transformer",
+                                                                     torch_dtype=plan["transformer"]),
+             "vae": vae,
              "scheduler": FlowMatchEulerDiscreteScheduler.from_pretrained(src / "scheduler")}
-    log.info("exporting %s (%s) to %s", src, family.name, out)
+    log.info("exporting %s (%s, %s) to %s", src, family.name, dtype, out)
     return export_zimage(parts, src / "tokenizer", out, {"kind": "diffusers-folder", "family": family.name,
-                                                         "path_name": src.name})
+                                                         "path_name": src.name}, dtype=dtype)
 
 
 def save_zimage_diffusers(components: dict[str, Any], tokenizer_dir: Path, out: Path) -> Path:
