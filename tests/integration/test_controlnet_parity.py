@@ -149,3 +149,29 @@ def test_unknown_controlnet_is_refused_by_name(ours: StableDiffusionOnnx) -> Non
     with pytest.raises(InvalidRequestError, match="lineart") as raised:
         _mine(ours, "euler", (unit,), _latents())
     assert raised.value.param == "controlnet.model"
+
+
+def test_controlled_rows_side_by_side_get_their_solo_images(ours: StableDiffusionOnnx) -> None:
+    """Two controlled requests (other images, scales, fractions) and a plain one advance through shared
+    ``run_denoiser`` ticks, as step-level batching drives them (the stepper keys them apart by ControlNet set,
+    engines/steps.py step_key; the pipeline runs each controlled state's units on its own rows): each image equals
+    its solo run."""
+    latents = _latents()
+    sets = [(ControlUnit(_control_image(6, SIZE, SIZE), "edges", 0.7),),
+            (ControlUnit(_control_image(7, SIZE, SIZE), "edges", 1.2, 0.25, 0.75),), ()]
+    solo = [_mine(ours, "euler", units, latents) for units in sets]
+    runs = []
+    for units in sets:
+        batch = Batch(tuple(ImageSpec(p, seed=s, guidance_scale=GUIDANCE)
+                            for p, s in zip(PROMPTS, SEEDS, strict=True)), SIZE, SIZE, STEPS, "euler", control=units)
+        with ours.runtime.scoped(f"side{len(runs)}"):
+            runs.append(ours.begin(batch, latents))
+    for _ in range(100):
+        running = [run for run in runs if not run.finished]
+        if not running:
+            break
+        ours.run_denoiser([run.state for run in running])
+        for run in running:
+            ours.advance(run.state)
+    for run, alone in zip(runs, solo, strict=True):
+        assert np.array_equal(np.asarray(ours.finish(run).images), alone)
