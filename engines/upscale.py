@@ -109,18 +109,26 @@ class OnnxUpscaler:
         """``rgb`` (H, W, 3) uint8 upscaled by ``self.scale``, tile by tile, into one uint8 array (rounded, as
         the float output is clamped to [0, 1]); TilesStopped once ``deadline`` (monotonic) passes."""
         height, width = rgb.shape[:2]
-        s = self.scale
-        out = np.empty((height * s, width * s, 3), dtype=np.uint8)
+        out = np.empty((height * self.scale, width * self.scale, 3), dtype=np.uint8)
         for t in tiles(width, height, tile, overlap):
             if deadline is not None and time.monotonic() > deadline:
                 raise TilesStopped(f"the deadline passed during the upscale ({self.name})")
-            rx0, ry0, rx1, ry1 = t.read
-            x0, y0, x1, y1 = t.core
-            patch = rgb[ry0:ry1, rx0:rx1].transpose(2, 0, 1)[None].astype(self.dtype) / self.dtype(255)
-            result = self.session.run([self.output], {self.input: np.ascontiguousarray(patch)})[0][0]
-            core = result[:, (y0 - ry0) * s:(y1 - ry0) * s, (x0 - rx0) * s:(x1 - rx0) * s].astype(np.float32)
-            out[y0 * s:y1 * s, x0 * s:x1 * s] = np.rint(np.clip(core, 0.0, 1.0) * 255.0).transpose(1, 2, 0)
+            self._tile(rgb, t, out)
         return out
+
+    def _tile(self, rgb: np.ndarray, t: Tile, out: np.ndarray) -> None:
+        """One tile run and its core written into ``out`` (its floats freed on return, before the next run)."""
+        rx0, ry0, rx1, ry1 = t.read
+        x0, y0, x1, y1 = t.core
+        s = self.scale
+        patch = np.ascontiguousarray(np.multiply(rgb[ry0:ry1, rx0:rx1], 1.0 / 255.0, dtype=self.dtype)
+                                     .transpose(2, 0, 1)[None])
+        result = self.session.run([self.output], {self.input: patch})[0][0]
+        core = np.clip(result[:, (y0 - ry0) * s:(y1 - ry0) * s, (x0 - rx0) * s:(x1 - rx0) * s], 0.0, 1.0,
+                       dtype=np.float32)  # one float copy of the core, worked on in place
+        core *= 255.0
+        np.rint(core, out=core)
+        out[y0 * s:y1 * s, x0 * s:x1 * s] = core.transpose(1, 2, 0)
 
 
 class UpscalerLibrary:

@@ -188,7 +188,8 @@ async def _sign(request: Request, response: Response, pngs: list[bytes], facts: 
     response.headers[HEADER] = stamped.status
     if stamped.warning:
         headers.put(response.headers, headers.WARNINGS, stamped.warning)
-    return stamped.images
+    signed: list[bytes] = stamped.images
+    return signed
 
 
 class InterrogateRequest(BaseModel):
