@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from engines.build.dit_export import export_dit, write_json
+from engines.build.export import write_manifest
 
 log = logging.getLogger(__name__)
 CLASS_NAME = "OnnxFluxKontextPipeline"
@@ -25,9 +26,13 @@ CLASS_NAME = "OnnxFluxKontextPipeline"
 DIFFUSERS_CLASS = "FluxKontextPipeline"
 
 
-def _rename(folder: Path, class_name: str) -> None:
+def _rename(folder: Path, class_name: str, source: dict[str, Any] | None = None) -> None:
+    """model_index.json's class set to ``class_name``; ``source``: the manifest written again (it hashes the
+    index)."""
     path = folder / "model_index.json"
     write_json(path, {**json.loads(path.read_text(encoding="utf-8")), "_class_name": class_name})
+    if source is not None:
+        write_manifest(folder, source)
 
 
 def build_tiny_kontext(out: Path, bpe: Path | None = None, diffusers_out: Path | None = None,
@@ -41,9 +46,9 @@ def build_tiny_kontext(out: Path, bpe: Path | None = None, diffusers_out: Path |
     components = make_dit_components("flux", bpe=bpe)
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer_dirs = write_tokenizers("flux", Path(tmp), bpe)
-        export_dit(components, tokenizer_dirs, out, {"kind": "tiny", "family": "flux-kontext", "seed": SEED},
-                   vae_encoder=True, native_size=TINY_NATIVE_SIZE)
-        _rename(out, CLASS_NAME)
+        source = {"kind": "tiny", "family": "flux-kontext", "seed": SEED}
+        export_dit(components, tokenizer_dirs, out, source, vae_encoder=True, native_size=TINY_NATIVE_SIZE)
+        _rename(out, CLASS_NAME, source)
         if diffusers_out is not None:
             save_dit_diffusers("flux", components, tokenizer_dirs, diffusers_out)
             _rename(diffusers_out, DIFFUSERS_CLASS)
@@ -72,7 +77,7 @@ def export_kontext_folder(src: Path, out: Path) -> Path:
     }
     tokenizers = {n: src / n for n in ("tokenizer", "tokenizer_2") if (src / n).is_dir()}
     log.info("exporting %s (%s) to %s", src, family.name, out)
-    export_dit(parts, tokenizers, out, {"kind": "diffusers-folder", "family": family.name, "path_name": src.name},
-               vae_encoder=True)
-    _rename(out, CLASS_NAME)
+    source = {"kind": "diffusers-folder", "family": family.name, "path_name": src.name}
+    export_dit(parts, tokenizers, out, source, vae_encoder=True)
+    _rename(out, CLASS_NAME, source)
     return out

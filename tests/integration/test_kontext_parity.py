@@ -133,3 +133,52 @@ def test_two_input_images_and_mixed_resolutions_are_refused(kontext: tuple[Path,
                    ImageSpec("y", edit=EditImage(ref, references=(_input_image(72, 48),)))), steps=1)
     with pytest.raises(InvalidRequestError, match="one Kontext resolution"):
         ours(mixed)
+
+
+def test_rows_with_other_references_joining_mid_way_get_their_solo_images(kontext: tuple[Path, Path]) -> None:
+    """Step-level batching (engines/engine.py begin/tick/finish on ONNX Runtime's CPU sessions,
+    onnxruntime/core/providers/cpu): an instruct request runs; a txt2img row, then an instruct row whose input
+    resizes to another Kontext resolution (another token count, other rope tables) join it mid-way. The rows with
+    other extra tokens run in calls of their own (flow.py ``run_denoiser``), so each gets its solo image."""
+    from tests.integration.test_step_batching import _close, _engine, _pixels, _run_joined
+
+    engine = _engine(kontext[0])
+    wide, tall = _input_image(72, 48), _input_image(40, 88)
+
+    def batch(prompt: str, seed: int, steps: int, ref: np.ndarray | None, n: int = 1) -> Batch:
+        edit = None if ref is None else EditImage(np.zeros((64, 64, 3), np.uint8), references=(ref,))
+        return Batch(tuple(ImageSpec(f"{prompt} {k}", seed=seed + k, guidance_scale=GUIDANCE, edit=edit)
+                           for k in range(n)), 64, 64, steps, "euler")
+
+    long = batch("make it snow", 10, 5, wide, n=2)
+    alone_long = engine.generate(long)
+    for later in (batch("a red cube", 40, 3, None), batch("add a hat", 50, 3, tall)):
+        alone_later = engine.generate(later)
+        joined_long, joined_later = _run_joined(engine, long, later, join_after=2)
+        assert joined_long.steps_done == 5 and joined_later.steps_done == 3
+        assert _close(joined_later, alone_later) <= 1
+        assert _close(joined_long, alone_long) <= 1
+        assert np.abs(_pixels(joined_later)[0] - _pixels(joined_long)[0]).max() > 8
+
+
+def test_engines_export_from_a_kontext_folder_gives_the_same_images(kontext: tuple[Path, Path],
+                                                                   tmp_path: Path) -> None:
+    """`sdserve engines export --from <FluxKontextPipeline folder>`: the flux-kontext row's export (dit_export's
+    Flux.1 path, the VAE encoder included) serves the images the tiny build serves."""
+    import argparse
+    import json
+
+    from server.cli.engines import run as engines_run
+
+    onnx_dir, diffusers_dir = kontext
+    assert engines_run(argparse.Namespace(engines_cmd="export", src=diffusers_dir, out=tmp_path / "out")) == 0
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["source"]["family"] == "flux-kontext"
+    assert json.loads((tmp_path / "out" / "model_index.json").read_text())["_class_name"] == "OnnxFluxKontextPipeline"
+    ref = _input_image(48, 48)
+    batch = Batch((ImageSpec("make it blue", seed=3, guidance_scale=GUIDANCE,
+                             edit=EditImage(np.zeros((32, 32, 3), np.uint8), references=(ref,))),),
+                  width=32, height=32, steps=2)
+    exported = load_pipeline(tmp_path / "out", Runtime(RuntimeSettings(providers=("CPUExecutionProvider",),
+                                                                       allow_cpu=True)))
+    np.testing.assert_array_equal(exported(batch, max_sequence_length=T5_LENGTH).images,
+                                  _ours(onnx_dir)(batch, max_sequence_length=T5_LENGTH).images)
