@@ -24,12 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 
 from engines.config import RuntimeSettings
 from engines.errors import ModelLoadError
-from engines.runtime import plugins
-from engines.runtime.sessions import session_providers
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +67,11 @@ class OnnxUpscaler:
     """One upscaler model's session (thread-safe: ORT's run is) and its measured scale."""
 
     def __init__(self, path: Path, settings: RuntimeSettings) -> None:
+        import onnxruntime as ort  # here, not at import: the listing (and server/ importing this) needs no ORT
+
+        from engines.runtime import plugins
+        from engines.runtime.sessions import session_providers
+
         self.path, self.name = path, path.stem
         options = ort.SessionOptions()
         options.log_severity_level = settings.ort_log_severity

@@ -21,14 +21,18 @@ from __future__ import annotations
 
 import html
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from PIL import Image
 
-from engines.errors import InvalidRequestError, ModelLoadError
+from engines.errors import ConfigError, InvalidRequestError, ModelLoadError
 from engines.upscale import OnnxUpscaler, UpscalerLibrary
 from server.hires import OPT_F, UPSCALERS
+
+if TYPE_CHECKING:
+    from server.settings import Settings
 
 Scaler = OnnxUpscaler | Image.Resampling | None
 """An ONNX upscaler, a PIL resampling filter (Lanczos, Nearest), or None (A1111's "None": no upscale)."""
@@ -52,6 +56,16 @@ class UpscaleJob:
     overlap: int
     max_pixels: int
     deadline: float | None = None
+
+
+def with_upscaler_dir(settings: Settings, folder: Path | None) -> Settings:
+    """The profile with ``sdserve serve --upscaler-dir`` applied (ConfigError, exit 10, when it is not a folder)."""
+    if folder is None:
+        return settings
+    if not folder.is_dir():
+        raise ConfigError(f"--upscaler-dir {folder}: not a folder")
+    runtime = settings.runtime.model_copy(update={"upscaler_dir": str(folder.resolve())})
+    return settings.model_copy(update={"runtime": runtime})
 
 
 def available(library: UpscalerLibrary) -> list[str]:

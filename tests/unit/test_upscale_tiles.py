@@ -110,3 +110,27 @@ def test_a_pass_over_the_pixel_bound_is_refused_before_it_runs() -> None:
         upscale_image(Image.new("RGB", (600, 600)), _job(by=1.1, first=("fake-4x", model), max_pixels=1_000_000))
     assert refused.value.param == "upscaler_1" and "x4 pass" in refused.value.message
     assert model.session.shapes == []  # type: ignore[attr-defined]
+
+
+def test_the_upscaler_dir_flag_sets_the_folder_or_names_what_is_wrong(tmp_path: Path) -> None:
+    from engines.errors import ConfigError
+    from server.settings import load_settings
+    from server.upscale import with_upscaler_dir
+
+    settings = load_settings("dev")
+    assert with_upscaler_dir(settings, None) is settings and settings.runtime.upscaler_dir == ""
+    assert with_upscaler_dir(settings, tmp_path).runtime.upscaler_dir == str(tmp_path.resolve())
+    with pytest.raises(ConfigError, match="--upscaler-dir .*not a folder"):
+        with_upscaler_dir(settings, tmp_path / "missing")
+
+
+def test_the_extras_routes_import_no_onnxruntime_until_an_upscaler_loads() -> None:
+    """server/ talks to engines, never to onnxruntime: the extras router (and the upscaler listing) import
+    engines/upscale.py, which imports ORT only when an ONNX upscaler is loaded (checked in a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    script = ("import sys, server.app, server.routes.a1111_extras, server.upscale; "
+              "print('onnxruntime' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "False"
