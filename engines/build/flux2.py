@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from engines.build.dit_folder import config_of, export_onnx, write_folder
+from engines.build.dit_folder import TORCH_DTYPES, apply_dtype, config_of, export_onnx, half_plan, with_io, write_folder
 
 log = logging.getLogger(__name__)
 SEED = 0
@@ -93,8 +93,11 @@ def _rms_norm(norm: torch.nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
     unset, as torch takes it)."""
     dims = tuple(range(-len(norm.normalized_shape), 0))
     eps = norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps
+    half = x.dtype if x.dtype != torch.float32 else None  # computed in fp32 and cast back, as torch's rms_norm does
+    x = x.float() if half is not None else x
     out = x * torch.rsqrt(x.pow(2).mean(dim=dims, keepdim=True) + eps)
-    return out * norm.weight if norm.weight is not None else out
+    out = out * (norm.weight.float() if half is not None else norm.weight) if norm.weight is not None else out
+    return out.to(half) if half is not None else out
 
 
 def _rotary(x: torch.Tensor, freqs_cis: tuple[torch.Tensor, torch.Tensor], use_real: bool = True,
@@ -233,7 +236,7 @@ class _VaeDecoder(torch.nn.Module):
         return self.vae.decode(z, return_dict=False)[0]
 
 
-def _export_text(model: Any, out: Path) -> None:
+def _export_text(model: Any, out: Path, dtype: str = "fp32") -> None:
     base = model.model if hasattr(model, "model") else model
     attention = base.config._attn_implementation
     base.config._attn_implementation = "eager"  # grouped-query SDPA has no legacy-exporter symbolic
@@ -241,14 +244,14 @@ def _export_text(model: Any, out: Path) -> None:
         seq = {0: "batch", 1: "sequence"}
         mask = torch.ones(2, 12, dtype=torch.int64)
         mask[1, 7:] = 0
-        _export(_TextStates(base), (torch.zeros(2, 12, dtype=torch.int64), mask), out / "text_encoder" / "model.onnx",
-                ["input_ids", "attention_mask"], ["prompt_embeds"],
+        _export(with_io(_TextStates(base), dtype), (torch.zeros(2, 12, dtype=torch.int64), mask),
+                out / "text_encoder" / "model.onnx", ["input_ids", "attention_mask"], ["prompt_embeds"],
                 {"input_ids": seq, "attention_mask": seq, "prompt_embeds": seq})
     finally:
         base.config._attn_implementation = attention
 
 
-def _export_transformer(transformer: Any, out: Path) -> None:
+def _export_transformer(transformer: Any, out: Path, dtype: str = "fp32") -> None:
     """The transformer with the tables given and diffusers' rotation traced with dynamic token counts
     (``_rotary``)."""
     from diffusers.models.transformers import transformer_flux2
@@ -265,28 +268,30 @@ def _export_transformer(transformer: Any, out: Path) -> None:
         dynamic = {"hidden_states": latent, "encoder_hidden_states": {0: "batch", 1: "text_tokens"},
                    "timestep": {0: "batch"}, "rope_cos": {0: "tokens"}, "rope_sin": {0: "tokens"},
                    "out_hidden_states": latent}
-        _export(wrapper, args, out / "transformer" / "model.onnx",
+        _export(with_io(wrapper, dtype), args, out / "transformer" / "model.onnx",
                 ["hidden_states", "encoder_hidden_states", "timestep", "rope_cos", "rope_sin"],
                 ["out_hidden_states"], dynamic)
     finally:
         transformer.pos_embed, transformer_flux2.apply_rotary_emb = original, rotary
 
 
-def _export_vae(vae: Any, out: Path) -> None:
+def _export_vae(vae: Any, out: Path, dtype: str = "fp32") -> None:
     spatial = {0: "batch", 2: "height", 3: "width"}
     channels = 4 * int(vae.config.latent_channels)
-    _export(_VaeDecoder(vae), (torch.randn(1, channels, 2, 2),), out / "vae_decoder" / "model.onnx",
+    _export(with_io(_VaeDecoder(vae), dtype), (torch.randn(1, channels, 2, 2),), out / "vae_decoder" / "model.onnx",
             ["latent_sample"], ["sample"], {"latent_sample": spatial, "sample": spatial})
 
 
 def export_flux2(components: dict[str, Any], tokenizer_dir: Path, out: Path, source: dict[str, Any],
-                 native_size: int | None = None) -> Path:
+                 native_size: int | None = None, dtype: str = "fp32") -> Path:
     """Export FLUX.2 [klein]'s networks, the tokenizer and the scheduler config; write model_index.json
-    (``OnnxFlux2KleinPipeline``, with ``is_distilled``) and the manifest."""
+    (``OnnxFlux2KleinPipeline``, with ``is_distilled``) and the manifest. ``dtype``: fp32, or fp16/bf16 per
+    engines/build/dit_folder.py ``half_plan`` (the networks cast in place)."""
     out.mkdir(parents=True, exist_ok=True)
-    _export_text(components["text_encoder"], out)
-    _export_transformer(components["transformer"], out)
-    _export_vae(components["vae"], out)
+    dtypes, source = apply_dtype(components, dtype, source)
+    _export_text(components["text_encoder"], out, dtypes["text_encoder"])
+    _export_transformer(components["transformer"], out, dtypes["transformer"])
+    _export_vae(components["vae"], out, dtypes["vae"])
     configs = {"text_encoder": components["text_encoder"].config.to_dict(),
                "transformer": config_of(components["transformer"]),
                "vae_decoder": config_of(components["vae"])}  # batch norm folded in
@@ -294,9 +299,10 @@ def export_flux2(components: dict[str, Any], tokenizer_dir: Path, out: Path, sou
                         {"is_distilled": components["is_distilled"]})
 
 
-def export_flux2_folder(src: Path, out: Path) -> Path:
-    """Export a local diffusers ``Flux2KleinPipeline`` folder (fp32); ModelLoadError for an sdserve ONNX folder or a
-    FLUX.2 variant not served."""
+def export_flux2_folder(src: Path, out: Path, dtype: str = "fp32") -> Path:
+    """Export a local diffusers ``Flux2KleinPipeline`` folder in ``dtype`` (``export_flux2``; the networks load in
+    their export dtype, the VAE in fp32 and cast after, by its config); ModelLoadError for an sdserve ONNX folder or
+    a FLUX.2 variant not served."""
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
     from transformers import Qwen3ForCausalLM
 
@@ -308,14 +314,17 @@ def export_flux2_folder(src: Path, out: Path) -> Path:
         raise ModelLoadError(f"--from {src}: this is an sdserve ONNX model folder already; export reads a diffusers "
                              "folder (transformer/, vae/, text_encoder/ with their config.json and weights)")
     index = json.loads((src / "model_index.json").read_text(encoding="utf-8"))
-    parts = {"text_encoder": Qwen3ForCausalLM.from_pretrained(src / "text_encoder", dtype=torch.float32),
-             "transformer": Flux2Transformer2DModel.from_pretrained(src / "transformer", torch_dtype=torch.float32),
-             "vae": AutoencoderKLFlux2.from_pretrained(src / "vae"),
+    vae = AutoencoderKLFlux2.from_pretrained(src / "vae")
+    plan = {n: TORCH_DTYPES[d] for n, d in half_plan(dtype, config_of(vae)).items()}
+    parts = {"text_encoder": Qwen3ForCausalLM.from_pretrained(src / "text_encoder", dtype=plan["text_encoder"]),
+             "transformer": Flux2Transformer2DModel.from_pretrained(src / "transformer",
+                                                                    torch_dtype=plan["transformer"]),
+             "vae": vae,
              "scheduler": FlowMatchEulerDiscreteScheduler.from_pretrained(src / "scheduler"),
              "is_distilled": bool(index.get("is_distilled", False))}
-    log.info("exporting %s (%s) to %s", src, family.name, out)
+    log.info("exporting %s (%s, %s) to %s", src, family.name, dtype, out)
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = Path(tmp) / "tokenizer"
         shutil.copytree(src / "tokenizer", tokenizer)
         return export_flux2(parts, tokenizer, out, {"kind": "diffusers-folder", "family": family.name,
-                                                    "path_name": src.name})
+                                                    "path_name": src.name}, dtype=dtype)
