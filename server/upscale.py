@@ -84,7 +84,8 @@ def resolve(name: str, field: str, library: UpscalerLibrary) -> tuple[str, Scale
                                   param=field) from None
     if model is None:
         raise InvalidRequestError(f"{field} {name[:64]!r} is not an upscaler of this server; available: "
-                                  f"{available(library)} (GET /sdapi/v1/upscalers)", param=field)
+                                  f"{available(library)} (GET /sdapi/v1/upscalers); an ESRGAN-family model is "
+                                  f"served as <name>.onnx in [runtime] upscaler_dir", param=field)
     return name, model
 
 

@@ -160,6 +160,21 @@ def test_none_returns_the_image_unchanged(served: tuple[TestClient, webuiapi.Web
     assert result.info == "<p></p>"
 
 
+def test_aiyabots_upscale_payload(served: tuple[TestClient, Any]) -> None:
+    """Kilvoctu/aiyabot core/upscalecog.py ``dream``: a data-URL image, the factor, both upscalers and the face
+    restorers at its defaults (0.0); its choices include A1111's model upscalers, refused by name."""
+    image = "data:image/png;base64," + base64.b64encode(_png_bytes(_picture(24, 16, 8))).decode()
+    payload = {"upscaling_resize": 2.0, "upscaler_1": "Lanczos", "image": image, "gfpgan_visibility": 0.0,
+               "codeformer_visibility": 0.0, "upscale_first": False, "upscaler_2": "None",
+               "extras_upscaler_2_visibility": 0.5}
+    reply = served[0].post("/sdapi/v1/extra-single-image", json=payload)
+    assert reply.status_code == 200, reply.text
+    assert Image.open(io.BytesIO(base64.b64decode(reply.json()["image"]))).size == (48, 32)
+    refused = served[0].post("/sdapi/v1/extra-single-image", json={**payload, "upscaler_1": "ESRGAN_4x"})
+    assert refused.status_code == 422
+    assert "upscaler_dir" in refused.json()["detail"][0]["msg"]
+
+
 def test_an_upscale_is_signed_with_its_source_as_ingredient(served: tuple[TestClient, Any],
                                                              credential: SigningCredential) -> None:
     source = _png_bytes(_picture(16, 16, 7))
@@ -183,9 +198,12 @@ def test_an_upscale_is_signed_with_its_source_as_ingredient(served: tuple[TestCl
     ({"upscaler_1": MODEL, "upscaling_resize": 40}, "upscaling_resize", "max_request_pixels"),
     ({"image": base64.b64encode(b"not an image").decode()}, "image", "not an image"),
     ({"image": ""}, "image", "required"),
+    ({"image": "bomb"}, "image", "over this server's limit"),
 ])
 def test_refusals_name_the_field(served: tuple[TestClient, Any], fields: dict[str, Any], param: str,
                                  words: str) -> None:
+    if fields.get("image") == "bomb":  # 4100 x 4100 declared, over limits.max_image_pixels (16 Mi pixels)
+        fields = {"image": base64.b64encode(_png_bytes(Image.new("L", (4100, 4100)))).decode()}
     body = {"image": base64.b64encode(_png_bytes(_picture(160, 160))).decode(), **fields}
     reply = served[0].post("/sdapi/v1/extra-single-image", json=body)
     assert reply.status_code == 422, reply.text
