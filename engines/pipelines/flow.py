@@ -54,6 +54,7 @@ from engines import architectures
 from engines.errors import InferenceError, InvalidRequestError, ModelLoadError
 from engines.lora.active import Adapters
 from engines.numerics.flow_graph import build_flow_decode_graph, build_flow_step_graph, flow_coefficients, flow_start
+from engines.numerics.flow_samplers import FLOW_SAMPLERS, FlowSampler, start_sampler
 from engines.numerics.flow_schedule import FlowMatchConfig, FlowSchedule, flow_schedule
 from engines.numerics.rows import RowPacker, shape_feed
 from engines.numerics.step_cache import OutputCache, Probe, cache_use, partition, record
@@ -73,8 +74,8 @@ log = logging.getLogger(__name__)
 NATIVE_SIZE_KEY = "_sdserve_native_size"
 """model_index.json key of a model's native size in pixels where its configs do not say it (the tiny models: a
 self-test at 64x64, not Flux's 1024)."""
-SAMPLERS = ("euler",)
-"""Flow matching samples with Euler on the flow schedule (what Forge and ComfyUI serve Flux with: Euler, "Simple")."""
+SAMPLERS = FLOW_SAMPLERS
+"""Euler (this step graph) and Euler a, DPM++ 2M, UniPC (flow_samplers.py), all on the flow schedule ("Simple")."""
 ROW_INPUTS = ("encoder_hidden_states", "pooled_projections", "guidance", "encoder_hidden_states_mask")
 """Transformer inputs with a row per image (besides hidden_states and timestep); the others (rope tables) depend on
 the size only."""
@@ -146,6 +147,8 @@ class DitDenoising:
     """The request's first-block cache state (engines/pipelines/first_block.py), or None."""
     extra: ExtraState | None = None
     """The request's extra tokens on the device (flow_extra.py), or None."""
+    sampler: FlowSampler | None = None
+    """The request's Euler a / DPM++ 2M / UniPC state (flow_samplers.py), or None: this Euler step."""
 
 
 @dataclass(frozen=True)
@@ -350,7 +353,7 @@ class FlowPipeline:
             raise InvalidRequestError(f"strength {batch.strength} must be in (0, 1]", param="strength")
         if batch.scheduler not in SAMPLERS:
             raise InvalidRequestError(f"scheduler {batch.scheduler!r} is not served for {self.family.name}: "
-                                      "flow-matching models sample with Euler", param="scheduler")
+                                      f"flow-matching models sample with {list(SAMPLERS)}", param="scheduler")
         if batch.cache is not None and batch.cache.method == "first-block" and self.first_block is None:
             raise InvalidRequestError(self.first_block_parts.refusal, param="cache")
         if any(not spec.prompt.strip() for spec in batch.images):
@@ -406,6 +409,7 @@ class FlowPipeline:
         # 3. The denoising state on the device.
         feeds = self.transformer_feeds(cond, guidance, h, w, len(batch.images))
         state = self._start_denoise(start, model_in, feeds, guidance, schedule, cfg, adapters, (h, w))
+        state.sampler = start_sampler(self, batch.scheduler, schedule.sigmas, guidance, cfg, rngs, state)
         state.extra = self.extra.upload(self.runtime, extra, 2 if cfg else 1) if extra is not None else None
         if batch.cache is not None and batch.steps >= CACHE_MIN_STEPS:
             if batch.cache.method == "output":
@@ -501,6 +505,8 @@ class FlowPipeline:
 
     def advance(self, state: DitDenoising) -> bool:
         """The step graph writes the next latents and the next transformer input. Every evaluation is a step."""
+        if state.sampler is not None:
+            return state.sampler.advance(state)
         i = state.next_eval
         state.step.run({"sample": state.lat[0], "model_out": state.model_out, "coeffs": state.coeffs[i]},
                        {"next": state.lat[1], "model_in": state.model_in})
