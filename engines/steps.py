@@ -79,8 +79,8 @@ class StepVerbs:
         """Buffer scopes of the batches denoised side by side."""
 
     def step_key(self, batch: Batch) -> Hashable | None:
-        """(size's pipeline, width, height, LoRA set, ControlNet set) for a pipeline staged for step-level batching; None for one
-        that runs batches whole."""
+        """(size's pipeline, width, height, LoRA set, ControlNet set) for a pipeline staged for step-level
+        batching; None for one that runs batches whole."""
         pipeline = self._pipeline_for(batch)
         if pipeline.stepwise() is None:
             return None

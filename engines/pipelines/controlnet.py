@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnxruntime as ort
@@ -64,11 +64,11 @@ class ControlRun:
     units: list[ActiveUnit] = field(default_factory=list)
 
 
-def residual_levels(config: dict[str, object]) -> tuple[tuple[int, int], ...]:
+def residual_levels(config: dict[str, Any]) -> tuple[tuple[int, int], ...]:
     """(channels, downsampling) of each residual of a ControlNet of ``config``: the input conv's, one per resnet
     layer, one per downsampler, then the mid block's."""
-    channels = [int(c) for c in config["block_out_channels"]]  # type: ignore[attr-defined]
-    layers = int(config["layers_per_block"])  # type: ignore[arg-type]
+    channels = [int(c) for c in config["block_out_channels"]]
+    layers = int(config["layers_per_block"])
     factor, levels = 1, [(channels[0], 1)]
     for level, width in enumerate(channels):
         levels += [(width, factor)] * layers
@@ -150,13 +150,13 @@ class ControlNets:
             unit.net.model.run({"sample": state.model_in, "timestep": timestep,
                                 "encoder_hidden_states": state.feeds[pipe.io.hidden],
                                 "controlnet_cond": unit.cond, "conditioning_scale": unit.scale},
-                               dict(zip(names, outputs)))
+                               dict(zip(names, outputs, strict=True)))
             if len(active) > 1:  # MultiControlNetModel: the units' residuals summed, in unit order
                 values = [out.numpy() for out in outputs]
-                summed = values if summed is None else [a + b for a, b in zip(summed, values)]
+                summed = values if summed is None else [a + b for a, b in zip(summed, values, strict=True)]
         residuals: list[Feed] = list(outputs) if summed is None else [
             pipe.runtime.upload(f"control_sum{j}", value) for j, value in enumerate(summed)]
-        self.unet.run({**base, **dict(zip(self.residuals, residuals))}, {pipe.io.out: state.model_out},
+        self.unet.run({**base, **dict(zip(self.residuals, residuals, strict=True))}, {pipe.io.out: state.model_out},
                       state.adapters)
 
 

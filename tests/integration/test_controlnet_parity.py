@@ -20,7 +20,7 @@ from engines.build.controlnet import export_controlled_unet, export_controlnet, 
 from engines.config import RuntimeSettings
 from engines.errors import InvalidRequestError
 from engines.pipelines import controlnet
-from engines.pipelines.contract import image_rng
+from engines.pipelines.contract import Begun, image_rng
 from engines.pipelines.unet import StableDiffusionOnnx
 from engines.runtime.sessions import Runtime
 from engines.types.request import Batch, ControlUnit, ImageSpec
@@ -40,7 +40,8 @@ def built(tiny_build: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactor
     root = tmp_path_factory.mktemp("controlnet")
     model = root / "model"
     shutil.copytree(onnx_dir, model)
-    export_controlled_unet(UNet2DConditionModel.from_pretrained(diffusers_dir / "unet").eval(), model)
+    unet = UNet2DConditionModel.from_pretrained(diffusers_dir / "unet")  # type: ignore[no-untyped-call]
+    export_controlled_unet(unet.eval(), model)
     paths = {"model": model, "diffusers": diffusers_dir}
     for name, seed in (("edges", 0), ("depth", 5)):
         net = make_tiny_controlnet(seed)
@@ -69,8 +70,9 @@ def _theirs(built: dict[str, Path], scheduler: str, units: list[ControlUnit], la
     import diffusers
     from diffusers import ControlNetModel, StableDiffusionControlNetPipeline
 
-    nets = [ControlNetModel.from_pretrained(built[f"{u.model}_torch"]).eval() for u in units]
-    pipe = StableDiffusionControlNetPipeline.from_pretrained(
+    nets = [ControlNetModel.from_pretrained(built[f"{u.model}_torch"]).eval()  # type: ignore[no-untyped-call]
+            for u in units]
+    pipe = StableDiffusionControlNetPipeline.from_pretrained(  # type: ignore[no-untyped-call]
         built["diffusers"], controlnet=nets if len(nets) > 1 else nets[0], safety_checker=None)
     config = json.loads((built["model"] / "scheduler" / "scheduler_config.json").read_text())
     pipe.scheduler = getattr(diffusers, SCHEDULERS[scheduler]).from_config(config)
@@ -160,7 +162,7 @@ def test_controlled_rows_side_by_side_get_their_solo_images(ours: StableDiffusio
     sets = [(ControlUnit(_control_image(6, SIZE, SIZE), "edges", 0.7),),
             (ControlUnit(_control_image(7, SIZE, SIZE), "edges", 1.2, 0.25, 0.75),), ()]
     solo = [_mine(ours, "euler", units, latents) for units in sets]
-    runs = []
+    runs: list[Begun] = []
     for units in sets:
         batch = Batch(tuple(ImageSpec(p, seed=s, guidance_scale=GUIDANCE)
                             for p, s in zip(PROMPTS, SEEDS, strict=True)), SIZE, SIZE, STEPS, "euler", control=units)
@@ -175,3 +177,29 @@ def test_controlled_rows_side_by_side_get_their_solo_images(ours: StableDiffusio
             ours.advance(run.state)
     for run, alone in zip(runs, solo, strict=True):
         assert np.array_equal(np.asarray(ours.finish(run).images), alone)
+
+
+def test_a1111_units_drive_the_pipeline(ours: StableDiffusionOnnx, built: dict[str, Path]) -> None:
+    """An ``alwayson_scripts.controlnet`` unit as an A1111 client sends it (base64 image, canny module, the model as
+    model_list names it) parsed by server/controlnet.py runs its ControlNet; the same unit at weight 0 gives the
+    image without control."""
+    import base64
+    import io
+
+    from server.controlnet import ControlNetLibrary, parse_units
+
+    library = ControlNetLibrary(built["edges"].parent)
+    assert [t.split(" [")[0] for t in library.titles()] == ["depth", "edges"]
+    buf = io.BytesIO()
+    Image.fromarray(_control_image(9, 96, 80)).save(buf, format="PNG")
+    unit = {"enabled": True, "image": base64.b64encode(buf.getvalue()).decode(), "module": "canny",
+            "model": library.titles()[1], "weight": 1.0, "resize_mode": "Crop and Resize", "pixel_perfect": True}
+    latents, plain = _latents(), _mine(ours, "euler", (), _latents())
+    for weight, same in ((1.0, False), (0.0, True)):
+        parsed = parse_units({"args": [{**unit, "weight": weight}]}, library, SIZE, SIZE, 1 << 20)
+        assert parsed[0].unit.image.shape == (SIZE, SIZE, 3) and parsed[0].unit.model == "edges"
+        mine = _mine(ours, "euler", tuple(p.unit for p in parsed), latents)
+        if same:
+            _assert_close(mine, plain, "weight 0")
+        else:
+            assert _differs(mine, plain) > 0.3

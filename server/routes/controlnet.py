@@ -1,0 +1,83 @@
+"""sd-webui-controlnet's routes (its ``scripts/api.py``): ``/controlnet/version``, ``/controlnet/model_list``,
+``/controlnet/module_list`` (with ``module_detail``), ``/controlnet/settings`` and ``/controlnet/detect``. The
+library is ``app.state.controlnets`` (server/controlnet.py ControlNetLibrary; absent: none, the lists are empty)."""
+
+from __future__ import annotations
+
+import base64
+import io
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Request
+from PIL import Image
+from pydantic import BaseModel, Field
+from starlette.concurrency import run_in_threadpool
+
+from engines.errors import InvalidRequestError
+from server.controlnet import API_VERSION, MODULES, UNIT_COUNT, ControlNetLibrary, preprocess
+from server.images_in import from_base64
+
+router = APIRouter(prefix="/controlnet", tags=["controlnet"])
+DETECT_MAX_PIXELS = 4096 * 4096
+"""The largest image /controlnet/detect decodes (a bound like every uploaded image's)."""
+DETECT_MAX_IMAGES = 8
+
+
+def _library(request: Request) -> ControlNetLibrary | None:
+    library = getattr(request.app.state, "controlnets", None)
+    return library if isinstance(library, ControlNetLibrary) else None
+
+
+@router.get("/version")
+def version() -> dict[str, int]:
+    return {"version": API_VERSION}
+
+
+@router.get("/model_list")
+def model_list(request: Request) -> dict[str, list[str]]:
+    library = _library(request)
+    return {"model_list": library.titles() if library else []}
+
+
+@router.get("/module_list")
+def module_list(alias_names: bool = False) -> dict[str, Any]:
+    return {"module_list": list(MODULES), "module_detail": MODULES}
+
+
+@router.get("/settings")
+def settings(request: Request) -> dict[str, int]:
+    library = _library(request)
+    return {"control_net_unit_count": library.unit_count if library else UNIT_COUNT}
+
+
+class DetectRequest(BaseModel):
+    controlnet_module: str = "none"
+    controlnet_input_images: list[str] = Field(default_factory=list)
+    controlnet_processor_res: float = 512
+    controlnet_threshold_a: float = 64
+    controlnet_threshold_b: float = 64
+
+
+def _detect(body: DetectRequest) -> dict[str, Any]:
+    if body.controlnet_module not in MODULES:
+        raise InvalidRequestError(f"unknown ControlNet module {body.controlnet_module[:64]!r}; this server has "
+                                  f"{sorted(MODULES)}", param="controlnet_module")
+    if not body.controlnet_input_images or len(body.controlnet_input_images) > DETECT_MAX_IMAGES:
+        raise InvalidRequestError(f"controlnet_input_images needs 1 to {DETECT_MAX_IMAGES} images",
+                                  param="controlnet_input_images")
+    images = []
+    for i, text in enumerate(body.controlnet_input_images):
+        field = f"controlnet_input_images[{i}]"
+        image = np.asarray(from_base64(text, field, DETECT_MAX_PIXELS).convert("RGB"))
+        out = preprocess(body.controlnet_module, image, int(body.controlnet_processor_res),
+                         body.controlnet_threshold_a, body.controlnet_threshold_b, "controlnet")
+        buf = io.BytesIO()
+        Image.fromarray(out).save(buf, format="PNG")
+        images.append(base64.b64encode(buf.getvalue()).decode())
+    return {"images": images, "info": "Success"}
+
+
+@router.post("/detect")
+async def detect(body: DetectRequest) -> dict[str, Any]:
+    return await run_in_threadpool(_detect, body)
