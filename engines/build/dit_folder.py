@@ -87,6 +87,26 @@ def apply_dtype(components: dict[str, Any], dtype: str, source: dict[str, Any]) 
                   "fp32_keeps": {n: k for n, k in keeps.items() if k}}
 
 
+def load_diffusers(src: Path, dtype: str, text_encoder: Any, transformer: Any, vae: Any) -> tuple[Any, dict[str, Any]]:
+    """The detected family of a one-encoder diffusers DiT folder and its networks (the given model classes) and
+    scheduler, each network loaded in its ``dtype`` export dtype (``half_plan``: half the memory of an fp32 load),
+    the VAE in fp32 (cast after, by its config); ModelLoadError for an sdserve ONNX folder."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from engines.errors import ModelLoadError
+    from engines.pipelines.flow_family import detect_dit
+
+    family = detect_dit(src)
+    if (src / "manifest.json").exists() or (src / "transformer" / "model.onnx").exists():
+        raise ModelLoadError(f"--from {src}: this is an sdserve ONNX model folder already; export reads a diffusers "
+                             "folder (transformer/, vae/, text_encoder/ with their config.json and weights)")
+    vae_model = vae.from_pretrained(src / "vae")
+    plan = {n: TORCH_DTYPES[d] for n, d in half_plan(dtype, config_of(vae_model)).items()}
+    return family, {"text_encoder": text_encoder.from_pretrained(src / "text_encoder", dtype=plan["text_encoder"]),
+                    "transformer": transformer.from_pretrained(src / "transformer", torch_dtype=plan["transformer"]),
+                    "vae": vae_model, "scheduler": FlowMatchEulerDiscreteScheduler.from_pretrained(src / "scheduler")}
+
+
 def write_json(path: Path, data: Any) -> None:
     """Sorted, indented JSON (diffusers' ``_use_default_values`` set sorted too: same inputs, same bytes)."""
     if isinstance(data, dict) and isinstance(data.get("_use_default_values"), list):

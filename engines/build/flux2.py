@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from engines.build.dit_folder import TORCH_DTYPES, apply_dtype, config_of, export_onnx, half_plan, with_io, write_folder
+from engines.build.dit_folder import apply_dtype, config_of, export_onnx, load_diffusers, with_io, write_folder
 
 log = logging.getLogger(__name__)
 SEED = 0
@@ -303,25 +303,12 @@ def export_flux2_folder(src: Path, out: Path, dtype: str = "fp32") -> Path:
     """Export a local diffusers ``Flux2KleinPipeline`` folder in ``dtype`` (``export_flux2``; the networks load in
     their export dtype, the VAE in fp32 and cast after, by its config); ModelLoadError for an sdserve ONNX folder or
     a FLUX.2 variant not served."""
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
     from transformers import Qwen3ForCausalLM
 
-    from engines.errors import ModelLoadError
-    from engines.pipelines.flow_family import detect_dit
-
-    family = detect_dit(src)
-    if (src / "manifest.json").exists() or (src / "transformer" / "model.onnx").exists():
-        raise ModelLoadError(f"--from {src}: this is an sdserve ONNX model folder already; export reads a diffusers "
-                             "folder (transformer/, vae/, text_encoder/ with their config.json and weights)")
+    family, parts = load_diffusers(src, dtype, Qwen3ForCausalLM, Flux2Transformer2DModel, AutoencoderKLFlux2)
     index = json.loads((src / "model_index.json").read_text(encoding="utf-8"))
-    vae = AutoencoderKLFlux2.from_pretrained(src / "vae")
-    plan = {n: TORCH_DTYPES[d] for n, d in half_plan(dtype, config_of(vae)).items()}
-    parts = {"text_encoder": Qwen3ForCausalLM.from_pretrained(src / "text_encoder", dtype=plan["text_encoder"]),
-             "transformer": Flux2Transformer2DModel.from_pretrained(src / "transformer",
-                                                                    torch_dtype=plan["transformer"]),
-             "vae": vae,
-             "scheduler": FlowMatchEulerDiscreteScheduler.from_pretrained(src / "scheduler"),
-             "is_distilled": bool(index.get("is_distilled", False))}
+    parts["is_distilled"] = bool(index.get("is_distilled", False))
     log.info("exporting %s (%s, %s) to %s", src, family.name, dtype, out)
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = Path(tmp) / "tokenizer"

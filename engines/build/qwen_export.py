@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engines.build.dit_folder import config_of, write_folder
+from engines.build.dit_folder import config_of, load_diffusers, write_folder
 from engines.build.dit_folder import export_onnx as _export
 
 log = logging.getLogger(__name__)
@@ -236,22 +236,11 @@ def export_qwen(components: dict[str, Any], tokenizer_dir: Path, out: Path, sour
 def export_qwen_folder(src: Path, out: Path) -> Path:
     """Export a local diffusers ``QwenImagePipeline`` folder (fp32); ModelLoadError for a refused variant (Edit,
     Layered, ControlNet) or an sdserve ONNX folder."""
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from engines.errors import ModelLoadError
-    from engines.pipelines.flow_family import detect_dit
-
-    family = detect_dit(src)
-    if (src / "manifest.json").exists() or (src / "transformer" / "model.onnx").exists():
-        raise ModelLoadError(f"--from {src}: this is an sdserve ONNX model folder already; export reads a diffusers "
-                             "folder (transformer/, vae/, text_encoder/ with their config.json and weights)")
-    parts = {"text_encoder": Qwen2_5_VLForConditionalGeneration.from_pretrained(src / "text_encoder",
-                                                                                dtype=torch.float32),
-             "transformer": QwenImageTransformer2DModel.from_pretrained(src / "transformer",
-                                                                        torch_dtype=torch.float32),
-             "vae": AutoencoderKLQwenImage.from_pretrained(src / "vae"),
-             "scheduler": FlowMatchEulerDiscreteScheduler.from_pretrained(src / "scheduler")}
+    family, parts = load_diffusers(src, "fp32", Qwen2_5_VLForConditionalGeneration, QwenImageTransformer2DModel,
+                                   AutoencoderKLQwenImage)
     log.info("exporting %s (%s) to %s", src, family.name, out)
     return export_qwen(parts, src / "tokenizer", out, {"kind": "diffusers-folder", "family": family.name,
                                                        "path_name": src.name})

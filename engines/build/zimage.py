@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engines.build.dit_folder import TORCH_DTYPES, apply_dtype, config_of, half_plan, with_io, write_folder
+from engines.build.dit_folder import apply_dtype, config_of, load_diffusers, with_io, write_folder
 from engines.build.dit_folder import export_onnx as _export
 from engines.build.export import VaeDecoderExport, VaeEncoderExport
 
@@ -303,23 +303,10 @@ def export_zimage(components: dict[str, Any], tokenizer_dir: Path, out: Path, so
 def export_zimage_folder(src: Path, out: Path, dtype: str = "fp32") -> Path:
     """Export a local diffusers ``ZImagePipeline`` folder in ``dtype`` (``export_zimage``); the networks load in
     their export dtype (half the memory of an fp32 load), the VAE in fp32 (cast after, by its config)."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
+    from diffusers import AutoencoderKL, ZImageTransformer2DModel
     from transformers import AutoModel
 
-    from engines.errors import ModelLoadError
-    from engines.pipelines.flow_family import detect_dit
-
-    family = detect_dit(src)
-    if (src / "manifest.json").exists() or (src / "transformer" / "model.onnx").exists():
-        raise ModelLoadError(f"--from {src}: this is an sdserve ONNX model folder already; export reads a diffusers "
-                             "folder (transformer/, vae/, text_encoder/ with their config.json and weights)")
-    vae = AutoencoderKL.from_pretrained(src / "vae")
-    plan = {n: TORCH_DTYPES[d] for n, d in half_plan(dtype, config_of(vae)).items()}
-    parts = {"text_encoder": AutoModel.from_pretrained(src / "text_encoder", dtype=plan["text_encoder"]),
-             "transformer": ZImageTransformer2DModel.from_pretrained(src / "transformer",
-                                                                     torch_dtype=plan["transformer"]),
-             "vae": vae,
-             "scheduler": FlowMatchEulerDiscreteScheduler.from_pretrained(src / "scheduler")}
+    family, parts = load_diffusers(src, dtype, AutoModel, ZImageTransformer2DModel, AutoencoderKL)
     log.info("exporting %s (%s, %s) to %s", src, family.name, dtype, out)
     return export_zimage(parts, src / "tokenizer", out, {"kind": "diffusers-folder", "family": family.name,
                                                          "path_name": src.name}, dtype=dtype)
