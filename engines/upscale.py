@@ -10,6 +10,9 @@ ESRGAN_tile_overlap, 192 and 8) with one difference: A1111 blends the overlappin
 core is kept (Real-ESRGAN's tile_pad), so the tiled result equals the whole-image run wherever the overlap covers
 the network's receptive field, and the seams are never blends of two different guesses. Peak memory is one tile's
 activations plus the uint8 output: a 4x of a 1024x1024 image holds 48 MiB of output and (208x208) tiles in flight.
+Channels go in as RGB, as the networks' own inference code feeds them (ESRGAN's test.py, Real-ESRGAN's
+RealESRGANer.enhance); A1111's paths hand them BGR (upscale_without_tiling's flip, a PIL array given to
+RealESRGANer as if it came from cv2), and the output is rounded where A1111 truncates.
 """
 
 from __future__ import annotations

@@ -175,6 +175,21 @@ def test_aiyabots_upscale_payload(served: tuple[TestClient, Any]) -> None:
     assert "upscaler_dir" in refused.json()["detail"][0]["msg"]
 
 
+def test_a_second_upscale_while_one_runs_is_a_429(served: tuple[TestClient, Any]) -> None:
+    """One upscale at a time per process: another is refused at once with Retry-After, never queued on a thread."""
+    from server.routes import a1111_extras
+
+    body = {"image": base64.b64encode(_png_bytes(_picture(8, 8))).decode(), "upscaler_1": "Nearest"}
+    assert a1111_extras._busy.acquire(blocking=False)  # an upscale in flight
+    try:
+        reply = served[0].post("/sdapi/v1/extra-single-image", json=body)
+    finally:
+        a1111_extras._busy.release()
+    assert reply.status_code == 429 and reply.headers["retry-after"] == "2"
+    assert "one at a time" in reply.json()["error"]["message"]
+    assert served[0].post("/sdapi/v1/extra-single-image", json=body).status_code == 200
+
+
 def test_an_upscale_is_signed_with_its_source_as_ingredient(served: tuple[TestClient, Any],
                                                              credential: SigningCredential) -> None:
     source = _png_bytes(_picture(16, 16, 7))
