@@ -15,7 +15,8 @@ The tiny model keeps the released structure in miniature:
   drawn from the seed (not the identity), so the pipeline's normalisation is exercised;
 - the scheduler is the released one (dynamic, exponential shift; the pipeline gives ``mu`` empirically).
 
-Exported layout (ONNX, legacy exporter, fp32)::
+Exported layout (ONNX, legacy exporter; fp32, or fp16/bf16 behind fp32 inputs and outputs: engines/build/dit_folder.py
+``half_plan``; weights in model.onnx.data past 2 GB)::
 
     text_encoder/ transformer/ vae_decoder/  model.onnx + config.json
     tokenizer/tokenizer.json  scheduler/scheduler_config.json  model_index.json (OnnxFlux2KleinPipeline)  manifest.json
@@ -76,7 +77,7 @@ TINY_NATIVE_SIZE = 64
 
 def _export(module: torch.nn.Module, args: tuple[torch.Tensor, ...], path: Path, inputs: list[str],
             outputs: list[str], dynamic: dict[str, dict[int, str]]) -> None:
-    """Legacy-exporter ONNX of ``module`` (fp32), its ``torch.nn.RMSNorm`` layers written as plain ops meanwhile (the
+    """Legacy-exporter ONNX of ``module``, its ``torch.nn.RMSNorm`` layers written as plain ops meanwhile (the
     legacy exporter has no ``aten::rms_norm`` symbolic)."""
     norms = [m for m in module.modules() if isinstance(m, torch.nn.RMSNorm)]
     for norm in norms:

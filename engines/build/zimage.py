@@ -9,7 +9,8 @@ prompt, ``enable_thinking``), a ``ZImageTransformer2DModel`` (patch 2, a noise a
 blocks, rope axes summing to the head width, its pad tokens drawn at random so the padding is exercised) and the
 FLUX.1 VAE shape (16 latent channels, scaling 0.3611, shift 0.1159), with the released scheduler (static shift 3).
 
-Output layout (ONNX, legacy exporter, fp32)::
+Output layout (ONNX, legacy exporter; fp32, or fp16/bf16 behind fp32 inputs and outputs: engines/build/dit_folder.py
+``half_plan``; weights in model.onnx.data past 2 GB)::
 
     text_encoder/ transformer/ vae_decoder/ [vae_encoder/]  model.onnx + config.json
     tokenizer/tokenizer.json  scheduler/scheduler_config.json  model_index.json (OnnxZImagePipeline)  manifest.json
