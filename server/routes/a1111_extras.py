@@ -124,21 +124,27 @@ async def _extras(request: Request, response: Response, req: ExtrasBaseRequest,
     limits = request.app.state.settings.limits
     check_pixel_budget(uploads, limits.max_image_pixels, limits.max_request_pixels)
     deadline = request.app.state.service.deadline(request.headers.get(headers.TIMEOUT))
-    if not _busy.acquire(blocking=False):
-        raise QueueFullError("an upscale is already running on this server (one at a time): retry shortly", 2)
-    try:
-        with decoding_for(tenant_label(request.scope)):
-            done = await within_deadline(deadline, _work, request, req, uploads, deadline)
-    finally:
-        _busy.release()
-    pngs, texts, facts = done
+    with decoding_for(tenant_label(request.scope)):
+        pngs, texts, facts = await within_deadline(deadline, _work, request, req, uploads, deadline)
     signed = await _sign(request, response, pngs, facts)
     return [b64(p) for p in signed], html_info(texts[-1])
 
 
 def _work(request: Request, req: ExtrasBaseRequest, uploads: list[tuple[str, str]],
           deadline: float) -> tuple[list[bytes], list[str], list[dict[str, Any]]]:
-    """Blocking: load the upscalers, decode, upscale and encode every image (a worker thread)."""
+    """Blocking, in a worker thread, holding the one upscale slot for as long as it computes (past a deadline the
+    request answers 504 at once and this thread stops at its next tile, still holding it)."""
+    if not _busy.acquire(blocking=False):
+        raise QueueFullError("an upscale is already running on this server (one at a time): retry shortly", 2)
+    try:
+        return _upscale_all(request, req, uploads, deadline)
+    finally:
+        _busy.release()
+
+
+def _upscale_all(request: Request, req: ExtrasBaseRequest, uploads: list[tuple[str, str]],
+                 deadline: float) -> tuple[list[bytes], list[str], list[dict[str, Any]]]:
+    """Load the upscalers, decode, upscale and encode every image."""
     runtime, limits = request.app.state.settings.runtime, request.app.state.settings.limits
     lib = library(request)
     job = UpscaleJob(req.resize_mode, req.upscaling_resize, req.upscaling_resize_w, req.upscaling_resize_h,
