@@ -30,6 +30,9 @@ def register(sub: Any) -> None:
                    "replaces [server] cors_origin_regex")
     p.add_argument("--lora-dir", type=Path, default=None, metavar="DIR",
                    help="folder of .safetensors LoRA files (A1111's flag); replaces [runtime.lora] dir")
+    p.add_argument("--upscaler-dir", type=Path, default=None, metavar="DIR",
+                   help="folder of ESRGAN-family upscalers as <name>.onnx (/sdapi/v1/extra-single-image); replaces "
+                   "[runtime] upscaler_dir")
     p.set_defaults(run=run)
 
 
@@ -70,12 +73,13 @@ def run(args: argparse.Namespace) -> int:
     """Exit codes: 11 model folder missing, 12 port cannot be bound, 10 bad profile; the rest from boot."""
     from server.app import create_app
     from server.launcher import Launcher
+    from server.upscale import with_upscaler_dir
 
     check_model_folder(args.model)
     boot = boot_config(args)
-    boot = dataclasses.replace(boot, settings=with_lora_dir(with_cors(boot.settings, args.cors_allow_origins,
-                                                                       args.cors_allow_origins_regex),
-                                                             args.lora_dir))
+    boot = dataclasses.replace(boot, settings=with_upscaler_dir(with_lora_dir(
+        with_cors(boot.settings, args.cors_allow_origins, args.cors_allow_origins_regex), args.lora_dir),
+        args.upscaler_dir))
     settings = boot.settings
     if settings.runtime.allow_cpu:
         log.warning("profile %s allows the CPU: this server is NOT accelerated (accelerated: false)",
