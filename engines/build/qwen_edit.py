@@ -1,0 +1,225 @@
+"""Qwen-Image-Edit-Plus (diffusers' ``QwenImageEditPlusPipeline``, 0.42; the 2509 configuration): the tiny faithful
+model and its ONNX export. Build-time only: imports torch, diffusers and transformers.
+
+The networks are Qwen-Image's (engines/build/qwen.py: the transformer, the VAE, the scheduler, the tokenizer's BPE),
+plus what an edit uses of the Qwen2.5-VL text encoder that Qwen-Image leaves idle:
+
+- the vision tower (``Qwen2_5_VisionTransformerPretrainedModel``, real patch 14, temporal patch 2, spatial merge 2,
+  window 112 with windowed and full-attention blocks, as the released one; narrow and two blocks deep);
+- the tokenizer's vision specials (``<|vision_start|>``, ``<|vision_end|>``, ``<|image_pad|>``) after the chat ones,
+  and a ``Qwen2VLProcessor`` (the Qwen2-VL image processor with the released pixel bounds) in ``processor/``.
+
+Exported (beside Qwen-Image's transformer/ and vae halves, engines/build/qwen_export.py)::
+
+    vision/model.onnx        pixel_values [N, 1176] (the processor's patches of one image), window_index [N/4],
+                             rope_cos/rope_sin [N, head] (window-ordered), window_mask [N, N] (additive: 0 inside a
+                             window, -inf across) -> image_embeds [N/4, width] (merged, back in raster order)
+    text_encoder/model.onnx  input_ids [B, S], image_embeds [M, width], position_ids [3, B, S] -> last_hidden_state:
+                             the embedding of every ``<|image_pad|>`` replaced by the next image embedding, in
+                             order (``masked_scatter``), then the language model at the given M-RoPE positions
+
+The vision tower's host side (patches, rotary angles, window order, masks) is engines/pipelines/qwen_edit.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engines.build.qwen import SEED, TEXT, TINY_NATIVE_SIZE, VAE, SCHEDULER, TRANSFORMER, _seeded, train_vocab
+
+log = logging.getLogger(__name__)
+CLASS_NAME = "OnnxQwenImageEditPlusPipeline"
+"""model_index.json ``_class_name`` of an exported folder."""
+VISION_SPECIALS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
+VISION = dict(depth=2, hidden_size=16, intermediate_size=24, num_heads=2, out_hidden_size=TEXT["hidden_size"],
+              patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112, fullatt_block_indexes=[1],
+              tokens_per_second=2)
+PIXELS = dict(min_pixels=3136, max_pixels=12845056)
+"""Qwen/Qwen-Image-Edit-2509's processor/preprocessor_config.json pixel bounds."""
+
+
+def write_edit_tokenizer(out: Path, bpe: Path | None = None) -> dict[str, int]:
+    """The tokenizer (Qwen-Image's BPE, the chat specials, then the vision specials) and the processor folder;
+    returns the special tokens' ids and ``vocab`` (the vocabulary's size)."""
+    from transformers import AddedToken, Qwen2Tokenizer, Qwen2VLImageProcessorPil
+
+    vocab, merges = train_vocab(bpe)
+    for token in VISION_SPECIALS:
+        vocab[token] = len(vocab)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges)
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False)
+                          for t in ("<|im_start|>", "<|im_end|>", *VISION_SPECIALS)])
+    tokenizer.model_max_length = 32768
+    tokenizer.save_pretrained(out / "tokenizer")
+    Qwen2VLImageProcessorPil(**PIXELS).save_pretrained(out / "processor")
+    return {"vocab": len(vocab), **{t: vocab[t] for t in ("<|endoftext|>", "<|im_end|>", *VISION_SPECIALS)}}
+
+
+def make_edit_components(ids: dict[str, int], seed: int = SEED) -> dict[str, Any]:
+    """The networks and scheduler of the tiny Qwen-Image-Edit-Plus, each module from its own seed (the transformer,
+    VAE and scheduler as the tiny Qwen-Image's)."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    rows = -(-ids["vocab"] // 64) * 64
+    special = {"bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
+               "pad_token_id": ids["<|endoftext|>"]}
+    config = Qwen2_5_VLConfig(text_config={**TEXT, "vocab_size": rows, **special}, vision_config=VISION,
+                              vocab_size=rows, image_token_id=ids["<|image_pad|>"],
+                              vision_start_token_id=ids["<|vision_start|>"],
+                              vision_end_token_id=ids["<|vision_end|>"], **special)
+    return {
+        "text_encoder": _seeded(seed, lambda: Qwen2_5_VLForConditionalGeneration(config)),
+        "transformer": _seeded(seed + 1, lambda: QwenImageTransformer2DModel(**TRANSFORMER)),
+        "vae": _seeded(seed + 2, lambda: AutoencoderKLQwenImage(**VAE)),
+        "scheduler": FlowMatchEulerDiscreteScheduler(**SCHEDULER),
+    }
+
+
+def edit_processor(folder: Path) -> Any:
+    """The ``Qwen2VLProcessor`` of ``folder`` (tokenizer/, processor/) without a video processor: transformers
+    builds that one on torchvision, which sdserve does not install; diffusers' pipeline never calls it."""
+    from transformers import Qwen2Tokenizer, Qwen2VLImageProcessorPil, Qwen2VLProcessor
+
+    class _ImagesOnly(Qwen2VLProcessor):  # type: ignore[misc]
+        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+            if argument is None and argument_name == "video_processor":
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    return _ImagesOnly(image_processor=Qwen2VLImageProcessorPil.from_pretrained(folder / "processor"),
+                       tokenizer=Qwen2Tokenizer.from_pretrained(folder / "tokenizer"))
+
+
+def edit_pipeline(components: dict[str, Any], folder: Path) -> Any:
+    """diffusers' ``QwenImageEditPlusPipeline`` on the same weights (in memory: the parity reference)."""
+    from diffusers import QwenImageEditPlusPipeline
+
+    processor = edit_processor(folder)
+    return QwenImageEditPlusPipeline(**components, tokenizer=processor.tokenizer, processor=processor)
+
+
+class _Vision(torch.nn.Module):
+    """The vision tower with its host-side inputs given (no ``grid_thw`` loops in the graph)."""
+
+    def __init__(self, tower: Any) -> None:
+        super().__init__()
+        self.tower = tower
+
+    def forward(self, pixel_values: torch.Tensor, window_index: torch.Tensor, rope_cos: torch.Tensor,
+                rope_sin: torch.Tensor, window_mask: torch.Tensor) -> torch.Tensor:
+        tower = self.tower
+        unit = tower.spatial_merge_unit
+        x = tower.patch_embed(pixel_values)
+        x = x.reshape(-1, unit, x.shape[-1])[window_index].flatten(0, 1)
+        cos, sin = rope_cos[:, None, :], rope_sin[:, None, :]
+        for i, block in enumerate(tower.blocks):
+            attn = block.attn
+            q, k, v = attn.qkv(block.norm1(x)).unflatten(-1, (3, attn.num_heads, -1)).unbind(1)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            mask = None if i in tower.fullatt_block_indexes else window_mask
+            out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                                                   v.transpose(0, 1), attn_mask=mask)
+            x = x + attn.proj(out.transpose(0, 1).flatten(1))
+            x = x + block.mlp(block.norm2(x))
+        merged = tower.merger(x)
+        return merged[torch.argsort(window_index)]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+class _Text(torch.nn.Module):
+    """``input_ids`` with the image embeddings scattered over the image tokens -> the last hidden state."""
+
+    def __init__(self, language: Any, embed: Any, image_token: int) -> None:
+        super().__init__()
+        self.language, self.embed, self.image_token = language, embed, image_token
+
+    def forward(self, input_ids: torch.Tensor, image_embeds: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        embeds = self.embed(input_ids)
+        is_image = (input_ids == self.image_token).flatten()
+        order = (torch.cumsum(is_image.to(torch.int64), 0) - 1).clamp(min=0)
+        scattered = image_embeds[order].reshape(embeds.shape)
+        embeds = torch.where(is_image.reshape(input_ids.shape)[..., None], scattered, embeds)
+        return self.language(inputs_embeds=embeds, position_ids=position_ids, return_dict=False)[0]
+
+
+def _export_vision(model: Any, out: Path) -> None:
+    from engines.build.dit_folder import export_onnx
+
+    tower = model.model.visual
+    head = tower.config.hidden_size // tower.config.num_heads
+    n = 64
+    args = (torch.randn(n, 3 * 2 * 14 * 14), torch.arange(n // 4), torch.randn(n, head), torch.randn(n, head),
+            torch.zeros(n, n))
+    names = ["pixel_values", "window_index", "rope_cos", "rope_sin", "window_mask"]
+    dynamic = {"pixel_values": {0: "patches"}, "window_index": {0: "merged"}, "rope_cos": {0: "patches"},
+               "rope_sin": {0: "patches"}, "window_mask": {0: "patches", 1: "patches_k"},
+               "image_embeds": {0: "merged"}}
+    export_onnx(_Vision(tower), args, out / "vision" / "model.onnx", names, ["image_embeds"], dynamic)
+
+
+def _export_text(model: Any, out: Path) -> None:
+    from engines.build.dit_folder import export_onnx
+
+    language = model.model.language_model
+    attention = language.config._attn_implementation
+    language.config._attn_implementation = "eager"  # grouped-query SDPA has no legacy-exporter symbolic
+    try:
+        wrapper = _Text(language, language.embed_tokens, int(model.config.image_token_id))
+        ids = torch.zeros(1, 40, dtype=torch.int64)
+        ids[0, 5:9] = int(model.config.image_token_id)
+        positions = torch.arange(40)[None, None].expand(3, 1, 40).contiguous()
+        seq = {0: "batch", 1: "sequence"}
+        export_onnx(wrapper, (ids, torch.randn(4, language.config.hidden_size), positions),
+                    out / "text_encoder" / "model.onnx", ["input_ids", "image_embeds", "position_ids"],
+                    ["last_hidden_state"], {"input_ids": seq, "image_embeds": {0: "image_tokens"},
+                                            "position_ids": {1: "batch", 2: "sequence"}, "last_hidden_state": seq})
+    finally:
+        language.config._attn_implementation = attention
+
+
+def export_edit(components: dict[str, Any], folder: Path, out: Path, source: dict[str, Any],
+                native_size: int | None = None) -> Path:
+    """Qwen-Image's export (transformer, VAE halves, scheduler, tokenizer) with the edit text encoder, the vision
+    tower and the processor's config; model_index.json names ``OnnxQwenImageEditPlusPipeline``."""
+    from engines.build.dit_folder import config_of, write_folder
+    from engines.build.qwen_export import _export_transformer, _export_vae
+
+    out.mkdir(parents=True, exist_ok=True)
+    text = components["text_encoder"]
+    _export_text(text, out)
+    _export_vision(text, out)
+    _export_transformer(components["transformer"], out)
+    _export_vae(components["vae"], out, True)
+    (out / "processor").mkdir(exist_ok=True)
+    processor = json.loads((folder / "processor" / "preprocessor_config.json").read_text(encoding="utf-8"))
+    (out / "processor" / "preprocessor_config.json").write_text(json.dumps(processor, indent=2), encoding="utf-8")
+    configs = {"text_encoder": {**text.config.text_config.to_dict(), "image_token_id": text.config.image_token_id},
+               "vision": text.config.vision_config.to_dict(),
+               "transformer": config_of(components["transformer"]),
+               **dict.fromkeys(("vae_decoder", "vae_encoder"), config_of(components["vae"]))}
+    return write_folder(out, CLASS_NAME, configs, folder / "tokenizer", components["scheduler"], source, native_size)
+
+
+def build_tiny_qwen_edit(out: Path, bpe: Path | None = None, reference: bool = False) -> Any:
+    """Build the tiny Qwen-Image-Edit-Plus and export it to ``out``; ``reference``: return diffusers'
+    pipeline on the same weights (else ``out``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        components = make_edit_components(write_edit_tokenizer(folder, bpe))
+        export_edit(components, folder, out, {"kind": "tiny", "family": "qwen-image-edit", "seed": SEED},
+                    native_size=TINY_NATIVE_SIZE)
+        pipe = edit_pipeline(components, folder) if reference else None
+    log.info("tiny qwen-image-edit model in %s", out)
+    return pipe if reference else out
