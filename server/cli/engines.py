@@ -93,7 +93,11 @@ def check_diffusers_folder(src: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    if args.engines_cmd == "tiny" and args.family in DIT_FAMILIES:
+    if args.engines_cmd == "tiny" and getattr(args, "controlnet", None) is not None and args.family != "sd1":
+        from engines.errors import ConfigError
+
+        raise ConfigError(f"--controlnet: a tiny ControlNet is built for sd1 only, not {args.family}")
+    elif args.engines_cmd == "tiny" and args.family in DIT_FAMILIES:
         from engines.build.dit import build_tiny_dit
 
         out = build_tiny_dit(args.family, args.out, args.bpe, args.diffusers_out)
@@ -103,10 +107,7 @@ def run(args: argparse.Namespace) -> int:
         out = build_tiny(args.out, args.bpe, args.diffusers_out, args.family)
         if getattr(args, "controlnet", None) is not None:
             from engines.build.controlnet import build_tiny_controlnet
-            from engines.errors import ConfigError
 
-            if args.family != "sd1":
-                raise ConfigError(f"--controlnet: a tiny ControlNet is built for sd1 only, not {args.family}")
             build_tiny_controlnet(args.controlnet, out,
                                   args.diffusers_out / "controlnet" if args.diffusers_out else None)
     elif args.engines_cmd == "export" and getattr(args, "controlnet", False) \

@@ -203,3 +203,17 @@ def test_a1111_units_drive_the_pipeline(ours: StableDiffusionOnnx, built: dict[s
             _assert_close(mine, plain, "weight 0")
         else:
             assert _differs(mine, plain) > 0.3
+
+
+def test_cli_exports_a_controlnet_folder(built: dict[str, Path], tmp_path: Path) -> None:
+    """`sdserve engines export --controlnet --from <diffusers ControlNet folder>` gives the same ONNX file as the
+    build (deterministic export); `engines tiny --controlnet` is refused on a family other than sd1, before anything is built."""
+    from server.cli.main import main
+
+    out = tmp_path / "edges"
+    assert main(["engines", "export", "--controlnet", "--from", str(built["edges_torch"]), "--out", str(out)]) == 0
+    assert (out / "model.onnx").read_bytes() == (built["edges"] / "model.onnx").read_bytes()
+    assert json.loads((out / "config.json").read_text())["_class_name"] == "ControlNetModel"
+    assert main(["engines", "tiny", "--family", "sd2", "--out", str(tmp_path / "m"),
+                 "--controlnet", str(tmp_path / "cn")]) != 0
+    assert not (tmp_path / "cn").exists() and not (tmp_path / "m").exists()  # refused before building
