@@ -167,6 +167,16 @@ register(Architecture(
     export="engines.build.qwen_export:export_qwen_folder"))
 """Qwen-Image: an img2img folder (QwenImageImg2ImgPipeline) holds the text-to-image weights: served as both."""
 register(Architecture(
+    "qwen-image-edit", "transformer", "engines.pipelines.qwen_edit:QwenEditPipeline",
+    frozenset({"QwenImageEditPlusPipeline", "OnnxQwenImageEditPlusPipeline"}), "QwenImageTransformer2DModel",
+    packed=True, cfg=True, variant_keys=("guidance_embeds", "zero_cond_t", "use_additional_t_cond", "use_layer3d_rope"),
+    components=("text_encoder", "vision", "transformer", "vae_decoder"),
+    memory_parts={"text_encoder": "qwen_text", "transformer": "qwen_image"}, vae_formulas="qwen_",
+    precision={"text_encoder": "bf16"}, text_tokens="fixed", text_ids="longest+prefix"))
+"""Qwen-Image-Edit-Plus 2509 (instruction edits: the Qwen2.5-VL vision tower on the input images, their latents
+after the noisy tokens): engines/pipelines/qwen_edit.py. 2511 (``zero_cond_t``: the reference tokens modulated at
+timestep 0) is refused by that key until its transformer export takes it."""
+register(Architecture(
     "z-image", "transformer", "engines.pipelines.zimage:ZImagePipeline",
     frozenset({"ZImagePipeline", "ZImageImg2ImgPipeline", "OnnxZImagePipeline"}), "ZImageTransformer2DModel",
     cfg=True, components=("text_encoder", "transformer", "vae_decoder"), precision={"text_encoder": "bf16"},
