@@ -117,6 +117,16 @@ def _instruct_batch(batch: Batch, edit: EditInput, info: ModelInfo) -> Batch:
     return replace(batch, images=specs, strength=1.0, overlay=False)
 
 
+def instruct_shape(batch: Batch, sizes: list[tuple[int, int]]) -> Batch:
+    """The batch an instruction edit will be, as admission prices it before any pixel is decoded: each image an
+    edit whose references have the inputs' declared sizes (zero-copy arrays of zeros: nothing is allocated), so
+    admission counts the VAE encode and whatever the model's memory estimate takes from the references."""
+    zero = np.zeros((1, 1, 3), np.uint8)
+    references = tuple(np.broadcast_to(zero, (h, w, 3)) for w, h in sizes)
+    edit = EditImage(np.broadcast_to(zero, (batch.height, batch.width, 3)), references=references)
+    return replace(batch, images=tuple(replace(spec, edit=edit) for spec in batch.images), strength=1.0)
+
+
 async def within_deadline(deadline: float, call: Callable[..., T], *args: object) -> T:
     """``call(*args)`` (decoding uploads) in the threadpool under the request's deadline: 504 when it passes
     first, so a client that set a deadline is answered on time. The thread finishes the image it holds (bounded by

@@ -32,7 +32,15 @@ from engines.types.model import ModelInfo
 from engines.types.request import LatentFill
 from server import headers
 from server.a1111_request import HIRES_FIELDS, Txt2ImgRequest, from_a1111
-from server.edits import EditInput, edit_batch, instruct_size, is_instruct, require_edits, within_deadline
+from server.edits import (
+    EditInput,
+    edit_batch,
+    instruct_shape,
+    instruct_size,
+    is_instruct,
+    require_edits,
+    within_deadline,
+)
 from server.images_in import (
     blur_mask,
     check_pixel_budget,
@@ -192,14 +200,15 @@ async def img2img(req: Img2ImgRequest, request: Request, response: Response) -> 
     uploads = [*((f"init_images.{i}", t) for i, t in enumerate(req.init_images)), ("mask", req.mask)]
     await run_in_threadpool(check_pixel_budget, uploads, settings.limits.max_image_pixels,
                             settings.limits.max_request_pixels)  # headers only, before any pixel is decoded
+    sizes = [await run_in_threadpool(declared_size, t, f"init_images.{i}", settings.limits.max_image_pixels)
+             for i, t in enumerate(req.init_images)] if instruct else []
     if instruct and not {"width", "height"} & req.model_fields_set:  # the model's rule on the inputs' sizes
-        sizes = [await run_in_threadpool(declared_size, t, f"init_images.{i}", settings.limits.max_image_pixels)
-                 for i, t in enumerate(req.init_images)]
         size = instruct_size(info, sizes)
         req = req if size is None else req.model_copy(update={"width": size[0], "height": size[1]})
     batches = service.to_batches(from_a1111(req, info, scheduler))
     # admitted on the batches' estimated cost before any pixel is decoded; decoding runs under the deadline
-    deadline = service.preadmit(batches, request.headers.get(headers.TIMEOUT))
+    deadline = service.preadmit([instruct_shape(b, sizes) for b in batches] if instruct else batches,
+                                request.headers.get(headers.TIMEOUT))
     with decoding_for(tenant_label(request.scope)):  # the decoders are shared fairly across tenants
         images, mask = await within_deadline(deadline, _decode, req, settings.limits.max_image_pixels)
     first = batches[0]

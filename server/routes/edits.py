@@ -39,7 +39,15 @@ from engines.config import parse_size
 from engines.errors import InvalidRequestError
 from engines.types.request import Batch
 from server import headers
-from server.edits import EditInput, edit_batch, instruct_size, is_instruct, require_edits, within_deadline
+from server.edits import (
+    EditInput,
+    edit_batch,
+    instruct_shape,
+    instruct_size,
+    is_instruct,
+    require_edits,
+    within_deadline,
+)
 from server.hires import HiresPlan, make_plan
 from server.images_in import alpha_mask, check_pixel_budget, declared_size, decode, decoding_for, mask_image
 from server.middleware import tenant_label
@@ -191,12 +199,14 @@ async def edit_images(request: Request, response: Response) -> ImagesResponse:
     uploads = [("image" if len(images) == 1 else f"image.{i}", data) for i, data in enumerate(images)]
     await run_in_threadpool(check_pixel_budget, [*uploads, *(("mask", m) for m in masks)], limit,
                             service.settings.limits.max_request_pixels)
+    sizes = [await run_in_threadpool(declared_size, data, name, limit) for name, data in uploads] if instruct else []
     if instruct and req.size in (None, "auto"):  # the model's rule on the inputs' sizes, read from their headers
-        sizes = [await run_in_threadpool(declared_size, data, name, limit) for name, data in uploads]
         size = instruct_size(info, sizes)
         req = req if size is None else req.model_copy(update={"size": f"{size[0]}x{size[1]}"})
     # admitted on its estimated cost before any pixel is decoded; the decodes run under the request's deadline
-    deadline = service.preadmit([_first_batch(req, request)], request.headers.get(headers.TIMEOUT))
+    first = _first_batch(req, request)
+    deadline = service.preadmit([instruct_shape(first, sizes) if instruct else first],
+                                request.headers.get(headers.TIMEOUT))
     with decoding_for(tenant_label(request.scope)):  # the decoders are shared fairly across tenants
         decoded = [await within_deadline(deadline, decode, data, name, limit) for name, data in uploads]
         mask = await within_deadline(deadline, decode, masks[0], "mask", limit) if masks else None

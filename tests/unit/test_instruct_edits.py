@@ -127,3 +127,29 @@ def test_a1111_init_images_are_the_references(client: TestClient, engine: Instru
     too_many = client.post("/sdapi/v1/img2img", json={"prompt": "a hat", "init_images": images * 2})
     assert too_many.status_code == 422 and "init_images" in too_many.text and "at most 2" in too_many.text
     assert np.array_equal(edit.references[1][0, 0], [7, 8, 9])
+
+
+def test_admission_sees_the_references_before_any_pixel_is_decoded(client: TestClient, engine: InstructFake,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batch priced before decoding is the instruction edit's shape: references at the declared sizes, after
+    the EXIF orientation (a JPEG turned 90 degrees: 128x96 stored, 96x128 shown), and the output size follows."""
+    service = client.app.state.service  # type: ignore[attr-defined]
+    priced: list[Any] = []
+    real = service.preadmit
+
+    def spy(batches: list[Any], *args: Any, **kwargs: Any) -> float:
+        priced.extend(batches)
+        return float(real(batches, *args, **kwargs))
+
+    monkeypatch.setattr(service, "preadmit", spy)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buffer = io.BytesIO()
+    Image.new("RGB", (128, 96), (50, 60, 70)).save(buffer, format="JPEG", exif=exif.tobytes())
+    response = _edit(client, [buffer.getvalue(), _png(64, 64, (1, 1, 1))])
+    assert response.status_code == 200, response.text
+    batch = priced[0]
+    assert batch.mode == "instruct" and (batch.width, batch.height) == (48, 64)
+    assert [r.shape for r in batch.images[0].edit.references] == [(128, 96, 3), (64, 64, 3)]
+    ran = engine.batches[-1].images[0].edit
+    assert ran is not None and [r.shape for r in ran.references] == [(128, 96, 3), (64, 64, 3)]
