@@ -126,13 +126,16 @@ def resolve_sampler(name: str, schedule: str | None = None, notes: list[str] | N
         notes.append(f"scheduler {wanted[:64]!r} ignored for {label} ({why}): used {fallback}, as A1111 does "
                      "for a scheduler it cannot use")
         known = fallback
-    return _full_name(label, known)
+    return _full_name(label, known, served)
 
 
-def _full_name(label: str, schedule: str) -> str:
-    """Our scheduler name for an A1111 sampler label and schedule label."""
+def _full_name(label: str, schedule: str, served: Collection[str] | None = None) -> str:
+    """Our scheduler name for an A1111 sampler label and schedule label. Automatic is the sampler's A1111 default
+    schedule where the model serves it, else the model's own (flow-matching models: their flow schedule)."""
     ours, _, automatic = SAMPLERS[label]
     chosen = SCHEDULES[schedule][0] or automatic
+    if not SCHEDULES[schedule][0] and served is not None and f"{ours}_{chosen}" not in served and ours in served:
+        chosen = ""
     return f"{ours}_{chosen}" if chosen else ours
 
 
@@ -140,7 +143,7 @@ def _schedules(label: str, served: Collection[str] | None) -> list[str]:
     """The schedule labels the sampler takes (DDIM and PLMS: Automatic only), those whose scheduler runs on the
     served model when ``served`` is given."""
     offered = ["Automatic"] if SAMPLERS[label][0] in FIXED_SCHEDULE else list(SCHEDULES)
-    return offered if served is None else [s for s in offered if _full_name(label, s) in served]
+    return offered if served is None else [s for s in offered if _full_name(label, s, served) in served]
 
 
 def served_samplers(served: Collection[str]) -> list[str]:
@@ -269,10 +272,13 @@ def with_infotexts(images: list[bytes], texts: list[str], settings: Settings) ->
 
 @router.get("/samplers")
 async def samplers(request: Request) -> list[dict[str, Any]]:
-    """The samplers that run on the served model (its family's: FLUX.1 and SD 3.x run Euler only)."""
-    served = served_samplers(request.app.state.engine.info.schedulers)
-    return [{"name": name, "aliases": list(aliases), "options": {"scheduler": automatic} if automatic else {}}
-            for name, (_, aliases, automatic) in SAMPLERS.items() if name in served]
+    """The samplers that run on the served model (its family's: flow-matching models run Euler, Euler a, DPM++ 2M
+    and UniPC on their flow schedule); ``options`` names the schedule Automatic means where the model serves it."""
+    schedulers = request.app.state.engine.info.schedulers
+    served = served_samplers(schedulers)
+    return [{"name": name, "aliases": list(aliases),
+             "options": {"scheduler": automatic} if f"{ours}_{automatic}" in schedulers else {}}
+            for name, (ours, aliases, automatic) in SAMPLERS.items() if name in served]
 
 
 @router.get("/scripts")
