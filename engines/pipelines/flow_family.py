@@ -14,12 +14,14 @@ folder's ``model_index.json`` and component configs before any session runs.
 
 - ``flux-kontext``: FLUX.1 Kontext [dev]: Flux.1 dev with a reference image's tokens in the sequence (instruction
   edits, engines/pipelines/kontext.py).
+- ``qwen-image-edit``: Qwen-Image-Edit-Plus 2509: Qwen-Image with the input images through the vision tower and
+  their latents in the sequence (instruction edits, engines/pipelines/qwen_edit.py).
 
 Refused by name: Flux.1 Kontext inpainting, FLUX.2 [dev]
 (its Mistral text encoder), FLUX.2 [klein] inpainting and KV-cached editing, the Flux tools (Fill, Canny/Depth
-control, Redux) and ControlNets;
-the Qwen-Image variants other than text-to-image and img2img (Edit / Edit Plus, Layered, inpainting, ControlNet,
-Qwen-Image 2.1): a folder of one of them raises ModelLoadError saying what it is and what is served.
+control, Redux) and ControlNets; the Qwen-Image variants other than text-to-image, img2img and Edit Plus 2509 (the
+first Edit, Edit 2511, Layered, inpainting, ControlNet, Qwen-Image 2.1): a folder of one of them raises
+ModelLoadError saying what it is and what is served.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from engines.pipelines.unet_family import read_json
 DIT_FAMILIES = families.names("transformer")
 SERVED = ("sdserve serves Flux.1 dev/schnell (FluxPipeline), SD 3 / 3.5 (StableDiffusion3Pipeline), Qwen-Image "
           "(QwenImagePipeline), Z-Image (ZImagePipeline), FLUX.2 [klein] (Flux2KleinPipeline) and FLUX.1 Kontext "
-          "[dev] (FluxKontextPipeline) DiT folders")
+          "[dev] (FluxKontextPipeline), Qwen-Image-Edit-Plus 2509 (QwenImageEditPlusPipeline) DiT folders")
 REFUSED: dict[str, str] = {
     "FluxKontextInpaint": "Flux.1 Kontext inpainting (masks are not served for the DiT families)",
     "Flux2Pipeline": "FLUX.2 [dev] (the Mistral Small 3.1 text encoder: not yet served)",
@@ -45,7 +47,9 @@ REFUSED: dict[str, str] = {
     "FluxControl": "Flux.1 Canny/Depth control",
     "FluxPriorRedux": "Flux.1 Redux (image variation)",
     "StableDiffusion3ControlNet": "an SD 3 ControlNet pipeline",
-    "QwenImageEdit": "Qwen-Image-Edit (image-conditioned editing: reference-image tokens in the sequence)",
+    "QwenImageEditPipeline": "Qwen-Image-Edit (the first release: one input image, its own template; Qwen-Image-"
+                             "Edit-Plus 2509, QwenImageEditPlusPipeline, is served)",
+    "QwenImageEditInpaint": "Qwen-Image-Edit inpainting (masks are not served for the DiT families)",
     "QwenImageLayered": "Qwen-Image-Layered (layer decomposition)",
     "QwenImageInpaint": "Qwen-Image inpainting (masks are not served for the DiT families)",
     "QwenImageControlNet": "a Qwen-Image ControlNet pipeline",

@@ -202,7 +202,7 @@ def test_family_detected_and_variants_refused(dit_build: Builder, tmp_path: Path
     onnx_dir, diffusers_dir = dit_build("qwen-image")
     assert detect_dit(onnx_dir).name == detect_dit(diffusers_dir).name == "qwen-image"
     assert detect_dit(onnx_dir).cfg
-    for class_name, said in (("QwenImageEditPlusPipeline", "Qwen-Image-Edit"),
+    for class_name, said in (("QwenImageEditPipeline", "Qwen-Image-Edit"),
                              ("QwenImageLayeredPipeline", "Qwen-Image-Layered"),
                              ("QwenImageControlNetPipeline", "ControlNet")):
         folder = tmp_path / class_name
