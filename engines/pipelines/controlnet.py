@@ -2,7 +2,7 @@
 semantics: every denoiser evaluation runs each active unit's ControlNet on the UNet's input (the scaled latents,
 every CFG row), its timestep and text states, and the control image; the units' residuals are summed (diffusers'
 MultiControlNetModel) and the UNet's residual variant (``unet_controlnet/``, engines/build/controlnet.py) takes
-them. A unit is active at evaluation ``i`` of ``n`` unless ``i / n < guidance_start`` or ``(i + 1) / n >
+them (on the device: one Add graph per extra unit). A unit is active at evaluation ``i`` of ``n`` unless ``i / n < guidance_start`` or ``(i + 1) / n >
 guidance_end`` (diffusers' ``controlnet_keep``); an evaluation with no active unit runs the plain UNet, which is
 what the residual variant computes with zero residuals. The control image is prepared as diffusers'
 ``prepare_image`` does: resized to the output size (PIL Lanczos, ``VaeImageProcessor``), RGB in [0, 1], one copy
@@ -64,6 +64,24 @@ class ControlRun:
     units: list[ActiveUnit] = field(default_factory=list)
 
 
+def sum_graph(count: int, dtype: type[np.generic]) -> bytes:
+    """``count`` element-wise additions in one call (a_j + b_j -> sum_j): the units' residuals summed on the
+    device, as MultiControlNetModel sums them (one IEEE addition per element, in unit order)."""
+    from onnx import helper
+    from onnx.helper import np_dtype_to_tensor_dtype
+
+    elem = np_dtype_to_tensor_dtype(np.dtype(dtype))
+    shape = ["B", "C", "H", "W"]
+    names = [(f"a{j}", f"b{j}", f"sum{j}") for j in range(count)]
+    graph = helper.make_graph(
+        [helper.make_node("Add", [a, b], [out]) for a, b, out in names], "controlnet_residual_sum",
+        [helper.make_tensor_value_info(n, elem, [f"{n}_{d}" for d in shape]) for a, b, _ in names for n in (a, b)],
+        [helper.make_tensor_value_info(out, elem, None) for _, _, out in names])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="sdserve")
+    model.ir_version = 8
+    return bytes(model.SerializeToString())
+
+
 def residual_levels(config: dict[str, Any]) -> tuple[tuple[int, int], ...]:
     """(channels, downsampling) of each residual of a ControlNet of ``config``: the input conv's, one per resnet
     layer, one per downsampler, then the mid block's."""
@@ -108,7 +126,13 @@ class ControlNets:
                 raise ModelLoadError(f"ControlNet {name}: cross_attention_dim {width}, the model's text states "
                                      f"are {pipe.hidden_width} wide (a ControlNet for another base model)")
             model = OrtModel(pipe.runtime, net_folder / "model.onnx", f"controlnet_{name}" + label)
+            if model.output_dtype() != self.unet.input_dtype(MID):
+                raise ModelLoadError(f"ControlNet {name}: residuals of {np.dtype(model.output_dtype()).name}, the "
+                                     f"UNet takes {np.dtype(self.unet.input_dtype(MID)).name} (export both alike)")
             self.nets[name] = ControlNet(name, model, levels)
+        self.sum = OrtModel(pipe.runtime, sum_graph(len(self.residuals), self.unet.input_dtype(MID)),
+                            "controlnet_sum" + label)
+        """Adds one unit's residuals to the others' on the device."""
 
     def start(self, pipe: StableDiffusionOnnx, batch: Batch, state: Denoising) -> ControlRun:
         """The request's units on the device: images prepared, scales per row, activity per evaluation."""
@@ -140,23 +164,26 @@ class ControlNets:
             pipe.unet.run(base, {pipe.io.out: state.model_out}, state.adapters)
             return
         rows, _, height, width = state.model_in.shape()
-        summed: list[np.ndarray] | None = None
-        outputs: list[ort.OrtValue] = []
+        total: list[ort.OrtValue] = []
         for k, unit in enumerate(active):
             dtype = unit.net.model.output_dtype()
-            outputs = [pipe.runtime.buffer(f"control_res{k}_{j}", (rows, c, height // f, width // f), dtype)
+            outputs = [pipe.runtime.buffer(f"control_res{k % 2}_{j}", (rows, c, height // f, width // f), dtype)
                        for j, (c, f) in enumerate(unit.net.levels)]
             names = [f"{NET_DOWN}{j}" for j in range(len(outputs) - 1)] + [NET_MID]
             unit.net.model.run({"sample": state.model_in, "timestep": timestep,
                                 "encoder_hidden_states": state.feeds[pipe.io.hidden],
                                 "controlnet_cond": unit.cond, "conditioning_scale": unit.scale},
                                dict(zip(names, outputs, strict=True)))
-            if len(active) > 1:  # MultiControlNetModel: the units' residuals summed, in unit order
-                values = [out.numpy() for out in outputs]
-                summed = values if summed is None else [a + b for a, b in zip(summed, values, strict=True)]
-        residuals: list[Feed] = list(outputs) if summed is None else [
-            pipe.runtime.upload(f"control_sum{j}", value) for j, value in enumerate(summed)]
-        self.unet.run({**base, **dict(zip(self.residuals, residuals, strict=True))}, {pipe.io.out: state.model_out},
+            if not total:
+                total = outputs
+            else:  # MultiControlNetModel: the units' residuals summed, in unit order
+                sums = [pipe.runtime.buffer(f"control_sum{k % 2}_{j}", tuple(out.shape()), dtype)
+                        for j, out in enumerate(outputs)]
+                feeds: dict[str, Feed] = {f"a{j}": a for j, a in enumerate(total)}
+                self.sum.run(feeds | {f"b{j}": b for j, b in enumerate(outputs)},
+                             {f"sum{j}": out for j, out in enumerate(sums)})
+                total = sums
+        self.unet.run({**base, **dict(zip(self.residuals, total, strict=True))}, {pipe.io.out: state.model_out},
                       state.adapters)
 
 
