@@ -3,10 +3,10 @@ semantics: every denoiser evaluation runs each active unit's ControlNet on the U
 every CFG row), its timestep and text states, and the control image; the units' residuals are summed (diffusers'
 MultiControlNetModel; on the device, one Add graph call per extra unit) and the UNet's residual variant
 (``unet_controlnet/``, engines/build/controlnet.py) takes them. A unit is active at evaluation ``i`` of ``n``
-unless ``i / n < guidance_start`` or ``(i + 1) / n > guidance_end`` (diffusers' ``controlnet_keep``); an evaluation with no active unit runs the plain UNet, which is
-what the residual variant computes with zero residuals. The control image is prepared as diffusers'
-``prepare_image`` does: resized to the output size (PIL Lanczos, ``VaeImageProcessor``), RGB in [0, 1], one copy
-per row, doubled under CFG.
+unless ``i / n < guidance_start`` or ``(i + 1) / n > guidance_end`` (diffusers' ``controlnet_keep``); an
+evaluation with no active unit runs the plain UNet, which is what the residual variant computes with zero
+residuals. The control image is prepared as diffusers' ``prepare_image`` does: resized to the output size (PIL
+Lanczos, ``VaeImageProcessor``), RGB in [0, 1], one copy per row, doubled under CFG.
 
 A pipeline serves ControlNet once ``attach`` gave it the ControlNets and its residual UNet; the plain UNet and its
 path are unchanged otherwise.
