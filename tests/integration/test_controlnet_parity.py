@@ -207,7 +207,8 @@ def test_a1111_units_drive_the_pipeline(ours: StableDiffusionOnnx, built: dict[s
 
 def test_cli_exports_a_controlnet_folder(built: dict[str, Path], tmp_path: Path) -> None:
     """`sdserve engines export --controlnet --from <diffusers ControlNet folder>` gives the same ONNX file as the
-    build (deterministic export); `engines tiny --controlnet` is refused on a family other than sd1, before anything is built."""
+    build (deterministic export); `engines tiny --controlnet` is refused on a family other than sd1, before anything
+    is built."""
     from server.cli.main import main
 
     out = tmp_path / "edges"
