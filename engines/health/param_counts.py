@@ -394,6 +394,34 @@ def qwen_text(c: Mapping[str, Any]) -> Tally:
     return t
 
 
+FLUX2_DEV_TEXT_LAYERS = (10, 20, 30)
+"""The hidden states diffusers' Flux2Pipeline stacks from Mistral Small 3.1 (``text_encoder_out_layers``): index 0 is
+the token embedding, index k the output of decoder layer k, so layers past the deepest one are never run."""
+
+
+def mistral3_text(c: Mapping[str, Any], deepest: int = max(FLUX2_DEV_TEXT_LAYERS)) -> Tally:
+    """Mistral Small 3.1's language model (``Mistral3ForConditionalGeneration.language_model``, FLUX.2 [dev]'s text
+    encoder) as far as the pipeline reads it: the token embedding and the first ``deepest`` decoder layers, each
+    bias-free grouped-query attention, a gated SiLU MLP and two RMS norms; the final norm only where the deepest
+    hidden state read is the last one (the model applies it there). The vision tower and the LM head, which the
+    pipeline never runs, are not counted. Defaults are the released config's (5120 wide, 40 layers, 32 heads and
+    8 KV heads of 128, MLP 32768, vocabulary 131072)."""
+    c = qwen_text_config(c)
+    t, d, total = Tally(), ival(c, "hidden_size", 5120), ival(c, "num_hidden_layers", 40)
+    n = min(deepest, total)
+    heads = ival(c, "num_attention_heads", 32)
+    hd = ival(c, "head_dim", d // heads if "hidden_size" in c else 128)  # transformers' rule; the release's 128
+    kv, ff = ival(c, "num_key_value_heads", 8) * hd, ival(c, "intermediate_size", 32768)
+    t.add(ival(c, "vocab_size", 131072) * d)
+    t.linear(d, heads * hd, bias=False, n=n)
+    t.linear(d, kv, bias=False, n=2 * n)
+    t.linear(heads * hd, d, bias=False, n=n)
+    t.linear(d, ff, bias=False, n=2 * n)  # gate, up
+    t.linear(ff, d, bias=False, n=n)
+    t.add(d, n=2 * n + (1 if n == total else 0))
+    return t
+
+
 def qwen_vae_dims(c: Mapping[str, Any]) -> list[int]:
     """AutoencoderKLQwenImage's channels per level, full size first (``base_dim`` x ``dim_mult``)."""
     base = ival(c, "base_dim", 96)
