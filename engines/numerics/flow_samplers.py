@@ -207,13 +207,12 @@ def sampler_coefficients(plan: SchedulePlan, guidance: np.ndarray, cfg: bool) ->
 @dataclass
 class FlowSampler:
     """One request's sampler state on the device beside its DitDenoising: the per-step coefficients, the ring of
-    ``HISTORY + 1`` x0 estimates (entries not yet pushed are zeros, read with coefficient 0) and each image's
-    noise stream (Euler a)."""
+    ``HISTORY + 1`` x0 estimates (entries not yet pushed are zeros, read with coefficient 0: never stale values,
+    as 0 * NaN is NaN) and each image's noise stream (Euler a)."""
 
     graph: Any
     coeffs: list[ort.OrtValue]
     ring: list[ort.OrtValue]
-    zeros: ort.OrtValue
     rngs: list[np.random.Generator]
     noisy: tuple[bool, ...]
     upload: Callable[[str, np.ndarray], ort.OrtValue]
@@ -222,9 +221,9 @@ class FlowSampler:
         """The step graph writes the next latents, the x0 estimate into the ring and the next transformer input
         (state: the pipeline's DitDenoising). Every evaluation is a step."""
         i, ring, depth = state.next_eval, self.ring, len(self.ring)
-        noise = self.zeros
+        noise = state.lat[0]  # a step without noise reads it with coefficient 0 (finite: the sample)
         if self.noisy[i]:  # each image's next draw from its own stream, in the latents' shape
-            shape = tuple(self.zeros.shape())[1:]
+            shape = tuple(state.lat[0].shape())[1:]
             noise = self.upload("flow_noise", np.stack([r.standard_normal(shape, dtype=np.float32)
                                                         for r in self.rngs]))
         self.graph.run({"sample": state.lat[0], "model_out": state.model_out, "prev": ring[i % depth],
@@ -259,9 +258,8 @@ def start_sampler(pipe: Any, name: str, sigmas: np.ndarray, guidance: np.ndarray
                                                           cfg, pipe.packed), "flow_sampler_cfg" if cfg else
                                  "flow_sampler")
     rt, shape = pipe.runtime, tuple(state.lat[0].shape())
-    zeros = rt.upload("flow_zeros", np.zeros(shape, STATE))
     ring = [rt.buffer("flow_x0_1", shape, STATE) if k == 1 else rt.upload(f"flow_x0_{k}", np.zeros(shape, STATE))
             for k in range(HISTORY + 1)]
     coeffs = rt.upload_steps("flow_sampler_coeffs", sampler_coefficients(plan, guidance, cfg))
-    return FlowSampler(graphs[cfg], coeffs, ring, zeros, rngs, tuple(bool(s.next.noise) for s in plan.steps),
+    return FlowSampler(graphs[cfg], coeffs, ring, rngs, tuple(bool(s.next.noise) for s in plan.steps),
                        rt.upload)

@@ -139,3 +139,22 @@ def test_flow_sampler_matches_diffusers(family: str, sampler: str, dit_build: Bu
     close = float((np.abs(euler.astype(np.int16) - theirs) <= 1).mean())
     print(f"Euler's image within 1/255 of diffusers' {sampler}: {close:.4f}")
     assert close < MIN_MATCH  # Euler in its place would fail this parity
+
+
+@pytest.mark.parametrize(("long_sampler", "short_sampler"), [("euler_a", "unipc"), ("dpmpp_2m", "euler_a")])
+def test_rows_joining_mid_way_keep_their_sampler_state(long_sampler: str, short_sampler: str,
+                                                        dit_build: Builder) -> None:
+    """Step-level batching on SD 3 (engines/engine.py begin/tick/finish): a 2-image CFG request with one sampler
+    runs; a 3-step request with another sampler, other seeds and no CFG joins at tick 2. Each row keeps its own
+    history ring and noise streams: both get their solo images."""
+    from tests.integration.test_step_batching import _close, _engine, _pixels, _run_joined
+
+    engine = _engine(dit_build("sd3")[0])
+    long = Batch(tuple(ImageSpec(f"a lighthouse {k}", "blurry", 10 + k, 5.0) for k in range(2)), 64, 64, 6,
+                 long_sampler)
+    short = Batch((ImageSpec("a red cube", "", 40, 1.0),), 64, 64, 3, short_sampler)
+    alone_long, alone_short = engine.generate(long), engine.generate(short)
+    joined_long, joined_short = _run_joined(engine, long, short, join_after=2)
+    assert joined_long.steps_done == 6 and joined_short.steps_done == 3
+    assert _close(joined_long, alone_long) <= 1 and _close(joined_short, alone_short) <= 1
+    assert np.abs(_pixels(joined_long)[0] - _pixels(joined_short)[0]).max() > 8, "two requests, two images"
