@@ -146,11 +146,12 @@ HISTORY = 2
 """History entries the sampler graph carries (UniPC's corrector reads the x0 estimate two evaluations back)."""
 
 
-def flow_plan(name: str, sigmas: Sequence[float]) -> SchedulePlan:
+def flow_plan(name: str, sigmas: Sequence[float] | np.ndarray) -> SchedulePlan:
     """The plan of sampler ``name`` over a flow schedule's sigmas (steps + 1 of them, ending in 0)."""
     if name not in PLANS:
         raise ValueError(f"flow sampler {name!r}: expected one of {sorted(PLANS)}")
-    return SchedulePlan(1.0, PLANS[name](sigmas), tuple(float(s) for s in sigmas), ve=False)
+    values = [float(s) for s in sigmas]
+    return SchedulePlan(1.0, PLANS[name](values), tuple(values), ve=False)
 
 
 def _dims(packed: bool, rows: str = "B") -> list[str]:
@@ -250,7 +251,7 @@ def start_sampler(pipe: Any, name: str, sigmas: np.ndarray, guidance: np.ndarray
         raise InvalidRequestError(f"scheduler {name!r} runs on {pipe.family.name} without classifier-free "
                                   "guidance only (its guidance rescales the prediction): use euler, or guidance "
                                   "at most 1", param="scheduler")
-    plan = flow_plan(name, [float(s) for s in sigmas])
+    plan = flow_plan(name, sigmas)
     graphs = _GRAPHS.setdefault(pipe, {})
     if cfg not in graphs:
         model = pipe.transformer

@@ -59,7 +59,7 @@ def _on_schedule(base: type, sigmas: np.ndarray, timesteps: np.ndarray, eps: boo
     if eps and abs(float(table[0]) - 1.0) < UNIPC_EPS:
         table[0] -= UNIPC_EPS
 
-    class OnFlowSchedule(base):  # type: ignore[misc, valid-type]
+    class OnFlowSchedule(base):  # type: ignore[misc]
         def set_timesteps(self, num_inference_steps: int | None = None, device: Any = None,
                           sigmas: Any = None, mu: float | None = None, **_: Any) -> None:
             super().set_timesteps(len(timesteps), device)

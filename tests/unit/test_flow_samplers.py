@@ -12,8 +12,14 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from engines.numerics.flow_samplers import (FLOW_SAMPLERS, HISTORY, UNIPC_EPS, build_flow_sampler_graph, flow_plan,
-                                            sampler_coefficients)
+from engines.numerics.flow_samplers import (
+    FLOW_SAMPLERS,
+    HISTORY,
+    UNIPC_EPS,
+    build_flow_sampler_graph,
+    flow_plan,
+    sampler_coefficients,
+)
 from engines.numerics.flow_schedule import FlowMatchConfig, FlowSchedule, flow_schedule, flux_sigmas
 from engines.numerics.plan import Lin, SchedulePlan
 
@@ -39,15 +45,16 @@ def _run_plan(plan: SchedulePlan, x: np.ndarray, noise: list[np.ndarray]) -> np.
     sigmas = plan.sigmas
     history = [np.zeros_like(x) for _ in range(HISTORY)]
     for i, step in enumerate(plan.steps):
-        v = model(x, sigmas[i])
-
-        def value(lin: Lin, v: np.ndarray = v, i: int = i) -> np.ndarray:
-            earlier = sum((c * history[k + 1] for k, c in enumerate(lin.earlier)), np.zeros_like(x))
-            return lin.sample * x + lin.model * v + lin.prev * history[0] + lin.noise * noise[i] + earlier
-
-        x, pushed = value(step.next), value(step.denoised)
+        basis = (x, model(x, sigmas[i]), history, noise[i])
+        x, pushed = _value(step.next, basis), _value(step.denoised, basis)
         history = [pushed, *history[:-1]]
     return x
+
+
+def _value(lin: Lin, basis: tuple[np.ndarray, np.ndarray, list[np.ndarray], np.ndarray]) -> np.ndarray:
+    x, v, history, noise = basis
+    earlier = sum((c * history[k + 1] for k, c in enumerate(lin.earlier)), np.zeros_like(x))
+    return lin.sample * x + lin.model * v + lin.prev * history[0] + lin.noise * noise + earlier
 
 
 def _run_diffusers(scheduler: object, sigmas: np.ndarray | None, x: np.ndarray,
