@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engines.build.qwen import SEED, TEXT, TINY_NATIVE_SIZE, VAE, SCHEDULER, TRANSFORMER, _seeded, train_vocab
+from engines.build.qwen import SCHEDULER, SEED, TEXT, TINY_NATIVE_SIZE, TRANSFORMER, VAE, train_vocab
 
 log = logging.getLogger(__name__)
 CLASS_NAME = "OnnxQwenImageEditPlusPipeline"
@@ -74,10 +75,14 @@ def make_edit_components(ids: dict[str, int], seed: int = SEED) -> dict[str, Any
                               vocab_size=rows, image_token_id=ids["<|image_pad|>"],
                               vision_start_token_id=ids["<|vision_start|>"],
                               vision_end_token_id=ids["<|vision_end|>"], **special)
+    def seeded(offset: int, make: Any) -> Any:
+        torch.manual_seed(seed + offset)
+        return make().eval()
+
     return {
-        "text_encoder": _seeded(seed, lambda: Qwen2_5_VLForConditionalGeneration(config)),
-        "transformer": _seeded(seed + 1, lambda: QwenImageTransformer2DModel(**TRANSFORMER)),
-        "vae": _seeded(seed + 2, lambda: AutoencoderKLQwenImage(**VAE)),
+        "text_encoder": seeded(0, lambda: Qwen2_5_VLForConditionalGeneration(config)),
+        "transformer": seeded(1, lambda: QwenImageTransformer2DModel(**TRANSFORMER)),
+        "vae": seeded(2, lambda: AutoencoderKLQwenImage(**VAE)),
         "scheduler": FlowMatchEulerDiscreteScheduler(**SCHEDULER),
     }
 
@@ -191,25 +196,27 @@ def _export_text(model: Any, out: Path) -> None:
 
 def export_edit(components: dict[str, Any], folder: Path, out: Path, source: dict[str, Any],
                 native_size: int | None = None) -> Path:
-    """Qwen-Image's export (transformer, VAE halves, scheduler, tokenizer) with the edit text encoder, the vision
-    tower and the processor's config; model_index.json names ``OnnxQwenImageEditPlusPipeline``."""
-    from engines.build.dit_folder import config_of, write_folder
-    from engines.build.qwen_export import _export_transformer, _export_vae
+    """Qwen-Image's export (transformer, VAE halves, scheduler, tokenizer: engines/build/qwen_export.py) with the
+    edit text encoder in place of Qwen-Image's, the vision tower and the processor's config; model_index.json names
+    ``OnnxQwenImageEditPlusPipeline`` and the manifest is written again over the whole folder."""
+    from engines.build.dit_folder import write_json
+    from engines.build.export import write_manifest
+    from engines.build.qwen_export import export_qwen
 
-    out.mkdir(parents=True, exist_ok=True)
+    export_qwen(components, folder / "tokenizer", out, source, True, native_size)
+    shutil.rmtree(out / "text_encoder")
     text = components["text_encoder"]
     _export_text(text, out)
     _export_vision(text, out)
-    _export_transformer(components["transformer"], out)
-    _export_vae(components["vae"], out, True)
-    (out / "processor").mkdir(exist_ok=True)
+    write_json(out / "text_encoder" / "config.json",
+               {**text.config.text_config.to_dict(), "image_token_id": text.config.image_token_id})
+    write_json(out / "vision" / "config.json", text.config.vision_config.to_dict())
     processor = json.loads((folder / "processor" / "preprocessor_config.json").read_text(encoding="utf-8"))
-    (out / "processor" / "preprocessor_config.json").write_text(json.dumps(processor, indent=2), encoding="utf-8")
-    configs = {"text_encoder": {**text.config.text_config.to_dict(), "image_token_id": text.config.image_token_id},
-               "vision": text.config.vision_config.to_dict(),
-               "transformer": config_of(components["transformer"]),
-               **dict.fromkeys(("vae_decoder", "vae_encoder"), config_of(components["vae"]))}
-    return write_folder(out, CLASS_NAME, configs, folder / "tokenizer", components["scheduler"], source, native_size)
+    write_json(out / "processor" / "preprocessor_config.json", processor)
+    index = json.loads((out / "model_index.json").read_text(encoding="utf-8"))
+    write_json(out / "model_index.json", {**index, "_class_name": CLASS_NAME, "vision": index["text_encoder"]})
+    write_manifest(out, source)
+    return out
 
 
 def build_tiny_qwen_edit(out: Path, bpe: Path | None = None, reference: bool = False) -> Any:

@@ -41,7 +41,7 @@ from engines.pipelines.flow import DitConditioning, pack_latents, run
 from engines.pipelines.flow_extra import ExtraTokens
 from engines.pipelines.kontext import reference_pixels
 from engines.pipelines.ort_model import OrtModel
-from engines.pipelines.qwen import QwenPipeline, _axis_angles
+from engines.pipelines.qwen import ROPE_THETA, QwenPipeline
 from engines.pipelines.unet_edits import ENCODER_OUTPUT
 from engines.pipelines.unet_family import read_json
 from engines.types.model import ModelInfo
@@ -146,6 +146,13 @@ def _window_index(gh: int, gw: int, window: int) -> tuple[np.ndarray, list[int]]
     return np.concatenate(order), bounds
 
 
+def _angles(positions: np.ndarray, dim: int) -> np.ndarray:
+    """``QwenEmbedRope.rope_params`` in float32 for one axis."""
+    exponent = np.arange(0, dim, 2).astype(np.float32) / np.float32(dim)
+    inv = (np.float32(1.0) / np.power(np.float32(ROPE_THETA), exponent)).astype(np.float32)
+    return np.outer(positions.astype(np.float32), inv).astype(np.float32)
+
+
 def edit_rope(shapes: list[tuple[int, int]], text: int, axes_dim: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
     """Rotary (cos, sin) tables over text then every image's tokens (``shapes``: packed (rows, cols), the noisy
     latents first): image ``i`` at frame ``i``, rows and columns centred; text after the largest half-side."""
@@ -156,7 +163,7 @@ def edit_rope(shapes: list[tuple[int, int]], text: int, axes_dim: tuple[int, ...
     start = max(max(gh // 2, gw // 2) for gh, gw in shapes)
     words = np.repeat(np.arange(start, start + text)[:, None], 3, axis=1)
     positions = np.concatenate([words, *parts])
-    angles = np.concatenate([_axis_angles(positions[:, a], d) for a, d in enumerate(axes_dim)], axis=1)
+    angles = np.concatenate([_angles(positions[:, a], d) for a, d in enumerate(axes_dim)], axis=1)
     return np.repeat(np.cos(angles), 2, axis=1), np.repeat(np.sin(angles), 2, axis=1)
 
 
