@@ -99,11 +99,11 @@ def _split_schedule(name: str) -> tuple[str, str | None]:
 def resolve_sampler(name: str, schedule: str | None = None, notes: list[str] | None = None,
                     served: Collection[str] | None = None) -> str:
     """The API scheduler name for an A1111 sampler name or alias and schedule type ("DPM++ 2M", "Karras" ->
-    "dpmpp_2m_karras"); a schedule in the name wins, as in A1111. An unknown sampler, or one that does not run on
-    the served model (``served``: its scheduler names; FLUX.1 runs Euler only), is a 422 naming sampler_name and
-    listing the A1111 names that run. A schedule sdserve does not serve with it, or one the sampler takes none of
-    (DDIM, PLMS), is a 422 naming scheduler, unless ``notes`` is given: then it falls back to Automatic as A1111's
-    get_sampler_and_scheduler does for a scheduler it cannot use, and the fallback is appended to ``notes``."""
+    "dpmpp_2m_karras"); a schedule in the name wins, as in A1111. An unknown sampler, or one that does not run on the
+    served model (``served``: its scheduler names; flow models run Euler, Euler a, DPM++ 2M and UniPC), is a 422 naming
+    sampler_name and listing the A1111 names that run. A schedule sdserve does not serve with it, or one the sampler
+    takes none of (DDIM, PLMS), is a 422 naming scheduler, unless ``notes`` is given: then it falls back to Automatic as
+    A1111's get_sampler_and_scheduler does for a scheduler it cannot use, and the fallback is appended to ``notes``."""
     base, suffix = _split_schedule(name)
     label = _BY_NAME.get(base.lower())
     if label is None or (served is not None and not _schedules(label, served)):
