@@ -15,11 +15,9 @@ The hooks, in the order ``begin`` runs them:
 5. ``read_geometry``, ``patch_size`` and ``native_size`` read the folder's VAE and transformer configs (the latent
    grid, the token patch, the default size); the registry row's ``packed`` says whether latents go in as 2x2 tokens
    (unpacked again before the VAE).
-6. ``extra_tokens`` (instruction edits): per image, latent tokens the transformer sees beside the noisy ones (the
-   reference images' latents) with their position ids, before or after them (engines/pipelines/flow_extra.py
-   ``ExtraTokens``); run after ``encode`` and handed to ``position_feeds`` as ``DitConditioning.extra``. Every
-   evaluation joins them to the input on the token axis and drops their output; rows with other extra tokens never
-   share a call (``extra_key``).
+6. ``extra_tokens`` (instruction edits): per image, latent tokens beside the noisy ones (reference latents) and
+   their ids, handed to ``position_feeds`` as ``DitConditioning.extra``; joined to every evaluation's input on the
+   token axis, their output dropped (engines/pipelines/flow_extra.py).
 
 Sessions are built by the Runtime (providers under the policy) and run through IO binding. The text encoders run
 once per request with host outputs (the conditioning is assembled on the host and uploaded once); the denoising
@@ -62,7 +60,7 @@ from engines.pipelines.contract import Begun, PipelineOutput, check_common, imag
 from engines.pipelines.first_block import PARTS as FIRST_BLOCK_PARTS
 from engines.pipelines.first_block import FirstBlockRunner, FirstBlockState, decide_parts
 from engines.pipelines.flow_edits import DitEditor
-from engines.pipelines.flow_extra import ExtraJoin, ExtraState, ExtraTokens
+from engines.pipelines.flow_extra import ExtraJoin, ExtraState, ExtraTokens, by_extra
 from engines.pipelines.flow_family import DitFamily, detect_dit
 from engines.pipelines.ort_model import Feed, OrtModel
 from engines.pipelines.unet_family import read_json
@@ -346,6 +344,8 @@ class FlowPipeline:
         if batch.mode == "inpaint":
             raise InvalidRequestError(f"inpainting is not served for {self.family.name} (txt2img and img2img are)",
                                       param="mask")
+        if batch.mode == "instruct" and type(self).extra_tokens is FlowPipeline.extra_tokens:
+            raise InvalidRequestError(f"instruction edits are not served for {self.family.name}", param="image")
         if batch.mode == "img2img" and self.editor is None:
             raise InvalidRequestError(f"img2img is not served by this model: {self.edits_unavailable}",
                                       param="image")
@@ -470,10 +470,7 @@ class FlowPipeline:
         for state in running:
             if state.first_block is not None and self.first_block is not None:
                 self.first_block.run(state)  # its first block, then the rest or the cached tail
-        groups: dict[Any, list[DitDenoising]] = {}
-        for state in joined:  # rows with other extra tokens (other rope tables) never share a call
-            groups.setdefault(state.extra.key if state.extra else None, []).append(state)
-        for group in groups.values():
+        for group in by_extra(joined):  # rows with other extra tokens (other rope tables) never share a call
             self._run_joined(group)
         record(running)
 

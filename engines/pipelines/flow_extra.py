@@ -15,8 +15,9 @@ rope tables) never share a call: ``ExtraTokens.key`` tells them apart.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import numpy as np
 import onnxruntime as ort
@@ -58,6 +59,22 @@ class ExtraState:
     """[rows, extra, channels] in the transformer's input type (rows: the transformer input's, CFG's included)."""
     key: Hashable
     prepend: bool
+
+
+class _Running(Protocol):
+    @property
+    def extra(self) -> ExtraState | None: ...
+
+
+Running = TypeVar("Running", bound=_Running)
+
+
+def by_extra(states: Sequence[Running]) -> list[list[Running]]:
+    """The states grouped by their extra tokens' key (none: one group), in order: one transformer call each."""
+    groups: dict[Hashable, list[Running]] = {}
+    for state in states:
+        groups.setdefault(state.extra.key if state.extra is not None else None, []).append(state)
+    return list(groups.values())
 
 
 def _tokens(dtype: type[np.generic], name: str) -> ValueInfoProto:

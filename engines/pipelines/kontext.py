@@ -106,7 +106,8 @@ class KontextPipeline(FluxPipeline):
             return None
         width, height = self._reference_sizes(batch)[0]
         refs = [spec.edit.references[0] for spec in batch.images if spec.edit is not None]
-        pixels = np.stack([reference_pixels(ref, width, height) for ref in refs])
+        distinct = list({id(ref): ref for ref in refs}.values())  # a request's images share its input: encoded once
+        pixels = np.stack([reference_pixels(ref, width, height) for ref in distinct])
         encoder = self.editor.encoder
         out = ENCODER_OUTPUT if ENCODER_OUTPUT in encoder.outputs else encoder.outputs[0]
         moments = run(encoder, {next(iter(encoder.inputs)): pixels}, [out], None)[0].astype(np.float32)
@@ -115,7 +116,8 @@ class KontextPipeline(FluxPipeline):
         latents = (mean - np.float32(g.shift_factor)) * np.float32(g.scaling_factor)
         ids = image_ids(latents.shape[2] // 2, latents.shape[3] // 2)
         ids[:, 0] = 1.0
-        return ExtraTokens(pack_latents(latents), ids)
+        row = {id(ref): k for k, ref in enumerate(distinct)}
+        return ExtraTokens(pack_latents(latents)[[row[id(ref)] for ref in refs]], ids)
 
     def position_feeds(self, cond: DitConditioning, h: int, w: int) -> dict[str, np.ndarray]:
         """Flux.1's tables with the reference tokens' ids after the noisy tokens'."""

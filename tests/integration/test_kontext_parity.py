@@ -115,7 +115,7 @@ def test_output_size_rule_matches_diffusers(kontext: tuple[Path, Path]) -> None:
     width, height = info.instruct_size(((72, 48),))
     assert (width, height) == kontext_size(((40, 88),)) == (1024, 1024)
     with torch.no_grad():
-        latents = _theirs(diffusers_dir)(image=Image.fromarray(_input_image(72, 48)), prompt=PROMPTS[0],
+        latents = _theirs(diffusers_dir)(image=None, prompt=PROMPTS[0],  # the input does not enter the rule
                                          num_inference_steps=1, max_sequence_length=T5_LENGTH,
                                          output_type="latent").images
     assert latents.shape[1] == (width // 16) * (height // 16)
@@ -150,12 +150,12 @@ def test_rows_with_other_references_joining_mid_way_get_their_solo_images(kontex
         return Batch(tuple(ImageSpec(f"{prompt} {k}", seed=seed + k, guidance_scale=GUIDANCE, edit=edit)
                            for k in range(n)), 64, 64, steps, "euler")
 
-    long = batch("make it snow", 10, 5, wide, n=2)
+    long = batch("make it snow", 10, 4, wide, n=2)
     alone_long = engine.generate(long)
-    for later in (batch("a red cube", 40, 3, None), batch("add a hat", 50, 3, tall)):
+    for later in (batch("a red cube", 40, 2, None), batch("add a hat", 50, 2, tall)):
         alone_later = engine.generate(later)
         joined_long, joined_later = _run_joined(engine, long, later, join_after=2)
-        assert joined_long.steps_done == 5 and joined_later.steps_done == 3
+        assert joined_long.steps_done == 4 and joined_later.steps_done == 2
         assert _close(joined_later, alone_later) <= 1
         assert _close(joined_long, alone_long) <= 1
         assert np.abs(_pixels(joined_later)[0] - _pixels(joined_long)[0]).max() > 8
