@@ -353,7 +353,7 @@ class FlowPipeline:
             raise InvalidRequestError(f"strength {batch.strength} must be in (0, 1]", param="strength")
         if batch.scheduler not in SAMPLERS:
             raise InvalidRequestError(f"scheduler {batch.scheduler!r} is not served for {self.family.name}: "
-                                      f"flow-matching models sample with {list(SAMPLERS)}", param="scheduler")
+                                      f"flow models sample with Euler or {list(SAMPLERS[1:])}", param="scheduler")
         if batch.cache is not None and batch.cache.method == "first-block" and self.first_block is None:
             raise InvalidRequestError(self.first_block_parts.refusal, param="cache")
         if any(not spec.prompt.strip() for spec in batch.images):
