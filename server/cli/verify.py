@@ -53,6 +53,9 @@ def render(path: Path, v: Verification) -> str:
         lines.append(f"  generator: {agent.get('name', '?')} {agent.get('version', '')}".rstrip())
     for action in v.actions:
         lines.append(f"  action: {action.get('action')} ({action.get('digitalSourceType', 'no source type')})")
+    for item in v.ingredients:
+        lines.append(f"  ingredient: {item.get('title') or '?'} {item.get('relationship') or '?'} "
+                     f"sha256 {item.get('sha256') or 'unknown'}")
     if v.watermark is not None:
         lines.append(f"  watermark: {_watermark_line(v.watermark)}")
     if v.generation is not None:

@@ -71,6 +71,9 @@ def test_openai_edit_records_its_image_and_refuses_two_on_sd(signing_server: Ser
                            capture_output=True, text=True, timeout=60, check=False)
     assert shown.returncode == 0, shown.stderr
     assert json.loads(shown.stdout)["ingredients"] == [want]
+    text = subprocess.run([sys.executable, "-m", "server.cli.main", "verify", "--trust", str(tmp_path / "ca.pem"),
+                           str(tmp_path / "out.png")], capture_output=True, text=True, timeout=60, check=False)
+    assert f"ingredient: image parentOf sha256 {want['sha256']}" in text.stdout, text.stdout
 
 
 def test_a1111_img2img_records_each_init_image_as_its_images_parent(signing_server: ServerProcess,
