@@ -222,6 +222,16 @@ def _build_zimage(family: str) -> Callable[[Path, Path | None, Path | None, bool
 OWN_BUILDERS.update({name: _build_zimage(name) for name in ("z-image-turbo", "z-image")})
 
 
+def _build_kontext(out: Path, bpe: Path | None, diffusers_out: Path | None, vae_encoder: bool,
+                   first_block: bool) -> Path:
+    from engines.build.kontext import build_tiny_kontext
+
+    return build_tiny_kontext(out, bpe, diffusers_out, vae_encoder, first_block)
+
+
+OWN_BUILDERS["flux-kontext"] = _build_kontext
+
+
 def build_tiny_dit(family: str, out: Path, bpe: Path | None = None, diffusers_out: Path | None = None,
                    vae_encoder: bool = True, first_block: bool = False) -> Path:
     """Build the tiny ``family`` model and export it to ``out``; ``diffusers_out``: the same weights as a diffusers
