@@ -102,8 +102,8 @@ class VisionInputs:
         high = int(processor.get("max_pixels") or size.get("longest_edge", 28 * 28 * 1280))
         h, w = smart_resize(image.height, image.width, patch * merge, low, high)
         pixels = np.asarray(image.convert("RGB").resize((w, h), Image.Resampling.BICUBIC))
-        x = (pixels.astype(np.float64) * float(processor.get("rescale_factor", 1 / 255))).astype(np.float32)
-        x = ((x - np.asarray(processor["image_mean"], np.float32)) / np.asarray(processor["image_std"], np.float32))
+        scaled = (pixels.astype(np.float64) * float(processor.get("rescale_factor", 1 / 255))).astype(np.float32)
+        x = (scaled - np.asarray(processor["image_mean"], np.float32)) / np.asarray(processor["image_std"], np.float32)
         gh, gw = h // patch, w // patch
         blocks = x.transpose(2, 0, 1).reshape(3, gh // merge, merge, patch, gw // merge, merge, patch)
         blocks = blocks.transpose(1, 4, 2, 5, 0, 3, 6)[:, :, :, :, :, None]
@@ -174,7 +174,8 @@ class QwenEditPipeline(QwenPipeline):
     def load_text(self, folder: Path, models: dict[str, OrtModel]) -> None:
         self.text_encoder, self.vision = models["text_encoder"], models["vision"]
         self.text_encoders.append(self.text_encoder)
-        self.tokenizer, self.pad_id = load_unpadded(folder / "tokenizer" / "tokenizer.json", "Qwen", f"in {folder}")
+        self.edit_tokenizer, self.pad_id = load_unpadded(folder / "tokenizer" / "tokenizer.json", "Qwen",
+                                                         f"in {folder}")
         self.processor = read_json(folder / "processor" / "preprocessor_config.json")
         self.vision_config = read_json(folder / "vision" / "config.json")
         self.width = int(read_json(folder / "text_encoder" / "config.json")["hidden_size"])
@@ -216,7 +217,7 @@ class QwenEditPipeline(QwenPipeline):
     def _states(self, prompt: str, embeds: np.ndarray, counts: list[int], adapters: Adapters | None) -> np.ndarray:
         pictures = "".join(PICTURE.format(i + 1).replace("<|image_pad|>", "<|image_pad|>" * n)
                            for i, n in enumerate(counts))
-        ids = np.asarray([self.tokenizer.encode(TEMPLATE.format(pictures + prompt)).ids], np.int64)
+        ids = np.asarray([self.edit_tokenizer.encode(TEMPLATE.format(pictures + prompt)).ids], np.int64)
         positions = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int64), (3, 1, ids.shape[1])).copy()
         feeds = {"input_ids": ids, "image_embeds": embeds, "position_ids": positions}
         return run(self.text_encoder, feeds, ["last_hidden_state"], adapters)[0][0, EDIT_DROP:]

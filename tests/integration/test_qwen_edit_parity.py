@@ -156,3 +156,40 @@ def test_family_model_info_and_refusals(edit: tuple[Path, Any], tmp_path: Path) 
         (other / "transformer" / "config.json").write_text(json.dumps({**base, **config}))
         with pytest.raises(ModelLoadError, match=said):
             detect_dit(other)
+
+
+def test_edit_rows_sharing_transformer_calls_get_their_solo_images(edit: tuple[Path, Any],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two edit requests (other input images of one size, other prompts, one with CFG) on the engine, the second
+    joining the first's running set after a step (their rows in one transformer call, engines/pipelines/flow.py),
+    give the images each gives alone, within 1/255."""
+    from engines.engine import OrtEngine
+    from engines.pipelines import qwen_edit
+
+    monkeypatch.setattr(qwen_edit, "VAE_AREA", SMALL_AREA)
+    engine = OrtEngine(edit[0], RuntimeSettings(providers=("CPUExecutionProvider",), allow_cpu=True))
+    engine.load()
+
+    def batch(prompt: str, seed: int, guidance: float, phase: float) -> Batch:
+        ref = _input_image(72, 48, phase)
+        return Batch((ImageSpec(prompt, seed=seed, guidance_scale=guidance, negative_prompt=NEGATIVE,
+                                edit=EditImage(ref[:32, :32], references=(ref,))),), width=32, height=32, steps=3)
+
+    first, later = batch(PROMPT, 3, 4.0, 0.0), batch("make it blue", 4, 1.0, 1.5)
+    alone = [np.asarray(engine.generate(b).images[0].image, np.int16) for b in (first, later)]
+    running = [(first, engine.begin(first))]
+    results: dict[int, Any] = {}
+    for tick in range(20):
+        if tick == 1:
+            running.append((later, engine.begin(later)))
+        assert len({engine.step_key(b) for b, _ in running}) == 1
+        engine.tick([r for _, r in running])
+        for b, run in list(running):
+            if run.finished:
+                results[id(b)] = engine.finish(run)
+                running.remove((b, run))
+        if not running:
+            break
+    for solo, b in zip(alone, (first, later), strict=True):
+        assert int(np.abs(solo - np.asarray(results[id(b)].images[0].image, np.int16)).max()) <= 1
+    assert int(np.abs(alone[0] - alone[1]).max()) > 8
