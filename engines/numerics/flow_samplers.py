@@ -21,7 +21,9 @@ VP training schedule these models do not have (``use_karras_sigmas`` ignores ``u
 
 The step runs as a small ONNX graph on the transformer's provider (``build_flow_sampler_graph``), the latents
 staying on the device; ``FlowSampler`` is one request's state (its coefficient table, its two-entry history ring,
-its noise streams), so step-level batching keeps each row's sampler state with its row.
+its noise streams), so step-level batching keeps each row's sampler state with its row. CFG is folded into the
+coefficients (``(1 - w) * uncond + w * text``) except where a family's CFG is not linear (Qwen-Image's norm-rescaled
+true CFG): there the family's own CFG step graph writes the guided velocity first (``Guide``).
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from engines.errors import InvalidRequestError
 from engines.numerics.plan import MODEL, NOISE, PREV, SAMPLE, Lin, SchedulePlan, Step, hist
 from engines.numerics.step_graph import elem_type, serialize, step_coefficients
 
@@ -159,14 +160,15 @@ def _dims(packed: bool, rows: str = "B") -> list[str]:
 
 
 def build_flow_sampler_graph(model_in: type[np.generic], model_out: type[np.generic], cfg: bool,
-                             packed: bool) -> bytes:
+                             packed: bool, copies: int | None = None) -> bytes:
     """Serialized ONNX model of one sampler step over the basis (sample, uncond, text, prev, noise, prev2):
     inputs ``sample``, ``prev``, ``noise``, ``prev2`` (float32, the latents' shape: Flux's packed [B,T,D] or
     [B,C,H,W]), ``model_out`` (the transformer's output, 2B rows with CFG) and ``coeffs`` [B,2,6] float32; outputs
     ``next``, ``denoised`` (float32) and ``model_in`` (``next``, twice with CFG, in the transformer's input
-    dtype). Arithmetic in float32."""
+    dtype; ``copies`` rows of it per image, default 2 with CFG). Arithmetic in float32."""
     f32, out_elem, in_elem = TensorProto.FLOAT, elem_type(model_out), elem_type(model_in)
-    rows = "B2" if cfg else "B"
+    copies = copies or (2 if cfg else 1)
+    rows, in_rows = "B2" if cfg else "B", "B2" if copies == 2 else "B"
     names = ("sample", "uncond", "text", "prev", "noise", "prev2")
     nodes = [helper.make_node("Shape", ["sample"], ["shape"])]
     source = "model_out"
@@ -182,7 +184,7 @@ def build_flow_sampler_graph(model_in: type[np.generic], model_out: type[np.gene
         helper.make_node("Split", ["combined"], ["next_flat", "denoised_flat"], axis=1),
         helper.make_node("Reshape", ["next_flat", "shape"], ["next"]),
         helper.make_node("Reshape", ["denoised_flat", "shape"], ["denoised"]),
-        helper.make_node("Concat", ["next", "next"] if cfg else ["next"], ["model_in_f"], axis=0),
+        helper.make_node("Concat", ["next"] * copies, ["model_in_f"], axis=0),
         helper.make_node("Cast", ["model_in_f"], ["model_in"], to=in_elem)]
     inputs = [helper.make_tensor_value_info("sample", f32, _dims(packed)),
               helper.make_tensor_value_info("model_out", out_elem, _dims(packed, rows)),
@@ -192,7 +194,7 @@ def build_flow_sampler_graph(model_in: type[np.generic], model_out: type[np.gene
               helper.make_tensor_value_info("coeffs", f32, ["B", 2, len(names)])]
     outputs = [helper.make_tensor_value_info("next", f32, _dims(packed)),
                helper.make_tensor_value_info("denoised", f32, _dims(packed)),
-               helper.make_tensor_value_info("model_in", in_elem, _dims(packed, rows))]
+               helper.make_tensor_value_info("model_in", in_elem, _dims(packed, in_rows))]
     flat = numpy_helper.from_array(np.array([0, 1, -1], dtype=np.int64), "flat_shape")
     return serialize(nodes, "sdserve_flow_sampler", inputs, outputs, [flat])
 
@@ -217,6 +219,8 @@ class FlowSampler:
     rngs: list[np.random.Generator]
     noisy: tuple[bool, ...]
     upload: Callable[[str, np.ndarray], ort.OrtValue]
+    guide: Guide | None = None
+    """A nonlinear CFG's pass writing the guided velocity first, or None (CFG folded into the coefficients)."""
 
     def advance(self, state: Any) -> bool:
         """The step graph writes the next latents, the x0 estimate into the ring and the next transformer input
@@ -227,7 +231,10 @@ class FlowSampler:
             shape = tuple(state.lat[0].shape())[1:]
             noise = self.upload("flow_noise", np.stack([r.standard_normal(shape, dtype=np.float32)
                                                         for r in self.rngs]))
-        self.graph.run({"sample": state.lat[0], "model_out": state.model_out, "prev": ring[i % depth],
+        model_out = state.model_out
+        if self.guide is not None:
+            model_out = self.guide.run(state.model_out)
+        self.graph.run({"sample": state.lat[0], "model_out": model_out, "prev": ring[i % depth],
                         "prev2": ring[(i - 1) % depth], "noise": noise, "coeffs": self.coeffs[i]},
                        {"next": state.lat[1], "denoised": ring[(i + 1) % depth], "model_in": state.model_in})
         state.lat.reverse()
@@ -236,31 +243,57 @@ class FlowSampler:
         return True
 
 
-_GRAPHS: weakref.WeakKeyDictionary[Any, dict[bool, Any]] = weakref.WeakKeyDictionary()
-"""Per pipeline, its (CFG, plain) sampler graphs, built on first use."""
+@dataclass
+class Guide:
+    """The pipeline's own CFG step graph run as ``0 + 1 * guided`` (sigma 0 to 1): the guided velocity of a CFG
+    its coefficients cannot fold in (Qwen-Image's norm-rescaled true CFG), written into ``velocity``."""
+
+    step: Any
+    zeros: ort.OrtValue
+    coeffs: ort.OrtValue
+    velocity: ort.OrtValue
+    scratch: ort.OrtValue
+
+    def run(self, model_out: ort.OrtValue) -> ort.OrtValue:
+        self.step.run({"sample": self.zeros, "model_out": model_out, "coeffs": self.coeffs},
+                      {"next": self.velocity, "model_in": self.scratch})
+        return self.velocity
+
+
+_GRAPHS: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+"""Per pipeline, its sampler graphs ("cfg", "plain", "guided": float32 velocity in, two copies out), built on
+first use."""
+
+
+def _graph(pipe: Any, kind: str) -> Any:
+    graphs = _GRAPHS.setdefault(pipe, {})
+    if kind not in graphs:
+        model = pipe.transformer
+        in_dtype = model.input_dtype("hidden_states")
+        out_dtype = STATE if kind == "guided" else model.output_dtype()
+        graph = build_flow_sampler_graph(in_dtype, out_dtype, kind == "cfg", pipe.packed, 2 if kind != "plain" else 1)
+        graphs[kind] = pipe._make(graph, f"flow_sampler_{kind}")
+    return graphs[kind]
 
 
 def start_sampler(pipe: Any, name: str, sigmas: np.ndarray, guidance: np.ndarray, cfg: bool,
                   rngs: list[np.random.Generator], state: Any) -> FlowSampler | None:
     """The sampler state for a request of ``pipe`` (a FlowPipeline) whose DitDenoising ``state`` was just made
-    on the schedule's ``sigmas``; None for Euler (the pipeline's own step). A pipeline whose CFG is not a linear
-    combination (Qwen-Image's norm-rescaled true CFG) serves these samplers without CFG only."""
+    on the schedule's ``sigmas``; None for Euler (the pipeline's own step). A pipeline whose CFG step is not a
+    linear combination (its ``coefficients`` hook overridden: Qwen-Image) gets its guided velocity from its own CFG
+    step graph first (``Guide``), then the sampler step on it."""
     if name == "euler":
         return None
-    if cfg and type(pipe).coefficients.__qualname__ != "FlowPipeline.coefficients":
-        raise InvalidRequestError(f"scheduler {name!r} runs on {pipe.family.name} without classifier-free "
-                                  "guidance only (its guidance rescales the prediction): use euler, or guidance "
-                                  "at most 1", param="scheduler")
     plan = flow_plan(name, sigmas)
-    graphs = _GRAPHS.setdefault(pipe, {})
-    if cfg not in graphs:
-        model = pipe.transformer
-        graphs[cfg] = pipe._make(build_flow_sampler_graph(model.input_dtype("hidden_states"), model.output_dtype(),
-                                                          cfg, pipe.packed), "flow_sampler_cfg" if cfg else
-                                 "flow_sampler")
     rt, shape = pipe.runtime, tuple(state.lat[0].shape())
+    nonlinear = cfg and type(pipe).coefficients.__qualname__ != "FlowPipeline.coefficients"
+    guide = None
+    if nonlinear:
+        guide = Guide(pipe.step_cfg, rt.upload("flow_guide_zeros", np.zeros(shape, STATE)),
+                      rt.upload("flow_guide_coeffs", pipe.coefficients(0.0, 1.0, guidance, True)),
+                      rt.buffer("flow_velocity", shape, STATE), state.model_in)
     ring = [rt.buffer("flow_x0_1", shape, STATE) if k == 1 else rt.upload(f"flow_x0_{k}", np.zeros(shape, STATE))
             for k in range(HISTORY + 1)]
-    coeffs = rt.upload_steps("flow_sampler_coeffs", sampler_coefficients(plan, guidance, cfg))
-    return FlowSampler(graphs[cfg], coeffs, ring, rngs, tuple(bool(s.next.noise) for s in plan.steps),
-                       rt.upload)
+    coeffs = rt.upload_steps("flow_sampler_coeffs", sampler_coefficients(plan, guidance, cfg and not nonlinear))
+    graph = _graph(pipe, "guided" if nonlinear else "cfg" if cfg else "plain")
+    return FlowSampler(graph, coeffs, ring, rngs, tuple(bool(s.next.noise) for s in plan.steps), rt.upload, guide)

@@ -158,3 +158,42 @@ def test_rows_joining_mid_way_keep_their_sampler_state(long_sampler: str, short_
     assert joined_long.steps_done == 6 and joined_short.steps_done == 3
     assert _close(joined_long, alone_long) <= 1 and _close(joined_short, alone_short) <= 1
     assert np.abs(_pixels(joined_long)[0] - _pixels(joined_short)[0]).max() > 8, "two requests, two images"
+
+
+@pytest.mark.parametrize("sampler", ["euler_a", "unipc"])
+def test_qwen_image_true_cfg_samplers_match_diffusers(sampler: str, dit_build: Builder,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen-Image's norm-rescaled true CFG is no linear combination: its own CFG step graph writes the guided
+    velocity, then the sampler steps on it (flow_samplers.Guide). diffusers' QwenImagePipeline with the scheduler
+    swapped (UniPC takes Qwen's sigmas, ``mu`` and ``shift_terminal`` itself) agrees within 1/255."""
+    import diffusers
+    import diffusers.schedulers.scheduling_flow_match_euler_discrete as flow_module
+
+    from engines.pipelines.qwen import QwenPipeline
+
+    onnx_dir, diffusers_dir = dit_build("qwen-image")
+    ours = QwenPipeline(onnx_dir, Runtime(RuntimeSettings(providers=("CPUExecutionProvider",), allow_cpu=True)))
+    batch = Batch(tuple(ImageSpec(p, n, seed=s, guidance_scale=4.0) for p, n, s in zip(PROMPTS, NEGATIVES, SEEDS,
+                                                                                       strict=True)),
+                  width=64, height=64, steps=STEPS, scheduler=sampler)
+    out = ours(batch)
+    noise = np.stack([image_rng(s).standard_normal((16, 8, 8), dtype=np.float32) for s in SEEDS])
+    latents = pack_latents(noise)
+    draws = iter(_step_noise(latents.shape))
+    monkeypatch.setattr(flow_module, "randn_tensor", lambda shape, **_: torch.from_numpy(next(draws)))
+    pipe = diffusers.QwenImagePipeline.from_pretrained(diffusers_dir)
+    pipe.set_progress_bar_config(disable=True)
+    config = pipe.scheduler.config
+    pipe.scheduler = diffusers.FlowMatchEulerDiscreteScheduler.from_config(config, stochastic_sampling=True) \
+        if sampler == "euler_a" else diffusers.UniPCMultistepScheduler.from_config(
+            config, use_flow_sigmas=True, prediction_type="flow_prediction", use_dynamic_shifting=True)
+    with torch.no_grad():
+        images = pipe(PROMPTS, negative_prompt=NEGATIVES, true_cfg_scale=4.0, height=64, width=64,
+                      num_inference_steps=STEPS, latents=torch.from_numpy(latents), output_type="np").images
+    theirs = (np.asarray(images) * 255).round().astype(np.uint8)
+    diff = np.abs(out.images.astype(np.int16) - theirs.astype(np.int16))
+    match = float((diff <= 1).mean())
+    print(f"\n{sampler} on qwen-image (true CFG): {match:.6f} within 1/255, max |diff| {diff.max()}/255")
+    assert match >= MIN_MATCH and theirs.std() > 10, f"only {match:.4%} within 1/255 (max diff {diff.max()})"
+    euler = ours(Batch(batch.images, width=64, height=64, steps=STEPS)).images
+    assert float((np.abs(euler.astype(np.int16) - theirs) <= 1).mean()) < MIN_MATCH

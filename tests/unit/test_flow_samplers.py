@@ -155,22 +155,3 @@ def test_the_step_graph_computes_the_plan(packed: bool, cfg: bool) -> None:
     assert model_in.dtype == np.float16 and model_in.shape[0] == (4 if cfg else 2)
     np.testing.assert_allclose(model_in[: shape[0]].astype(np.float32), nxt, rtol=1e-3, atol=1e-3)
 
-
-def test_a_nonlinear_cfg_refuses_the_samplers_under_cfg_only() -> None:
-    """A pipeline overriding the step's coefficients (Qwen-Image's norm-rescaled true CFG, engines/pipelines/qwen.py)
-    is refused these samplers with CFG, naming ``scheduler``; Euler never builds a sampler state."""
-    from engines.errors import InvalidRequestError
-    from engines.numerics.flow_samplers import start_sampler
-    from engines.pipelines.flow import FlowPipeline
-
-    class Rescaled(FlowPipeline):
-        def coefficients(self, sigma: float, sigma_next: float, guidance: np.ndarray, cfg: bool) -> np.ndarray:
-            raise AssertionError("not reached")
-
-    pipe = Rescaled.__new__(Rescaled)
-    pipe.family = type("Family", (), {"name": "qwen-image"})()  # type: ignore[assignment]
-    sigmas = _schedule(False, 3).sigmas
-    with pytest.raises(InvalidRequestError, match="'unipc' runs on qwen-image without classifier-free") as refused:
-        start_sampler(pipe, "unipc", sigmas, np.array([4.0]), True, [], None)
-    assert refused.value.param == "scheduler"
-    assert start_sampler(pipe, "euler", sigmas, np.array([4.0]), True, [], None) is None
