@@ -208,7 +208,7 @@ class RuntimeSettings(BaseModel):
     upscaler_dir: str = ""
     """Folder of ESRGAN-family upscalers as ONNX files (``<name>.onnx``: RRDBNet such as Real-ESRGAN or
     4x-UltraSharp, NCHW float RGB in [0, 1] in and out), served by A1111's extras routes and listed on
-    /sdapi/v1/upscalers under their file names (engines/upscale.py). Empty: the resizers only."""
+    /sdapi/v1/upscalers under their file names (engines/pipelines/upscale.py). Empty: the resizers only."""
     upscaler_tile: int = Field(192, ge=16, le=2048)
     """Side of the square tiles an upscaler runs on (A1111's ESRGAN_tile): bounds its memory whatever the image."""
     upscaler_tile_overlap: int = Field(8, ge=0, le=256)

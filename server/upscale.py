@@ -1,6 +1,6 @@
 """A1111's extras upscale (``/sdapi/v1/extra-single-image``, ``/extra-batch-images``) on sdserve's upscalers: the
 resizers None, Lanczos and Nearest (server/hires.py) and the ONNX upscalers of ``[runtime] upscaler_dir``
-(engines/upscale.py, run tiled).
+(engines/pipelines/upscale.py, run tiled).
 
 The steps are A1111's (scripts/postprocessing_upscale.py ``process``/``upscale`` and modules/upscaler.py
 ``Upscaler.upscale``): ``upscaler_1`` "None" leaves the image as it is; otherwise the factor is
@@ -28,7 +28,7 @@ import numpy as np
 from PIL import Image
 
 from engines.errors import ConfigError, InvalidRequestError, ModelLoadError
-from engines.upscale import OnnxUpscaler, UpscalerLibrary
+from engines.factory import OnnxUpscaler, UpscalerLibrary
 from server.hires import OPT_F, UPSCALERS
 
 if TYPE_CHECKING:

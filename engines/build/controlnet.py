@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from engines.artifacts import MANIFEST, read_manifest, write_model_manifest
-from engines.build.export import _export, _write_json, write_manifest
+from engines.build.export import export_graph, write_json, write_manifest
 from engines.build.tiny import SEED, UNET
 
 CONTROLNET = {key: UNET[key] for key in ("block_out_channels", "layers_per_block", "in_channels",
@@ -114,9 +114,9 @@ def export_controlnet(net: Any, out: Path, source: dict[str, Any]) -> Path:
                "encoder_hidden_states": {0: "batch"}, "controlnet_cond": {0: "batch", 2: "pixels_h", 3: "pixels_w"},
                "conditioning_scale": {0: "batch"}, **_residual_dynamic(count, "down_block_res_sample",
                                                                       "mid_block_res_sample")}
-    _export(_ControlNet(net), args, out / "model.onnx",
+    export_graph(_ControlNet(net), args, out / "model.onnx",
             ["sample", "timestep", "encoder_hidden_states", "controlnet_cond", "conditioning_scale"], outputs, dynamic)
-    _write_json(out / "config.json", {"_class_name": "ControlNetModel", **dict(net.config)})
+    write_json(out / "config.json", {"_class_name": "ControlNetModel", **dict(net.config)})
     write_manifest(out, source)
     return out
 
@@ -134,12 +134,16 @@ def export_controlled_unet(unet: Any, out: Path) -> Path:
                "encoder_hidden_states": {0: "batch"}, "out_sample": {0: "batch", 2: "height", 3: "width"},
                **_residual_dynamic(count, "down_block_additional_residual", "mid_block_additional_residual")}
     target = out / "unet_controlnet"
-    _export(_ControlledUNet(unet), args, target / "model.onnx", inputs, ["out_sample"], dynamic)
-    _write_json(target / "config.json", dict(unet.config))
+    export_graph(_ControlledUNet(unet), args, target / "model.onnx", inputs, ["out_sample"], dynamic)
+    write_json(target / "config.json", dict(unet.config))
     if (out / MANIFEST).is_file():  # the folder's manifest covers the new files too (its other keys kept)
         kept = {k: v for k, v in read_manifest(out / MANIFEST).items() if k not in ("files", "format")}
         write_model_manifest(out, kept)
     return target
+
+
+TINY_FAMILIES = ("sd1",)
+"""The families a tiny ControlNet is built for (the UNet it mirrors: SD 1.x only so far)."""
 
 
 def build_tiny_controlnet(out: Path, model: Path | None = None, diffusers_out: Path | None = None) -> Path:

@@ -224,12 +224,31 @@ OWN_BUILDERS.update({name: _build_zimage(name) for name in ("z-image-turbo", "z-
 
 def _build_kontext(out: Path, bpe: Path | None, diffusers_out: Path | None, vae_encoder: bool,
                    first_block: bool) -> Path:
-    from engines.build.kontext import build_tiny_kontext
+    """engines/build/kontext.py builds on this module's Flux.1 recipe, so it is named by string and loaded on use
+    (as the architecture rows name their export modules), not imported back."""
+    import importlib
 
-    return build_tiny_kontext(out, bpe, diffusers_out, vae_encoder, first_block)
+    build: Callable[..., Path] = importlib.import_module("engines.build.kontext").build_tiny_kontext
+    return build(out, bpe, diffusers_out, vae_encoder, first_block)
 
 
 OWN_BUILDERS["flux-kontext"] = _build_kontext
+
+
+def _build_qwen_edit(out: Path, bpe: Path | None, diffusers_out: Path | None, vae_encoder: bool,
+                     first_block: bool) -> Path:
+    """Qwen-Image-Edit (engines/build/qwen_edit.py, named by string as Kontext is): with its VAE encoder, without
+    first-block parts or a diffusers folder (its reference pipeline is built in memory)."""
+    import importlib
+
+    if first_block or not vae_encoder or diffusers_out is not None:
+        raise ValueError("Qwen-Image-Edit is built with its VAE encoder, without first-block parts or a diffusers "
+                         "folder")
+    build: Callable[..., Path] = importlib.import_module("engines.build.qwen_edit").build_tiny_qwen_edit
+    return build(out, bpe)
+
+
+OWN_BUILDERS["qwen-image-edit"] = _build_qwen_edit
 
 
 def build_tiny_dit(family: str, out: Path, bpe: Path | None = None, diffusers_out: Path | None = None,

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from engines import architectures
-from engines.build.dit_folder import export_onnx, write_json
+from engines.build.dit_folder import config_of, export_onnx, half_plan, write_json
 from engines.build.export import OPSET, VaeDecoderExport, VaeEncoderExport, write_manifest
 
 log = logging.getLogger(__name__)
@@ -279,6 +279,21 @@ def register_half_symbolics() -> None:
     """The legacy exporter's ``aten::rms_norm`` and half-precision-safe SDPA symbolics (fp32 SDPA: torch's own)."""
     torch.onnx.register_custom_op_symbolic("aten::rms_norm", _rms_norm_symbolic, OPSET)
     torch.onnx.register_custom_op_symbolic("aten::scaled_dot_product_attention", _sdpa_symbolic, OPSET)
+
+
+def apply_dtype(components: dict[str, Any], dtype: str, source: dict[str, Any]) -> tuple[dict[str, str],
+                                                                                        dict[str, Any]]:
+    """Cast a one-encoder family's networks in place per ``half_plan`` (each class's fp32 keeps kept: dit_export
+    ``cast_model``) and register the half-precision symbolics; the plan, and the manifest's source with the dtype,
+    each network's precision and its keeps recorded (the source as it is for fp32)."""
+    plan = half_plan(dtype, config_of(components["vae"]))
+    if dtype == "fp32":
+        return plan, source
+    keeps = {name: cast_model(components[name], plan[name]) for name in plan}
+    register_half_symbolics()
+    return plan, {**source, "dtype": dtype, "precision": plan,
+                  "fp32_keeps": {n: k for n, k in keeps.items() if k}}
+
 
 
 def _batch(*names: str) -> dict[str, dict[int, str]]:

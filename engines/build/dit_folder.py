@@ -71,22 +71,6 @@ def with_io(module: torch.nn.Module, dtype: str) -> torch.nn.Module:
     return module if dtype == "fp32" else Fp32Io(module, TORCH_DTYPES[dtype])
 
 
-def apply_dtype(components: dict[str, Any], dtype: str, source: dict[str, Any]) -> tuple[dict[str, str],
-                                                                                        dict[str, Any]]:
-    """Cast a one-encoder family's networks in place per ``half_plan`` (each class's fp32 keeps kept: dit_export
-    ``cast_model``) and register the half-precision symbolics; the plan, and the manifest's source with the dtype,
-    each network's precision and its keeps recorded (the source as it is for fp32)."""
-    plan = half_plan(dtype, config_of(components["vae"]))
-    if dtype == "fp32":
-        return plan, source
-    from engines.build.dit_export import cast_model, register_half_symbolics
-
-    keeps = {name: cast_model(components[name], plan[name]) for name in plan}
-    register_half_symbolics()
-    return plan, {**source, "dtype": dtype, "precision": plan,
-                  "fp32_keeps": {n: k for n, k in keeps.items() if k}}
-
-
 def load_diffusers(src: Path, dtype: str, text_encoder: Any, transformer: Any, vae: Any) -> tuple[Any, dict[str, Any]]:
     """The detected family of a one-encoder diffusers DiT folder and its networks (the given model classes) and
     scheduler, each network loaded in its ``dtype`` export dtype (``half_plan``: half the memory of an fp32 load),

@@ -1,5 +1,5 @@
 """A tiny RRDBNet (ESRGAN's generator; Real-ESRGAN and 4x-UltraSharp are this network at nf=64, gc=32, 23 blocks)
-written here in torch and exported to ONNX, for the upscaler tests (engines/upscale.py).
+written here in torch and exported to ONNX, for the upscaler tests (engines/pipelines/upscale.py).
 
 The network as ESRGAN (Wang et al., 2018) defines it: a 3x3 conv, ``blocks`` residual-in-residual dense blocks
 (three dense blocks of five 3x3 convs each, LeakyReLU 0.2, residuals scaled by 0.2), a 3x3 conv and a long skip,
@@ -84,7 +84,8 @@ def tiny_rrdbnet(seed: int = 0) -> RRDBNet:
 
 
 def export_rrdbnet(net: nn.Module, path: Path) -> Path:
-    """``net`` as an ONNX file with dynamic height and width (opset 17), the layout engines/upscale.py loads."""
+    """``net`` as an ONNX file with dynamic height and width (opset 17), the layout engines/pipelines/upscale.py
+    loads."""
     path.parent.mkdir(parents=True, exist_ok=True)
     dummy = torch.rand(1, 3, 32, 24)
     with torch.no_grad():

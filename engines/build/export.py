@@ -98,7 +98,7 @@ class VaeEncoderExport(torch.nn.Module):
         return self.model.encode(sample, return_dict=False)[0].parameters
 
 
-def _export(module: torch.nn.Module, args: tuple[torch.Tensor, ...], path: Path, inputs: list[str],
+def export_graph(module: torch.nn.Module, args: tuple[torch.Tensor, ...], path: Path, inputs: list[str],
             outputs: list[str], dynamic: dict[str, dict[int, str]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     # The tracer warns about every Python branch on shapes in diffusers/transformers: expected, and noise here.
@@ -108,7 +108,7 @@ def _export(module: torch.nn.Module, args: tuple[torch.Tensor, ...], path: Path,
                           dynamic_axes=dynamic, opset_version=OPSET, dynamo=False, do_constant_folding=True)
 
 
-def _write_json(path: Path, data: Any) -> None:
+def write_json(path: Path, data: Any) -> None:
     if isinstance(data, dict) and isinstance(data.get("_use_default_values"), list):
         # diffusers fills this list from a set: its order changes with the process's hash seed.
         data = {**data, "_use_default_values": sorted(data["_use_default_values"])}
@@ -118,13 +118,13 @@ def _write_json(path: Path, data: Any) -> None:
 def _export_text_encoders(text_encoder: Any, text_encoder_2: Any | None, out: Path) -> None:
     ids = (torch.zeros(1, 77, dtype=torch.int64),)
     if text_encoder_2 is None:
-        _export(_TextEncoder(text_encoder), ids, out / "text_encoder" / "model.onnx", ["input_ids"],
+        export_graph(_TextEncoder(text_encoder), ids, out / "text_encoder" / "model.onnx", ["input_ids"],
                 ["last_hidden_state"], {"input_ids": {0: "batch"}, "last_hidden_state": {0: "batch"}})
         return
     for name, model, pooled in (("text_encoder", text_encoder, False), ("text_encoder_2", text_encoder_2, True)):
         penultimate = f"hidden_states.{int(model.config.num_hidden_layers) - 1}"
         names = [*(["text_embeds"] if pooled else []), "last_hidden_state", penultimate]
-        _export(_TextEncoderXL(model, pooled), ids, out / name / "model.onnx", ["input_ids"], names,
+        export_graph(_TextEncoderXL(model, pooled), ids, out / name / "model.onnx", ["input_ids"], names,
                 {n: {0: "batch"} for n in ["input_ids", *names]})
 
 
@@ -144,7 +144,7 @@ def _export_unet(unet: Any, hidden: int, out: Path, pooled: int | None) -> None:
         args += [torch.randn(2, pooled), torch.tensor([[float(sample * 8)] * 2 + [0.0] * 2 + [sample * 8.0] * 2] * 2)]
         names += ["text_embeds", "time_ids"]
         dynamic |= {"text_embeds": {0: "batch"}, "time_ids": {0: "batch"}}
-    _export(module, tuple(args), out / "unet" / "model.onnx", names, ["out_sample"], dynamic)
+    export_graph(module, tuple(args), out / "unet" / "model.onnx", names, ["out_sample"], dynamic)
 
 
 def export_components(text_encoder: Any, unet: Any, vae: Any, scheduler_config: dict[str, Any],
@@ -159,18 +159,18 @@ def export_components(text_encoder: Any, unet: Any, vae: Any, scheduler_config: 
     sample = int(unet.config.sample_size) if isinstance(unet.config.sample_size, int) else 8
     _export_text_encoders(text_encoder, text_encoder_2, out)
     _export_unet(unet, hidden, out, int(text_encoder_2.config.projection_dim) if xl else None)
-    _export(VaeDecoderExport(vae), (torch.randn(1, latent_channels, sample, sample),),
+    export_graph(VaeDecoderExport(vae), (torch.randn(1, latent_channels, sample, sample),),
             out / "vae_decoder" / "model.onnx", ["latent_sample"], ["sample"],
             {"latent_sample": {0: "batch", 2: "height", 3: "width"}, "sample": {0: "batch", 2: "height", 3: "width"}})
     pixels = sample * 2 ** (len(vae.config.block_out_channels) - 1)
-    _export(VaeEncoderExport(vae), (torch.randn(1, int(vae.config.in_channels), pixels, pixels),),
+    export_graph(VaeEncoderExport(vae), (torch.randn(1, int(vae.config.in_channels), pixels, pixels),),
             out / "vae_encoder" / "model.onnx", ["sample"], ["latent_parameters"],
             {"sample": {0: "batch", 2: "height", 3: "width"},
              "latent_parameters": {0: "batch", 2: "height", 3: "width"}})
     parts = [("text_encoder", text_encoder), ("unet", unet), ("vae_decoder", vae), ("vae_encoder", vae)]
     for name, model in parts + ([("text_encoder_2", text_encoder_2)] if xl else []):
         config = model.config.to_dict() if hasattr(model.config, "to_dict") else dict(model.config)
-        _write_json(out / name / "config.json", config)
+        write_json(out / name / "config.json", config)
     for name, folder in (("tokenizer", tokenizer_dir), ("tokenizer_2", tokenizer_2_dir)):
         if folder is None:
             continue
@@ -178,7 +178,7 @@ def export_components(text_encoder: Any, unet: Any, vae: Any, scheduler_config: 
             shutil.rmtree(out / name)
         shutil.copytree(folder, out / name)
     (out / "scheduler").mkdir(exist_ok=True)
-    _write_json(out / "scheduler" / "scheduler_config.json", scheduler_config)
+    write_json(out / "scheduler" / "scheduler_config.json", scheduler_config)
     index: dict[str, Any] = {
         "_class_name": "OnnxStableDiffusionPipeline",
         "scheduler": ["diffusers", scheduler_config.get("_class_name", "PNDMScheduler")],
@@ -193,7 +193,7 @@ def export_components(text_encoder: Any, unet: Any, vae: Any, scheduler_config: 
         index |= {"_class_name": "OnnxStableDiffusionXLPipeline", "text_encoder_2": ["diffusers", "OnnxRuntimeModel"],
                   "tokenizer_2": ["transformers", "CLIPTokenizer"],
                   "force_zeros_for_empty_prompt": force_zeros_for_empty_prompt}
-    _write_json(out / "model_index.json", index)
+    write_json(out / "model_index.json", index)
     write_manifest(out, source)
     return out
 

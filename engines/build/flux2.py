@@ -45,7 +45,8 @@ from typing import Any
 
 import torch
 
-from engines.build.dit_folder import apply_dtype, config_of, export_onnx, load_diffusers, with_io, write_folder
+from engines.build.dit_export import apply_dtype
+from engines.build.dit_folder import config_of, export_onnx, load_diffusers, with_io, write_folder
 
 log = logging.getLogger(__name__)
 SEED = 0
@@ -75,7 +76,7 @@ SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True,
 TINY_NATIVE_SIZE = 64
 
 
-def _export(module: torch.nn.Module, args: tuple[torch.Tensor, ...], path: Path, inputs: list[str],
+def export_rms(module: torch.nn.Module, args: tuple[torch.Tensor, ...], path: Path, inputs: list[str],
             outputs: list[str], dynamic: dict[str, dict[int, str]]) -> None:
     """Legacy-exporter ONNX of ``module``, its ``torch.nn.RMSNorm`` layers written as plain ops meanwhile (the
     legacy exporter has no ``aten::rms_norm`` symbolic)."""
@@ -245,7 +246,7 @@ def _export_text(model: Any, out: Path, dtype: str = "fp32") -> None:
         seq = {0: "batch", 1: "sequence"}
         mask = torch.ones(2, 12, dtype=torch.int64)
         mask[1, 7:] = 0
-        _export(with_io(_TextStates(base), dtype), (torch.zeros(2, 12, dtype=torch.int64), mask),
+        export_rms(with_io(_TextStates(base), dtype), (torch.zeros(2, 12, dtype=torch.int64), mask),
                 out / "text_encoder" / "model.onnx", ["input_ids", "attention_mask"], ["prompt_embeds"],
                 {"input_ids": seq, "attention_mask": seq, "prompt_embeds": seq})
     finally:
@@ -269,7 +270,7 @@ def _export_transformer(transformer: Any, out: Path, dtype: str = "fp32") -> Non
         dynamic = {"hidden_states": latent, "encoder_hidden_states": {0: "batch", 1: "text_tokens"},
                    "timestep": {0: "batch"}, "rope_cos": {0: "tokens"}, "rope_sin": {0: "tokens"},
                    "out_hidden_states": latent}
-        _export(with_io(wrapper, dtype), args, out / "transformer" / "model.onnx",
+        export_rms(with_io(wrapper, dtype), args, out / "transformer" / "model.onnx",
                 ["hidden_states", "encoder_hidden_states", "timestep", "rope_cos", "rope_sin"],
                 ["out_hidden_states"], dynamic)
     finally:
@@ -279,7 +280,7 @@ def _export_transformer(transformer: Any, out: Path, dtype: str = "fp32") -> Non
 def _export_vae(vae: Any, out: Path, dtype: str = "fp32") -> None:
     spatial = {0: "batch", 2: "height", 3: "width"}
     channels = 4 * int(vae.config.latent_channels)
-    _export(with_io(_VaeDecoder(vae), dtype), (torch.randn(1, channels, 2, 2),), out / "vae_decoder" / "model.onnx",
+    export_rms(with_io(_VaeDecoder(vae), dtype), (torch.randn(1, channels, 2, 2),), out / "vae_decoder" / "model.onnx",
             ["latent_sample"], ["sample"], {"latent_sample": spatial, "sample": spatial})
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from engines.build.flux2 import _export
+from engines.build.flux2 import export_rms
 from engines.health.param_counts import FLUX2_DEV_TEXT_LAYERS
 
 TINY_TEXT = dict(hidden_size=64, num_hidden_layers=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -51,7 +51,7 @@ def export_mistral3_text(language_model: Any, out: Path, layers: tuple[int, ...]
     """Writes ``out`` (model.onnx): input_ids and attention_mask [B, S] int64 in, prompt_embeds out."""
     model = truncated(language_model, max(layers)).float().eval()
     ids = torch.ones((1, 8), dtype=torch.int64)
-    _export(_MistralStates(model, layers), (ids, torch.ones_like(ids)), out, ["input_ids", "attention_mask"],
+    export_rms(_MistralStates(model, layers), (ids, torch.ones_like(ids)), out, ["input_ids", "attention_mask"],
             ["prompt_embeds"], {"input_ids": {0: "batch", 1: "tokens"}, "attention_mask": {0: "batch", 1: "tokens"},
                                 "prompt_embeds": {0: "batch", 1: "tokens"}})
     return out

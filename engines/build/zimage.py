@@ -43,7 +43,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from engines.build.dit_folder import apply_dtype, config_of, load_diffusers, with_io, write_folder
+from engines.build.dit_export import apply_dtype
+from engines.build.dit_folder import config_of, load_diffusers, with_io, write_folder
 from engines.build.dit_folder import export_onnx as _export
 from engines.build.export import VaeDecoderExport, VaeEncoderExport
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -27,8 +27,10 @@ from engines.pipelines.ort_model import Feed, OrtModel
 from engines.pipelines.unet_family import read_json
 from engines.types.request import Batch, ControlUnit
 
-if TYPE_CHECKING:
-    from engines.pipelines.unet import Denoising, StableDiffusionOnnx
+StableDiffusionOnnx = Any
+"""engines/pipelines/unet.py's pipeline, which imports this module (its hooks): named here without an import."""
+Denoising = Any
+"""engines/pipelines/unet.py's per-request denoising state (its ``control`` is this module's ControlRun)."""
 
 DOWN = "down_block_additional_residual_"
 MID = "mid_block_additional_residual"
@@ -215,5 +217,6 @@ def start(pipe: StableDiffusionOnnx, batch: Batch, state: Denoising) -> ControlR
 
 def attach(pipe: StableDiffusionOnnx, folder: Path, nets: dict[str, Path], label: str = "") -> ControlNets:
     """Give ``pipe`` (loaded from ``folder``) the ControlNets ``nets`` (name -> exported ControlNet folder)."""
-    pipe.controls = ControlNets(pipe, folder, nets, label)
-    return pipe.controls
+    controls = ControlNets(pipe, folder, nets, label)
+    pipe.controls = controls
+    return controls

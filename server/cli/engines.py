@@ -93,11 +93,15 @@ def check_diffusers_folder(src: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    if args.engines_cmd == "tiny" and getattr(args, "controlnet", None) is not None and args.family != "sd1":
-        from engines.errors import ConfigError
+    if args.engines_cmd == "tiny" and getattr(args, "controlnet", None) is not None:
+        from engines.build.controlnet import TINY_FAMILIES
 
-        raise ConfigError(f"--controlnet: a tiny ControlNet is built for sd1 only, not {args.family}")
-    elif args.engines_cmd == "tiny" and args.family in DIT_FAMILIES:
+        if args.family not in TINY_FAMILIES:
+            from engines.errors import ConfigError
+
+            raise ConfigError(f"--controlnet: a tiny ControlNet is built for {', '.join(TINY_FAMILIES)} only, "
+                              f"not {args.family}")
+    if args.engines_cmd == "tiny" and args.family in DIT_FAMILIES:
         from engines.build.dit import build_tiny_dit
 
         out = build_tiny_dit(args.family, args.out, args.bpe, args.diffusers_out)

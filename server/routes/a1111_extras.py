@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from engines.errors import InvalidRequestError
-from engines.upscale import TilesStopped, UpscalerLibrary
+from engines.factory import TilesStopped, UpscalerLibrary
 from server import headers
 from server.edits import within_deadline
 from server.errors import DeadlineExceededError, QueueFullError, error_body

@@ -222,8 +222,8 @@ def test_t5_truncation_is_reported_or_refused(dit_build: Builder) -> None:
     info = ours.model_info("tiny-flux-schnell")
     assert (info.family, info.cfg_default, info.default_steps, info.default_guidance) == ("flux-schnell", False, 4,
                                                                                           0.0)
-    assert (info.text_encoders, info.schedulers, info.size_multiple, info.prediction_type) == (2, ("euler",), 16,
-                                                                                               "flow")
+    assert (info.text_encoders, info.schedulers, info.size_multiple, info.prediction_type) == (
+        2, ("euler", "euler_a", "dpmpp_2m", "unipc"), 16, "flow")
 
 
 def test_serving_the_dit_pipeline_imports_no_torch(dit_build: Builder) -> None:

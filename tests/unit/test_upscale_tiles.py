@@ -1,5 +1,5 @@
-"""Tiled upscaling (engines/upscale.py) and A1111's extras steps (server/upscale.py) with a fake x4 network behind
-the upscaler's session (nearest-neighbour repeats): the tiles cover every pixel once and never read more than
+"""Tiled upscaling (engines/pipelines/upscale.py) and A1111's extras steps (server/upscale.py) with a fake x4 network
+behind the upscaler's session (nearest-neighbour repeats): the tiles cover every pixel once and never read more than
 tile + 2 x overlap per side, a 4x of a 1024x1024 image holds one tile's floats at a time (measured with
 tracemalloc), a passed deadline stops between tiles, and the size rules (A1111's multiple-of-8 target, its three
 passes, the crop canvas, the pixel bound checked before a pass runs) hold. The real network's parity is
@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from engines.errors import InvalidRequestError
-from engines.upscale import OnnxUpscaler, TilesStopped, tiles
+from engines.pipelines.upscale import OnnxUpscaler, TilesStopped, tiles
 from server.upscale import UpscaleJob, infotext, upscale_image
 
 
@@ -126,7 +126,8 @@ def test_the_upscaler_dir_flag_sets_the_folder_or_names_what_is_wrong(tmp_path: 
 
 def test_the_extras_routes_import_no_onnxruntime_until_an_upscaler_loads() -> None:
     """server/ talks to engines, never to onnxruntime: the extras router (and the upscaler listing) import
-    engines/upscale.py, which imports ORT only when an ONNX upscaler is loaded (checked in a fresh interpreter)."""
+    engines/pipelines/upscale.py, which imports ORT only when an ONNX upscaler is loaded (checked in a fresh
+    interpreter)."""
     import subprocess
     import sys
 
