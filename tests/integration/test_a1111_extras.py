@@ -3,8 +3,8 @@
 session forwarding to the app in this process.
 
 The ESRGAN upscaler is a tiny RRDBNet written in torch (engines/build/esrgan.py), exported to ONNX and run by ONNX
-Runtime's CPU provider (onnxruntime/core/providers/cpu) tile by tile (engines/pipelines/upscale.py): the served image equals
-the torch network run on the whole image within 1/255. The resizers match PIL's resizes in A1111's steps
+Runtime's CPU provider (onnxruntime/core/providers/cpu) tile by tile (engines/pipelines/upscale.py): the served image
+equals the torch network run on the whole image within 1/255. The resizers match PIL's resizes in A1111's steps
 (modules/upscaler.py ``Upscaler.upscale``, scripts/postprocessing_upscale.py), and each signed upscale carries its
 source image as the C2PA ``parentOf`` ingredient (server/provenance.py, read back with server/provenance_verify.py).
 """

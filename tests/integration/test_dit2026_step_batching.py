@@ -18,6 +18,8 @@ from engines.engine import OrtEngine
 from engines.types.request import Batch, EditImage, ImageSpec
 from tests.integration.test_step_batching import _close, _engine, _pixels, _run_joined
 
+pytestmark = pytest.mark.slow
+
 Builder = Callable[[str], tuple[Path, Path]]
 
 
