@@ -163,6 +163,19 @@ class LoraSettings(BaseModel):
     inside attention/transformer blocks only (``blocks``: fewer overridable weights in the LoRA sessions)."""
 
 
+class ControlNetSettings(BaseModel):
+    """ControlNet units per request (engines/pipelines/controlnet.py, server/controlnet.py). Off while ``dir`` is
+    empty."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dir: str = ""
+    """Folder of exported ControlNets, one subfolder each (model.onnx, config.json; ``sdserve engines export
+    --controlnet``), listed as ``name [hash8]`` (A1111's ``--controlnet-dir``; ``sdserve serve --controlnet-dir``).
+    A folder that does not fit the model is refused by name, never fatal to the boot.
+    Empty: no ControlNet; a request with units gets a 422."""
+
+
 class RuntimeSettings(BaseModel):
     """How sessions are built and which providers may run them."""
 
@@ -205,6 +218,7 @@ class RuntimeSettings(BaseModel):
     cuda: CudaOptions = CudaOptions()
     tensorrt: TensorrtOptions = TensorrtOptions()
     lora: LoraSettings = LoraSettings()
+    controlnet: ControlNetSettings = ControlNetSettings()
     upscaler_dir: str = ""
     """Folder of ESRGAN-family upscalers as ONNX files (``<name>.onnx``: RRDBNet such as Real-ESRGAN or
     4x-UltraSharp, NCHW float RGB in [0, 1] in and out), served by A1111's extras routes and listed on

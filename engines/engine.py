@@ -32,6 +32,7 @@ from engines.errors import (
     InferenceError,
     InvalidRequestError,
     NotReadyError,
+    SdserveError,
     SelfTestError,
     VersionMismatchError,
 )
@@ -56,6 +57,10 @@ if TYPE_CHECKING:
     from engines.lora.manager import LoraManager
 
 log = logging.getLogger(__name__)
+
+
+UNFIT = (SdserveError, OSError, ValueError, KeyError, TypeError)
+"""What a ControlNet folder that does not fit the model raises while it is attached (refused, never fatal)."""
 
 
 def _describe(checks: list[Check]) -> str:
@@ -130,6 +135,8 @@ class OrtEngine:
                                                 family=self.info.family)
             if self.settings.lora.dir:
                 self._load_lora()
+            if self.settings.controlnet.dir:
+                self._attach_controlnets(Path(self.settings.controlnet.dir))
         except NotReadyError as exc:
             self._errors.append(str(exc))
             raise
@@ -148,6 +155,38 @@ class OrtEngine:
         pipe = next(iter(self._pipelines.values()))
         self._info = pipe.model_info(self.model_dir.name, _digest(self.model_dir, row.denoiser))
         log.info("model %s: %s", self.model_dir.name, pipe.describe())
+
+    def _attach_controlnets(self, folder: Path) -> None:
+        """Every size's SD pipeline gets the folder's ControlNets (engines/pipelines/controlnet.py). The files are
+        untrusted input: one that does not fit the model is logged refused by name and left out; a model that
+        serves no ControlNet (no residual UNet, SDXL, a DiT) serves none, logged. Never fatal to the boot."""
+        from engines.pipelines import controlnet
+        from engines.pipelines.unet import StableDiffusionOnnx
+
+        nets = {sub.name: sub for sub in sorted(folder.iterdir()) if sub.is_dir()
+                and (sub / "model.onnx").is_file() and (sub / "config.json").is_file()} if folder.is_dir() else {}
+        for size, pipe in self._pipelines.items():
+            if not isinstance(pipe, StableDiffusionOnnx):
+                log.warning("ControlNet not served: %s is not an SD UNet model", self.info.family)
+                return
+            label = "" if size == ANY else f"@{size}"
+            try:
+                controlnet.attach(pipe, self.model_dir, nets, label)
+                continue
+            except UNFIT as exc:
+                failure = exc
+            accepted = {}
+            for name, path in nets.items():  # after a failure only: which files fit, each alone
+                try:
+                    controlnet.attach(pipe, self.model_dir, {name: path}, label)
+                    accepted[name] = path
+                except UNFIT as exc:
+                    log.warning("ControlNet %s refused: %s", name, exc)
+            if accepted:
+                controlnet.attach(pipe, self.model_dir, accepted, label)
+            else:
+                pipe.controls = None
+                log.warning("ControlNet not served by this model: %s", failure)
 
     def _load_lora(self) -> None:
         """The adapter library and one LoRA variant session per adaptable component, shared by every size's

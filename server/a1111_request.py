@@ -72,10 +72,21 @@ class Txt2ImgRequest(BaseModel):
         field = cls.model_fields.get(info.field_name or "")
         return lax_number(number_type(field.annotation) if field else None, value)
 
-    def refuse_unsupported(self) -> None:
+    def controlnet_script(self) -> object:
+        """The ``controlnet`` entry of ``alwayson_scripts`` (any case), None without one."""
+        return next((v for k, v in self.alwayson_scripts.items() if str(k).lower() == "controlnet"), None)
+
+    def refuse_unsupported(self, controlnet: bool = False) -> None:
         """Rule 1 (server/request_rules.py): a feature whose ignoring would return an image the client did not ask
-        for is a 422 naming it; the same fields when off, and the others A1111 clients send, are accepted."""
+        for is a 422 naming it; the same fields when off, and the others A1111 clients send, are accepted.
+        ``controlnet``: a ControlNet folder is configured, so the ``controlnet`` script (any case) is served."""
         for script in self.alwayson_scripts:  # A1111's modules/api/api.py init_script_args: 422 naming the script
+            if str(script).lower() == "controlnet":
+                if controlnet:
+                    continue
+                raise InvalidRequestError(f"always on script {str(script)[:64]} not found: this server has no "
+                                          "ControlNet folder (no --controlnet-dir is set)",
+                                          param=f"alwayson_scripts.{str(script)[:64]}")
             raise InvalidRequestError(f"always on script {str(script)[:64]} not found: {str(script)[:64]} is not "
                                       "installed on this server (sdserve runs no A1111 extensions)",
                                       param=f"alwayson_scripts.{str(script)[:64]}")

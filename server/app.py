@@ -8,6 +8,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
@@ -20,6 +21,7 @@ from engines.types.snapshot import SelfTestReport
 from server import errors, headers, images_in
 from server.bootstrap import selftest_plan
 from server.caching import Caching
+from server.controlnet import ControlNetLibrary
 from server.exitcodes import ExitCode, exit_code_for
 from server.images import ImageStore
 from server.metrics import Exposition, Metrics
@@ -30,6 +32,7 @@ from server.routes import (
     a1111_img2img,
     a1111_info,
     a1111_loras,
+    controlnet,
     debug,
     edits,
     health,
@@ -160,11 +163,15 @@ def create_app(engine: Engine, settings: Settings, on_fatal: OnFatal | None = No
     app.state.watchdog = Watchdog(engine, service, state, settings, metrics)
     app.state.on_fatal = on_fatal or (lambda code, reason: None)
     app.state.image_store = ImageStore(max_bytes=settings.server.url_store_max_bytes)
+    # A1111's ControlNet routes read this library; without a folder they list nothing (server/routes/controlnet.py)
+    app.state.controlnets = (ControlNetLibrary(Path(settings.runtime.controlnet.dir))
+                             if settings.runtime.controlnet.dir else None)
     images_in.configure(settings.limits.max_jpeg_scans, settings.limits.decode_concurrency)
     errors.install(app)
     _add_middleware(app, settings, metrics, tenants)
     for router in (health.router, observability.router, openai_images.router, a1111.router, a1111_info.router,
-                   a1111_loras.router, edits.router, a1111_img2img.router, a1111_extras.router):
+                   a1111_loras.router, edits.router, a1111_img2img.router, a1111_extras.router,
+                   controlnet.router):
         app.include_router(router)
     if settings.debug.fault_injection and faults is not None:
         app.include_router(debug.router)

@@ -130,7 +130,7 @@ def _validation_message(err: dict[str, Any]) -> tuple[str, str | None]:
 
 
 def is_a1111(path: str) -> bool:
-    return path.startswith("/sdapi/")
+    return path.startswith(("/sdapi/", "/controlnet/"))
 
 
 A1111_FIELDS = {"n": "batch_size"}

@@ -30,6 +30,9 @@ def register(sub: Any) -> None:
                    "replaces [server] cors_origin_regex")
     p.add_argument("--lora-dir", type=Path, default=None, metavar="DIR",
                    help="folder of .safetensors LoRA files (A1111's flag); replaces [runtime.lora] dir")
+    p.add_argument("--controlnet-dir", type=Path, default=None, metavar="DIR",
+                   help="folder of exported ControlNets, one subfolder each (A1111's flag); replaces "
+                   "[runtime.controlnet] dir")
     p.add_argument("--upscaler-dir", type=Path, default=None, metavar="DIR",
                    help="folder of ESRGAN-family upscalers as <name>.onnx (/sdapi/v1/extra-single-image); replaces "
                    "[runtime] upscaler_dir")
@@ -44,6 +47,16 @@ def with_lora_dir(settings: Settings, folder: Path | None) -> Settings:
         raise ConfigError(f"--lora-dir {folder}: not a folder")
     lora = settings.runtime.lora.model_copy(update={"dir": str(folder.resolve())})
     return settings.model_copy(update={"runtime": settings.runtime.model_copy(update={"lora": lora})})
+
+
+def with_controlnet_dir(settings: Settings, folder: Path | None) -> Settings:
+    """The profile with ``--controlnet-dir`` applied (ConfigError, exit 10, when it is not a folder)."""
+    if folder is None:
+        return settings
+    if not folder.is_dir():
+        raise ConfigError(f"--controlnet-dir {folder}: not a folder")
+    controlnet = settings.runtime.controlnet.model_copy(update={"dir": str(folder.resolve())})
+    return settings.model_copy(update={"runtime": settings.runtime.model_copy(update={"controlnet": controlnet})})
 
 
 def with_cors(settings: Settings, origins: str | None, regex: str | None) -> Settings:
@@ -80,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     boot = dataclasses.replace(boot, settings=with_upscaler_dir(with_lora_dir(
         with_cors(boot.settings, args.cors_allow_origins, args.cors_allow_origins_regex), args.lora_dir),
         args.upscaler_dir))
+    boot = dataclasses.replace(boot, settings=with_controlnet_dir(boot.settings, args.controlnet_dir))
     settings = boot.settings
     if settings.runtime.allow_cpu:
         log.warning("profile %s allows the CPU: this server is NOT accelerated (accelerated: false)",

@@ -3,12 +3,14 @@ Validation errors are 422 with FastAPI's `detail` list (what A1111 clients expec
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Collection
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
 
 import engines.families as families
 from engines.errors import InvalidRequestError
@@ -18,6 +20,7 @@ from server import headers
 from server.a1111_options import OptionsStore, set_overrides
 from server.a1111_request import Txt2ImgRequest as Txt2ImgRequest  # its old home: importers still find it here
 from server.a1111_request import from_a1111
+from server.controlnet import parse_units
 from server.hires import HiresPlan, make_plan, run_hires
 from server.images import embed_infotext
 from server.middleware import tenant_label
@@ -175,7 +178,7 @@ def _sampler(req: Txt2ImgRequest, notes: list[str], served: Collection[str]) -> 
 def check_common(req: Txt2ImgRequest, info: ModelInfo, settings: Settings) -> None:
     """What both A1111 routes check before building batches: refused features, the overrides that say something,
     the batch limits, and the size (its refusal names the settings that apply to the A1111 routes)."""
-    req.refuse_unsupported()
+    req.refuse_unsupported(controlnet=bool(settings.runtime.controlnet.dir))
     OptionsStore().check(set_overrides(req.override_settings), info, "override_settings.")
     max_n = settings.limits.max_n
     for name, value in (("batch_size", req.batch_size), ("n_iter", req.n_iter)):
@@ -185,6 +188,23 @@ def check_common(req: Txt2ImgRequest, info: ModelInfo, settings: Settings) -> No
         raise InvalidRequestError("give both width and height, or neither", param="width")
     if req.width is not None and req.height is not None:
         resolve_size(f"{req.width}x{req.height}", settings, info, route="a1111")
+
+
+async def with_controlnet(req: Txt2ImgRequest, batches: list[Batch],
+                          request: Request) -> tuple[list[Batch], dict[str, str]]:
+    """The batches with the request's ControlNet units (``alwayson_scripts.controlnet``, server/controlnet.py)
+    and the infotext parameters A1111's extension writes (``ControlNet 0: "Module: ..."``); unchanged without."""
+    script = req.controlnet_script()
+    if script is None:
+        return batches, {}
+    if req.enable_hr:
+        raise InvalidRequestError("enable_hr with ControlNet units is not served yet", param="enable_hr")
+    first = batches[0]
+    units = await run_in_threadpool(parse_units, script, request.app.state.controlnets, first.width, first.height,
+                                    request.app.state.settings.limits.max_image_pixels)
+    control = tuple(u.unit for u in units)
+    params = dict(u.infotext.split(": ", 1) for u in units)
+    return [dataclasses.replace(b, control=control) for b in batches], {k: v.strip('"') for k, v in params.items()}
 
 
 @router.post("/txt2img", response_model=Txt2ImgResponse,
@@ -198,7 +218,8 @@ async def txt2img(req: Txt2ImgRequest, request: Request, response: Response) -> 
     check_common(req, info_model, request.app.state.settings)
     notes: list[str] = []
     scheduler = _sampler(req, notes, info_model.schedulers)
-    batches = service.to_batches(from_a1111(req, info_model, scheduler))
+    batches, control = await with_controlnet(req, service.to_batches(from_a1111(req, info_model, scheduler)),
+                                             request)
     plan = _hires_plan(req, batches[0], info_model, request.app.state.settings) if req.enable_hr else None
     timeout = request.headers.get(headers.TIMEOUT)
     owner = tenant_label(request.scope)
@@ -217,8 +238,9 @@ async def txt2img(req: Txt2ImgRequest, request: Request, response: Response) -> 
     if plan is not None:  # "hires": sdserve's key, the size the second pass made (absent when it was skipped)
         second = outs[0].result.images[0].image.size == plan.size  # an interrupted first pass skips the second
         extra |= {"denoising_strength": plan.denoising_strength} | ({"hires": plan.size} if second else {})
+    params = (plan.infotext if plan else {}) | control  # A1111's extra infotext parameters
     info = generation_info(req.prompt, req.negative_prompt, batches, outs, info_model,
-                           sampler_label(batches[0].scheduler), extra, plan.infotext if plan else None)
+                           sampler_label(batches[0].scheduler), extra, params or None)
     if interrupted:
         response.headers[headers.INTERRUPTED] = f"{steps_done}/{batches[0].steps}"
     pngs = with_infotexts([p for out in outs for p in out.pngs], info["infotexts"], request.app.state.settings)

@@ -59,6 +59,7 @@ from server.routes.a1111 import (
     ignored_headers,
     resolve_sampler,
     sampler_label,
+    with_controlnet,
     with_infotexts,
 )
 from server.routes.a1111_infotext import image_params, infotext
@@ -219,6 +220,7 @@ async def img2img(req: Img2ImgRequest, request: Request, response: Response) -> 
                      2 if box else req.resize_mode, overlay=True,  # type: ignore[arg-type]
                      fill=FILLS[req.inpainting_fill][0], instruct=instruct)
     batches = [edit_batch(b, edit, info, req.denoising_strength) for b in batches]
+    batches, control = await with_controlnet(req, batches, request)  # alwayson_scripts.controlnet's units
     record_inputs(request, await run_in_threadpool(_ingredients, req, instruct))
     outs = await asyncio.gather(*(service.run(b, request.headers.get(headers.TIMEOUT),
                                               request.is_disconnected, tenant_label(request.scope)) for b in batches))
@@ -231,7 +233,7 @@ async def img2img(req: Img2ImgRequest, request: Request, response: Response) -> 
         pngs = [await run_in_threadpool(_paste_full_res, p, images[k % len(images)], mask, box)
                 for k, p in enumerate(pngs)]
     request.app.state.metrics.images_by_mode.labels(request.url.path, batches[0].mode).inc(len(pngs))
-    body = _info(req, batches, outs, info, warnings)
+    body = _info(req, batches, outs, info, warnings, control)
     pngs = with_infotexts(pngs, body["infotexts"], settings)
     pngs = await stamp_a1111(request, response, list(outs), batches, pngs)  # provenance: last, signs final bytes
     return Txt2ImgResponse(images=[b64(p) for p in pngs], parameters=_parameters(req, set(ignored)),
@@ -246,13 +248,14 @@ def _parameters(req: Img2ImgRequest, ignored: set[str]) -> dict[str, Any]:
 
 
 def _info(req: Img2ImgRequest, batches: list[Any], outs: list[Any], model: ModelInfo,
-          warnings: list[str]) -> dict[str, Any]:
+          warnings: list[str], control: dict[str, str] | None = None) -> dict[str, Any]:
     first = batches[0]
     seeds = [g.seed for out in outs for g in out.result.images]
     sampler = sampler_label(first.scheduler)
     cache = outs[0].result.cache if outs else None
-    texts = [infotext(req.prompt, req.negative_prompt, image_params(first, seed, model, sampler, _extra(req),
-                                                                    cache)) for seed in seeds]
+    extra = _extra(req) | (control or {})  # ControlNet's units after img2img's own parameters
+    texts = [infotext(req.prompt, req.negative_prompt, image_params(first, seed, model, sampler, extra, cache))
+             for seed in seeds]
     return {"prompt": req.prompt, "negative_prompt": req.negative_prompt, "seed": seeds[0], "all_seeds": seeds,
             "all_prompts": [req.prompt] * len(seeds), "width": first.width, "height": first.height,
             "sampler_name": sampler, "cfg_scale": first.images[0].guidance_scale,

@@ -125,4 +125,4 @@ def test_routes(library: ControlNetLibrary) -> None:
     assert image[0, 0].tolist() == [255, 255, 255] and image[32, 32].tolist() == [0, 0, 0]
     refused = client.post("/controlnet/detect", json={"controlnet_module": "depth",
                                                       "controlnet_input_images": [_b64(_square())]})
-    assert refused.status_code == 400 and "depth" in refused.text and "controlnet_module" in refused.text
+    assert refused.status_code == 422 and "depth" in refused.text and "controlnet_module" in refused.text
