@@ -82,7 +82,12 @@ class Txt2ImgRequest(BaseModel):
         ``controlnet``: a ControlNet folder is configured, so the ``controlnet`` script (any case) is served."""
         for script in self.alwayson_scripts:  # A1111's modules/api/api.py init_script_args: 422 naming the script
             if str(script).lower() == "controlnet":
-                if controlnet:
+                args = self.alwayson_scripts[script].get("args") if isinstance(self.alwayson_scripts[script],
+                                                                                dict) else None
+                # no enabled unit (webuiapi sends {"args": []} to a server listing the extension): nothing to ignore
+                idle = isinstance(args, list) and not any(not isinstance(u, dict) or u.get("enabled", True)
+                                                          for u in args)
+                if controlnet or idle:
                     continue
                 raise InvalidRequestError(f"always on script {str(script)[:64]} not found: this server has no "
                                           "ControlNet folder (no --controlnet-dir is set)",

@@ -194,14 +194,17 @@ async def with_controlnet(req: Txt2ImgRequest, batches: list[Batch],
                           request: Request) -> tuple[list[Batch], dict[str, str]]:
     """The batches with the request's ControlNet units (``alwayson_scripts.controlnet``, server/controlnet.py)
     and the infotext parameters A1111's extension writes (``ControlNet 0: "Module: ..."``); unchanged without."""
-    script = req.controlnet_script()
-    if script is None:
+    library = getattr(request.app.state, "controlnets", None)
+    script = req.controlnet_script() if library is not None else None
+    if script is None:  # without a library check_common refused every enabled unit
         return batches, {}
-    if req.enable_hr:
-        raise InvalidRequestError("enable_hr with ControlNet units is not served yet", param="enable_hr")
     first = batches[0]
-    units = await run_in_threadpool(parse_units, script, request.app.state.controlnets, first.width, first.height,
+    units = await run_in_threadpool(parse_units, script, library, first.width, first.height,
                                     request.app.state.settings.limits.max_image_pixels)
+    if not units:
+        return batches, {}
+    if req.enable_hr and request.url.path.endswith("/txt2img"):
+        raise InvalidRequestError("enable_hr with ControlNet units is not served yet", param="enable_hr")
     control = tuple(u.unit for u in units)
     params = dict(u.infotext.split(": ", 1) for u in units)
     return [dataclasses.replace(b, control=control) for b in batches], {k: v.strip('"') for k, v in params.items()}
