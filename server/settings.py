@@ -521,6 +521,8 @@ def _env_overrides(data: dict[str, object]) -> dict[str, object]:
         runtime["device_id"] = os.environ[f"{ENV_PREFIX}DEVICE_ID"]
     if os.environ.get(f"{ENV_PREFIX}LORA_DIR"):
         runtime["lora"] = {**runtime.get("lora", {}), "dir": os.environ[f"{ENV_PREFIX}LORA_DIR"]}
+    if os.environ.get(f"{ENV_PREFIX}CONTROLNET_DIR"):
+        runtime["controlnet"] = {**runtime.get("controlnet", {}), "dir": os.environ[f"{ENV_PREFIX}CONTROLNET_DIR"]}
     auth = dict(data.get("auth", {}))  # type: ignore[call-overload]
     if os.environ.get(f"{ENV_PREFIX}API_KEYS_SHA256"):
         extra = [d.strip() for d in os.environ[f"{ENV_PREFIX}API_KEYS_SHA256"].split(",") if d.strip()]

@@ -48,3 +48,12 @@ def test_settings_are_frozen() -> None:
     settings = load_settings("dev")
     with pytest.raises(ValueError, match="frozen"):
         settings.runtime.allow_cpu = False  # type: ignore[misc]
+
+
+def test_the_library_folders_come_from_the_environment_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SDSERVE_LORA_DIR and SDSERVE_CONTROLNET_DIR set [runtime.lora] dir and [runtime.controlnet] dir, as the
+    serve flags --lora-dir and --controlnet-dir do (a container sets them without a profile of its own)."""
+    monkeypatch.setenv("SDSERVE_LORA_DIR", "/models/loras")
+    monkeypatch.setenv("SDSERVE_CONTROLNET_DIR", "/models/controlnet")
+    runtime = load_settings("dev").runtime
+    assert (runtime.lora.dir, runtime.controlnet.dir) == ("/models/loras", "/models/controlnet")
