@@ -78,6 +78,16 @@ PROOFS: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {
         ("tests/e2e/test_zimage_serving.py::test_the_a1111_route_uses_the_negative_prompt_and_repeats_a_seed",
          "CFG with negative prompts on the A1111 route (parity: the Turbo row, the same architecture)"),
     ),
+    ("flux-kontext", "dev"): (
+        ("tests/integration/test_kontext_parity.py::test_instruction_edit_matches_diffusers",
+         "instruction-edit parity with diffusers at two input sizes, the output size rule"),
+        ("tests/e2e/test_kontext_edits.py::test_one_image_is_an_instruction_edit_that_depends_on_it",
+         "the openai client's images.edit, one image, no mask"),
+    ),
+    ("qwen-image-edit", "dev"): (
+        ("tests/integration/test_qwen_edit_parity.py::test_instruction_edit_matches_diffusers",
+         "instruction-edit parity with diffusers, one and two input images, true CFG with negative prompts"),
+    ),
     ("flux2-klein", "dev"): (
         ("tests/integration/test_flux2_parity.py::test_images_match_diffusers", "txt2img parity with diffusers"),
         ("tests/e2e/test_flux2_serving.py::test_through_the_openai_sdk", "served through the openai SDK"),
