@@ -135,8 +135,10 @@ def test_webuiapi_controlnet_unit_replayed(server: ServerProcess) -> None:
     image = Image.open(io.BytesIO(base64.b64decode(_pattern())))
     unit = webuiapi.ControlNetUnit(image=image, module="canny", model=_edges_title(url), weight=1.0,
                                    threshold_a=100, threshold_b=200)
+    # a fresh alwayson_scripts: webuiapi's default is one dict shared by every call, which txt2img writes the units
+    # into, so every later webuiapi request of this process would carry them (to servers without ControlNet too)
     result = api.txt2img(prompt=BASE["prompt"], seed=21, width=64, height=64, cfg_scale=7.0,
-                         controlnet_units=[unit])
+                         controlnet_units=[unit], alwayson_scripts={})
     controlled = _post(url, {**BASE, "alwayson_scripts": {"controlnet": {"args": [_unit(
         _edges_title(url), resize_mode="Resize and Fill")]}}})
     mine = _pixels(controlled.json()["images"][0])
