@@ -104,10 +104,11 @@ def _b64_png(size: int, colour: tuple[int, int, int]) -> str:
 
 
 def test_one_key_flooding_png_info_leaves_the_other_its_decoders(server: str) -> None:
-    """Four clients of key A post a 2048x2048 PNG to png-info back to back (2 decoder slots); each of key B's
-    img2img requests gets a decoder once one of A's decodes ends (B honours Retry-After, A's clients retry at
-    once): the slot a finished decode gives back is kept for the key that waits. Before, A's immediate retries
-    took every freed slot (the issue: 118 of 125 refused)."""
+    """Four clients of key A post a 2048x2048 PNG to png-info back to back (2 decoder slots). png-info reads the
+    PNG's text chunks and decodes no pixel (issue 57), so it takes no decoder slot: every png-info is answered and
+    each of key B's img2img requests gets a decoder at once. (Issue 52's measurement: 118 of 125 of B's requests
+    refused while png-info decoded every pixel in the shared slots; the fair hand-over of freed slots between
+    tenants is tested in tests/unit/test_tenant_isolation.py.)"""
     large, small = _b64_png(2048, (90, 60, 30)), _b64_png(64, (10, 200, 40))
     stop, flood_codes = threading.Event(), []
 
@@ -139,4 +140,5 @@ def test_one_key_flooding_png_info_leaves_the_other_its_decoders(server: str) ->
         stop.set()
         for thread in floods:
             thread.join(60)
-    assert set(flood_codes) <= {200, 429} and flood_codes.count(429) > 0, "the flood never filled the decoders"
+    assert flood_codes and set(flood_codes) == {200}, "png-info was refused: it took a decoder slot"
+    assert tries == [1, 1, 1, 1], f"B waited for a decoder: {tries}"
