@@ -92,7 +92,8 @@ MAX_RUN = 64
 FAIR_SLICE_S = 0.02
 """Fair share's granularity: a tenant's ticks estimated shorter than this run on, back to back in one thread call,
 up to this many seconds past the point where its virtual time reaches another tenant's, instead of one event-loop
-hop per tick (at 64x64 on a CPU, or small DiT steps on a GPU, the hop costs a fifth of the tick). The share stays
+hop (a thread-pool round trip and a whole decision) per tick: with small ticks (64x64 on a CPU) fair share cost
+throughput that way (benchmarks/bench_tenants.py). The share stays
 exact in work over turns; at any instant a tenant is ahead by at most this slice plus one operation. A tick that
 takes longer than the slice (a 512x512 step on a GPU) switches tenants after one operation, as without it."""
 BEGIN, TICK, FINISH = "begin", "tick", "finish"
