@@ -59,7 +59,7 @@ tools: $(NODE_STAMP)
 	  { echo "install Debian's prometheus package (promtool, prometheus) to run the alert and rollout tests" >&2; exit 1; }
 
 test: $(STAMP) $(BPE_WHEEL) tools facts lint
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=40
 
 # The machine facts that change results (CPU vendor and model, cores, ORT/OpenVINO versions, what runs the
 # accelerator proof: OpenVINO's plugin directly, or through the vendor shim on non-Intel CPUs), first in the output.
