@@ -54,6 +54,11 @@ MAX_TEXT_CHARS = 2 << 20
 """Characters of text (the infotext and every other item) png-info reads from one image."""
 MAX_REPLY_BYTES = 8 << 20
 """Bytes of one png-info reply (JSON escapes can make text up to six times longer)."""
+MAX_PARSED_CHARS = 64 << 10
+"""Longest infotext whose parsed ``parameters`` repeat it in the reply. A1111 answers the text twice (``info``, and
+its prompt, negative prompt and values again in ``parameters``); an infotext a generator writes is a few KB, so
+the reply repeats only what fits this bound: a longer text is answered once, in ``info``, with ``parameters`` {}
+(issue 57: a 1,061-byte zTXt chunk made an 8.28 MB reply, 7,804x, half of it the text's second copy)."""
 
 
 def pairs(line: str) -> list[tuple[str, str]]:
@@ -143,7 +148,8 @@ def _text_chars(text: str, items: dict[str, Any]) -> int:
 
 def png_info_body(image_text: str, max_pixels: int) -> bytes:
     """The JSON reply of POST /sdapi/v1/png-info for A1111's base64 ``image`` (run in a worker thread): its
-    infotext, other text items and parsed parameters, within this module's bounds (else a 422 naming ``image``)."""
+    infotext, other text items and parsed parameters (for a text of at most ``MAX_PARSED_CHARS``: the text comes
+    back once), within this module's bounds (else a 422 naming ``image``)."""
     data = from_base64_bytes(image_text.strip(), "image")
     # server/png_text.py's bounds first, then the upload limits; no pixel is decoded: the text is all png-info
     # needs (a PNG's text chunks after its image data are read from the chunks, where Pillow would decode first)
@@ -155,7 +161,8 @@ def png_info_body(image_text: str, max_pixels: int) -> bytes:
     if chars > MAX_TEXT_CHARS:
         raise InvalidRequestError(f"image holds {chars} characters of text (infotext, EXIF, XMP, comments), over "
                                   f"the {MAX_TEXT_CHARS} png-info reads", param="image")
-    reply = {"info": text, "items": items, "parameters": parse_infotext(text) if text else {}}
+    parsed = parse_infotext(text) if text and len(text) <= MAX_PARSED_CHARS else {}
+    reply = {"info": text, "items": items, "parameters": parsed}
     body = json.dumps(reply, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
     if len(body) > MAX_REPLY_BYTES:
         raise InvalidRequestError(f"image: its text makes a png-info reply of {len(body)} bytes, over the "
