@@ -169,13 +169,13 @@ register(Architecture(
 register(Architecture(
     "qwen-image-edit", "transformer", "engines.pipelines.qwen_edit:QwenEditPipeline",
     frozenset({"QwenImageEditPlusPipeline", "OnnxQwenImageEditPlusPipeline"}), "QwenImageTransformer2DModel",
-    packed=True, cfg=True, variant_keys=("guidance_embeds", "zero_cond_t", "use_additional_t_cond", "use_layer3d_rope"),
+    packed=True, cfg=True, variant_keys=("guidance_embeds", "use_additional_t_cond", "use_layer3d_rope"),
     components=("text_encoder", "vision", "transformer", "vae_decoder"),
     memory_parts={"text_encoder": "qwen_text", "transformer": "qwen_image"}, vae_formulas="qwen_",
     precision={"text_encoder": "bf16"}, text_tokens="fixed", text_ids="longest+prefix"))
 """Qwen-Image-Edit-Plus 2509 (instruction edits: the Qwen2.5-VL vision tower on the input images, their latents
 after the noisy tokens): engines/pipelines/qwen_edit.py. 2511 (``zero_cond_t``: the reference tokens modulated at
-timestep 0) is refused by that key until its transformer export takes it."""
+timestep 0) is the same row, its exported transformer taking ``modulate_index``."""
 register(Architecture(
     "z-image", "transformer", "engines.pipelines.zimage:ZImagePipeline",
     frozenset({"ZImagePipeline", "ZImageImg2ImgPipeline", "OnnxZImagePipeline"}), "ZImageTransformer2DModel",
@@ -195,3 +195,13 @@ register(Architecture(
 apart): engines/pipelines/flux2.py. Latents run unpacked ([B, 128, h, w]: the transformer flattens them itself).
 Memory plan: the Qwen3 encoder's and FLUX.2 transformer's own formulas; the VAE (AutoencoderKLFlux2) is
 AutoencoderKL's halves (its batch norm holds buffers only)."""
+register(Architecture(
+    "flux2-dev", "transformer", "engines.pipelines.flux2_dev:Flux2DevPipeline",
+    frozenset({"Flux2Pipeline", "OnnxFlux2Pipeline"}), "Flux2Transformer2DModel", guidance_embeds=True,
+    components=("text_encoder", "transformer", "vae_decoder"),
+    memory_parts={"text_encoder": "mistral3_text", "transformer": "flux2_transformer"},
+    precision={"text_encoder": "bf16"}, text_tokens="fixed", text_ids="padded",
+    export="engines.build.mistral3:export_flux2_dev_folder"))
+"""FLUX.2 [dev] (Mistral Small 3.1 text encoder, the guidance embedded): engines/pipelines/flux2_dev.py on klein's
+loop. Memory plan: the Mistral language model as far as the pipeline reads it (layers 1-30) and FLUX.2's
+transformer formula."""

@@ -169,3 +169,11 @@ register(FamilyFacts("flux2-klein-base", ("flux2-klein",), "transformer", 50, 4.
 """FLUX.2 [klein]: diffusers' ``Flux2KleinPipeline`` defaults (``max_sequence_length`` 512: the text states the
 transformer attends to, ``t5_length`` here); the distilled checkpoints' model cards use 4 steps, the base ones 50
 steps at guidance 4.0. A folder whose model_index.json says ``is_distilled`` is ``flux2-klein``."""
+register(FamilyFacts("flux2-dev", ("flux2-dev",), "transformer", 50, 4.0,
+                     "FLUX.2 [dev] (Mistral Small 3.1 text encoder, guidance embedded)", t5_length=512,
+                     own_defaults=True, trained_size=1024, distilled_guidance=True,
+                     lora_text_encoders="FLUX.2 [dev] LoRAs adapt the transformer only (diffusers' "
+                     "Flux2LoraLoaderMixin loads none into the Mistral text encoder): remove the text-encoder keys "
+                     "from the file"))
+"""FLUX.2 [dev]: diffusers' ``Flux2Pipeline`` defaults (50 steps, ``guidance_scale`` 4.0 embedded in the transformer,
+``max_sequence_length`` 512)."""
