@@ -3,8 +3,10 @@
 server refuses (pickle, truncated, oversized header, another family's LoRA) are listed with ``problem``, so an
 operator sees why a name does not work.
 
-Neither route works on the event loop: a listing can be tens of MB (every file's metadata), so its JSON is built
-in a worker thread once per scan and the bytes are reused until the next one; a refresh runs in a worker thread,
+Neither route works on the event loop: a listing can be tens of MB (every file's metadata), so its JSON (and its
+gzip form, sent to clients that accept it) is built in a worker thread once per scan and the bytes are reused until
+the next one; requests arriving while it is built wait for that build without a thread each (issue 57: 16 clients
+x 3 listings took 5.3 s each and held /health over 1 s); a refresh runs in a worker thread,
 and concurrent refreshes share one: a caller that arrives while one runs waits (without a thread) and gets the
 result of the next, so a flood of refreshes holds at most one worker thread and runs at most two scans.
 
@@ -15,8 +17,8 @@ refresh changes what every tenant sees, so it is a tenant's right only where its
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
-import threading
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -40,22 +42,34 @@ def _a1111(f: LoraInfo) -> dict[str, Any]:
             "size": f.size, "components": f.components, "problem": f.problem or None}
 
 
+def build(files: tuple[LoraInfo, ...]) -> tuple[bytes, bytes]:
+    """(JSON, its gzip) of the listing of ``files`` (run in a worker thread)."""
+    # one item at a time: a worker thread gives the GIL back between items, never for one long dump;
+    # ASCII escapes: a file's metadata may hold lone surrogates ("\ud800" in its JSON), never UTF-8
+    body = b"[" + b",".join(json.dumps(_a1111(f)).encode() for f in files) + b"]"
+    return body, gzip.compress(body, compresslevel=6, mtime=0)
+
+
 class Listing:
-    """The listing's JSON bytes, built once per scan (the engine hands out a new tuple per scan)."""
+    """The listing's bytes, built once per scan: keyed by the scan's tuple (the engine hands out a new one per
+    scan), built in a worker thread by the first request that finds it stale, while later ones wait on the
+    event loop (no thread each) and take the same bytes."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = asyncio.Lock()
         self._for: tuple[LoraInfo, ...] | None = None
-        self._body = b"[]"
+        self._bodies = (b"[]", gzip.compress(b"[]", mtime=0))
+        self.builds = 0
+        """Listings built so far (one per scan however many requests ask)."""
 
-    def body(self, files: tuple[LoraInfo, ...]) -> bytes:
-        with self._lock:
+    async def body(self, files: tuple[LoraInfo, ...]) -> tuple[bytes, bytes]:
+        """(JSON, gzip) of the listing of ``files``."""
+        async with self._lock:
             if files is not self._for:
-                # one item at a time: a worker thread gives the GIL back between items, never for one long dump;
-                # ASCII escapes: a file's metadata may hold lone surrogates ("\ud800" in its JSON), never UTF-8
-                self._body = b"[" + b",".join(json.dumps(_a1111(f)).encode() for f in files) + b"]"
+                self.builds += 1
+                self._bodies = await run_in_threadpool(build, files)
                 self._for = files
-            return self._body
+            return self._bodies
 
 
 class Refresher:
@@ -101,13 +115,19 @@ def may_refresh(registry: TenantRegistry | None, label: str) -> str | None:
             "with lora_refresh = true in their [[auth.tenants]] entry may; GET /sdapi/v1/loras stays readable")
 
 
+def _reply(request: Request, bodies: tuple[bytes, bytes]) -> Response:
+    """The listing, gzip-encoded for a client that accepts it (a tenth of the bytes to write)."""
+    if "gzip" in request.headers.get("accept-encoding", "").lower():
+        return Response(bodies[1], media_type="application/json",
+                        headers={"Content-Encoding": "gzip", "Vary": "Accept-Encoding"})
+    return Response(bodies[0], media_type="application/json", headers={"Vary": "Accept-Encoding"})
+
+
 @router.get("/loras", responses=LISTED)
 async def loras(request: Request) -> Response:
     """Every LoRA file of the library ([runtime.lora] dir), usable or not (``problem``)."""
     listing, _ = _state(request)
-    engine = request.app.state.engine
-    body = await run_in_threadpool(lambda: listing.body(engine.loras()))
-    return Response(body, media_type="application/json")
+    return _reply(request, await listing.body(request.app.state.engine.loras()))
 
 
 @router.post("/refresh-loras", responses={**LISTED, 403: {"description": "The tenant may not rescan the "
@@ -120,5 +140,4 @@ async def refresh_loras(request: Request) -> Response:
         raise HTTPException(403, refused)
     listing, refresher = _state(request)
     found = await refresher(request.app.state.engine)
-    body = await run_in_threadpool(listing.body, found)
-    return Response(body, media_type="application/json")
+    return _reply(request, await listing.body(found))
