@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Iterator
@@ -28,6 +29,14 @@ tables; the step cache adds 4 comparison buffers, an edit its image and mask. Ho
 tag and table on a GPU."""
 CACHE_HEADROOM = 64
 """Entries outside any request's scope: the joined rows (rows_*), decode buffers, the text encoders' outputs."""
+MAX_CACHED_BYTES = 256 << 20
+"""The most bytes the three caches of one device (device buffers, host staging, per-step tables) hold together,
+counted from each entry's shape and dtype (a pinned staging buffer as much as a device one); least recently used
+entries go first, across the caches. A running request's buffers it still holds stay alive when evicted (only
+the cache's reference goes), so the bound is on what the process keeps between requests: without it every
+distinct size served left its staging and buffers behind (up to ``cache_entries`` of each, ~3.6 MB per size on
+the tiny model, ~11 MB at 1024x1024 pinned on a GPU). The entry just asked for is never evicted: the held bytes
+exceed the bound only by it, when it alone is larger."""
 DEFAULT_MAX_RUNNING = 32
 """The scheduler's default ``queue.max_running`` (server/settings.py): the cache size a Runtime built without the
 configured value is planned for."""
@@ -131,6 +140,8 @@ def host_arena() -> dict[str, Any]:
 
 
 MAX_HOST_READS = 256
+_Key = tuple[str, tuple[int, ...], str]
+"""A cache entry: (scope + tag, shape, dtype name)."""
 
 
 @dataclass(frozen=True)
@@ -146,13 +157,20 @@ class DeviceBuffers:
     """The device tensors, host staging and per-step tables one device's sessions are bound to, reused per (scope,
     tag, shape, dtype); and the run that shrinks the shared arena after a large batch's large stages."""
 
-    def __init__(self, device: str, device_id: int, max_cached: int = MAX_CACHED) -> None:
+    def __init__(self, device: str, device_id: int, max_cached: int = MAX_CACHED,
+                 max_cached_bytes: int = MAX_CACHED_BYTES) -> None:
         self.device = device
         self.device_id = device_id
         self.max_cached = max_cached
         """Entries each cache keeps (``cache_entries`` of the engine's max_running)."""
+        self.max_cached_bytes = max_cached_bytes
+        """Bytes the three caches hold together (MAX_CACHED_BYTES)."""
         self.evicted = {"buffers": 0, "staging": 0, "tables": 0}
         """Entries each cache has evicted (churn): stays 0 while the running set fits ``max_cached``."""
+        self.held = {"buffers": 0, "staging": 0, "tables": 0}
+        """Bytes each cache holds now (its entries' shapes x dtype sizes)."""
+        self._order: OrderedDict[tuple[str, _Key], int] = OrderedDict()
+        """Every cached entry's bytes, least recently used first, across the three caches."""
         self.stream: Stream | None = None
         """The one stream every session of this runtime runs on (a ComputeStream on CUDA with
         runtime.cuda.shared_compute_stream, the HostStream on the CPU provider); None: each session on its own
@@ -162,9 +180,9 @@ class DeviceBuffers:
         self._tick: _Tick | None = None
         self._no_sync: ort.RunOptions | None = None
         self._host: HostAllocator | None = None
-        self._staging: OrderedDict[tuple[str, tuple[int, ...], str], tuple[np.ndarray, ort.OrtValue]] = OrderedDict()
-        self._buffers: OrderedDict[tuple[str, tuple[int, ...], str], ort.OrtValue] = OrderedDict()
-        self._tables: OrderedDict[tuple[str, tuple[int, ...], str], list[ort.OrtValue]] = OrderedDict()
+        self._staging: OrderedDict[_Key, tuple[np.ndarray, ort.OrtValue]] = OrderedDict()
+        self._buffers: OrderedDict[_Key, ort.OrtValue] = OrderedDict()
+        self._tables: OrderedDict[_Key, list[ort.OrtValue]] = OrderedDict()
         self.host_reads: deque[HostRead] = deque(maxlen=MAX_HOST_READS)
         """The host memory each host->device copy read from, newest last (accept's staging check reads it)."""
         self.arena: dict[str, Any] = {}
@@ -200,11 +218,9 @@ class DeviceBuffers:
         if value is None:
             value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, self.device, self.device_id)
             self._buffers[key] = value
-            while len(self._buffers) > self.max_cached:
-                self._buffers.popitem(last=False)
-                self.evicted["buffers"] += 1
+            self._hold("buffers", key, math.prod(shape) * np.dtype(dtype).itemsize)
         else:
-            self._buffers.move_to_end(key)
+            self._touch("buffers", key)
         return value
 
     @property
@@ -218,15 +234,14 @@ class DeviceBuffers:
         """A host array (pinned on a GPU) and a CPU OrtValue over the same memory, reused per shape. Bound as an
         output, ORT copies the device result straight into it; as a copy source it feeds update_inplace."""
         key = (self.scope + tag, shape, np.dtype(dtype).name)
-        if key not in self._staging:
+        found = self._staging.get(key)
+        if found is None:
             array = self.host.empty(shape, dtype)
-            self._staging[key] = (array, ort.OrtValue.ortvalue_from_numpy(array))
-            while len(self._staging) > self.max_cached:  # bounded like the device buffers; pinned memory is freed
-                old, _ = self._staging.popitem(last=False)[1]
-                self.host.free(old)
-                self.evicted["staging"] += 1
-        self._staging.move_to_end(key)
-        return self._staging[key]
+            found = self._staging[key] = (array, ort.OrtValue.ortvalue_from_numpy(array))
+            self._hold("staging", key, int(array.nbytes))  # bounded like the device buffers; pinned memory is freed
+        else:
+            self._touch("staging", key)
+        return found
 
     def staged(self, tag: str, shape: tuple[int, ...], dtype: type[np.generic]) -> np.ndarray | None:
         """The host staging array the pipeline used for (tag, shape, dtype), or None when it never staged one:
@@ -260,15 +275,49 @@ class DeviceBuffers:
             values = [ort.OrtValue.ortvalue_from_shape_and_type(list(table.shape[1:]), table.dtype.type, self.device,
                                                                 self.device_id) for _ in range(len(table))]
             self._tables[key] = values
-            while len(self._tables) > self.max_cached:
-                self._tables.popitem(last=False)
-                self.evicted["tables"] += 1
-        self._tables.move_to_end(key)
+            self._hold("tables", key, int(table.nbytes))
+        else:
+            self._touch("tables", key)
         source = self._host_source(tag, table)
         for row, value in enumerate(values):
             value.update_inplace(source[row, ...])
         self.note_host_read(tag, source)
         return values
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes the three caches hold together: at most ``max_cached_bytes`` (but for one entry larger alone)."""
+        return sum(self.held.values())
+
+    def _caches(self) -> dict[str, OrderedDict[_Key, Any]]:
+        return {"buffers": self._buffers, "staging": self._staging, "tables": self._tables}
+
+    def _touch(self, cache: str, key: _Key) -> None:
+        self._caches()[cache].move_to_end(key)
+        self._order.move_to_end((cache, key))
+
+    def _hold(self, cache: str, key: _Key, nbytes: int) -> None:
+        """Count a new entry, then evict: the cache's oldest while it has more than ``max_cached`` entries, the
+        oldest of any cache while they hold more than ``max_cached_bytes``; never the new entry."""
+        self._order[(cache, key)] = nbytes
+        self.held[cache] += nbytes
+        entries = self._caches()[cache]
+        while len(entries) > self.max_cached:
+            self._evict(cache, next(iter(entries)))
+        while self.held_bytes > self.max_cached_bytes:
+            oldest = next(iter(self._order))
+            if oldest == (cache, key):
+                break
+            self._evict(*oldest)
+
+    def _evict(self, cache: str, key: _Key) -> None:
+        """Drop an entry (a buffer a running request still holds stays alive with it); a staging buffer's pinned
+        memory is freed: staging is written and read within one call, so no later call holds it."""
+        found = self._caches()[cache].pop(key)
+        self.held[cache] -= self._order.pop((cache, key))
+        self.evicted[cache] += 1
+        if cache == "staging":
+            self.host.free(found[0])
 
     def run(self, session: ort.InferenceSession, binding: ort.IOBinding, component: str,
             outputs: dict[str, ort.OrtValue]) -> None:
@@ -373,6 +422,8 @@ class DeviceBuffers:
         self._buffers.clear()
         self._tables.clear()
         self._staging.clear()
+        self._order.clear()
+        self.held = dict.fromkeys(self.held, 0)
         if self._host is not None:
             self._host.close()
         if self.stream is not None:

@@ -15,6 +15,7 @@ from engines.errors import ArtifactError, GpuUnavailableError, ModelLoadError, P
 from engines.runtime import enginecheck, placement, plugins
 from engines.runtime.buffers import (
     DEFAULT_MAX_RUNNING,
+    MAX_CACHED_BYTES,
     DeviceBuffers,
     cache_entries,
     device_arena,
@@ -208,11 +209,13 @@ class Runtime(DeviceBuffers):
     """Builds sessions for one device under one policy and owns the device buffers bound to them (DeviceBuffers)."""
 
     def __init__(self, settings: RuntimeSettings, model_dir: Path | None = None,
-                 total_memory: int | None = None, max_running: int = DEFAULT_MAX_RUNNING) -> None:
+                 total_memory: int | None = None, max_running: int = DEFAULT_MAX_RUNNING,
+                 max_cached_bytes: int = MAX_CACHED_BYTES) -> None:
         """``total_memory``: the served device's total bytes, from preflight (gpu_mem_limit_fraction needs it);
-        ``max_running``: the scheduler's queue.max_running, which sizes the buffer caches (cache_entries)."""
+        ``max_running``: the scheduler's queue.max_running, which sizes the buffer caches (cache_entries);
+        ``max_cached_bytes``: the bytes those caches hold together (MAX_CACHED_BYTES)."""
         super().__init__(settings.device, settings.device_id if settings.device == "cuda" else 0,
-                         cache_entries(max_running))
+                         cache_entries(max_running), max_cached_bytes)
         self.settings = settings
         self.model_dir = model_dir
         self.total_memory = total_memory
