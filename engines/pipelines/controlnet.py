@@ -1,6 +1,8 @@
-"""ControlNet units on the SD 1.x/2.x UNet pipeline (issue 56), with diffusers' StableDiffusionControlNetPipeline
-semantics: every denoiser evaluation runs each active unit's ControlNet on the UNet's input (the scaled latents,
-every CFG row), its timestep and text states, and the control image; the units' residuals are summed (diffusers'
+"""ControlNet units on the SD 1.x/2.x and SDXL UNet pipelines (issue 56), with diffusers'
+StableDiffusionControlNetPipeline and StableDiffusionXLControlNetPipeline semantics: every denoiser evaluation runs
+each active unit's ControlNet on the UNet's input (the scaled latents, every CFG row), its timestep and text states
+(on SDXL its added conditions too: the pooled text embeddings and time ids the UNet gets, the same rows), and the
+control image; the units' residuals are summed (diffusers'
 MultiControlNetModel; on the device, one Add graph call per extra unit) and the UNet's residual variant
 (``unet_controlnet/``, engines/build/controlnet.py) takes them. A unit is active at evaluation ``i`` of ``n``
 unless ``i / n < guidance_start`` or ``(i + 1) / n > guidance_end`` (diffusers' ``controlnet_keep``); an
@@ -9,11 +11,14 @@ residuals. The control image is prepared as diffusers' ``prepare_image`` does: r
 Lanczos, ``VaeImageProcessor``), RGB in [0, 1], one copy per row, doubled under CFG.
 
 A pipeline serves ControlNet once ``attach`` gave it the ControlNets and its residual UNet; the plain UNet and its
-path are unchanged otherwise.
+path are unchanged otherwise. A ControlNet for another base (an SDXL one, config ``addition_embed_type``
+"text_time", on an SD 1.x/2.x model, or the reverse) is left out at load, logged by name, and a unit naming it is
+refused by name (``controlnet.model``) with the reason; a file that fits no other way raises ModelLoadError.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +41,10 @@ DOWN = "down_block_additional_residual_"
 MID = "mid_block_additional_residual"
 NET_DOWN = "down_block_res_sample_"
 NET_MID = "mid_block_res_sample"
+ADDED = ("text_embeds", "time_ids")
+"""SDXL's added conditions, inputs of its ControlNet and of its residual UNet under these names."""
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,8 @@ class ControlNet:
     model: OrtModel
     levels: tuple[tuple[int, int], ...]
     """Per residual, down blocks then mid: (channels, latent downsampling factor)."""
+    xl: bool = False
+    """An SDXL ControlNet: it takes the UNet's added conditions (ADDED)."""
 
 
 @dataclass
@@ -84,6 +95,16 @@ def sum_graph(count: int, dtype: type[np.generic]) -> bytes:
     return bytes(model.SerializeToString())
 
 
+def base_mismatch(name: str, config: dict[str, Any], xl: bool) -> str:
+    """Why the ControlNet ``name`` of ``config`` is for another base than an SDXL (``xl``) or SD 1.x/2.x model, or
+    "" when its base is the model's."""
+    net_xl = config.get("addition_embed_type") == "text_time"
+    if net_xl == xl:
+        return ""
+    kinds = ("an SD 1.x/2.x ControlNet", "an SDXL model") if xl else ("an SDXL ControlNet", "an SD 1.x/2.x model")
+    return f"ControlNet {name} is {kinds[0]}, this is {kinds[1]} (a ControlNet for another base model)"
+
+
 def residual_levels(config: dict[str, Any]) -> tuple[tuple[int, int], ...]:
     """(channels, downsampling) of each residual of a ControlNet of ``config``: the input conv's, one per resnet
     layer, one per downsampler, then the mid block's."""
@@ -104,8 +125,9 @@ class ControlNets:
     def __init__(self, pipe: StableDiffusionOnnx, folder: Path, nets: dict[str, Path], label: str = "") -> None:
         """``folder``: the model's folder (its unet_controlnet/model.onnx); ``nets``: name -> ControlNet folder
         (model.onnx, config.json). ModelLoadError names what does not fit the model."""
-        if pipe.family.xl or pipe.family.inpainting:
-            raise ModelLoadError(f"{folder.name}: ControlNet is served on SD 1.x/2.x text-to-image UNets only")
+        if pipe.family.inpainting:
+            raise ModelLoadError(f"{folder.name}: ControlNet is served on SD 1.x/2.x and SDXL text-to-image UNets "
+                                 "only")
         path = folder / "unet_controlnet" / "model.onnx"
         if not path.is_file():
             raise ModelLoadError(f"{folder} has no unet_controlnet/model.onnx (export the model with "
@@ -116,9 +138,19 @@ class ControlNets:
         missing = [name for name in self.residuals if name not in self.unet.inputs]
         if missing:
             raise ModelLoadError(f"{path}: no input {missing[0]} (not a UNet exported with residual inputs)")
+        xl = bool(pipe.family.xl)
+        if xl and any(name not in self.unet.inputs for name in ADDED):
+            raise ModelLoadError(f"{path}: no inputs {list(ADDED)} (not an SDXL UNet exported with residual inputs)")
         self.nets: dict[str, ControlNet] = {}
+        self.refused: dict[str, str] = {}
+        """ControlNets for another base model: name -> why (a unit naming one is refused with it)."""
         for name, net_folder in sorted(nets.items()):
             config = read_json(net_folder / "config.json")
+            mismatch = base_mismatch(name, config, xl)
+            if mismatch:
+                log.warning("ControlNet %s refused: %s", name, mismatch)
+                self.refused[name] = mismatch
+                continue
             levels = residual_levels(config)
             if len(levels) != len(self.residuals):
                 raise ModelLoadError(f"ControlNet {name}: {len(levels)} residuals, the UNet takes "
@@ -128,10 +160,15 @@ class ControlNets:
                 raise ModelLoadError(f"ControlNet {name}: cross_attention_dim {width}, the model's text states "
                                      f"are {pipe.hidden_width} wide (a ControlNet for another base model)")
             model = OrtModel(pipe.runtime, net_folder / "model.onnx", f"controlnet_{name}" + label)
+            wanted = ("controlnet_cond", "conditioning_scale", *(ADDED if xl else ()))
+            absent = [n for n in wanted if n not in model.inputs]
+            if absent:
+                raise ModelLoadError(f"ControlNet {name}: no input {absent[0]} (inputs {model.inputs}; export it "
+                                     "with `sdserve engines export --controlnet`)")
             if model.output_dtype() != self.unet.input_dtype(MID):
                 raise ModelLoadError(f"ControlNet {name}: residuals of {np.dtype(model.output_dtype()).name}, the "
                                      f"UNet takes {np.dtype(self.unet.input_dtype(MID)).name} (export both alike)")
-            self.nets[name] = ControlNet(name, model, levels)
+            self.nets[name] = ControlNet(name, model, levels, xl)
         self.sum = OrtModel(pipe.runtime, sum_graph(len(self.residuals), self.unet.input_dtype(MID)),
                             "controlnet_sum" + label)
         """Adds one unit's residuals to the others' on the device."""
@@ -143,6 +180,8 @@ class ControlNets:
         run = ControlRun()
         for k, unit in enumerate(batch.control):
             net = self.nets.get(unit.model)
+            if net is None and unit.model in self.refused:
+                raise InvalidRequestError(self.refused[unit.model], param="controlnet.model")
             if net is None:
                 raise InvalidRequestError(f"unknown ControlNet {unit.model!r}; this server has "
                                           f"{sorted(self.nets) or 'none'}", param="controlnet.model")
@@ -166,6 +205,8 @@ class ControlNets:
             pipe.unet.run(base, {pipe.io.out: state.model_out}, state.adapters)
             return
         rows, _, height, width = state.model_in.shape()
+        added = {ADDED[0]: state.feeds[pipe.io.text_embeds], ADDED[1]: state.feeds[pipe.io.time_ids]} \
+            if pipe.io.text_embeds is not None and pipe.io.time_ids is not None else {}
         total: list[ort.OrtValue] = []
         for k, unit in enumerate(active):
             dtype = unit.net.model.output_dtype()
@@ -174,7 +215,8 @@ class ControlNets:
             names = [f"{NET_DOWN}{j}" for j in range(len(outputs) - 1)] + [NET_MID]
             unit.net.model.run({"sample": state.model_in, "timestep": timestep,
                                 "encoder_hidden_states": state.feeds[pipe.io.hidden],
-                                "controlnet_cond": unit.cond, "conditioning_scale": unit.scale},
+                                "controlnet_cond": unit.cond, "conditioning_scale": unit.scale,
+                                **(added if unit.net.xl else {})},
                                dict(zip(names, outputs, strict=True)))
             if not total:
                 total = outputs
