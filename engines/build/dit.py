@@ -251,6 +251,20 @@ def _build_qwen_edit(out: Path, bpe: Path | None, diffusers_out: Path | None, va
 OWN_BUILDERS["qwen-image-edit"] = _build_qwen_edit
 
 
+def _build_flux2_dev(out: Path, bpe: Path | None, diffusers_out: Path | None, vae_encoder: bool,
+                     first_block: bool) -> Path:
+    """FLUX.2 [dev] (engines/build/mistral3.py, named by string): txt2img only, no first-block parts."""
+    import importlib
+
+    if first_block:
+        raise ValueError("the first-block cache's transformer parts are not exported for FLUX.2")
+    build: Callable[..., Path] = importlib.import_module("engines.build.mistral3").build_tiny_flux2_dev
+    return build(out, bpe, diffusers_out)
+
+
+OWN_BUILDERS["flux2-dev"] = _build_flux2_dev
+
+
 def build_tiny_dit(family: str, out: Path, bpe: Path | None = None, diffusers_out: Path | None = None,
                    vae_encoder: bool = True, first_block: bool = False) -> Path:
     """Build the tiny ``family`` model and export it to ``out``; ``diffusers_out``: the same weights as a diffusers

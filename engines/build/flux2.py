@@ -40,6 +40,7 @@ import json
 import logging
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -212,12 +213,12 @@ class _Transformer(torch.nn.Module):
         self.tables = _Tables()
 
     def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, timestep: torch.Tensor,
-                rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
+                rope_cos: torch.Tensor, rope_sin: torch.Tensor, guidance: torch.Tensor | None = None) -> torch.Tensor:
         self.tables.tables = (rope_cos, rope_sin)
         tokens = hidden_states.flatten(2).transpose(1, 2)
         marker = torch.zeros(1, 4)
         out = self.model(hidden_states=tokens, encoder_hidden_states=encoder_hidden_states, timestep=timestep,
-                         guidance=None, img_ids=marker, txt_ids=marker[:0], return_dict=False)[0]
+                         guidance=guidance, img_ids=marker, txt_ids=marker[:0], return_dict=False)[0]
         return out.transpose(1, 2).reshape(hidden_states.shape)
 
 
@@ -270,9 +271,12 @@ def _export_transformer(transformer: Any, out: Path, dtype: str = "fp32") -> Non
         dynamic = {"hidden_states": latent, "encoder_hidden_states": {0: "batch", 1: "text_tokens"},
                    "timestep": {0: "batch"}, "rope_cos": {0: "tokens"}, "rope_sin": {0: "tokens"},
                    "out_hidden_states": latent}
-        export_rms(with_io(wrapper, dtype), args, out / "transformer" / "model.onnx",
-                ["hidden_states", "encoder_hidden_states", "timestep", "rope_cos", "rope_sin"],
-                ["out_hidden_states"], dynamic)
+        names = ["hidden_states", "encoder_hidden_states", "timestep", "rope_cos", "rope_sin"]
+        if config.guidance_embeds:  # dev: the embedded guidance scale, a row per image (the pipeline passes it raw)
+            args, names, dynamic = (*args, torch.tensor([4.0])), [*names, "guidance"], {**dynamic,
+                                                                                       "guidance": {0: "batch"}}
+        export_rms(with_io(wrapper, dtype), args, out / "transformer" / "model.onnx", names, ["out_hidden_states"],
+                   dynamic)
     finally:
         transformer.pos_embed, transformer_flux2.apply_rotary_emb = original, rotary
 
@@ -284,21 +288,29 @@ def _export_vae(vae: Any, out: Path, dtype: str = "fp32") -> None:
             ["latent_sample"], ["sample"], {"latent_sample": spatial, "sample": spatial})
 
 
+TextHook = tuple[Callable[[Any, Path, str], None], Callable[[Any], dict[str, Any]]]
+"""Another text encoder's (export to ``out``, its config.json) for ``export_flux2`` (FLUX.2 [dev]'s Mistral:
+engines/build/mistral3.py)."""
+
+
 def export_flux2(components: dict[str, Any], tokenizer_dir: Path, out: Path, source: dict[str, Any],
-                 native_size: int | None = None, dtype: str = "fp32") -> Path:
-    """Export FLUX.2 [klein]'s networks, the tokenizer and the scheduler config; write model_index.json
-    (``OnnxFlux2KleinPipeline``, with ``is_distilled``) and the manifest. ``dtype``: fp32, or fp16/bf16 per
-    engines/build/dit_folder.py ``half_plan`` (the networks cast in place)."""
+                 native_size: int | None = None, dtype: str = "fp32", class_name: str = CLASS_NAME,
+                 text: TextHook | None = None) -> Path:
+    """Export FLUX.2's networks, the tokenizer and the scheduler config; write model_index.json (``class_name``,
+    klein's ``OnnxFlux2KleinPipeline`` with ``is_distilled``) and the manifest. ``dtype``: fp32, or fp16/bf16 per
+    engines/build/dit_folder.py ``half_plan`` (the networks cast in place); ``text``: the text encoder's export
+    and config where it is not klein's Qwen3."""
     out.mkdir(parents=True, exist_ok=True)
     dtypes, source = apply_dtype(components, dtype, source)
-    _export_text(components["text_encoder"], out, dtypes["text_encoder"])
+    export_text, text_config = text or (_export_text, lambda model: model.config.to_dict())
+    export_text(components["text_encoder"], out, dtypes["text_encoder"])
     _export_transformer(components["transformer"], out, dtypes["transformer"])
     _export_vae(components["vae"], out, dtypes["vae"])
-    configs = {"text_encoder": components["text_encoder"].config.to_dict(),
+    configs = {"text_encoder": text_config(components["text_encoder"]),
                "transformer": config_of(components["transformer"]),
                "vae_decoder": config_of(components["vae"])}  # batch norm folded in
-    return write_folder(out, CLASS_NAME, configs, tokenizer_dir, components["scheduler"], source, native_size,
-                        {"is_distilled": components["is_distilled"]})
+    extra = {"is_distilled": components["is_distilled"]} if "is_distilled" in components else {}
+    return write_folder(out, class_name, configs, tokenizer_dir, components["scheduler"], source, native_size, extra)
 
 
 def export_flux2_folder(src: Path, out: Path, dtype: str = "fp32") -> Path:

@@ -1,26 +1,59 @@
-"""FLUX.2 [dev]'s text encoder (diffusers' ``Flux2Pipeline``, 0.42): Mistral Small 3.1's language model
-(``Mistral3ForConditionalGeneration.model.language_model``) exported to ONNX as the pipeline reads it — the hidden
-states at ``FLUX2_DEV_TEXT_LAYERS`` (10, 20, 30) stacked per token, [B, S, 3 × width]. Layers past the deepest one
-read are dropped from the graph (their outputs are never used) and the final norm with them. Build-time only:
-imports torch and transformers.
+"""FLUX.2 [dev] (diffusers' ``Flux2Pipeline``, 0.42): its text encoder's export, the tiny faithful model and the
+export of local diffusers folders (`sdserve engines export --from`). Build-time only: imports torch, diffusers and
+transformers.
 
-Not yet wired: the tiny faithful model's tokenizer (the pipeline's Pixtral processor with its chat template and
-system message) and the serving pipeline's dev variant."""
+- The text encoder is Mistral Small 3.1's language model (``Mistral3ForConditionalGeneration.model.language_model``)
+  exported as the pipeline reads it — the hidden states at ``FLUX2_DEV_TEXT_LAYERS`` (10, 20, 30) stacked per token,
+  [B, S, 3 × width]. Layers past the deepest one read are dropped from the graph (their outputs are never used) and
+  the final norm with them; the vision tower is never run by the pipeline and is not exported.
+- The transformer, VAE and scheduler are FLUX.2's (engines/build/flux2.py writes them, the transformer with its
+  ``guidance`` input: dev's ``guidance_embeds``); the folder's class is ``OnnxFlux2Pipeline``.
+- The tiny model: a ``Mistral3ForConditionalGeneration`` 32 layers deep (the deepest state read is not the last,
+  as in the released 40), a byte-level BPE tokenizer with Mistral's special tokens and a chat template rendering
+  what Mistral Small 3.1's renders for the pipeline's messages (a system turn and one user text turn:
+  ``<s>[SYSTEM_PROMPT]…[/SYSTEM_PROMPT][INST]…[/INST]``), right padding with ``<pad>``."""
 
 from __future__ import annotations
 
 import copy
+import logging
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engines.build.flux2 import export_rms
+from engines.build.dit_folder import TORCH_DTYPES, load_diffusers, with_io
+from engines.build.flux2 import SCHEDULER, TINY_NATIVE_SIZE, VAE, export_flux2, export_rms
 from engines.health.param_counts import FLUX2_DEV_TEXT_LAYERS
 
+log = logging.getLogger(__name__)
+SEED = 0
+CLASS_NAME = "OnnxFlux2Pipeline"
+"""model_index.json ``_class_name`` of an exported FLUX.2 [dev] folder (its registry row claims it)."""
 TINY_TEXT = dict(hidden_size=64, num_hidden_layers=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  intermediate_size=96, vocab_size=512, max_position_embeddings=1024)
 """A Mistral language model in miniature, deep enough (32 > 30) that the deepest state read is not the last."""
+TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16)
+"""The Pixtral vision tower of the tiny Mistral3 (the pipeline never runs it: txt2img only)."""
+TRANSFORMER = dict(patch_size=1, in_channels=128, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                   num_attention_heads=2, joint_attention_dim=len(FLUX2_DEV_TEXT_LAYERS) * TINY_TEXT["hidden_size"],
+                   timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), rope_theta=2000, guidance_embeds=True)
+"""``Flux2Transformer2DModel`` in miniature with dev's guidance embedding."""
+SPECIALS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[IMG]", "<pad>", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]")
+"""Mistral's control tokens the pipeline's template uses (Tekken's first ids, in its order)."""
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set turns = messages[1:] %}"
+    "{% if messages[0]['content'] is string %}{% set system = messages[0]['content'] %}"
+    "{% else %}{% set system = messages[0]['content'][0]['text'] %}{% endif %}"
+    "{% else %}{% set turns = messages %}{% set system = '' %}{% endif %}"
+    "[SYSTEM_PROMPT]{{ system }}[/SYSTEM_PROMPT]"
+    "{% for turn in turns %}{% if turn['role'] == 'user' %}[INST]{% if turn['content'] is string %}"
+    "{{ turn['content'] }}{% else %}{% for part in turn['content'] %}{% if part['type'] == 'text' %}"
+    "{{ part['text'] }}{% else %}[IMG]{% endif %}{% endfor %}{% endif %}[/INST]"
+    "{% elif turn['role'] == 'assistant' %}{{ turn['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
+"""What Mistral Small 3.1's chat template renders for a system turn and user turns (text and image blocks)."""
 
 
 class _MistralStates(torch.nn.Module):
@@ -47,11 +80,120 @@ def truncated(language_model: Any, deepest: int) -> Any:
     return model
 
 
-def export_mistral3_text(language_model: Any, out: Path, layers: tuple[int, ...] = FLUX2_DEV_TEXT_LAYERS) -> Path:
-    """Writes ``out`` (model.onnx): input_ids and attention_mask [B, S] int64 in, prompt_embeds out."""
-    model = truncated(language_model, max(layers)).float().eval()
+def export_mistral3_text(language_model: Any, out: Path, layers: tuple[int, ...] = FLUX2_DEV_TEXT_LAYERS,
+                         dtype: str = "fp32") -> Path:
+    """Writes ``out`` (model.onnx): input_ids and attention_mask [B, S] int64 in, prompt_embeds out (fp32 at the
+    graph's edges; the network in ``dtype``)."""
+    model = truncated(language_model, max(layers)).to(TORCH_DTYPES[dtype]).eval()
     ids = torch.ones((1, 8), dtype=torch.int64)
-    export_rms(_MistralStates(model, layers), (ids, torch.ones_like(ids)), out, ["input_ids", "attention_mask"],
+    export_rms(with_io(_MistralStates(model, layers), dtype), (ids, torch.ones_like(ids)), out,
+               ["input_ids", "attention_mask"],
             ["prompt_embeds"], {"input_ids": {0: "batch", 1: "tokens"}, "attention_mask": {0: "batch", 1: "tokens"},
                                 "prompt_embeds": {0: "batch", 1: "tokens"}})
     return out
+
+
+def _export_text(text_encoder: Any, out: Path, dtype: str = "fp32") -> None:
+    """engines/build/flux2.py's text hook: the language model of a ``Mistral3ForConditionalGeneration``."""
+    export_mistral3_text(text_encoder.model.language_model, out / "text_encoder" / "model.onnx", dtype=dtype)
+
+
+def text_config(text_encoder: Any) -> dict[str, Any]:
+    """The text encoder's config.json in the exported folder: the language model's (what the memory plan counts)."""
+    return dict(text_encoder.config.text_config.to_dict())
+
+
+# --- the tiny model ---------------------------------------------------------------------------------------------
+
+def write_mistral3_tokenizer(out: Path, bpe: Path | None = None) -> int:
+    """The tokenizer folder (tokenizer.json, tokenizer_config.json with the chat template, right padding with
+    ``<pad>``): a byte-level BPE after Mistral's control tokens; returns the vocabulary's size."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from engines.build.qwen import PRETOKENIZE, train_vocab
+
+    trained, merges = train_vocab(bpe)
+    vocab = {token: i for i, token in enumerate(SPECIALS)}
+    for token in sorted(trained, key=trained.__getitem__):
+        vocab.setdefault(token, len(vocab))
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                        unk_token="<unk>", pad_token="<pad>", padding_side="right",
+                                        additional_special_tokens=list(SPECIALS[3:6] + SPECIALS[7:]),
+                                        model_max_length=131072)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(out)
+    return len(vocab)
+
+
+def make_flux2_dev_components(vocab_size: int, seed: int = SEED) -> dict[str, Any]:
+    """The networks and scheduler of the tiny FLUX.2 [dev], each module from its own seed."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    text = {"model_type": "mistral", **TINY_TEXT, "vocab_size": -(-vocab_size // 64) * 64,
+            "pad_token_id": SPECIALS.index("<pad>"), "bos_token_id": 1, "eos_token_id": 2}
+    config = Mistral3Config(text_config=text, vision_config={"model_type": "pixtral", **TINY_VISION},
+                            image_token_index=SPECIALS.index("[IMG]"))
+    torch.manual_seed(seed)
+    encoder = Mistral3ForConditionalGeneration(config).eval()
+    torch.manual_seed(seed + 1)
+    transformer = Flux2Transformer2DModel(**TRANSFORMER).eval()
+    torch.manual_seed(seed + 2)
+    vae = AutoencoderKLFlux2(**VAE).eval()
+    with torch.no_grad():  # batch-norm statistics as a trained VAE has them, not the identity
+        vae.bn.running_mean.copy_(torch.randn_like(vae.bn.running_mean) * 0.5)
+        vae.bn.running_var.copy_(torch.rand_like(vae.bn.running_var) + 0.5)
+    return {"text_encoder": encoder, "transformer": transformer, "vae": vae,
+            "scheduler": FlowMatchEulerDiscreteScheduler(**SCHEDULER)}
+
+
+def save_flux2_dev_diffusers(components: dict[str, Any], tokenizer_dir: Path, out: Path) -> Path:
+    """The same weights as a diffusers ``Flux2Pipeline`` folder (parity tests, `sdserve engines export`)."""
+    from diffusers import Flux2Pipeline
+    from transformers import PreTrainedTokenizerFast
+
+    Flux2Pipeline(**components, tokenizer=PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)).save_pretrained(out)
+    return out
+
+
+def export_flux2_dev(components: dict[str, Any], tokenizer_dir: Path, out: Path, source: dict[str, Any],
+                     native_size: int | None = None, dtype: str = "fp32") -> Path:
+    """engines/build/flux2.py ``export_flux2`` with this module's text encoder and class name."""
+    return export_flux2(components, tokenizer_dir, out, source, native_size, dtype, class_name=CLASS_NAME,
+                        text=(_export_text, text_config))
+
+
+def build_tiny_flux2_dev(out: Path, bpe: Path | None = None, diffusers_out: Path | None = None) -> Path:
+    """Build the tiny FLUX.2 [dev] and export it to ``out``; ``diffusers_out``: the same weights as a diffusers
+    folder too."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer_dir = Path(tmp) / "tokenizer"
+        components = make_flux2_dev_components(write_mistral3_tokenizer(tokenizer_dir, bpe))
+        export_flux2_dev(components, tokenizer_dir, out, {"kind": "tiny", "family": "flux2-dev", "seed": SEED},
+                         native_size=TINY_NATIVE_SIZE)
+        if diffusers_out is not None:
+            save_flux2_dev_diffusers(components, tokenizer_dir, diffusers_out)
+    log.info("tiny FLUX.2 [dev] model in %s", out)
+    return out
+
+
+def export_flux2_dev_folder(src: Path, out: Path, dtype: str = "fp32") -> Path:
+    """Export a local diffusers ``Flux2Pipeline`` folder in ``dtype`` (the networks load in their export dtype:
+    engines/build/dit_folder.py ``half_plan``); ModelLoadError for an sdserve ONNX folder."""
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+    from transformers import Mistral3ForConditionalGeneration
+
+    family, parts = load_diffusers(src, dtype, Mistral3ForConditionalGeneration, Flux2Transformer2DModel,
+                                   AutoencoderKLFlux2)
+    log.info("exporting %s (%s, %s) to %s", src, family.name, dtype, out)
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = Path(tmp) / "tokenizer"
+        shutil.copytree(src / "tokenizer", tokenizer)
+        return export_flux2_dev(parts, tokenizer, out, {"kind": "diffusers-folder", "family": family.name,
+                                                        "path_name": src.name}, dtype=dtype)

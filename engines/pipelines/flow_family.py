@@ -11,17 +11,18 @@ folder's ``model_index.json`` and component configs before any session runs.
   2×2-packed latents with centred rotary positions, true CFG with a negative prompt and norm rescaling
   (engines/pipelines/qwen.py).
 - ``flux2-klein`` / ``flux2-klein-base``: FLUX.2 [klein] step-distilled / base (engines/pipelines/flux2.py).
+- ``flux2-dev``: FLUX.2 [dev]: a Mistral Small 3.1 text encoder, the guidance embedded
+  (engines/pipelines/flux2_dev.py).
 
 - ``flux-kontext``: FLUX.1 Kontext [dev]: Flux.1 dev with a reference image's tokens in the sequence (instruction
   edits, engines/pipelines/kontext.py).
 - ``qwen-image-edit``: Qwen-Image-Edit-Plus 2509: Qwen-Image with the input images through the vision tower and
   their latents in the sequence (instruction edits, engines/pipelines/qwen_edit.py).
 
-Refused by name: Flux.1 Kontext inpainting, FLUX.2 [dev]
-(its Mistral text encoder), FLUX.2 [klein] inpainting and KV-cached editing, the Flux tools (Fill, Canny/Depth
-control, Redux) and ControlNets; the Qwen-Image variants other than text-to-image, img2img and Edit Plus 2509 (the
-first Edit, Edit 2511, Layered, inpainting, ControlNet, Qwen-Image 2.1): a folder of one of them raises
-ModelLoadError saying what it is and what is served.
+Refused by name: Flux.1 Kontext inpainting, FLUX.2 [klein] inpainting and KV-cached editing, the Flux tools
+(Fill, Canny/Depth control, Redux) and ControlNets; the Qwen-Image variants other than text-to-image, img2img and
+Edit Plus 2509/2511 (the first Edit, Layered, inpainting, ControlNet, Qwen-Image 2.1): a folder of one of them
+raises ModelLoadError saying what it is and what is served.
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ from engines.pipelines.unet_family import read_json
 
 DIT_FAMILIES = families.names("transformer")
 SERVED = ("sdserve serves Flux.1 dev/schnell (FluxPipeline), SD 3 / 3.5 (StableDiffusion3Pipeline), Qwen-Image "
-          "(QwenImagePipeline), Z-Image (ZImagePipeline), FLUX.2 [klein] (Flux2KleinPipeline) and FLUX.1 Kontext "
-          "[dev] (FluxKontextPipeline), Qwen-Image-Edit-Plus 2509 (QwenImageEditPlusPipeline) DiT folders")
+          "(QwenImagePipeline), Z-Image (ZImagePipeline), FLUX.2 [klein] (Flux2KleinPipeline), FLUX.2 [dev] "
+          "(Flux2Pipeline) and FLUX.1 Kontext [dev] (FluxKontextPipeline), Qwen-Image-Edit-Plus 2509 "
+          "(QwenImageEditPlusPipeline) DiT folders")
 REFUSED: dict[str, str] = {
     "FluxKontextInpaint": "Flux.1 Kontext inpainting (masks are not served for the DiT families)",
-    "Flux2Pipeline": "FLUX.2 [dev] (the Mistral Small 3.1 text encoder: not yet served)",
     "Flux2KleinInpaint": "FLUX.2 [klein] inpainting (masks are not served for the DiT families)",
     "Flux2KleinKV": "FLUX.2 [klein] with a reference-image KV cache (image-conditioned editing)",
     "FluxFill": "Flux.1 Fill (inpainting/outpainting tool)",

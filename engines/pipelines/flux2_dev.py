@@ -1,0 +1,120 @@
+"""FLUX.2 [dev] txt2img on ONNX Runtime (no torch), as diffusers' ``Flux2Pipeline`` (0.42) does it: FLUX.2 [klein]'s
+loop (engines/pipelines/flux2.py: latents, schedule with the empirical shift, rotary tables, decode) with dev's text
+encoder and guidance. The folder is the layout engines/build/mistral3.py writes.
+
+1. Text: ``format_input``'s messages (the pipeline's ``SYSTEM_MESSAGE`` as the system turn, the prompt with every
+   ``[IMG]`` removed as the user's text turn) in Mistral Small 3.1's chat template, rendered here (``TEMPLATE``:
+   ``<s>[SYSTEM_PROMPT]…[/SYSTEM_PROMPT][INST]prompt[/INST]``, no generation prompt), tokenized without added special
+   tokens (the template carries the BOS), cut and padded to ``max_sequence_length`` (512) as
+   ``padding="max_length", truncation=True`` does, on the sides and with the pad token the folder's
+   tokenizer_config.json names. The exported encoder stacks the hidden states of layers 10, 20 and 30; every
+   position goes to the transformer (unmasked), as in klein.
+2. Guidance: the scale is a transformer input (``guidance_embeds``), one value per image, fed raw (the transformer
+   multiplies it by 1000); never classifier-free guidance (one row per image).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from engines.errors import ModelLoadError
+from engines.lora.active import Adapters
+from engines.pipelines.flow import DitConditioning, run
+from engines.pipelines.flux2 import Flux2Pipeline
+from engines.pipelines.ort_model import OrtModel
+from engines.types.request import Batch
+
+SYSTEM_MESSAGE = ("You are an AI that reasons about image descriptions. You give structured responses focusing on "
+                  "object relationships, object\nattribution and actions without speculation.")
+"""diffusers' pipelines/flux2/system_messages.py ``SYSTEM_MESSAGE`` (the line break is the released text's)."""
+TEMPLATE = "{bos}[SYSTEM_PROMPT]" + SYSTEM_MESSAGE + "[/SYSTEM_PROMPT][INST]{prompt}[/INST]"
+"""What Mistral Small 3.1's chat template renders for ``format_input``'s messages (system + one user text turn,
+``add_generation_prompt=False``)."""
+
+
+def tokenizer_settings(folder: Path) -> dict[str, str]:
+    """The tokenizer folder's pad and BOS tokens and its padding and truncation sides (tokenizer_config.json; a
+    missing key takes transformers' default: right, right)."""
+    path = folder / "tokenizer_config.json"
+    try:
+        config: dict[str, Any] = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path} is unreadable: {exc}") from exc
+
+    def token(key: str, default: str) -> str:
+        value = config.get(key, default)
+        return str(value.get("content", default) if isinstance(value, dict) else value)
+
+    settings = {"pad": token("pad_token", "<pad>"), "bos": token("bos_token", "<s>"),
+                "padding_side": str(config.get("padding_side", "right")),
+                "truncation_side": str(config.get("truncation_side", "right"))}
+    for key in ("padding_side", "truncation_side"):
+        if settings[key] not in ("left", "right"):
+            raise ModelLoadError(f"{path}: {key} {settings[key]!r} is neither left nor right")
+    return settings
+
+
+def fit(ids: list[int], length: int, pad: int, padding_side: str, truncation_side: str) -> tuple[list[int],
+                                                                                              list[int]]:
+    """(ids, attention mask) of one row cut to ``length`` on ``truncation_side`` and padded to it on
+    ``padding_side`` (transformers' ``padding="max_length", truncation=True``)."""
+    kept = ids[:length] if truncation_side == "right" else ids[max(0, len(ids) - length):]
+    fill = [pad] * (length - len(kept))
+    ones, zeros = [1] * len(kept), [0] * len(fill)
+    return (kept + fill, ones + zeros) if padding_side == "right" else (fill + kept, zeros + ones)
+
+
+class Flux2DevPipeline(Flux2Pipeline):
+    """FLUX.2 [dev]: Mistral Small 3.1's stacked states under its system message, the guidance embedded."""
+
+    def load_text(self, folder: Path, models: dict[str, OrtModel]) -> None:
+        path = folder / "tokenizer" / "tokenizer.json"
+        try:
+            self.tokenizer = Tokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises plain Exception
+            raise ModelLoadError(f"cannot load the Mistral tokenizer {path}: {exc}") from exc
+        self.tokenizer.no_padding()
+        self.tokenizer.no_truncation()
+        self.settings = tokenizer_settings(folder / "tokenizer")
+        pad = self.tokenizer.token_to_id(self.settings["pad"])
+        if pad is None:
+            raise ModelLoadError(f"Mistral tokenizer pad token {self.settings['pad']!r} is not in the vocabulary "
+                                 f"of {path}")
+        self.pad_id = pad
+        self.template_tokens = len(self.tokenizer.encode(self.render(""), add_special_tokens=False).ids)
+        """The template's own tokens (a prompt may use the rest of the length)."""
+        self.text_encoder = models["text_encoder"]
+        self.text_encoders.append(self.text_encoder)
+        self.distilled = True  # guidance-distilled: the scale is embedded, never classifier-free
+
+    def render(self, prompt: str) -> str:
+        """The templated prompt, ``[IMG]`` removed as ``format_input`` removes it."""
+        return TEMPLATE.format(bos=self.settings["bos"], prompt=prompt.replace("[IMG]", ""))
+
+    def prompt_tokens(self) -> int:
+        return self.max_sequence_length - self.template_tokens
+
+    def uses_cfg(self, guidance: np.ndarray) -> bool:
+        return False
+
+    def describe(self) -> str:
+        return f"{self.family.name} (flow matching, guidance embedded)"
+
+    def encode(self, batch: Batch, length: int, cfg: bool, adapters: Adapters | None) -> DitConditioning:
+        """The stacked states of each templated prompt at the fixed length."""
+        encodings = self.tokenizer.encode_batch([self.render(s.prompt) for s in batch.images],
+                                                add_special_tokens=False)
+        ids = np.full((len(encodings), length), self.pad_id, dtype=np.int64)
+        mask = np.zeros((len(encodings), length), dtype=np.int64)
+        for row, enc in enumerate(encodings):
+            ids[row], mask[row] = fit(enc.ids, length, self.pad_id, self.settings["padding_side"],
+                                      self.settings["truncation_side"])
+        cut = tuple(len(e.ids) > length for e in encodings)
+        self.checked_tokens(batch, "text encoder (max_sequence_length)", ids, cut, length)
+        states = run(self.text_encoder, {"input_ids": ids, "attention_mask": mask}, ["prompt_embeds"], adapters)[0]
+        return DitConditioning(states, None, cut, (False,) * len(batch.images))
