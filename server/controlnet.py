@@ -1,8 +1,13 @@
 """ControlNet on A1111's routes as sd-webui-controlnet defines it (issue 56): the library of exported ControlNets
-(``name [hash8]`` as the extension lists them), the preprocessors served without torch (``none``, ``canny`` through
-OpenCV, ``invert``) and the ``alwayson_scripts.controlnet.args`` units parsed as its ``external_code.py``
+(``name [hash8]`` as the extension lists them; only those the engine loaded once it has, a file it refused is not
+listed), the preprocessors (server/controlnet_modules.py: the model-free ones, and ONNX annotator files in the
+folder's ``annotators/``) and the ``alwayson_scripts.controlnet.args`` units parsed as its ``external_code.py``
 ``to_processing_unit`` does: the legacy keys (``input_image``, ``guidance``), ``image`` as base64, ``{"image",
-"mask"}`` or absent, ``resize_mode`` and ``control_mode`` by name or number, ``pixel_perfect``.
+"mask"}`` or absent, ``resize_mode`` and ``control_mode`` by name or number, ``pixel_perfect``. The OpenAI
+routes' ``controlnet`` field (openai_units) is a list of the same units.
+
+Provenance: each unit's control image as sent is a C2PA ingredient (``inputTo``: an input to the model) carrying the
+ControlNet's name and the SHA-256 of its model.onnx (record_control).
 
 What is refused (422 naming the field): an unknown model or module (listing what exists), more units than
 ``control_net_unit_count``, a control mode other than Balanced (its soft injection is not served: ignoring it
@@ -11,7 +16,9 @@ would change the image), a unit without an image, a mask (inpaint units are not 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,8 +27,10 @@ import numpy as np
 from PIL import Image
 
 from engines.errors import InvalidRequestError
-from engines.types.request import ControlUnit
-from server.images_in import from_base64, resize
+from engines.types.request import Batch, ControlUnit
+from server.controlnet_modules import MODEL_FREE, Annotators, preprocess, with_defaults
+from server.images_in import decode, from_base64_bytes, resize
+from server.provenance_stage import ingredient
 
 API_VERSION = 2
 """sd-webui-controlnet's ``get_api_version()``."""
@@ -32,16 +41,9 @@ RESIZE_ALIASES = {"Inner Fit (Scale to Fit)": "Crop and Resize", "Outer Fit (Shr
                   "Scale to Fit (Inner Fit)": "Crop and Resize", "Envelope (Outer Fit)": "Resize and Fill"}
 CONTROL_MODES = ("Balanced", "My prompt is more important", "ControlNet is more important")
 LEGACY_KEYS = {"guessmode": "guess_mode", "guidance": "guidance_end", "lowvram": "low_vram", "input_image": "image"}
-SLIDER_RES = {"name": "Resolution", "value": 512, "min": 64, "max": 2048, "step": 8}
-MODULES: dict[str, dict[str, Any]] = {
-    "none": {"model_free": False, "sliders": []},
-    "canny": {"model_free": False, "sliders": [
-        SLIDER_RES, {"name": "Canny Low Threshold", "value": 100, "min": 1, "max": 255, "step": 1},
-        {"name": "Canny High Threshold", "value": 200, "min": 1, "max": 255, "step": 1}]},
-    "invert": {"model_free": False, "sliders": [SLIDER_RES]},
-}
-"""The preprocessors served, with sd-webui-controlnet's ``module_detail`` (sliders: processor_res, threshold_a,
-threshold_b)."""
+MODULES = MODEL_FREE
+"""The preprocessors served without a file (server/controlnet_modules.py; annotator files add to them)."""
+__all__ = ["MODULES", "preprocess"]
 HASH_CHUNK = 1 << 20
 
 
@@ -66,6 +68,8 @@ class ControlNetLibrary:
         self.folder = folder
         self.unit_count = unit_count
         self.files: tuple[ControlNetFile, ...] = ()
+        self.annotators = Annotators(folder)
+        """The model-based preprocessors: ``annotators/<module>.onnx`` (server/controlnet_modules.py)."""
         self.scan()
 
     def scan(self) -> tuple[ControlNetFile, ...]:
@@ -81,17 +85,30 @@ class ControlNetLibrary:
         self.files = tuple(found)
         return self.files
 
-    def titles(self) -> list[str]:
-        return [f.title for f in self.files]
+    def titles(self, served: set[str] | None = None) -> list[str]:
+        """``name [hash8]`` of each file; with ``served`` (served_names), only the ones the engine loaded."""
+        return [f.title for f in self.files if served is None or f.name in served]
 
-    def resolve(self, model: str, field: str) -> ControlNetFile:
-        """The file a unit's ``model`` names: ``name`` or ``name [hash8]`` (the hash must then match)."""
+    def resolve(self, model: str, field: str, served: set[str] | None = None) -> ControlNetFile:
+        """The file a unit's ``model`` names: ``name`` or ``name [hash8]`` (the hash must then match); with
+        ``served``, a file the engine refused at load is unknown too."""
         name, _, tag = str(model).partition(" [")
         for f in self.files:
-            if f.name == name and (not tag or f.sha256.startswith(tag.rstrip("]"))):
+            if f.name == name and (not tag or f.sha256.startswith(tag.rstrip("]"))) and (
+                    served is None or f.name in served):
                 return f
         raise InvalidRequestError(f"unknown ControlNet model {str(model)[:80]!r}; this server has "
-                                  f"{self.titles() or 'none'} (GET /controlnet/model_list)", param=field)
+                                  f"{self.titles(served) or 'none'} (GET /controlnet/model_list)", param=field)
+
+
+def served_names(engine: Any) -> set[str] | None:
+    """The ControlNets the engine loaded: its sessions ``controlnet_<name>`` (``@<size>`` per prebuilt size;
+    engines/pipelines/controlnet.py names them so). None without an engine (nothing to filter by)."""
+    capabilities = getattr(engine, "capabilities", None)
+    if capabilities is None:
+        return None
+    return {name.split("@")[0].removeprefix("controlnet_") for name in capabilities().sessions
+            if name.startswith("controlnet_")}
 
 
 @dataclass(frozen=True)
@@ -100,6 +117,8 @@ class ParsedUnit:
 
     unit: ControlUnit
     infotext: str
+    ingredient: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The control image as sent, as a C2PA ingredient with the ControlNet's name and model hash."""
 
 
 def _choice(value: Any, names: tuple[str, ...], field: str, aliases: dict[str, str] | None = None) -> str:
@@ -121,43 +140,26 @@ def _number(unit: dict[str, Any], key: str, default: float, field: str) -> float
     return float(value)
 
 
-def preprocess(module: str, image: np.ndarray, res: int, low: float, high: float, field: str) -> np.ndarray:
-    """uint8 [H, W, 3] through ``module``; ``res`` (processor_res) sets the short side the detector sees."""
-    if module == "none":
-        return image
-    if module == "invert":
-        return np.ascontiguousarray(255 - image)
-    if module == "canny":
-        import cv2
-
-        h, w = image.shape[:2]
-        if res > 0 and min(h, w) != res:
-            scale = res / min(h, w)
-            size = (max(1, round(w * scale)), max(1, round(h * scale)))
-            image = cv2.resize(image, size, interpolation=cv2.INTER_CUBIC if scale > 1 else cv2.INTER_AREA)
-        edges = cv2.Canny(image, low, high)
-        return np.ascontiguousarray(np.repeat(edges[:, :, None], 3, axis=2))
-    raise InvalidRequestError(f"unknown ControlNet module {module[:64]!r}; this server has {sorted(MODULES)} "
-                              "(GET /controlnet/module_list)", param=f"{field}.module")
-
-
-def _image(value: Any, field: str, max_pixels: int) -> Image.Image:
+def _image(value: Any, field: str, max_pixels: int) -> tuple[Image.Image, bytes]:
+    """The unit's image and its bytes as sent (base64 or a data URL)."""
     if isinstance(value, dict):
         if value.get("mask"):
             raise InvalidRequestError("a ControlNet mask (inpaint units) is not served", param=f"{field}.mask")
         value = value.get("image")
     if not isinstance(value, str) or not value:
         raise InvalidRequestError("a ControlNet unit needs an image (base64)", param=f"{field}.image")
-    return from_base64(value, f"{field}.image", max_pixels).convert("RGB")
+    data = from_base64_bytes(value, f"{field}.image")
+    return decode(data, f"{field}.image", max_pixels).convert("RGB"), data
 
 
 def parse_units(script: Any, library: ControlNetLibrary | None, width: int, height: int,
-                max_pixels: int) -> tuple[ParsedUnit, ...]:
-    """``alwayson_scripts.controlnet`` (``{"args": [unit, ...]}``) as the engine's units, disabled ones left out."""
-    base = "alwayson_scripts.controlnet.args"
+                max_pixels: int, served: set[str] | None = None,
+                base: str = "alwayson_scripts.controlnet.args") -> tuple[ParsedUnit, ...]:
+    """``alwayson_scripts.controlnet`` (``{"args": [unit, ...]}``) as the engine's units, disabled ones left out;
+    ``served``: the ControlNets the engine loaded (served_names), ``base``: the field the errors name."""
     args = script.get("args") if isinstance(script, dict) else None
     if not isinstance(args, list):
-        raise InvalidRequestError("alwayson_scripts.controlnet needs args: a list of units", param=base)
+        raise InvalidRequestError(f"{base.removesuffix('.args')} needs args: a list of units", param=base)
     if library is None:
         raise InvalidRequestError("this server has no ControlNet folder (--controlnet-dir)", param=base)
     enabled = sum(1 for unit in args if not isinstance(unit, dict) or unit.get("enabled", True))
@@ -175,9 +177,9 @@ def parse_units(script: Any, library: ControlNetLibrary | None, width: int, heig
         if not unit.get("enabled", True):
             continue
         module = str(unit.get("module", "none"))
-        if module not in MODULES:
-            preprocess(module, np.zeros((1, 1, 3), np.uint8), 0, 0, 0, field)  # refuses naming the module
-        net = library.resolve(str(unit.get("model", "None")), f"{field}.model")
+        if module not in MODULES and module not in library.annotators.files():
+            preprocess(module, np.zeros((1, 1, 3), np.uint8), 0, 0, 0, field, library.annotators)  # refused by name
+        net = library.resolve(str(unit.get("model", "None")), f"{field}.model", served)
         resize_mode = _choice(unit.get("resize_mode", 1), RESIZE_MODES, f"{field}.resize_mode", RESIZE_ALIASES)
         control_mode = _choice(unit.get("control_mode", 0), CONTROL_MODES, f"{field}.control_mode")
         if control_mode != "Balanced":
@@ -188,20 +190,75 @@ def parse_units(script: Any, library: ControlNetLibrary | None, width: int, heig
         if not 0.0 <= start <= end <= 1.0:
             raise InvalidRequestError("guidance_start and guidance_end must satisfy 0 <= start <= end <= 1",
                                       param=f"{field}.guidance_start")
-        image = _image(unit.get("image"), field, max_pixels)
-        sliders = [s["value"] for s in MODULES[module]["sliders"]] + [0, 0, 0]
-        res = _number(unit, "processor_res", -1, field)
-        low, high = _number(unit, "threshold_a", -1, field), _number(unit, "threshold_b", -1, field)
-        res, low, high = (v if v >= 0 else float(d) for v, d in zip((res, low, high), sliders, strict=False))
+        image, data = _image(unit.get("image"), field, max_pixels)
+        res, low, high = with_defaults(module, _number(unit, "processor_res", -1, field),
+                                       _number(unit, "threshold_a", -1, field),
+                                       _number(unit, "threshold_b", -1, field), library.annotators)
         if unit.get("pixel_perfect") is True:  # external_code.py pixel_perfect_resolution
             k = (min if resize_mode == "Resize and Fill" else max)(height / image.height, width / image.width)
             res = float(round(k * min(image.height, image.width)))
-        detected = preprocess(module, np.asarray(image), int(res), low, high, field)
+        detected = preprocess(module, np.asarray(image), int(res), low, high, field, library.annotators)
         fitted = resize(Image.fromarray(detected), width, height, RESIZE_MODES.index(resize_mode))  # type: ignore[arg-type]
         info = (f'ControlNet {i}: "Module: {module}, Model: {net.title}, Weight: {weight:g}, Resize Mode: '
                 f"{resize_mode}, Processor Res: {int(res)}, Threshold A: {low:g}, Threshold B: {high:g}, Guidance "
                 f'Start: {start:g}, Guidance End: {end:g}, Pixel Perfect: {unit.get("pixel_perfect") is True}, '
                 f'Control Mode: {control_mode}"')
+        source = {**ingredient(data, f"{field}.image", "inputTo"),
+                  "controlnet": {"unit": i, "model": net.name, "sha256": net.sha256, "module": module}}
         parsed.append(ParsedUnit(ControlUnit(np.ascontiguousarray(np.asarray(fitted.convert("RGB"))), net.name,
-                                             weight, start, end), info))
+                                             weight, start, end), info, source))
     return tuple(parsed)
+
+
+def openai_units(value: Any, field: str = "controlnet") -> dict[str, Any]:
+    """The OpenAI routes' ``controlnet`` extension field (a list of units; on the multipart edits route, that list
+    as JSON text) as an ``alwayson_scripts.controlnet`` script: the same keys as an A1111 unit (``image`` as base64
+    or a data URL, ``model``, ``module``, ``weight``, ``guidance_start``/``guidance_end``, ``processor_res``,
+    ``threshold_a``/``threshold_b``, ``resize_mode``, ``pixel_perfect``)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise InvalidRequestError(f"{field} must be a JSON list of ControlNet units", param=field) from None
+    if not isinstance(value, list):
+        raise InvalidRequestError(f"{field} must be a list of ControlNet units", param=field)
+    return {"args": value}
+
+
+def openai_control(request: Any, value: Any, batch: Batch, hires: bool = False,
+                   field: str = "controlnet") -> Batch:
+    """``batch`` with the units of an OpenAI route's ``controlnet`` field (at the batch's size), their control
+    images recorded for provenance. Refused naming ``field``: no ControlNet folder, a size served through Hires
+    fix (as A1111's enable_hr with units)."""
+    library = getattr(request.app.state, "controlnets", None)
+    if not isinstance(library, ControlNetLibrary):
+        raise InvalidRequestError("this server has no ControlNet folder (--controlnet-dir)", param=field)
+    if hires:
+        raise InvalidRequestError("ControlNet units at a size served through Hires fix are not served yet: ask a "
+                                  "served size", param=field)
+    units = parse_units(openai_units(value, field), library, batch.width, batch.height,
+                        request.app.state.settings.limits.max_image_pixels,
+                        served_names(getattr(request.app.state, "engine", None)), base=field)
+    if not units:
+        return batch
+    record_control(request, units)
+    return dataclasses.replace(batch, control=tuple(u.unit for u in units))
+
+
+def record_control(request: Any, units: tuple[ParsedUnit, ...]) -> None:
+    """Add the units' control images to the request's provenance ingredients (server/provenance_stage.py
+    record_inputs): every image of the request was made under the same control, so each image's list gets them."""
+    extra = [u.ingredient for u in units if u.ingredient]
+    if not extra:
+        return
+    current: list[list[dict[str, Any]]] = getattr(request.state, "provenance_inputs", None) or [[]]
+    request.state.provenance_inputs = [[*inputs, *extra] for inputs in current]
+
+
+def script_info(unit_count: int) -> list[dict[str, Any]]:
+    """``/sdapi/v1/script-info``'s entries for sd-webui-controlnet's script: always on, on txt2img and img2img, one
+    argument per unit (A1111's ScriptArg fields)."""
+    args = [{"label": f"ControlNet Unit {i}", "value": None, "minimum": None, "maximum": None, "step": None,
+             "choices": None} for i in range(unit_count)]
+    return [{"name": "controlnet", "is_alwayson": True, "is_img2img": img2img, "args": args}
+            for img2img in (False, True)]

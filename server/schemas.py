@@ -96,6 +96,12 @@ class ImageGenerationRequest(BaseModel):
     loras: list[LoraRequest] | None = Field(None, max_length=64, description="Extension: LoRAs applied to every "
                                             "image of the request (with any <lora:name:weight> tags of the prompt; "
                                             "the response's x-sdserve-loras names the set that ran).")
+    controlnet: list[dict[str, Any]] | None = Field(
+        None, max_length=16, description="Extension: ControlNet units (server/controlnet.py; a ControlNet folder "
+        "must be served), each as one unit of A1111's alwayson_scripts.controlnet.args: image (base64 or a data "
+        "URL), model (GET /controlnet/model_list), module (GET /controlnet/module_list), weight, guidance_start, "
+        "guidance_end, processor_res, threshold_a, threshold_b, resize_mode, pixel_perfect. On /v1/images/edits "
+        "the same list as JSON text.")
     step_cache: bool | None = Field(None, description="Extension: true runs the server's step cache (skips "
                                     "denoiser evaluations whose output barely changes; the image is then not the "
                                     "seed-reproducible uncached one), false never; absent: [cache] policy. "

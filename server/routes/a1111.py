@@ -20,7 +20,7 @@ from server import headers
 from server.a1111_options import OptionsStore, set_overrides
 from server.a1111_request import Txt2ImgRequest as Txt2ImgRequest  # its old home: importers still find it here
 from server.a1111_request import from_a1111
-from server.controlnet import parse_units
+from server.controlnet import parse_units, record_control, served_names
 from server.hires import HiresPlan, make_plan, run_hires
 from server.images import embed_infotext
 from server.middleware import tenant_label
@@ -200,9 +200,11 @@ async def with_controlnet(req: Txt2ImgRequest, batches: list[Batch],
         return batches, {}
     first = batches[0]
     units = await run_in_threadpool(parse_units, script, library, first.width, first.height,
-                                    request.app.state.settings.limits.max_image_pixels)
+                                    request.app.state.settings.limits.max_image_pixels,
+                                    served_names(getattr(request.app.state, "engine", None)))
     if not units:
         return batches, {}
+    record_control(request, units)  # the control images as C2PA ingredients, with the ControlNets' hashes
     if req.enable_hr and request.url.path.endswith("/txt2img"):
         raise InvalidRequestError("enable_hr with ControlNet units is not served yet", param="enable_hr")
     control = tuple(u.unit for u in units)
@@ -307,9 +309,11 @@ async def samplers(request: Request) -> list[dict[str, Any]]:
 
 
 @router.get("/scripts")
-async def scripts() -> dict[str, list[str]]:
-    """No A1111 scripts or extensions are available (clients probe this)."""
-    return {"txt2img": [], "img2img": []}
+async def scripts(request: Request) -> dict[str, list[str]]:
+    """A1111's scripts: ``controlnet`` (an always-on script, as sd-webui-controlnet registers it) when a ControlNet
+    folder is served (server/controlnet.py), else none (clients probe this)."""
+    served = ["controlnet"] if getattr(request.app.state, "controlnets", None) is not None else []
+    return {"txt2img": list(served), "img2img": list(served)}
 
 
 @router.get("/sd-models")

@@ -220,8 +220,8 @@ async def img2img(req: Img2ImgRequest, request: Request, response: Response) -> 
                      2 if box else req.resize_mode, overlay=True,  # type: ignore[arg-type]
                      fill=FILLS[req.inpainting_fill][0], instruct=instruct)
     batches = [edit_batch(b, edit, info, req.denoising_strength) for b in batches]
-    batches, control = await with_controlnet(req, batches, request)  # alwayson_scripts.controlnet's units
     record_inputs(request, await run_in_threadpool(_ingredients, req, instruct))
+    batches, control = await with_controlnet(req, batches, request)  # alwayson_scripts.controlnet's units
     outs = await asyncio.gather(*(service.run(b, request.headers.get(headers.TIMEOUT),
                                               request.is_disconnected, tenant_label(request.scope)) for b in batches))
     outs[-1].trace_headers(response)

@@ -42,6 +42,7 @@ from starlette.concurrency import run_in_threadpool
 from server import headers
 from server.a1111_options import OptionsStore, model_title
 from server.batcher import Batcher, Progress
+from server.controlnet import script_info as controlnet_script_info
 from server.edits import within_deadline
 from server.hires import UPSCALERS, served_latent_modes
 from server.images_in import decoding_for
@@ -259,13 +260,20 @@ async def png_info(req: PngInfoRequest, request: Request) -> Response:
 @router.get("/face-restorers")
 @router.get("/realesrgan-models")
 @router.get("/prompt-styles")
-@router.get("/script-info")
 @router.get("/extensions")
 async def empty_listing() -> list[dict[str, Any]]:
     """Nothing of this kind exists in sdserve: the served model's own VAE is the only one, and there are no
     modules, hypernetworks, face restorers, ESRGAN models, styles, scripts or extensions (LoRAs:
     server/routes/a1111_loras.py)."""
     return []
+
+
+@router.get("/script-info")
+async def script_info(request: Request) -> list[dict[str, Any]]:
+    """A1111's scripts with their arguments: sd-webui-controlnet's always-on ``controlnet`` on txt2img and img2img
+    (one argument per unit) when a ControlNet folder is served (server/controlnet.py), else none."""
+    library = getattr(request.app.state, "controlnets", None)
+    return controlnet_script_info(library.unit_count) if library is not None else []
 
 
 @router.get("/embeddings")

@@ -1,6 +1,9 @@
 """sd-webui-controlnet's routes (its ``scripts/api.py``): ``/controlnet/version``, ``/controlnet/model_list``,
 ``/controlnet/module_list`` (with ``module_detail``), ``/controlnet/settings`` and ``/controlnet/detect``. The
-library is ``app.state.controlnets`` (server/controlnet.py ControlNetLibrary; absent: none, the lists are empty)."""
+library is ``app.state.controlnets`` (server/controlnet.py ControlNetLibrary; absent: none, the lists are empty).
+``model_list`` names the ControlNets the engine loaded (a file it refused is not listed); ``module_list`` the
+preprocessors this server has: the model-free ones and the folder's annotator files (server/controlnet_modules.py);
+``/controlnet/detect`` returns what a unit with the same module and parameters would use."""
 
 from __future__ import annotations
 
@@ -15,7 +18,8 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from engines.errors import InvalidRequestError
-from server.controlnet import API_VERSION, MODULES, UNIT_COUNT, ControlNetLibrary, preprocess
+from server.controlnet import API_VERSION, UNIT_COUNT, ControlNetLibrary, served_names
+from server.controlnet_modules import detail, preprocess, with_defaults
 from server.images_in import from_base64
 
 router = APIRouter(prefix="/controlnet", tags=["controlnet"])
@@ -37,12 +41,16 @@ def version() -> dict[str, int]:
 @router.get("/model_list")
 def model_list(request: Request) -> dict[str, list[str]]:
     library = _library(request)
-    return {"model_list": library.titles() if library else []}
+    if library is None:
+        return {"model_list": []}
+    return {"model_list": library.titles(served_names(getattr(request.app.state, "engine", None)))}
 
 
 @router.get("/module_list")
-def module_list(alias_names: bool = False) -> dict[str, Any]:
-    return {"module_list": list(MODULES), "module_detail": MODULES}
+def module_list(request: Request, alias_names: bool = False) -> dict[str, Any]:
+    library = _library(request)
+    modules = detail(library.annotators if library else None)
+    return {"module_list": list(modules), "module_detail": modules}
 
 
 @router.get("/settings")
@@ -59,10 +67,12 @@ class DetectRequest(BaseModel):
     controlnet_threshold_b: float = 64
 
 
-def _detect(body: DetectRequest) -> dict[str, Any]:
-    if body.controlnet_module not in MODULES:
+def _detect(body: DetectRequest, library: ControlNetLibrary | None) -> dict[str, Any]:
+    annotators = library.annotators if library else None
+    modules = detail(annotators)
+    if body.controlnet_module not in modules:
         raise InvalidRequestError(f"unknown ControlNet module {body.controlnet_module[:64]!r}; this server has "
-                                  f"{sorted(MODULES)}", param="controlnet_module")
+                                  f"{list(modules)} (GET /controlnet/module_list)", param="controlnet_module")
     if not body.controlnet_input_images or len(body.controlnet_input_images) > DETECT_MAX_IMAGES:
         raise InvalidRequestError(f"controlnet_input_images needs 1 to {DETECT_MAX_IMAGES} images",
                                   param="controlnet_input_images")
@@ -70,8 +80,9 @@ def _detect(body: DetectRequest) -> dict[str, Any]:
     for i, text in enumerate(body.controlnet_input_images):
         field = f"controlnet_input_images[{i}]"
         image = np.asarray(from_base64(text, field, DETECT_MAX_PIXELS).convert("RGB"))
-        out = preprocess(body.controlnet_module, image, int(body.controlnet_processor_res),
-                         body.controlnet_threshold_a, body.controlnet_threshold_b, "controlnet")
+        res, low, high = with_defaults(body.controlnet_module, body.controlnet_processor_res,
+                                       body.controlnet_threshold_a, body.controlnet_threshold_b, annotators)
+        out = preprocess(body.controlnet_module, image, int(res), low, high, "controlnet", annotators)
         buf = io.BytesIO()
         Image.fromarray(out).save(buf, format="PNG")
         images.append(base64.b64encode(buf.getvalue()).decode())
@@ -79,5 +90,5 @@ def _detect(body: DetectRequest) -> dict[str, Any]:
 
 
 @router.post("/detect")
-async def detect(body: DetectRequest) -> dict[str, Any]:
-    return await run_in_threadpool(_detect, body)
+async def detect(body: DetectRequest, request: Request) -> dict[str, Any]:
+    return await run_in_threadpool(_detect, body, _library(request))

@@ -39,6 +39,7 @@ from engines.config import parse_size
 from engines.errors import InvalidRequestError
 from engines.types.request import Batch
 from server import headers
+from server.controlnet import openai_control, openai_units
 from server.edits import (
     EditInput,
     edit_batch,
@@ -172,6 +173,8 @@ async def _respond(request: Request, response: Response, req: ImageGenerationReq
                                   "openai_sizes_hires), which instruction edits do not take: ask a served size, or "
                                   "leave size out for the model's own", param="size")
     batch = edit_batch(_first_batch(req, request), edit, service.engine.info, strength)
+    if req.controlnet is not None:  # extension: ControlNet units, as A1111's (server/controlnet.py)
+        batch = await run_in_threadpool(openai_control, request, req.controlnet, batch, hires)
     plan = _hires(req, batch, request, notes) if hires else None
     answer, out = await run_and_answer(request, response, req, batch, notes, plan)
     response.headers[headers.MODE] = batch.mode
@@ -187,7 +190,7 @@ async def edit_images(request: Request, response: Response) -> ImagesResponse:
     service = request.app.state.service
     service.require_ready()
     require_edits(service.engine.info)
-    fields, images, masks = await _read(request, (*TEXT, *NUMBERS, *ACCEPTED))
+    fields, images, masks = await _read(request, (*TEXT, *NUMBERS, *ACCEPTED, "controlnet"))
     info = service.engine.info
     instruct = is_instruct(info, len(images), len(masks))
     if not instruct and len(images) != 1:
@@ -195,6 +198,8 @@ async def edit_images(request: Request, response: Response) -> ImagesResponse:
                                   "for an instruction-edit model, and without a mask)", param="image")
     notes = _edit_notes(fields, instruct)
     strength = fields.pop("strength", None)
+    if "controlnet" in fields:  # extension: the units as JSON text (server/controlnet.py)
+        fields["controlnet"] = openai_units(fields["controlnet"])["args"]
     req, limit = _request(fields), service.settings.limits.max_image_pixels  # cheap checks before the decodes
     uploads = [("image" if len(images) == 1 else f"image.{i}", data) for i, data in enumerate(images)]
     await run_in_threadpool(check_pixel_budget, [*uploads, *(("mask", m) for m in masks)], limit,

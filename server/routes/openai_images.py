@@ -8,11 +8,13 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request, Response
+from starlette.concurrency import run_in_threadpool
 
 from engines.config import parse_size
 from engines.types.model import ModelInfo
 from engines.types.request import Batch
 from server import headers
+from server.controlnet import openai_control
 from server.encoding import ImageFormat, media_type_of
 from server.hires import HiresPlan, make_plan, run_hires
 from server.images import embed_infotext
@@ -50,6 +52,8 @@ async def generate_images(req: ImageGenerationRequest, request: Request, respons
                               f"at strength {plan.denoising_strength:g}")
     else:
         batch = service.to_batch(from_openai(req, service.settings, service.engine.info))
+    if req.controlnet is not None:  # extension: ControlNet units, as A1111's (server/controlnet.py)
+        batch = await run_in_threadpool(openai_control, request, req.controlnet, batch, plan is not None)
     answer, out = await run_and_answer(request, response, req, batch, notes, plan)
     if out.result.interrupted:  # POST /sdapi/v1/interrupt by the same caller: decoded from the latents so far
         response.headers[headers.INTERRUPTED] = f"{out.result.steps_done}/{batch.steps}"

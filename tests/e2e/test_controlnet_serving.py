@@ -101,8 +101,16 @@ def test_routes_list_the_folder_and_the_preprocessors(server: ServerProcess) -> 
     modules = httpx.get(f"{url}/controlnet/module_list").json()
     assert "canny" in modules["module_list"] and "sliders" in modules["module_detail"]["canny"]
     assert httpx.get(f"{url}/controlnet/version").json() == {"version": 2}
-    # the folder for another base is refused by name in the log; the server booted and serves the fitting one
+    # the folder for another base is refused by name in the log; the server booted and serves the fitting one,
+    # and lists only that one (a refused file is not offered to clients)
     assert "other_base" in server.log and "refused" in server.log
+    assert httpx.get(f"{url}/controlnet/model_list").json() == {"model_list": [title]}
+    scripts = httpx.get(f"{url}/sdapi/v1/scripts").json()
+    assert "controlnet" in scripts["txt2img"] and "controlnet" in scripts["img2img"]
+    info = httpx.get(f"{url}/sdapi/v1/script-info").json()
+    assert {(s["name"], s["is_alwayson"], s["is_img2img"]) for s in info} == {("controlnet", True, False),
+                                                                             ("controlnet", True, True)}
+    assert all(len(s["args"]) == 3 for s in info)  # one per unit (control_net_unit_count)
 
 
 def test_units_change_the_image_and_weight_zero_gives_the_plain_one(server: ServerProcess) -> None:
@@ -161,7 +169,8 @@ def test_img2img_takes_units(server: ServerProcess) -> None:
 @pytest.mark.parametrize(("unit", "field", "fragment"), [
     ({"model": "missing"}, "alwayson_scripts.controlnet.args[0].model", "edges ["),
     ({"module": "depth_midas"}, "alwayson_scripts.controlnet.args[0].module", "canny"),
-    ({"model": "other_base"}, "controlnet.model", "other_base"),  # listed, refused by the engine at load
+    # refused by the engine at load: not listed, so unknown by name like any other
+    ({"model": "other_base"}, "alwayson_scripts.controlnet.args[0].model", "edges ["),
 ])
 def test_bad_units_are_422_naming_the_field(server: ServerProcess, unit: dict[str, Any], field: str,
                                             fragment: str) -> None:

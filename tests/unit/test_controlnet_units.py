@@ -117,7 +117,7 @@ def test_routes(library: ControlNetLibrary) -> None:
     assert client.get("/controlnet/version").json() == {"version": 2}
     assert client.get("/controlnet/model_list").json() == {"model_list": library.titles()}
     modules = client.get("/controlnet/module_list").json()
-    assert modules["module_list"] == ["none", "canny", "invert"] and "sliders" in modules["module_detail"]["canny"]
+    assert modules["module_list"][:3] == ["none", "canny", "invert"] and "sliders" in modules["module_detail"]["canny"]
     assert client.get("/controlnet/settings").json() == {"control_net_unit_count": 2}
     found = client.post("/controlnet/detect", json={"controlnet_module": "invert",
                                                     "controlnet_input_images": [_b64(_square())]})
