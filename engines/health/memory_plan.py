@@ -46,6 +46,7 @@ from typing import Any
 from engines import architectures
 from engines.config import RuntimeSettings
 from engines.errors import ModelLoadError
+from engines.health.fit_advice import advice
 from engines.health.onnx_scan import scan_onnx
 from engines.health.param_counts import (
     Tally,
@@ -54,6 +55,7 @@ from engines.health.param_counts import (
     flux2_transformer,
     flux_transformer,
     ival,
+    mistral3_text,
     qwen3_text,
     qwen_text,
     qwen_text_config,
@@ -184,7 +186,8 @@ def count(kind: str, config: Mapping[str, Any]) -> Tally:
                 "unet": unet, "vae_decoder": vae_decoder, "vae_encoder": vae_encoder, "qwen_text": qwen_text,
                 "qwen_image": qwen_transformer, "qwen_vae_decoder": qwen_vae_decoder,
                 "qwen_vae_encoder": qwen_vae_encoder, "qwen3_text": qwen3_text,
-                "zimage_transformer": zimage_transformer, "flux2_transformer": flux2_transformer}
+                "zimage_transformer": zimage_transformer, "flux2_transformer": flux2_transformer,
+                "mistral3_text": mistral3_text}
     return formulas[kind](config)
 
 
@@ -275,13 +278,18 @@ def activations(kind: str, config: Mapping[str, Any], served: Served, lay: Layou
         ff = ival(config, "intermediate_size", 9728)
         gated = rows * tokens * max(0, 4 * ff - 8 * d) * item
         return _block(rows, tokens, d, ival(config, "num_attention_heads", 32), item, scores) + gated
+    if kind == "mistral3_text":  # FLUX.2 [dev]: the templated prompt padded to max_sequence_length (512)
+        lm, tokens = qwen_text_config(config), lay.text_tokens or 512
+        d, ff = ival(lm, "hidden_size", 5120), ival(lm, "intermediate_size", 32768)
+        gated = rows * tokens * max(0, 4 * ff - 8 * d) * item  # gate, up, SiLU(gate), their product
+        return _block(rows, tokens, d, ival(lm, "num_attention_heads", 32), item, scores) + gated
     if kind == "zimage_transformer":  # one stream: the caption (padded to max_sequence_length) and the 2x2 patches
         patch, heads = lay.factor * 2, ival(config, "n_heads", 30)
-        return _block(rows, (lay.text_tokens or 512) + (h // patch) * (w // patch), ival(config, "dim", 3840), heads,
-                      item, scores)
+        return _block(rows, (lay.text_tokens or 512) + (h // patch) * (w // patch) + served.extra_tokens,
+                      ival(config, "dim", 3840), heads, item, scores)
     if kind == "flux2_transformer":  # the caption (max_sequence_length) joined to the 2x2-patchified latents' tokens
         heads = ival(config, "num_attention_heads", 48)
-        tokens = (lay.text_tokens or 512) + (h // (lay.factor * 2)) * (w // (lay.factor * 2))
+        tokens = (lay.text_tokens or 512) + (h // (lay.factor * 2)) * (w // (lay.factor * 2)) + served.extra_tokens
         return _block(rows, tokens, heads * ival(config, "attention_head_dim", 128), heads, item, scores)
     if kind.startswith("qwen_vae"):  # the causal 3D VAE on one frame: AutoencoderKL's levels, padded in time
         view = {"block_out_channels": qwen_vae_dims(config)}
@@ -495,6 +503,7 @@ def plan(folder: Path, served: Served, dtype: str | None = None, budgets: Budget
         "host": {**host, "limit": {"bytes": budgets.pod_limit, "source": budgets.pod_source},
                  "verdicts": {k: _verdict(host[k], budgets.pod_limit) for k in ("peak_load", "peak_load_lora")}},
         "formulas": {"activations": ACTIVATIONS, "overhead": f"{OVERHEAD // GIB} GiB on the device and on the host"},
+        "advice": advice([c.__dict__ for c in parts], device, budgets.device_bytes, engines, served.tensorrt),
     }
 
 

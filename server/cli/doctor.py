@@ -229,6 +229,7 @@ def render_plan(plan: dict[str, Any]) -> list[str]:
                 f": such a set is refused; with cache_mb >= {-(-d['largest_set'] // (1 << 20))} the device needs "
                 f"{_gib(d['lora_denoiser_set_cached'])}  "
                 f"{_against(d['verdicts']['lora_denoiser_set_cached'], device_src)}")]
+    lines += [f"  {line}" for line in plan.get("advice", [])]  # what would fit, when the device is too small
     if plan["missing"]:
         lines.append(f"  missing (no model.onnx, no config.json; counted as 0): {', '.join(plan['missing'])}")
     fbc = plan.get("first_block", {})

@@ -76,7 +76,8 @@ def test_doctor_json_carries_the_plan(flux_dev: Path) -> None:
 
 
 def test_a_folder_of_no_served_family_gets_its_reason(tmp_path: Path) -> None:
-    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "Flux2Pipeline"}))
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "Flux2KleinKVPipeline"}))
     done = _doctor(tmp_path, "--profile", "dev")
-    assert re.search(r"^memory plan: unavailable: .*FLUX\.2 \[dev\]", done.stdout, re.MULTILINE), done.stdout
+    assert re.search(r"^memory plan: unavailable: .*FLUX\.2 \[klein\] with a reference-image KV cache", done.stdout,
+                     re.MULTILINE), done.stdout
     assert done.returncode != 0

@@ -32,19 +32,22 @@ def _folder(root: Path, class_name: str, transformer: dict[str, Any] | None) -> 
                                   "dual_attention_layers": []}, "sd3", 28, True),
     ("StableDiffusion3Pipeline", {"qk_norm": "rms_norm", "dual_attention_layers": []}, "sd35", 28, True),
     ("OnnxStableDiffusion3Pipeline", {"qk_norm": "rms_norm", "dual_attention_layers": [0, 1]}, "sd35", 28, True),
+    ("Flux2Pipeline", {"_class_name": "Flux2Transformer2DModel", "guidance_embeds": True}, "flux2-dev", 50, False),
+    ("OnnxFlux2Pipeline", {"guidance_embeds": True}, "flux2-dev", 50, False),
 ])
 def test_families_are_detected(tmp_path: Path, class_name: str, transformer: dict[str, Any], family: str,
                                steps: int, cfg: bool) -> None:
     found = detect_dit(_folder(tmp_path / "m", class_name, transformer))
     assert (found.name, found.steps, found.cfg) == (family, steps, cfg)
-    assert found.guidance_embeds == (family in ("flux", "flux-kontext"))
-    assert found.max_sequence_length == (512 if family in ("flux", "flux-kontext") else 256)
+    assert found.guidance_embeds == (family in ("flux", "flux-kontext", "flux2-dev"))
+    assert found.max_sequence_length == (512 if family in ("flux", "flux-kontext", "flux2-dev") else 256)
 
 
 @pytest.mark.parametrize(("class_name", "named"), [
     ("FluxKontextInpaintPipeline", "Flux.1 Kontext inpainting"),
     ("OnnxFluxKontextInpaintPipeline", "Kontext inpainting"),
-    ("Flux2Pipeline", r"FLUX\.2 \[dev\]"), ("Flux2KleinInpaintPipeline", r"FLUX\.2 \[klein\] inpainting"),
+    ("Flux2KleinKVPipeline", r"FLUX\.2 \[klein\] with a reference-image KV cache"),
+    ("Flux2KleinInpaintPipeline", r"FLUX\.2 \[klein\] inpainting"),
     ("FluxFillPipeline", "Flux.1 Fill"),
     ("FluxControlPipeline", "control"), ("StableDiffusion3ControlNetPipeline", "ControlNet"),
 ])
