@@ -208,6 +208,8 @@ class Served:
     trt_fp16: bool = True
     cache_bytes: int = 2048 << 20
     """``[runtime.lora] cache_mb`` in bytes."""
+    extra_tokens: int = 0
+    """An instruction edit's reference tokens joined to every denoiser row (request_memory.py ``need``)."""
 
 
 def _block(rows: int, tokens: int, width: int, heads: int, item: int, scores: int = 1) -> int:
@@ -296,7 +298,7 @@ def activations(kind: str, config: Mapping[str, Any], served: Served, lay: Layou
         return _vae(view, served.images, h, w, item, kind == "qwen_vae_decoder", measured, CAUSAL_PAD_FRAMES)
     if kind in ("flux_transformer", "sd3_transformer", "qwen_image"):  # Flux, Qwen-Image: 2x2 packs; SD 3 patches
         patch = lay.factor * (2 if kind == "flux_transformer" else ival(config, "patch_size", 2))
-        text = lay.text_tokens + (77 if kind == "sd3_transformer" else 0)
+        text = lay.text_tokens + (77 if kind == "sd3_transformer" else 0) + served.extra_tokens
         heads = ival(config, "num_attention_heads", 24)
         return _block(rows, text + (h // patch) * (w // patch), heads * ival(config, "attention_head_dim", 128),
                       heads, item, scores)
