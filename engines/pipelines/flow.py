@@ -356,8 +356,8 @@ class FlowPipeline:
                                       f"flow models sample with Euler or {list(SAMPLERS[1:])}", param="scheduler")
         if batch.cache is not None and batch.cache.method == "first-block" and self.first_block is None:
             raise InvalidRequestError(self.first_block_parts.refusal, param="cache")
-        if any(not spec.prompt.strip() for spec in batch.images):
-            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        if any(not spec.prompt.strip() for spec in batch.images) and batch.mode == "txt2img":
+            raise InvalidRequestError("prompt must not be empty", param="prompt")  # edits: variations send none
 
     # --- the loop ------------------------------------------------------------------------------------------------
 
