@@ -1,5 +1,5 @@
-"""Qwen-Image-Edit-Plus (diffusers' ``QwenImageEditPlusPipeline``, 0.42; the 2509 configuration): the tiny faithful
-model and its ONNX export. Build-time only: imports torch, diffusers and transformers.
+"""Qwen-Image-Edit-Plus (diffusers' ``QwenImageEditPlusPipeline``, 0.42; the 2509 and 2511 configurations): the tiny
+faithful model and its ONNX export. Build-time only: imports torch, diffusers and transformers.
 
 The networks are Qwen-Image's (engines/build/qwen.py: the transformer, the VAE, the scheduler, the tokenizer's BPE),
 plus what an edit uses of the Qwen2.5-VL text encoder that Qwen-Image leaves idle:
@@ -19,6 +19,12 @@ Exported (beside Qwen-Image's transformer/ and vae halves, engines/build/qwen_ex
                              order (``masked_scatter``), then the language model at the given M-RoPE positions
 
 The vision tower's host side (patches, rotary angles, window order, masks) is engines/pipelines/qwen_edit.py's.
+
+2511 is the same pipeline with its transformer's ``zero_cond_t`` set: the noisy tokens are modulated at the step's
+timestep, the reference tokens after them at timestep 0 (diffusers doubles the timestep batch, ``[t, 0]``, and picks
+each token's shift/scale/gate by ``modulate_index``: 0 noisy, 1 reference; the text stream and the output norm take
+``t``). Its export takes one more input, ``modulate_index`` [image tokens] int64 (the noisy ones 0, the reference
+ones 1: engines/pipelines/qwen_edit.py feeds it when the graph has it), handed to every block.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from typing import Any
 import torch
 
 from engines.build.qwen import SCHEDULER, SEED, TEXT, TINY_NATIVE_SIZE, TRANSFORMER, VAE, train_vocab
+from engines.pipelines.qwen_edit import MODULATE_INDEX
 
 log = logging.getLogger(__name__)
 CLASS_NAME = "OnnxQwenImageEditPlusPipeline"
@@ -62,9 +69,9 @@ def write_edit_tokenizer(out: Path, bpe: Path | None = None) -> dict[str, int]:
     return {"vocab": len(vocab), **{t: vocab[t] for t in ("<|endoftext|>", "<|im_end|>", *VISION_SPECIALS)}}
 
 
-def make_edit_components(ids: dict[str, int], seed: int = SEED) -> dict[str, Any]:
+def make_edit_components(ids: dict[str, int], seed: int = SEED, zero_cond_t: bool = False) -> dict[str, Any]:
     """The networks and scheduler of the tiny Qwen-Image-Edit-Plus, each module from its own seed (the transformer,
-    VAE and scheduler as the tiny Qwen-Image's)."""
+    VAE and scheduler as the tiny Qwen-Image's); ``zero_cond_t``: the 2511 transformer (the same weights)."""
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
@@ -81,7 +88,7 @@ def make_edit_components(ids: dict[str, int], seed: int = SEED) -> dict[str, Any
 
     return {
         "text_encoder": seeded(0, lambda: Qwen2_5_VLForConditionalGeneration(config)),
-        "transformer": seeded(1, lambda: QwenImageTransformer2DModel(**TRANSFORMER)),
+        "transformer": seeded(1, lambda: QwenImageTransformer2DModel(**TRANSFORMER, zero_cond_t=zero_cond_t)),
         "vae": seeded(2, lambda: AutoencoderKLQwenImage(**VAE)),
         "scheduler": FlowMatchEulerDiscreteScheduler(**SCHEDULER),
     }
@@ -194,16 +201,133 @@ def _export_text(model: Any, out: Path) -> None:
         language.config._attn_implementation = attention
 
 
+def _turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, S, H, D] by the tables [S, D] (each angle twice, interleaved pairs: diffusers' complex rotation
+    ``apply_rotary_emb_qwen`` in real arithmetic)."""
+    pairs = x.unflatten(-1, (-1, 2))
+    swapped = torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(3)
+    return (x.float() * cos[None, :, None, :] + swapped.float() * sin[None, :, None, :]).to(x.dtype)
+
+
+class _TableAttention:
+    """A Qwen-Image block's joint attention (``QwenDoubleStreamAttnProcessor2_0``: text then image tokens, the text
+    key mask) with the rotary tables given over the joint sequence (``tables``) and torch's SDPA."""
+
+    def __init__(self) -> None:
+        self.tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                 encoder_hidden_states_mask: torch.Tensor | None = None, attention_mask: Any = None,
+                 image_rotary_emb: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.tables is not None
+        head = attn.inner_dim // attn.heads
+
+        def joint(text: Any, image: Any, text_norm: Any = None, image_norm: Any = None) -> torch.Tensor:
+            t, i = text(encoder_hidden_states).unflatten(-1, (-1, head)), image(hidden_states).unflatten(-1, (-1, head))
+            t, i = text_norm(t) if text_norm is not None else t, image_norm(i) if image_norm is not None else i
+            return torch.cat([t, i], dim=1)
+
+        cos, sin = self.tables
+        query = _turn(joint(attn.add_q_proj, attn.to_q, attn.norm_added_q, attn.norm_q), cos, sin)
+        key = _turn(joint(attn.add_k_proj, attn.to_k, attn.norm_added_k, attn.norm_k), cos, sin)
+        value = joint(attn.add_v_proj, attn.to_v)
+        mask = None
+        if encoder_hidden_states_mask is not None:
+            image = torch.ones_like(hidden_states[..., 0], dtype=torch.bool)
+            mask = torch.cat([encoder_hidden_states_mask, image], dim=1)[:, None, None, :]
+        out = torch.nn.functional.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2),
+                                                               value.transpose(1, 2), attn_mask=mask)
+        out = out.transpose(1, 2).flatten(2, 3).to(query.dtype)
+        text = encoder_hidden_states.shape[1]
+        return attn.to_out[0](out[:, text:].contiguous()), attn.to_add_out(out[:, :text].contiguous())
+
+
+class _NoTables(torch.nn.Module):
+    """Stands in for ``QwenEmbedRope`` during export: the tables are graph inputs."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class _ZeroCond(torch.nn.Module):
+    """The 2511 transformer (``zero_cond_t``): diffusers' forward with the tables and ``modulate_index`` as inputs
+    (every block handed the index by a pre-hook, in place of the one diffusers builds from ``img_shapes``)."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.model, self.attention = model, _TableAttention()
+        self.index: torch.Tensor | None = None
+
+    def given_index(self, module: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        return args, {**kwargs, "modulate_index": self.index}
+
+    def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, mask: torch.Tensor,
+                timestep: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+                modulate_index: torch.Tensor) -> torch.Tensor:
+        self.attention.tables, self.index = (rope_cos, rope_sin), modulate_index[None]
+        return self.model(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
+                          encoder_hidden_states_mask=mask > 0.5, timestep=timestep, img_shapes=[[(1, 1, 1)]],
+                          return_dict=False)[0]
+
+
+def _export_zero_cond(transformer: Any, out: Path) -> None:
+    """transformer/model.onnx of a 2511 transformer: Qwen-Image's inputs (engines/build/qwen_export.py) and
+    ``modulate_index``."""
+    from engines.build.dit_folder import export_onnx
+
+    config = transformer.config
+    wrapper = _ZeroCond(transformer)
+    processors, original = transformer.attn_processors, transformer.pos_embed
+    transformer.set_attn_processor(wrapper.attention)
+    transformer.pos_embed = _NoTables()
+    hooks = [block.register_forward_pre_hook(wrapper.given_index, with_kwargs=True)
+             for block in transformer.transformer_blocks]
+    try:
+        head, tokens = int(config.attention_head_dim), 16
+        args = (torch.randn(1, tokens, int(config.in_channels)), torch.randn(1, 8, int(config.joint_attention_dim)),
+                torch.ones(1, 8), torch.tensor([0.5]), torch.randn(8 + tokens, head), torch.randn(8 + tokens, head),
+                (torch.arange(tokens) >= tokens // 2).to(torch.int64))
+        names = ["hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "timestep", "rope_cos",
+                 "rope_sin", MODULATE_INDEX]
+        text = {0: "batch", 1: "text_tokens"}
+        dynamic = {"hidden_states": {0: "batch", 1: "image_tokens"}, "encoder_hidden_states": text,
+                   "encoder_hidden_states_mask": text, "timestep": {0: "batch"}, "rope_cos": {0: "tokens"},
+                   "rope_sin": {0: "tokens"}, MODULATE_INDEX: {0: "image_tokens"},
+                   "out_hidden_states": {0: "batch", 1: "image_tokens"}}
+        export_onnx(wrapper, args, out / "transformer" / "model.onnx", names, ["out_hidden_states"], dynamic)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        transformer.pos_embed = original
+        transformer.set_attn_processor(processors)
+
+
+def _without_zero_cond(transformer: Any) -> Any:
+    """The same weights in a transformer without ``zero_cond_t`` (what Qwen-Image's export takes; its transformer
+    graph is then replaced by ``_export_zero_cond``'s)."""
+    plain = type(transformer).from_config({**dict(transformer.config), "zero_cond_t": False}).eval()
+    plain.load_state_dict(transformer.state_dict(), assign=True)
+    return plain
+
+
 def export_edit(components: dict[str, Any], folder: Path, out: Path, source: dict[str, Any],
                 native_size: int | None = None) -> Path:
     """Qwen-Image's export (transformer, VAE halves, scheduler, tokenizer: engines/build/qwen_export.py) with the
     edit text encoder in place of Qwen-Image's, the vision tower and the processor's config; model_index.json names
-    ``OnnxQwenImageEditPlusPipeline`` and the manifest is written again over the whole folder."""
-    from engines.build.dit_folder import write_json
+    ``OnnxQwenImageEditPlusPipeline`` and the manifest is written again over the whole folder. A 2511 transformer
+    (``zero_cond_t``) is exported by ``_export_zero_cond`` in place of Qwen-Image's graph."""
+    from engines.build.dit_folder import config_of, write_json
     from engines.build.export import write_manifest
     from engines.build.qwen_export import export_qwen
 
-    export_qwen(components, folder / "tokenizer", out, source, True, native_size)
+    transformer = components["transformer"]
+    zero_cond = bool(transformer.config.get("zero_cond_t"))
+    base = {**components, "transformer": _without_zero_cond(transformer)} if zero_cond else components
+    export_qwen(base, folder / "tokenizer", out, source, True, native_size)
+    if zero_cond:
+        shutil.rmtree(out / "transformer")
+        _export_zero_cond(transformer, out)
+        write_json(out / "transformer" / "config.json", config_of(transformer))
     shutil.rmtree(out / "text_encoder")
     text = components["text_encoder"]
     _export_text(text, out)
@@ -219,14 +343,16 @@ def export_edit(components: dict[str, Any], folder: Path, out: Path, source: dic
     return out
 
 
-def build_tiny_qwen_edit(out: Path, bpe: Path | None = None, reference: bool = False) -> Any:
+def build_tiny_qwen_edit(out: Path, bpe: Path | None = None, reference: bool = False,
+                         zero_cond_t: bool = False) -> Any:
     """Build the tiny Qwen-Image-Edit-Plus and export it to ``out``; ``reference``: return diffusers'
-    pipeline on the same weights (else ``out``)."""
+    pipeline on the same weights (else ``out``); ``zero_cond_t``: the 2511 configuration (else 2509)."""
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        components = make_edit_components(write_edit_tokenizer(folder, bpe))
-        export_edit(components, folder, out, {"kind": "tiny", "family": "qwen-image-edit", "seed": SEED},
-                    native_size=TINY_NATIVE_SIZE)
+        components = make_edit_components(write_edit_tokenizer(folder, bpe), zero_cond_t=zero_cond_t)
+        source = {"kind": "tiny", "family": "qwen-image-edit", "seed": SEED, **({"zero_cond_t": True} if zero_cond_t
+                                                                                 else {})}
+        export_edit(components, folder, out, source, native_size=TINY_NATIVE_SIZE)
         pipe = edit_pipeline(components, folder) if reference else None
     log.info("tiny qwen-image-edit model in %s", out)
     return pipe if reference else out

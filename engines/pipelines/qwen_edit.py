@@ -1,4 +1,4 @@
-"""Qwen-Image-Edit-Plus (2509) instruction edits on the Qwen-Image pipeline, as diffusers'
+"""Qwen-Image-Edit-Plus (2509 and 2511) instruction edits on the Qwen-Image pipeline, as diffusers'
 ``QwenImageEditPlusPipeline`` (0.42, with transformers 5) does them. The transformer, the schedule, the true CFG with
 norm rescaling and the decode are Qwen-Image's (engines/pipelines/qwen.py); what an edit adds, per input image
 (engines/types/request.py ``EditImage.references``, each its own size, up to ``REFERENCES``):
@@ -19,6 +19,10 @@ norm rescaling and the decode are Qwen-Image's (engines/pipelines/qwen.py); what
    noisy latents frame 0), rows and columns centred as Qwen-Image's, text positions after the largest half-side of
    all of them (``QwenEmbedRope`` over ``img_shapes``).
 
+2511 is the same pipeline on a transformer with ``zero_cond_t``: the reference tokens are modulated at timestep 0,
+the noisy ones at the step's; its exported graph takes ``modulate_index`` (0 for each noisy token, 1 for each
+reference token: ``position_feeds``), and a folder whose config and graph disagree on it is refused at load.
+
 The output size: the request's, or ``edit_size`` (``calculate_dimensions(1024², aspect of the last image)``,
 floored to 16).
 """
@@ -34,7 +38,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from engines.errors import InvalidRequestError
+from engines.errors import InvalidRequestError, ModelLoadError
 from engines.lora.active import Adapters
 from engines.numerics.qwen_tokenizer import load_unpadded
 from engines.pipelines.flow import DitConditioning, pack_latents, run
@@ -61,6 +65,8 @@ REFERENCES = 3
 """Input images per edit: diffusers sets no limit; Qwen-Image-Edit-2509's card names 1 to 3 as the trained range."""
 MAX_SEQUENCE_LENGTH = 1024
 """The edit pipeline's ``tokenizer_max_length`` (the template, image tokens included, is never cut)."""
+MODULATE_INDEX = "modulate_index"
+"""The 2511 transformer's input (engines/build/qwen_edit.py): int64 [image tokens], 0 noisy, 1 reference."""
 
 
 def calculate_dimensions(area: int, ratio: float) -> tuple[int, int]:
@@ -180,6 +186,11 @@ class QwenEditPipeline(QwenPipeline):
         self.vision_config = read_json(folder / "vision" / "config.json")
         self.width = int(read_json(folder / "text_encoder" / "config.json")["hidden_size"])
         self.max_sequence_length = MAX_SEQUENCE_LENGTH
+        self.zero_cond = MODULATE_INDEX in self.transformer.inputs
+        """2511: the reference tokens modulated at timestep 0 (the graph takes ``modulate_index``)."""
+        if self.zero_cond != bool(read_json(folder / "transformer" / "config.json").get("zero_cond_t", False)):
+            raise ModelLoadError(f"{folder}: the transformer's inputs {sorted(self.transformer.inputs)} do not match "
+                                 f"its config (zero_cond_t={not self.zero_cond}): export it again")
 
     def _references(self, batch: Batch) -> list[tuple[np.ndarray, ...]]:
         refs = [spec.edit.references if spec.edit is not None else () for spec in batch.images]
@@ -272,7 +283,11 @@ class QwenEditPipeline(QwenPipeline):
                 rows = ids[ids[:, 0] == frame]
                 shapes.append((int(rows[:, 1].max()) + 1, int(rows[:, 2].max()) + 1))
         cos, sin = edit_rope(shapes, cond.states.shape[1], self.axes_dim)
-        return {"rope_cos": cos, "rope_sin": sin}
+        if not self.zero_cond:
+            return {"rope_cos": cos, "rope_sin": sin}
+        noisy = shapes[0][0] * shapes[0][1]
+        index = np.concatenate([np.zeros(noisy, np.int64), np.ones(sum(a * b for a, b in shapes[1:]), np.int64)])
+        return {"rope_cos": cos, "rope_sin": sin, MODULATE_INDEX: index}
 
     def model_info(self, name: str, digest: str = "") -> ModelInfo:
         info = super().model_info(name, digest)
@@ -282,4 +297,5 @@ class QwenEditPipeline(QwenPipeline):
                        instruct_size=partial(edit_size, multiple=self.size_multiple))
 
     def describe(self) -> str:
-        return f"Qwen-Image-Edit-Plus (flow matching, true CFG, instruction edits with 1 to {REFERENCES} input images)"
+        return (f"Qwen-Image-Edit-Plus {'2511' if self.zero_cond else '2509'} (flow matching, true CFG, instruction "
+                f"edits with 1 to {REFERENCES} input images)")
