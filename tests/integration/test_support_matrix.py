@@ -98,6 +98,13 @@ PROOFS: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {
         ("tests/integration/test_flux2_parity.py::test_images_match_diffusers",
          "txt2img parity with diffusers, CFG, two sizes"),
     ),
+    ("flux2-dev", "dev"): (
+        ("tests/integration/test_flux2_dev_parity.py::test_images_match_diffusers",
+         "txt2img parity with diffusers, embedded guidance, two sizes"),
+        ("tests/e2e/test_flux2_dev_serving.py::test_through_the_openai_sdk", "served through the openai SDK"),
+        ("tests/integration/test_flux2_dev_doctor.py::test_an_80_gb_card_is_told_it_does_not_fit_and_what_would",
+         "doctor: does not fit an 80 GB card in bf16, says what would"),
+    ),
     ("sd1", "openvino"): (
         ("tests/integration/test_plugin_ep.py::test_built_artifacts_boot_on_the_ep",
          "served from EP-context artifacts"),
