@@ -20,6 +20,7 @@ input like a ControlNet file: bounded in size, and refused by name when ONNX Run
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -56,6 +57,7 @@ ANNOTATOR_KINDS: dict[str, str] = {
     "seg_ofade20k": "map", "mlsd": "map",
 }
 """The model-based modules an ONNX file may serve, by sd-webui-controlnet's name, and how its map becomes pixels."""
+log = logging.getLogger(__name__)
 ANNOTATOR_FOLDER = "annotators"
 MAX_ANNOTATOR_BYTES = 2 << 30
 """The largest annotator file loaded (2 GiB: ONNX's protobuf limit)."""
@@ -168,10 +170,12 @@ class Annotators:
                 if path.stat().st_size > MAX_ANNOTATOR_BYTES:
                     raise ValueError(f"over {MAX_ANNOTATOR_BYTES} bytes")
                 session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-            except Exception as exc:  # untrusted file: refused by name, never fatal
-                self.refused[module] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                raise InvalidRequestError(f"ControlNet module {module!r}: its annotator file was refused "
-                                          f"({self.refused[module]})", param=field) from None
+            except Exception as exc:  # untrusted file: refused by name, never fatal; the reason in the log only
+                self.refused[module] = type(exc).__name__  # (ORT's message names the file's path)
+                log.warning("ControlNet annotator %s refused: %s", module, exc)
+                raise InvalidRequestError(f"ControlNet module {module!r}: its annotator file "
+                                          f"{ANNOTATOR_FOLDER}/{module}.onnx was refused ({self.refused[module]}: "
+                                          "not loadable, see the server log)", param=field) from None
             self._sessions[module] = session
             return session
 
@@ -194,9 +198,10 @@ class Annotators:
         pixels = (np.nan_to_num(out).clip(0, 1) * 255.0).round().astype(np.uint8)
         if kind == "lines":
             pixels = 255 - pixels
+        pixels = pixels[:, :, 0] if pixels.shape[2] == 1 else pixels
         if pixels.shape[:2] != padded.shape[:2]:
             pixels = cv2.resize(pixels, (padded.shape[1], padded.shape[0]), interpolation=cv2.INTER_CUBIC)
-        return _rgb(unpad(pixels.reshape(padded.shape[0], padded.shape[1], -1)))
+        return _rgb(unpad(pixels))
 
 
 def detail(annotators: Annotators | None) -> dict[str, dict[str, Any]]:

@@ -170,13 +170,16 @@ def manifest_definition(generation: dict[str, Any], version: str) -> dict[str, A
     ingredient (ingredient.v3: its title, format, relationship and ``instance_id`` ``sha256:<hex>`` of the bytes
     as sent): the actions are then ``c2pa.opened`` of the ``parentOf`` ingredient (the image edited), ``c2pa.edited``
     by the model and ``c2pa.placed`` of the ``componentOf`` ones (an instruction edit's other reference images);
-    ``inputTo`` ingredients (the mask) are recorded without an action."""
+    ``inputTo`` ingredients (the mask, a ControlNet's control image) are recorded without an action; an image
+    with only those (a txt2img under ControlNet) is created, not edited (C2PA: the first action is created or
+    opened)."""
     agent = {"name": "sdserve", "version": version}
     inputs: list[dict[str, Any]] = generation.get("ingredients") or []
-    if not inputs:
+    edited = any(item["relationship"] == "parentOf" for item in inputs)
+    labels = [f"ingredient{i}" for i in range(len(inputs))]
+    if not edited:
         actions = [{"action": "c2pa.created", "digitalSourceType": DIGITAL_SOURCE_TYPE, "softwareAgent": agent}]
     else:
-        labels = [f"ingredient{i}" for i in range(len(inputs))]
         by: dict[str, list[str]] = {}
         for label, item in zip(labels, inputs, strict=True):
             by.setdefault(item["relationship"], []).append(label)
@@ -186,7 +189,7 @@ def manifest_definition(generation: dict[str, Any], version: str) -> dict[str, A
                    *([{"action": "c2pa.placed", "parameters": {"ingredientIds": by["componentOf"]}}]
                      if "componentOf" in by else [])]
     definition: dict[str, Any] = {
-        "claim_generator_info": [agent], "title": "edited image" if inputs else "generated image",
+        "claim_generator_info": [agent], "title": "edited image" if edited else "generated image",
         "assertions": [{"label": "c2pa.actions.v2", "data": {"actions": actions}},
                        {"label": GENERATION_LABEL, "data": generation}]}
     if inputs:  # described, not parsed: the upload's bytes never reach the C2PA library's readers
