@@ -1,0 +1,105 @@
+"""SDXL ControlNet served by a real `sdserve serve --profile dev --controlnet-dir` (issue 56): the tiny SDXL model and
+its tiny ControlNet built by `sdserve engines tiny --family sdxl --controlnet`, an ``alwayson_scripts.controlnet``
+txt2img unit changing the image and the same unit at weight 0 giving the plain one; an SD 1.x ControlNet in the same
+folder refused by name at load (logged, not listed) and per request (422 naming the unit's model). The residual UNet
+and the ControlNet run on ONNX Runtime's CPU provider (onnxruntime/python/onnxruntime_inference_collection.py
+InferenceSession)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.e2e.conftest import ServerProcess
+
+pytestmark = pytest.mark.slow
+TXT2IMG = "/sdapi/v1/txt2img"
+BASE = {"prompt": "a lighthouse at dusk", "steps": 4, "seed": 23, "width": 64, "height": 64,
+        "sampler_name": "Euler", "cfg_scale": 6.0}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(tiny SDXL model with unet_controlnet/, ControlNet library): the SDXL ControlNet ``edges`` from the CLI and
+    the tiny SD 1.x one as ``sd15_edges`` (another base)."""
+    from engines.build.controlnet import export_controlnet, make_tiny_controlnet
+
+    root = tmp_path_factory.mktemp("controlnet-xl-e2e")
+    model, library = root / "model", root / "controlnets"
+    done = subprocess.run([sys.executable, "-m", "server.cli", "engines", "tiny", "--family", "sdxl", "--out",
+                           str(model), "--controlnet", str(library / "edges")], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
+    export_controlnet(make_tiny_controlnet(0, "sd1"), library / "sd15_edges", {"kind": "tiny", "seed": 0})
+    return model, library
+
+
+@pytest.fixture(scope="module")
+def server(built: tuple[Path, Path]) -> Iterator[ServerProcess]:
+    model, library = built
+    process = ServerProcess("--profile", "dev", "--model", str(model), "--controlnet-dir", str(library))
+    try:
+        process.wait_ready(timeout=300)
+        yield process
+    finally:
+        assert process.stop() == 0, process.log
+
+
+def _pattern() -> str:
+    """A control image with edges: a bright square on black, 64x64 PNG as base64."""
+    image = np.zeros((64, 64, 3), np.uint8)
+    image[16:48, 16:48] = 255
+    image[28:36, :] = 128
+    out = io.BytesIO()
+    Image.fromarray(image).save(out, format="PNG")
+    return base64.b64encode(out.getvalue()).decode()
+
+
+def _pixels(b64: str) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB")).astype(np.int16)
+
+
+def _post(url: str, units: list[dict[str, Any]] | None = None) -> httpx.Response:
+    body = {**BASE, **({"alwayson_scripts": {"controlnet": {"args": units}}} if units is not None else {})}
+    return httpx.post(url + TXT2IMG, json=body, timeout=120)
+
+
+def _unit(model: str, **extra: Any) -> dict[str, Any]:
+    return {"enabled": True, "image": _pattern(), "module": "canny", "model": model, "weight": 1.0,
+            "resize_mode": "Crop and Resize", "threshold_a": 100, "threshold_b": 200, **extra}
+
+
+def test_sdxl_units_change_the_image_and_weight_zero_gives_the_plain_one(server: ServerProcess) -> None:
+    url = server.url
+    assert url is not None
+    listed = httpx.get(f"{url}/controlnet/model_list").json()["model_list"]
+    assert [t.split(" [")[0] for t in listed] == ["edges"], listed  # the SD 1.x file is not offered
+    assert "sd15_edges" in server.log and "an SD 1.x/2.x ControlNet, this is an SDXL model" in server.log
+    plain, controlled, zero = _post(url), _post(url, [_unit(listed[0])]), _post(url, [_unit(listed[0], weight=0.0)])
+    for answer in (plain, controlled, zero):
+        assert answer.status_code == 200, answer.text
+    base_px, ctrl_px, zero_px = (_pixels(r.json()["images"][0]) for r in (plain, controlled, zero))
+    assert np.abs(ctrl_px - base_px).mean() > 2.0  # the control has teeth
+    assert np.abs(zero_px - base_px).max() <= 1  # weight 0: the plain image (within one 8-bit level)
+    assert f'ControlNet 0: "Module: canny, Model: {listed[0]}' in json.loads(controlled.json()["info"])["infotexts"][0]
+
+
+def test_sd1_controlnet_on_sdxl_is_422_naming_the_model(server: ServerProcess) -> None:
+    url = server.url
+    assert url is not None
+    answer = _post(url, [_unit("sd15_edges")])
+    assert answer.status_code == 422, answer.text
+    detail = answer.json()["detail"][0]
+    assert "sd15_edges" in detail["msg"] and ".".join(detail["loc"][1:]).endswith(
+        "alwayson_scripts.controlnet.args[0].model"), detail
