@@ -24,7 +24,7 @@ from engines.build.tiny import make_components
 from engines.config import RuntimeSettings
 from engines.errors import InvalidRequestError
 from engines.pipelines import controlnet
-from engines.pipelines.contract import image_rng
+from engines.pipelines.contract import Begun, image_rng
 from engines.pipelines.unet import StableDiffusionOnnx
 from engines.runtime.sessions import Runtime
 from engines.types.request import Batch, ControlUnit, ImageSpec
@@ -195,3 +195,29 @@ def test_cli_exports_an_sdxl_controlnet_folder(built: dict[str, Path], tmp_path:
     assert inputs == ["sample", "timestep", "encoder_hidden_states", "controlnet_cond", "text_embeds", "time_ids",
                       "conditioning_scale"]
     assert json.loads((out / "config.json").read_text())["addition_embed_type"] == "text_time"
+
+
+def test_sdxl_controlled_rows_side_by_side_get_their_solo_images(ours: StableDiffusionOnnx) -> None:
+    """Two controlled SDXL requests (other images, scales, fractions, time ids) and a plain one advance through
+    shared ``run_denoiser`` ticks, as step-level batching drives them (engines/steps.py step_key keys them apart by
+    ControlNet set): each controlled state's units get its own added conditions; each image equals its solo run."""
+    latents = _latents()
+    sets = [(ControlUnit(_control_image(6, SIZE, SIZE), "edges", 0.7),),
+            (ControlUnit(_control_image(7, SIZE, SIZE), "depth", 1.2, 0.25, 0.75),), ()]
+    batches = [Batch(tuple(ImageSpec(p, seed=s, guidance_scale=GUIDANCE) for p, s in zip(PROMPTS, SEEDS, strict=True)),
+                     SIZE, SIZE, STEPS, "euler", control=units, original_size=(96 + 32 * k, 80))
+               for k, units in enumerate(sets)]
+    solo = [np.asarray(ours(batch, latents=latents).images) for batch in batches]
+    runs: list[Begun] = []
+    for batch in batches:
+        with ours.runtime.scoped(f"side{len(runs)}"):
+            runs.append(ours.begin(batch, latents))
+    for _ in range(100):
+        running = [run for run in runs if not run.finished]
+        if not running:
+            break
+        ours.run_denoiser([run.state for run in running])
+        for run in running:
+            ours.advance(run.state)
+    for run, alone in zip(runs, solo, strict=True):
+        assert np.array_equal(np.asarray(ours.finish(run).images), alone)
