@@ -7,10 +7,12 @@ targets.py) for the batches of that set: the engine hands them down with the cal
 The base sessions, and a batch without LoRA, bind nothing. A set evicted while a batch runs stays alive until that
 batch ends (the batch holds the tensors); eviction only drops the cache's reference.
 
-The budget ([runtime.lora] cache_mb) counts a merge's own memory too: the factors it reads are held while it runs,
-so a set is refused when its merged tensors plus its factors exceed the budget, and cached sets are evicted before
-a merge until both fit beside them. A refresh is serialized (callers arriving while one runs share the next one)
-and incremental (engines/lora/library.py scan: unchanged files are not read again).
+The budget ([runtime.lora] cache_mb) counts a merge's own memory too, priced from the files' headers before any
+factor is read (``merge_bytes``): the factors it reads are held while it runs, the row copies of fused projections,
+the merged tensors, and the largest weight's working set (its factors widened to float32 and stacked, the merge
+graph's float32 intermediates, the base weight's upload). A set is refused when that peak exceeds the budget, and
+cached sets are evicted before a merge until it fits beside them. A refresh is serialized (callers arriving while
+one runs share the next one) and incremental (engines/lora/library.py scan: unchanged files are not read again).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -34,7 +37,7 @@ from engines.errors import InvalidRequestError, ModelLoadError
 from engines.lora import keys, library, merge, targets
 from engines.lora.active import Weights
 from engines.lora.library import LoraFile
-from engines.lora.safetensors import LoraFileError
+from engines.lora.safetensors import LoraFileError, memory_bytes
 from engines.types.model import LoraInfo, LoraStats
 from engines.types.request import LoraUse, lora_key
 
@@ -60,6 +63,15 @@ log = logging.getLogger(__name__)
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 DENOISERS = ("unet", "transformer")
 HISTORY = 32
+F32 = 4
+"""Bytes of a float32 value: the merge stacks factors and computes the delta in float32 (engines/lora/merge.py)."""
+STACK_COPIES = 3
+"""float32 copies of a weight's factors a merge holds at once: ``merge.stack`` keeps each file's widened (and
+scaled) factors and their concatenation until it returns (2), and on a GPU the graph's B and A inputs are copied
+to the device (1; fed in place on the CPU, priced alike)."""
+GRAPH_COPIES = 3
+"""float32 tensors of a weight's size the merge graph holds at its peak: the delta, the transposed or reshaped
+delta (or, for a float16 weight, W widened), and the float32 sum before the cast back."""
 FIRST_MERGE_BYTES_PER_S = 1e9
 """Admission's price of a merge before any ran on this server: 1 GB of weights written per second. A merge reads
 W and writes W + s*B@A once (a rank-r GEMM: memory-bound), so a device does tens of GB/s and a CPU core a few;
@@ -245,7 +257,7 @@ class LoraManager:
                 self.stats = dataclasses.replace(self.stats, hits=self.stats.hits + 1)
                 self._note(key)
                 return found.weights
-        self._make_room(self.set_bytes(uses) + self.factor_bytes(uses))
+        self._make_room(self.merge_bytes(uses))
         merged = self._merge_set(uses)
         with self._lock:
             self._store(key, merged)
@@ -361,18 +373,49 @@ class LoraManager:
         by_sha = {f.sha256: f for f in self.files.values() if not f.problem}
         return sum(by_sha[u.sha256].factor_bytes for u in uses if u.sha256 in by_sha)
 
+    def merge_bytes(self, uses: tuple[LoraUse, ...]) -> int:
+        """Peak bytes a merge of the set holds (host and device together), priced from the files' headers, so
+        before any factor is read: every file's factors (``factor_bytes``: a merge reads them all first), the row
+        copies of fused projections (``keys.take_rows``), the merged tensors (``set_bytes``), and the largest
+        weight's working set: its factors of every file widened to float32 (STACK_COPIES), the merge graph's
+        float32 intermediates (GRAPH_COPIES) and the base weight uploaded (and, on a GPU, staged). The working set
+        is what many large LoRAs on one weight add: measured on real files, up to twice the factors' own bytes."""
+        by_sha = {f.sha256: f for f in self.files.values() if not f.problem}
+        held, stacked = 0, dict[tuple[str, str], int]()
+        targets_of: dict[tuple[str, str], targets.Target] = {}
+        for use in uses:
+            file = by_sha.get(use.sha256)
+            if file is None or file.header is None:
+                continue
+            held += file.factor_bytes
+            for r in file.resolved:
+                if (use.te if r.component in TEXT_ENCODERS else use.unet) == 0:
+                    continue
+                share = sum(1 / count for _, count in r.rows) if r.rows else 1.0
+                up = math.prod(file.header.tensors[r.module.up].shape) * share
+                if r.rows:
+                    held += int(memory_bytes(file.header, [r.module.up]) * share)
+                key = (r.component, r.target.initializer)
+                targets_of[key] = r.target
+                stacked[key] = stacked.get(key, 0) + int(up) + math.prod(file.header.tensors[r.module.down].shape)
+        merged = sum(t.nbytes for t in targets_of.values())
+        working = max((STACK_COPIES * F32 * stacked[k] + GRAPH_COPIES * F32 * math.prod(t.shape) + 2 * t.nbytes
+                       for k, t in targets_of.items()), default=0)
+        return held + merged + working
+
     def require_fits(self, uses: tuple[LoraUse, ...]) -> int:
-        """The set's merged bytes; InvalidRequestError (param ``loras``) for a set whose merged tensors, plus the
-        factors its merge reads, exceed the whole LoRA budget: it is refused before admission, never merged into
-        an out-of-memory at batch time."""
+        """The set's merged bytes; InvalidRequestError (param ``loras``, naming the set's ``<lora:...>`` tags) for
+        a set whose merge would hold more than the whole LoRA budget at its peak (``merge_bytes``): it is refused
+        before admission, never merged into an out-of-memory at batch time."""
         merged, budget = self.set_bytes(uses), self.settings.cache_mb * 1024 * 1024
-        need = merged + self.factor_bytes(uses)
+        need = self.merge_bytes(uses)
         if need > budget:
+            tags = " ".join(f"<lora:{u.label()}>" for u in uses)
             raise InvalidRequestError(
-                f"the LoRA set needs {need / 2**20:.0f} MiB ({merged / 2**20:.0f} MiB of merged weights on the "
-                "device and the factors its merge reads), over this server's LoRA budget of "
-                f"{self.settings.cache_mb} MiB ([runtime.lora] cache_mb): use fewer or smaller adapters, or a "
-                "server with a larger budget", param="loras")
+                f"the LoRA set {tags} needs {need / 2**20:.0f} MiB to merge ({merged / 2**20:.0f} MiB of merged "
+                "weights on the device, the factors its merge reads and their float32 working copies), over this "
+                f"server's LoRA budget of {self.settings.cache_mb} MiB ([runtime.lora] cache_mb): use fewer or "
+                "smaller adapters, or a server with a larger budget", param="loras")
         return merged
 
     def _make_room(self, need: int) -> None:
