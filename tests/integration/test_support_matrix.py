@@ -102,6 +102,8 @@ PROOFS: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {
         ("tests/integration/test_flux2_dev_parity.py::test_images_match_diffusers",
          "txt2img parity with diffusers, embedded guidance, two sizes"),
         ("tests/e2e/test_flux2_dev_serving.py::test_through_the_openai_sdk", "served through the openai SDK"),
+        ("tests/integration/test_flux2_dev_lora.py::test_transformer_lora_matches_diffusers_and_text_encoder_keys_"
+         "are_refused", "LoRA (transformer) matches diffusers; text-encoder LoRA refused by name"),
         ("tests/integration/test_flux2_dev_doctor.py::test_an_80_gb_card_is_told_it_does_not_fit_and_what_would",
          "doctor: does not fit an 80 GB card in bf16, says what would"),
     ),
