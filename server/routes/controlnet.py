@@ -24,7 +24,7 @@ from server.images_in import from_base64
 
 router = APIRouter(prefix="/controlnet", tags=["controlnet"])
 DETECT_MAX_PIXELS = 4096 * 4096
-"""The largest image /controlnet/detect decodes (a bound like every uploaded image's)."""
+"""The largest image /controlnet/detect decodes (and the profile's limits.max_image_pixels, as every upload)."""
 DETECT_MAX_IMAGES = 8
 
 
@@ -62,27 +62,36 @@ def settings(request: Request) -> dict[str, int]:
 class DetectRequest(BaseModel):
     controlnet_module: str = "none"
     controlnet_input_images: list[str] = Field(default_factory=list)
+    controlnet_images: list[str] = Field(default_factory=list)
+    """What webuiapi's ``controlnet_detect`` sends instead of ``controlnet_input_images`` (taken when that is
+    empty, so its calls work)."""
     controlnet_processor_res: float = 512
     controlnet_threshold_a: float = 64
     controlnet_threshold_b: float = 64
 
 
-def _detect(body: DetectRequest, library: ControlNetLibrary | None) -> dict[str, Any]:
+def _detect(body: DetectRequest, library: ControlNetLibrary | None, max_pixels: int) -> dict[str, Any]:
     annotators = library.annotators if library else None
     modules = detail(annotators)
     if body.controlnet_module not in modules:
         raise InvalidRequestError(f"unknown ControlNet module {body.controlnet_module[:64]!r}; this server has "
                                   f"{list(modules)} (GET /controlnet/module_list)", param="controlnet_module")
-    if not body.controlnet_input_images or len(body.controlnet_input_images) > DETECT_MAX_IMAGES:
-        raise InvalidRequestError(f"controlnet_input_images needs 1 to {DETECT_MAX_IMAGES} images",
-                                  param="controlnet_input_images")
+    key = "controlnet_input_images" if body.controlnet_input_images or not body.controlnet_images else \
+        "controlnet_images"
+    given: list[str] = getattr(body, key)
+    if not given or len(given) > DETECT_MAX_IMAGES:
+        raise InvalidRequestError(f"{key} needs 1 to {DETECT_MAX_IMAGES} images", param=key)
     images = []
-    for i, text in enumerate(body.controlnet_input_images):
-        field = f"controlnet_input_images[{i}]"
-        image = np.asarray(from_base64(text, field, DETECT_MAX_PIXELS).convert("RGB"))
+    for i, text in enumerate(given):
+        field = f"{key}[{i}]"
+        image = np.asarray(from_base64(text, field, max_pixels).convert("RGB"))
         res, low, high = with_defaults(body.controlnet_module, body.controlnet_processor_res,
                                        body.controlnet_threshold_a, body.controlnet_threshold_b, annotators)
-        out = preprocess(body.controlnet_module, image, int(res), low, high, "controlnet", annotators)
+        try:
+            out = preprocess(body.controlnet_module, image, int(res), low, high, "controlnet", annotators)
+        except InvalidRequestError as exc:  # named as this route's fields: controlnet_threshold_a, ...
+            raise InvalidRequestError(str(exc), param=(exc.param or "").replace("controlnet.", "controlnet_")) \
+                from None
         buf = io.BytesIO()
         Image.fromarray(out).save(buf, format="PNG")
         images.append(base64.b64encode(buf.getvalue()).decode())
@@ -91,4 +100,6 @@ def _detect(body: DetectRequest, library: ControlNetLibrary | None) -> dict[str,
 
 @router.post("/detect")
 async def detect(body: DetectRequest, request: Request) -> dict[str, Any]:
-    return await run_in_threadpool(_detect, body, _library(request))
+    settings = getattr(request.app.state, "settings", None)
+    limit = min(DETECT_MAX_PIXELS, settings.limits.max_image_pixels) if settings is not None else DETECT_MAX_PIXELS
+    return await run_in_threadpool(_detect, body, _library(request), limit)

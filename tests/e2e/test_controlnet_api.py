@@ -2,7 +2,8 @@
 (require mode): the OpenAI routes' ``controlnet`` field on /v1/images/generations (JSON) and /v1/images/edits
 (multipart, the openai client's ``extra_body``), the control image recorded as a C2PA ingredient with the
 ControlNet's hash in the signed manifest, an annotator file of the folder (``annotators/depth_midas.onnx``) served
-as a module by /controlnet/module_list, /controlnet/detect and a unit, and the refusals naming the field. The
+as a module by /controlnet/module_list, /controlnet/detect (also as webuiapi's controlnet_detect calls it) and a
+unit, and the refusals naming the field. The
 annotator, the residual UNet and the ControlNet run on ONNX Runtime's CPU provider
 (onnxruntime/python/onnxruntime_inference_collection.py InferenceSession)."""
 
@@ -23,6 +24,7 @@ import numpy as np
 import onnx
 import openai
 import pytest
+import webuiapi
 from onnx import TensorProto, helper
 from PIL import Image
 
@@ -172,6 +174,12 @@ def test_annotator_file_is_a_module(server: ServerProcess) -> None:
     answer = httpx.post(f"{url}/sdapi/v1/txt2img", json=body, timeout=120)
     assert answer.status_code == 200, answer.text
     assert 'ControlNet 0: "Module: depth_midas' in json.loads(answer.json()["info"])["infotexts"][0]
+    host, port = url.removeprefix("http://").split(":")
+    api = webuiapi.WebUIApi(host=host, port=int(port))  # its detect sends controlnet_images as data URLs
+    replayed = api.controlnet_detect([Image.open(io.BytesIO(_png()))], module="depth_midas", processor_res=64)
+    assert len(replayed.images) == 1  # decoded by webuiapi into PIL images
+    assert (np.asarray(replayed.image.convert("RGB")).astype(np.int16) == depth).all()
+    assert "depth_midas" in api.controlnet_module_list()
     refused = httpx.post(f"{url}/controlnet/detect", json={
         "controlnet_module": "lineart_realistic", "controlnet_input_images": [base64.b64encode(_png()).decode()]})
     assert refused.status_code == 422 and "depth_midas" in refused.text and "controlnet_module" in refused.text

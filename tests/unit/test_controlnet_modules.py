@@ -183,3 +183,32 @@ def test_script_info_lists_one_argument_per_unit() -> None:
     assert [(s["name"], s["is_alwayson"], s["is_img2img"]) for s in info] == [("controlnet", True, False),
                                                                             ("controlnet", True, True)]
     assert [a["label"] for a in info[0]["args"]] == ["ControlNet Unit 0", "ControlNet Unit 1", "ControlNet Unit 2"]
+
+
+def test_detect_takes_webuiapis_field_and_names_this_routes_fields(library: ControlNetLibrary) -> None:
+    """webuiapi's ``controlnet_detect`` sends ``controlnet_images`` (data URLs); sd-webui-controlnet's own field is
+    ``controlnet_input_images``. Both are served; the refusals name the route's own fields."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from server import errors
+    from server.routes import controlnet as routes
+
+    app = FastAPI()
+    errors.install(app)
+    app.include_router(routes.router)
+    app.state.controlnets = library
+    client = TestClient(app)
+    text, _ = _b64(_square())
+    found = client.post("/controlnet/detect", json={"controlnet_module": "threshold", "controlnet_processor_res": 64,
+                                                    "controlnet_images": [f"data:image/png;base64,{text}"],
+                                                    "controlnet_threshold_a": -1})
+    assert found.status_code == 200, found.text
+    image = np.asarray(Image.open(io.BytesIO(base64.b64decode(found.json()["images"][0]))))
+    assert image[32, 32].tolist() == [255] * 3 and image[2, 2].tolist() == [0] * 3  # default threshold 127
+    blur = client.post("/controlnet/detect", json={"controlnet_module": "blur_gaussian", "controlnet_threshold_a": 0,
+                                                   "controlnet_input_images": [text]})
+    assert blur.status_code == 422 and blur.json()["detail"][0]["loc"][-1] == "controlnet_threshold_a", blur.text
+    none = client.post("/controlnet/detect", json={"controlnet_module": "none"})
+    assert none.status_code == 422 and "controlnet_input_images" in none.text
+    assert client.get("/controlnet/module_list").json()["module_detail"]["depth_midas"]["sliders"][0]["value"] == 512
