@@ -433,6 +433,20 @@ class Canary(BaseModel):
     seed: int = Field(..., ge=0, le=2**32 - 1)
 
 
+class EditCanary(BaseModel):
+    """An instruction-edit family's edit canary: its prompt and seed on a fixed input image (a built-in pattern,
+    ``image`` pixels a side: engines/health/selftest.py ``canary_input``), run at boot where the model edits."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(..., min_length=1, max_length=64)
+    prompt: str = Field(..., min_length=1)
+    seed: int = Field(..., ge=0, le=2**32 - 1)
+    image: int = Field(64, ge=16, le=2048)
+    steps: int | None = Field(None, ge=1, le=100)
+    """Its steps (None: the set's): an edit's step runs the reference tokens too, so the boot keeps it short."""
+
+
 class FamilyCanaries(BaseModel):
     """A model family's canary set ([family.<name>] in configs/canaries.toml): what it sets replaces the suite's."""
 
@@ -443,6 +457,8 @@ class FamilyCanaries(BaseModel):
     guidance_scale: float | None = Field(None, ge=0, le=30)
     canary: tuple[Canary, ...] = ()
     """Prompts of this family's canaries; empty: the suite's."""
+    edit: EditCanary | None = None
+    """[family.<name>.edit]: the instruction edit canary of an instruction-edit family."""
 
 
 class CanarySuite(BaseModel):
@@ -456,15 +472,19 @@ class CanarySuite(BaseModel):
     canary: tuple[Canary, ...] = Field(..., min_length=1)
     family: dict[str, FamilyCanaries] = {}
     """Per model family (sd1, sd2, sdxl, turbo): the canary set the self-test and watchdog run for it."""
+    edit: EditCanary | None = None
+    """The family's edit canary, once ``for_family`` applied a table with one to a model that edits."""
 
-    def for_family(self, name: str) -> CanarySuite:
-        """The suite a model of family ``name`` runs: this one with the family's table applied."""
+    def for_family(self, name: str, edits: bool = True) -> CanarySuite:
+        """The suite a model of family ``name`` runs: this one with the family's table applied (its edit canary
+        only where ``edits``: the model serves instruction edits)."""
         table = self.family.get(name)
         if table is None:
             return self
         update: dict[str, object] = {k: v for k, v in (("steps", table.steps), ("scheduler", table.scheduler),
                                                         ("guidance_scale", table.guidance_scale)) if v is not None}
-        return self.model_copy(update={**update, "canary": table.canary or self.canary, "family": {}})
+        return self.model_copy(update={**update, "canary": table.canary or self.canary, "family": {},
+                                       "edit": table.edit if edits else None})
 
     def batch(self, shape: Shape) -> Batch:
         specs = []

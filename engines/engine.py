@@ -131,8 +131,8 @@ class OrtEngine:
             memory = request_memory.for_folder(self.model_dir) if ANY in self._pipelines else None
             self._info, self._runtime.memory = dataclasses.replace(self.info, memory=memory), memory
             if self.plan is not None:  # the family's canary set (configs/canaries.toml [family.<name>])
-                self.plan = dataclasses.replace(self.plan, suite=self.plan.suite.for_family(self.info.family),
-                                                family=self.info.family)
+                self.plan = dataclasses.replace(self.plan, family=self.info.family, suite=self.plan.suite.for_family(
+                    self.info.family, edits=self.info.instruct_images > 0))
             if self.settings.lora.dir:
                 self._load_lora()
             if self.settings.controlnet.dir:

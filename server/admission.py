@@ -25,7 +25,7 @@ from pathlib import Path
 from engines.errors import InvalidRequestError
 from engines.types.health import GpuSample
 from engines.types.model import MemoryModel, MemoryNeed
-from engines.types.request import Timings
+from engines.types.request import Batch, Timings
 from server.errors import QueueFullError
 
 ALPHA = 0.3
@@ -40,6 +40,9 @@ class Cost:
     height: int
     steps: int
     images: int
+    tokens: int = 0
+    """An instruction edit's reference tokens in each denoiser row (ModelInfo.reference_tokens): a step costs
+    the work of the longer sequence."""
 
     @property
     def size(self) -> str:
@@ -54,37 +57,66 @@ class Estimate:
     """"measured at 64x64" or "scaled from 64x64 by pixel count" (a lower bound: attention grows faster)."""
 
 
+Key = tuple[int, ...]
+"""(width, height), or (width, height, reference tokens) for an instruction edit: what the cost tables are measured
+by (an edit's step runs a longer sequence than a generation's of the same size, so it is learned apart and never
+inflates it)."""
+
+
+def _key(width: int, height: int, tokens: int = 0) -> Key:
+    return (width, height, tokens) if tokens else (width, height)
+
+
+def input_sizes(batch: Batch) -> tuple[tuple[int, int], ...]:
+    """An instruction edit's input images' (width, height) as sent (its first edit's: a batch is one request's
+    input); () for any other batch."""
+    edit = next((s.edit for s in batch.images if s.edit is not None and s.edit.references), None)
+    return tuple((ref.shape[1], ref.shape[0]) for ref in edit.references) if edit is not None else ()
+
+
 class CostModel:
-    """Seconds per stage by size: per image-step (the denoiser), per image encoded (text encoders and an edit's
-    image encode) and per image decoded. Seeded from the self-test (p50 of its timed canaries over batch x steps,
-    text encoding and decoding folded into the step cost, so conservative), then an EWMA per stage of live batches
-    at that size, from their stage timings (a batch without them folds its total into the step cost, as the seed)."""
+    """Seconds per stage by size and reference tokens: per image-step (the denoiser), per image encoded (text
+    encoders and an edit's image encode) and per image decoded. Seeded from the self-test (p50 of its timed canaries
+    over batch x steps, text encoding and decoding folded into the step cost, so conservative; its edit canary seeds
+    the edits' shape), then an EWMA per stage of live batches at that key, from their stage timings (a batch without
+    them folds its total into the step cost, as the seed)."""
 
-    def __init__(self, work: Callable[[int, int], float] | None = None, basis: str = "pixel count") -> None:
-        self.per_image_step: dict[tuple[int, int], float] = {}
-        self.per_image_encode: dict[tuple[int, int], float] = {}
+    def __init__(self, work: Callable[..., float] | None = None, basis: str = "pixel count") -> None:
+        self.per_image_step: dict[Key, float] = {}
+        self.per_image_encode: dict[Key, float] = {}
         """Seconds to encode one image's prompt (and an edit's init image); 0 where only folded totals came."""
-        self.per_image_decode: dict[tuple[int, int], float] = {}
+        self.per_image_decode: dict[Key, float] = {}
         """Seconds to decode one image; 0 where only folded totals came."""
-        self.work = work or (lambda w, h: float(w * h))
-        """Relative compute of one step at a size (engines.types.model.ModelInfo.work): what an unmeasured size's
-        cost is scaled by from the nearest measured one."""
+        self.work = work or (lambda w, h, tokens=0: float(w * h))
+        """Relative compute of one step at a size and its reference tokens (engines.types.model.ModelInfo.work):
+        what an unmeasured key's cost is scaled by from the nearest measured one."""
         self.basis = basis
+        self.reference_tokens: Callable[[tuple[tuple[int, int], ...]], int] = lambda sizes: 0
+        """The loaded model's reference tokens from an edit's input sizes (ModelInfo.reference_tokens)."""
 
-    def scale_by(self, work: Callable[[int, int], float], basis: str) -> None:
-        """The loaded model's work per step (set once the engine is loaded: a DiT scales by its tokens)."""
+    def scale_by(self, work: Callable[..., float], basis: str,
+                 reference_tokens: Callable[[tuple[tuple[int, int], ...]], int] | None = None) -> None:
+        """The loaded model's work per step (set once the engine is loaded: a DiT scales by its tokens) and its
+        instruction edits' reference tokens."""
         self.work, self.basis = work, basis
+        if reference_tokens is not None:
+            self.reference_tokens = reference_tokens
 
-    def seed(self, width: int, height: int, batch: int, steps: int, seconds: float) -> None:
-        if seconds > 0 and batch > 0 and steps > 0 and (width, height) not in self.per_image_step:
-            self.per_image_step[(width, height)] = seconds / (batch * steps)
+    def cost_of(self, batch: Batch, steps: int | None = None, images: int | None = None) -> Cost:
+        """``batch`` as a Cost (its steps and images unless given), with its reference tokens."""
+        return Cost(batch.width, batch.height, batch.steps if steps is None else steps,
+                    len(batch.images) if images is None else images, self.reference_tokens(input_sizes(batch)))
+
+    def seed(self, width: int, height: int, batch: int, steps: int, seconds: float, tokens: int = 0) -> None:
+        if seconds > 0 and batch > 0 and steps > 0 and _key(width, height, tokens) not in self.per_image_step:
+            self.per_image_step[_key(width, height, tokens)] = seconds / (batch * steps)
 
     def observe(self, cost: Cost, seconds: float, timings: Timings | None = None) -> None:
         """A live batch of ``cost`` (steps: those that ran) took ``seconds``; ``timings``: its stages, learned each
         on its own when its denoise was timed (else ``seconds`` is folded into the step cost)."""
         if seconds <= 0 or cost.steps <= 0 or cost.images <= 0:
             return
-        key = (cost.width, cost.height)
+        key = _key(cost.width, cost.height, cost.tokens)
         if timings is None or timings.denoise <= 0:
             _ewma(self.per_image_step, key, seconds / (cost.steps * cost.images))
             return
@@ -92,33 +124,36 @@ class CostModel:
         _ewma(self.per_image_encode, key, (timings.text_encoder + timings.vae_encode) / cost.images)
         _ewma(self.per_image_decode, key, timings.vae_decode / cost.images)
 
-    def observe_step(self, width: int, height: int, images: int, seconds: float) -> None:
+    def observe_step(self, width: int, height: int, images: int, seconds: float, tokens: int = 0) -> None:
         """One live denoising step of ``images`` images at this size took ``seconds`` (a step-batching tick): the
         step cost is learned as requests run, so a size's first request is priced from its own ticks after one,
         not for its whole run from another size's seed scaled by work (the self-test canaries fold text encoding
         and decoding into their step cost: at 256x256 scaled from 64x64 that was ~4.5x the real step on the CPU,
-        enough to rank large jobs urgent under the deadline guard on a guess)."""
+        enough to rank large jobs urgent under the deadline guard on a guess). ``tokens``: the tick's reference
+        tokens per row (rows of one tick share them: flow_extra groups rows by their extra tokens)."""
         if seconds > 0 and images > 0:
-            _ewma(self.per_image_step, (width, height), seconds / images)
+            _ewma(self.per_image_step, _key(width, height, tokens), seconds / images)
 
     def estimate(self, cost: Cost) -> Estimate | None:
         """None until anything was measured (then nothing is refused on a guess)."""
         if not self.per_image_step:
             return None
-        key = (cost.width, cost.height)
+        key = _key(cost.width, cost.height, cost.tokens)
         if key in self.per_image_step:
-            per, ratio, basis = self.per_image_step[key], 1.0, f"measured at {cost.size}"
+            per, ratio, basis = self.per_image_step[key], 1.0, f"measured at {_label(key)}"
         else:
-            target = self.work(cost.width, cost.height)
+            target = self.work(*key)
             key = min(self.per_image_step, key=lambda k: abs(math.log(self.work(*k) / target)))
             ratio = target / self.work(*key)
-            per, basis = self.per_image_step[key] * ratio, f"scaled from {key[0]}x{key[1]} by {self.basis}"
+            per, basis = self.per_image_step[key] * ratio, f"scaled from {_label(key)} by {self.basis}"
+            if cost.tokens:
+                basis += f", to {cost.tokens} reference tokens"
         ends = (self.per_image_encode.get(key, 0.0) + self.per_image_decode.get(key, 0.0)) * ratio
         return Estimate(cost.images * (ends + cost.steps * per), per, basis)
 
     def stages(self) -> dict[str, dict[str, float]]:
         """Seconds per image by stage and size (``step``: per image-step), as /performance may show them."""
-        return {name: {f"{w}x{h}": round(s, 6) for (w, h), s in sorted(table.items())}
+        return {name: {_label(k): round(s, 6) for k, s in sorted(table.items())}
                 for name, table in (("encode", self.per_image_encode), ("step", self.per_image_step),
                                     ("decode", self.per_image_decode))}
 
@@ -126,10 +161,16 @@ class CostModel:
         return sum(e.seconds for e in map(self.estimate, costs) if e is not None)
 
     def snapshot(self) -> dict[str, float]:
-        return {f"{w}x{h}": round(s, 6) for (w, h), s in sorted(self.per_image_step.items())}
+        return {_label(k): round(s, 6) for k, s in sorted(self.per_image_step.items())}
 
 
-def _ewma(table: dict[tuple[int, int], float], key: tuple[int, int], sample: float) -> None:
+def _label(key: Key) -> str:
+    """``WxH``, with `` + N reference tokens`` for an instruction edit's key."""
+    w, h, *tokens = key
+    return f"{w}x{h}" + (f" + {tokens[0]} reference tokens" if tokens and tokens[0] else "")
+
+
+def _ewma(table: dict[Key, float], key: Key, sample: float) -> None:
     old = table.get(key)
     table[key] = sample if old is None else (1 - ALPHA) * old + ALPHA * sample
 
@@ -187,6 +228,8 @@ class MemoryAsk:
     decode_images: int
     """Images through the text encoders and the VAE with it (its own under step-level batching)."""
     encode: bool = False
+    references: tuple[tuple[int, int], ...] = ()
+    """An instruction edit's input images as the model encodes them (ModelInfo.references)."""
     size_param: str = "size"
     count_param: str = "n"
     second_pass: bool = False
@@ -236,7 +279,7 @@ def admit_memory(model: MemoryModel | None, budget: MemoryBudget, asks: Iterable
     if model is None or budget.bytes is None:
         return
     for ask in asks:
-        need = model.need(ask.width, ask.height, ask.denoise_images, ask.decode_images, ask.encode)
+        need = model.need(ask.width, ask.height, ask.denoise_images, ask.decode_images, ask.encode, **_refs(ask))
         if need.peak_bytes > budget.bytes:
             raise InvalidRequestError(_memory_message(ask, need, budget), param=_culprit(model, budget, ask))
 
@@ -246,8 +289,14 @@ def _culprit(model: MemoryModel, budget: MemoryBudget, ask: MemoryAsk) -> str:
     if ask.images <= 1:
         return ask.size_param
     one = model.need(ask.width, ask.height, max(1, ask.denoise_images - ask.images + 1),
-                     max(1, ask.decode_images - ask.images + 1), ask.encode)
+                     max(1, ask.decode_images - ask.images + 1), ask.encode, **_refs(ask))
     return ask.count_param if budget.bytes is not None and one.peak_bytes <= budget.bytes else ask.size_param
+
+
+def _refs(ask: MemoryAsk) -> dict[str, tuple[tuple[int, int], ...]]:
+    """``references`` for MemoryModel.need, named only when there are any (a memory model of a family without
+    instruction edits may not take it)."""
+    return {"references": ask.references} if ask.references else {}
 
 
 def _memory_message(ask: MemoryAsk, need: MemoryNeed, budget: MemoryBudget) -> str:

@@ -118,7 +118,7 @@ def _seed_costs(app: FastAPI, engine: Engine, settings: Settings, report: SelfTe
     """Admission's first per-step costs: the self-test's timed canaries (then live batches refine them), scaled to
     other sizes by the model's own work per step (a DiT by its tokens: engines.types.model.ModelInfo.work)."""
     info = engine.info
-    app.state.service.cost.scale_by(info.work, info.work_basis)
+    app.state.service.cost.scale_by(info.work, info.work_basis, info.reference_tokens)
     if report is None:
         return
     try:
@@ -127,6 +127,12 @@ def _seed_costs(app: FastAPI, engine: Engine, settings: Settings, report: SelfTe
         log.warning("canary steps unknown: admission costs start from live batches", exc_info=True)
         return
     app.state.service.seed_costs([(s.shape, s.p50_s) for s in report.shapes], steps)
+    edit = selftest_plan(settings).suite.for_family(info.family, info.instruct_images > 0).edit
+    if edit is not None:  # the edit canary: an edit's steps at its reference tokens, measured apart
+        for s in report.edits:
+            width, height, batch = (int(v) for v in s.shape.removesuffix("-edit").split("x"))
+            app.state.service.cost.seed(width, height, batch, edit.steps or steps, s.p50_s,
+                                        info.reference_tokens(((edit.image, edit.image),)))
 
 
 def create_app(engine: Engine, settings: Settings, on_fatal: OnFatal | None = None,

@@ -132,13 +132,13 @@ class Batcher:
         running = 0.0
         if self.progress is not None and self._live:
             b = self._live[0].batch
-            whole = self.cost.total([Cost(b.width, b.height, b.steps, self.progress.images)])
+            whole = self.cost.total([self.cost.cost_of(b, images=self.progress.images)])
             running = whole * (1 - self.progress.steps_done / max(1, self.progress.steps_total))
         for job in self.rows():
             if job.run is not None:
                 left = 1 - job.run.steps_done / max(1, job.run.steps_total)
-                running += self.cost.total([job.cost]) * left
-        return running + self.cost.total(job.cost for job in self.queue)
+                running += self.cost.total([self.cost.cost_of(job.batch)]) * left
+        return running + self.cost.total(self.cost.cost_of(job.batch) for job in self.queue)
 
     def rows(self) -> list[Job]:
         """Jobs running step by step (none under micro-batching)."""
@@ -310,7 +310,7 @@ class Batcher:
             self._live, self.progress = [], None
         elapsed = time.perf_counter() - start
         self.last_provider = result.provider
-        self.cost.observe(Cost(merged.width, merged.height, result.steps_done, len(merged.images)),
+        self.cost.observe(self.cost.cost_of(merged, steps=result.steps_done),
                           result.timings.total or elapsed, result.timings)
         m = self.metrics
         m.compute_seconds.observe(result.timings.total or elapsed)

@@ -23,7 +23,7 @@ from engines.errors import InvalidRequestError, NotReadyError
 from engines.protocol import Engine
 from engines.types.request import Batch, BatchResult, LoraUse
 from server import headers, lora_prompt
-from server.admission import Cost, CostModel, MemoryAsk, MemoryBudget, admit, admit_memory, memory_budget
+from server.admission import CostModel, MemoryAsk, MemoryBudget, admit, admit_memory, input_sizes, memory_budget
 from server.batcher import Batcher
 from server.caching import Caching
 from server.caching import header_value as cache_header
@@ -173,7 +173,7 @@ class ImageService:
         try:
             if merges:  # an adapter set not cached is merged before its first step
                 source += f", less {merges:.2f}s to merge a LoRA set not yet cached"
-            costs = [_cost(b) for b in batches]
+            costs = [self.cost.cost_of(b) for b in batches]
             admit(self.cost, costs, self.batcher.ahead_seconds(costs, owner), deadline - time.monotonic() - merges,
                   source)
         except (InvalidRequestError, QueueFullError) as exc:
@@ -202,7 +202,8 @@ class ImageService:
             # batching a request's decode runs decode_images at a time (its VAE encode, all of them at its begin)
             decode = max(n, q.max_batch) if q.batching != "step" else n if encodes else min(n, q.decode_images)
             asks.append(MemoryAsk(width, height, n, max(n, self.call_images(width, height)), decode, encodes,
-                                  size_param, second_pass=size is not None))
+                                  self.engine.info.references(input_sizes(b)), size_param,
+                                  second_pass=size is not None))
         try:
             admit_memory(self.engine.info.memory, self.memory, asks)
         except InvalidRequestError:
@@ -360,15 +361,26 @@ class ImageService:
         self.recent.append(Sample(time.time(), f"{batch.width}x{batch.height}x{result.executed}", compute,
                                   len(result.images)))
         return Generated(pngs, result, max(0.0, t - start - compute), time.perf_counter() - t,
-                         self._warnings(result), self.engine.info.name, batch.loras)
+                         self._warnings(batch, result), self.engine.info.name, batch.loras)
 
-    def _warnings(self, result: BatchResult) -> list[str]:
-        """What the pipeline truncated (it tokenized each prompt once)."""
-        tokens = self.engine.info.max_prompt_tokens
+    def _warnings(self, batch: Batch, result: BatchResult) -> list[str]:
+        """What the pipeline truncated (it tokenized each prompt once), in the tokens of the encoders that read the
+        prompt (ModelInfo.prompt_limits), and a negative prompt the model does not read at the request's guidance
+        (ModelInfo.reads_negative: guidance-distilled models, or CFG off)."""
+        info = self.engine.info
+        limits = info.prompt_limits or ((info.max_prompt_tokens, "CLIP tokens"),)
+        read = " and ".join(f"{tokens} {label}" for tokens, label in limits)
         first = result.images[0]
-        return [f"{name} truncated to {tokens} CLIP tokens"
-                for name, cut in (("prompt", first.prompt_truncated), ("negative_prompt",
+        found = [f"{name} truncated to {read}" if len(limits) == 1 else
+                 f"{name} truncated: the text encoders read at most {read} of it"
+                 for name, cut in (("prompt", first.prompt_truncated), ("negative_prompt",
                                                                        first.negative_prompt_truncated)) if cut]
+        spec = batch.images[0]
+        if spec.negative_prompt.strip() and info.reads_negative is not None and \
+                not info.reads_negative(spec.guidance_scale):
+            found.append(f"negative_prompt ignored: {info.name} does not read a negative prompt at guidance "
+                         f"{spec.guidance_scale:g} (no classifier-free guidance)")
+        return found
 
     def performance(self, baseline: list[dict[str, Any]]) -> dict[str, Any]:
         """Boot baseline vs live figures over the last ``window_s`` seconds, per shape."""
@@ -394,10 +406,6 @@ class ImageService:
 def _encodes(batch: Batch) -> bool:
     """The VAE encoder runs for this batch: an edit from pixels (a latent Hires fix pass brings its latents)."""
     return any(s.edit is not None and s.edit.latents is None for s in batch.images)
-
-
-def _cost(batch: Batch) -> Cost:
-    return Cost(batch.width, batch.height, batch.steps, len(batch.images))
 
 
 async def _cancel(task: asyncio.Future[Generated]) -> None:

@@ -225,7 +225,7 @@ class StepBatcher(Batcher):
         record.steps_left = None if run is None else max(0, run.steps_total - run.steps_done)
         record.finished = run is not None and run.finished
         record.interrupted = job.interrupted
-        estimate = self.cost.estimate(job.cost)
+        estimate = self.cost.estimate(self.cost.cost_of(job.batch))
         record.estimate_s = None if estimate is None else estimate.seconds
         return record
 
@@ -364,10 +364,11 @@ class StepBatcher(Batcher):
         self._count_bypass(op, len(ticks))
         images = sum(j.images for j in picked)
         shape = picked[0].batch
+        tokens = self.cost.cost_of(shape).tokens  # an edit's steps are learned under its reference tokens
         for elapsed, _ in ticks:
             self.metrics.batch_size.observe(images)
             self.metrics.unet_step_seconds.observe(elapsed)
-            self.cost.observe_step(shape.width, shape.height, images, elapsed)
+            self.cost.observe_step(shape.width, shape.height, images, elapsed, **({"tokens": tokens} if tokens else {}))
         for job in picked:
             if job.first_step_s is None:
                 job.first_step_s = ticks[0][1] - job.enqueued
@@ -472,7 +473,7 @@ class StepBatcher(Batcher):
             return
         elapsed = time.perf_counter() - job.started
         self.last_provider = result.provider
-        self.cost.observe(Cost(job.batch.width, job.batch.height, result.steps_done, job.images),
+        self.cost.observe(self.cost.cost_of(job.batch, steps=result.steps_done, images=job.images),
                           result.timings.total or elapsed, result.timings)
         m = self.metrics
         m.compute_seconds.observe(result.timings.total or elapsed)

@@ -70,27 +70,32 @@ class RequestMemory:
     def factor(self) -> int:
         return self.lay.factor
 
-    def stage(self, name: str, width: int, height: int, images: int) -> int:
-        """One component's live activations for ``images`` images at ``width`` x ``height`` (0 without it)."""
+    def stage(self, name: str, width: int, height: int, images: int, extra_tokens: int = 0) -> int:
+        """One component's live activations for ``images`` images at ``width`` x ``height`` (0 without it);
+        ``extra_tokens``: reference tokens in each denoiser row."""
         kind = self.lay.parts.get(name)
         if kind is None or images <= 0:
             return 0
-        return activations(kind, self.configs.get(name, {}), Served(width, height, images), self.lay,
-                           self.items.get(name, 4), measured=True)
+        return activations(kind, self.configs.get(name, {}), Served(width, height, images, extra_tokens=extra_tokens),
+                           self.lay, self.items.get(name, 4), measured=True)
 
-    def need(self, width: int, height: int, denoise_images: int, images: int, encode: bool = False) -> MemoryNeed:
+    def need(self, width: int, height: int, denoise_images: int, images: int, encode: bool = False,
+             references: tuple[tuple[int, int], ...] = ()) -> MemoryNeed:
         denoiser = next(n for n in self.lay.parts if n in DENOISERS)
+        patch = self.lay.factor * 2  # the 2x2-packed latents every instruction-edit family joins
+        extra = sum((w // patch) * (h // patch) for w, h in references)
         raw = {"text encoder": max(self.stage(n, width, height, images) for n in TEXT_ENCODERS),
-               "denoiser": self.stage(denoiser, width, height, denoise_images),
+               "denoiser": self.stage(denoiser, width, height, denoise_images, extra),
                "VAE decode": self.stage("vae_decoder", width, height, images)
                + images * width * height * IMAGE_BUFFER_BYTES}
-        if encode:
-            raw["VAE encode"] = self.stage("vae_encoder", width, height, images)
+        if encode or references:  # a request's input images are encoded once each, whatever its image count
+            raw["VAE encode"] = max([self.stage("vae_encoder", width, height, images)] * encode
+                                    + [self.stage("vae_encoder", w, h, 1) for w, h in references])
         stages = tuple((name, int(value * ARENA_SLACK)) for name, value in raw.items())
         stage, peak = max(stages, key=lambda s: s[1])
-        return MemoryNeed(peak, stage, stages, self._why(stage, width, height, denoise_images, images))
+        return MemoryNeed(peak, stage, stages, self._why(stage, width, height, denoise_images, images, extra))
 
-    def _why(self, stage: str, width: int, height: int, denoise_images: int, images: int) -> str:
+    def _why(self, stage: str, width: int, height: int, denoise_images: int, images: int, extra: int = 0) -> str:
         factor = self.lay.factor
         latent = (width // factor) * (height // factor)
         if stage in ("VAE decode", "VAE encode"):
@@ -99,8 +104,9 @@ class RequestMemory:
         if stage == "denoiser":
             rows = denoise_images * (2 if self.lay.cfg else 1)
             guided = ", x2 for guidance" if self.lay.cfg else ""
+            refs = f" plus {extra} reference tokens of the input images" if extra else ""
             return (f"{rows} denoiser row(s) ({denoise_images} image(s) per call{guided}) at {latent} latent "
-                    "pixels, its attention scores growing with their square")
+                    f"pixels{refs}, its attention scores growing with their square")
         return f"{images} image(s) through the text encoders"
 
 

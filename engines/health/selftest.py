@@ -6,7 +6,10 @@ all-black), compared with the fingerprints recorded next to the model (``selftes
 compared with the SLO window for the shape. Where the largest call the server forms (``max(queue.max_batch,
 limits.max_n)`` images) is more than every batch size, one untimed canary runs at it too (SelfTestPlan.row_shapes),
 so a row count the engines cannot take fails the boot rather than the first busy minute; it is a check, not a
-measurement, so it stays out of the report's timed shapes.
+measurement, so it stays out of the report's timed shapes. An instruction-edit family's edit canary
+([family.<name>.edit] in configs/canaries.toml) runs once per served size on a fixed input image (``canary_input``)
+where the model edits: sane, fingerprinted, and timed (one run) (the report's ``edits``: admission's first cost of an
+edit's reference tokens).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +30,7 @@ import numpy as np
 from engines.config import SelfTestPlan, Shape
 from engines.errors import InferenceError, SdserveError, SelfTestError
 from engines.types.health import GpuSample, TelemetrySource, fingerprint
-from engines.types.request import Batch, BatchResult
+from engines.types.request import Batch, BatchResult, EditImage
 from engines.types.snapshot import SelfTestReport, ShapeResult
 
 log = logging.getLogger(__name__)
@@ -76,6 +80,45 @@ def _images(result: BatchResult) -> list[np.ndarray]:
     return [np.asarray(g.image) for g in result.images]
 
 
+def canary_input(width: int, height: int) -> np.ndarray:
+    """The edit canary's fixed input image: uint8 [height, width, 3], a smooth two-axis pattern (the same picture
+    at every size, so its resize to a batch's size is itself at that size)."""
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    u, v = x / max(1, width - 1), y / max(1, height - 1)
+    pixels = np.stack([127.5 + 120 * np.sin(6.0 * u), 127.5 + 120 * np.cos(5.0 * v), 255 * (u + v) / 2], axis=-1)
+    return pixels.round().clip(0, 255).astype(np.uint8)
+
+
+def edit_batch(plan: SelfTestPlan, shape: Shape) -> Batch:
+    """The edit canary as an instruction edit at ``shape``: its prompt and seed on the fixed input image."""
+    edit = plan.suite.edit
+    if edit is None:
+        raise ValueError("the canary suite has no edit canary")
+    image = EditImage(canary_input(shape.width, shape.height), references=(canary_input(edit.image, edit.image),))
+    base = plan.suite.batch(Shape(shape.width, shape.height, 1))
+    spec = replace(base.images[0], prompt=edit.prompt, negative_prompt="", seed=edit.seed, edit=image)
+    return replace(base, images=(spec,), steps=edit.steps or base.steps)
+
+
+def _edit_key(shape: Shape) -> str:
+    return f"{shape.key}-edit"
+
+
+def _edit_shapes(plan: SelfTestPlan) -> tuple[Shape, ...]:
+    """One edit canary per served size, batch 1 (none without an edit canary)."""
+    if plan.suite.edit is None:
+        return ()
+    return tuple(Shape(w, h, 1) for w, h in dict.fromkeys((s.width, s.height) for s in plan.shapes))
+
+
+def _suite(plan: SelfTestPlan) -> dict[str, Any]:
+    """The suite as a recording names it (``edit`` only where there is one: older recordings stay valid)."""
+    dump = plan.suite.model_dump(mode="json")
+    if dump.get("edit") is None:
+        dump.pop("edit", None)
+    return dump
+
+
 def record(plan: SelfTestPlan, generate: Generate, model_dir: Path) -> Path:
     """Run every canary shape once and store its fingerprints next to the model."""
     shapes: dict[str, list[dict[str, Any]]] = {}
@@ -85,9 +128,12 @@ def record(plan: SelfTestPlan, generate: Generate, model_dir: Path) -> Path:
         provider = result.provider
         shapes[shape.key] = [{"canary": name, "thumb": fingerprint(img).round(3).tolist()}
                              for name, img in zip(plan.suite.names(shape), _images(result), strict=True)]
+    for shape in _edit_shapes(plan):
+        result = generate(edit_batch(plan, shape))
+        shapes[_edit_key(shape)] = [{"canary": plan.suite.edit.name if plan.suite.edit else "",
+                                     "thumb": fingerprint(_images(result)[0]).round(3).tolist()}]
     path = model_dir / plan.fingerprints_file
-    record = {"format": 1, "platform": platform_id(provider), "suite": plan.suite.model_dump(mode="json"),
-              "shapes": shapes}
+    record = {"format": 1, "platform": platform_id(provider), "suite": _suite(plan), "shapes": shapes}
     path.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     return path
 
@@ -97,7 +143,7 @@ def _recorded(plan: SelfTestPlan, model_dir: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
-    if data.get("suite") != plan.suite.model_dump(mode="json"):
+    if data.get("suite") != _suite(plan):
         raise SelfTestError(f"{path} was recorded for another canary suite: re-record with `sdserve selftest --record`")
     return data
 
@@ -136,9 +182,10 @@ def run(plan: SelfTestPlan, generate: Generate, model_dir: Path, telemetry: Tele
     # the largest call is a check, not a measurement: kept out of the report's shapes (the boot baseline and the
     # cost model's seeds), its failures fail the self-test like any shape's
     largest = [_largest_call(plan, shape, generate, recorded, tolerance) for shape in plan.row_shapes()]
-    failures = [f"{r.shape}: {f}" for r in (*results, *largest) for f in r.failures]
+    edits = [_edit_canary(plan, shape, generate, recorded, tolerance) for shape in _edit_shapes(plan)]
+    failures = [f"{r.shape}: {f}" for r in (*results, *largest, *edits) for f in r.failures]
     report = SelfTestReport(passed=not failures, shapes=tuple(results), fingerprints=note,
-                            seconds=time.perf_counter() - start)
+                            seconds=time.perf_counter() - start, edits=tuple(edits))
     if failures:
         raise SelfTestError("self-test failed: " + "; ".join(failures), report)
     return report
@@ -163,12 +210,29 @@ def _largest_call(plan: SelfTestPlan, shape: Shape, generate: Generate, recorded
     return _judge(plan, shape, warm, [seconds], [], stored, tolerance, timed=False)
 
 
+def _edit_canary(plan: SelfTestPlan, shape: Shape, generate: Generate, recorded: dict[str, Any] | None,
+                 tolerance: float) -> ShapeResult:
+    """The edit canary at one served size, one run (timed with its warm-up: a conservative first figure for
+    admission's cost of an edit's reference tokens, server/app.py, which live edits then refine); its image must be
+    sane, its fingerprint match where the recording has it (recordings made before the edit canary lack it); no SLO
+    window judges it."""
+    batch = edit_batch(plan, shape)
+    t = time.perf_counter()
+    warm = _canary_run(generate, batch, shape)
+    seconds = time.perf_counter() - t
+    log.info("self-test: the edit canary at %s ran in %.3fs", shape.size, seconds)
+    key = _edit_key(shape)
+    stored = recorded if recorded is not None and key in recorded.get("shapes", {}) else None
+    return _judge(plan, shape, warm, [seconds], [], stored, tolerance, timed=False, key=key)
+
+
 def _judge(plan: SelfTestPlan, shape: Shape, warm: BatchResult, latencies: list[float], samples: list[GpuSample],
-           recorded: dict[str, Any] | None, tolerance: float, timed: bool = True) -> ShapeResult:
+           recorded: dict[str, Any] | None, tolerance: float, timed: bool = True, key: str = "") -> ShapeResult:
+    """``key``: the edit canary's (its fingerprints' key and its one name), else the shape's canaries."""
     window = plan.window(shape) if timed else None
     p95 = float(np.percentile(latencies, 95))
     util = statistics.median(s.sm_percent for s in samples) if samples else None
-    names = plan.suite.names(shape)
+    names = [plan.suite.edit.name] if key and plan.suite.edit is not None else plan.suite.names(shape)
     failures = [f"canary {name!r}: {problem}" for name, image in zip(names, _images(warm), strict=True)
                 if (problem := sanity(image))]
     if window is not None and p95 > window.budget_s:
@@ -179,8 +243,8 @@ def _judge(plan: SelfTestPlan, shape: Shape, warm: BatchResult, latencies: list[
                         f"under floor {window.min_gpu_util_percent}%")
     distances: dict[str, float] = {}
     if recorded is not None:
-        _compare(recorded["shapes"].get(shape.key), names, _images(warm), tolerance, distances, failures)
-    return ShapeResult(shape=shape.key, latencies_s=tuple(round(x, 4) for x in latencies),
+        _compare(recorded["shapes"].get(key or shape.key), names, _images(warm), tolerance, distances, failures)
+    return ShapeResult(shape=key or shape.key, latencies_s=tuple(round(x, 4) for x in latencies),
                        p50_s=statistics.median(latencies), p95_s=p95,
                        budget_s=window.budget_s if window else None, gpu_util_percent=util,
                        gpu_util_floor=window.min_gpu_util_percent if window else None, distances=distances,

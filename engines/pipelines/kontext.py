@@ -56,6 +56,12 @@ def reference_size(width: int, height: int, multiple: int) -> tuple[int, int]:
     return w // multiple * multiple, h // multiple * multiple
 
 
+def reference_sizes(sizes: tuple[tuple[int, int], ...], multiple: int = 16) -> tuple[tuple[int, int], ...]:
+    """Every input image's ``reference_size``: what admission charges an edit's reference tokens by
+    (ModelInfo.instruct_references)."""
+    return tuple(reference_size(w, h, multiple) for w, h in sizes)
+
+
 def kontext_size(sizes: tuple[tuple[int, int], ...], multiple: int = 16, default: int = 1024,
                  max_area: int = MAX_AREA) -> tuple[int, int]:
     """diffusers' output (width, height) when a call names no size: the default square (``default_sample_size`` ×
@@ -132,7 +138,8 @@ class KontextPipeline(FluxPipeline):
         if self.editor is None:
             return info
         return replace(info, modes=(*info.modes, "instruct"), instruct_images=REFERENCES,
-                       instruct_size=partial(kontext_size, multiple=self.size_multiple))
+                       instruct_size=partial(kontext_size, multiple=self.size_multiple),
+                       instruct_references=partial(reference_sizes, multiple=self.size_multiple))
 
     def describe(self) -> str:
         return "FLUX.1 Kontext (flow matching, guidance embedded, instruction edits with one input image)"

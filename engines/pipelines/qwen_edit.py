@@ -76,6 +76,12 @@ def calculate_dimensions(area: int, ratio: float) -> tuple[int, int]:
     return round(width / 32) * 32, round(height / 32) * 32
 
 
+def reference_sizes(sizes: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    """The (width, height) each input image's latents are encoded at (``extra_tokens``): ``VAE_AREA`` at its
+    aspect; what admission charges an edit's reference tokens by (ModelInfo.instruct_references)."""
+    return tuple(calculate_dimensions(VAE_AREA, w / h) for w, h in sizes)
+
+
 def edit_size(sizes: tuple[tuple[int, int], ...], multiple: int = 16) -> tuple[int, int]:
     """The output (width, height) when a call names no size: 1024² at the last input image's aspect, floored to
     ``multiple`` (QwenImageEditPlusPipeline.__call__)."""
@@ -294,7 +300,8 @@ class QwenEditPipeline(QwenPipeline):
         if self.editor is None:
             return info
         return replace(info, modes=(*info.modes, "instruct"), instruct_images=REFERENCES,
-                       instruct_size=partial(edit_size, multiple=self.size_multiple))
+                       instruct_size=partial(edit_size, multiple=self.size_multiple),
+                       instruct_references=reference_sizes)
 
     def describe(self) -> str:
         return (f"Qwen-Image-Edit-Plus {'2511' if self.zero_cond else '2509'} (flow matching, true CFG, instruction "

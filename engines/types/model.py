@@ -64,10 +64,13 @@ class MemoryModel(Protocol):
     def factor(self) -> int:
         """Image pixels per latent pixel along each side (the VAE's downsampling)."""
 
-    def need(self, width: int, height: int, denoise_images: int, images: int, encode: bool = False) -> MemoryNeed:
+    def need(self, width: int, height: int, denoise_images: int, images: int, encode: bool = False,
+             references: tuple[tuple[int, int], ...] = ()) -> MemoryNeed:
         """Peak bytes of a batch at ``width`` x ``height``: ``denoise_images`` in one denoiser call (requests
         sharing it included), ``images`` through the text encoders and the VAE; ``encode``: the VAE encoder runs
-        too (edits, a Hires fix second pass from pixels)."""
+        too (edits, a Hires fix second pass from pixels); ``references``: an instruction edit's input images as the
+        model encodes them (ModelInfo.references), each through the VAE encoder and its latents joining every
+        denoiser row as extra tokens."""
 
 
 @dataclass(frozen=True)
@@ -108,25 +111,47 @@ class ModelInfo:
     """An instruction-edit model's output (width, height) from its input images' (width, height), by its diffusers
     pipeline's rule (a target area at the input's aspect, a preferred-resolution table), used when the request
     names no size; None: the batch's size as for img2img."""
+    instruct_references: Callable[[tuple[tuple[int, int], ...]], tuple[tuple[int, int], ...]] | None = field(
+        default=None, compare=False)
+    """An instruction-edit model's reference images' (width, height) as it encodes them, from the input images'
+    (Kontext: its preferred resolution; Qwen-Image-Edit: 1024² at each one's aspect): their latents join every
+    denoiser row as extra tokens, which admission charges (memory and step cost); None: no reference tokens."""
     token_patch: int = 0
     """A DiT's pixels per image-token edge (VAE factor x patch: 16); 0 for a UNet (cost scaled by pixels)."""
     text_tokens: int = 0
     """A DiT's text tokens in its joint attention (Flux: T5's length; SD 3: 77 CLIP + T5's length)."""
     hidden_size: int = 0
     """A DiT's transformer width (heads x head dim)."""
+    prompt_limits: tuple[tuple[int, str], ...] = ()
+    """The tokens each text encoder reads of a prompt, as a truncation warning names them: (77, "CLIP tokens"),
+    (512, "T5 tokens (max_sequence_length)") for Flux; (): ``max_prompt_tokens`` CLIP tokens (the UNet families)."""
+    reads_negative: Callable[[float], bool] | None = field(default=None, compare=False)
+    """Whether the pipeline reads an image's negative prompt at its guidance scale (its classifier-free guidance
+    runs on it); guidance-distilled models never do. None: not reported (no warning)."""
     memory: MemoryModel | None = None
     """The working memory a request needs at its shape (admission refuses what cannot fit the memory budget);
     None when the engine cannot estimate it."""
 
-    def work(self, width: int, height: int) -> float:
+    def references(self, sizes: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+        """The encoded sizes of an instruction edit's input images of ``sizes`` (() without references)."""
+        return self.instruct_references(sizes) if self.instruct_references is not None and sizes else ()
+
+    def reference_tokens(self, sizes: tuple[tuple[int, int], ...]) -> int:
+        """The latent tokens the input images of ``sizes`` add to each denoiser row (0: a UNet, none)."""
+        if not self.token_patch:
+            return 0
+        return sum((w // self.token_patch) * (h // self.token_patch) for w, h in self.references(sizes))
+
+    def work(self, width: int, height: int, extra_tokens: int = 0) -> float:
         """Relative compute of one denoising step at ``width`` x ``height``: what admission scales a measured
         per-step cost by to a size it has not measured. A UNet: the pixel count (a lower bound: its attention
         grows faster). A DiT: per block ``N * (12 d + 2 N)`` with N = image + text tokens (the QKV/out/MLP
         projections are 12 N d^2 FLOPs, joint attention 2 N^2 d; divided by d): the text tokens make it grow slower
-        than pixels at small sizes and the attention faster at large ones."""
+        than pixels at small sizes and the attention faster at large ones. ``extra_tokens``: an instruction edit's
+        reference tokens in the same sequence (``reference_tokens``)."""
         if not self.token_patch:
             return float(width * height)
-        n = (width // self.token_patch) * (height // self.token_patch) + self.text_tokens
+        n = (width // self.token_patch) * (height // self.token_patch) + self.text_tokens + extra_tokens
         return float(n * (12 * self.hidden_size + 2 * n))
 
     @property

@@ -52,6 +52,8 @@ class SelfTestReport(_Frozen):
     fingerprints: str
     """'checked against ...', 'not recorded', or 'recorded now'."""
     seconds: float
+    edits: tuple[ShapeResult, ...] = ()
+    """The instruction edit canary per served size (batch 1), where the family has one and the model edits."""
 
 
 # The capability snapshot
