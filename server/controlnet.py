@@ -28,7 +28,7 @@ from PIL import Image
 
 from engines.errors import InvalidRequestError
 from engines.types.request import Batch, ControlUnit
-from server.controlnet_modules import MODEL_FREE, Annotators, preprocess, with_defaults
+from server.controlnet_modules import MODEL_FREE, Annotators, canonical, preprocess, with_defaults
 from server.images_in import decode, from_base64_bytes, resize
 from server.provenance_stage import ingredient
 
@@ -176,7 +176,7 @@ def parse_units(script: Any, library: ControlNetLibrary | None, width: int, heig
             unit["image"] = {"image": unit.get("image"), "mask": unit.get("mask") or unit.get("mask_image")}
         if not unit.get("enabled", True):
             continue
-        module = str(unit.get("module", "none"))
+        module = canonical(str(unit.get("module", "none")))
         if module not in MODULES and module not in library.annotators.files():
             preprocess(module, np.zeros((1, 1, 3), np.uint8), 0, 0, 0, field, library.annotators)  # refused by name
         net = library.resolve(str(unit.get("model", "None")), f"{field}.model", served)

@@ -58,6 +58,12 @@ ANNOTATOR_KINDS: dict[str, str] = {
 }
 """The model-based modules an ONNX file may serve, by sd-webui-controlnet's name, and how its map becomes pixels."""
 log = logging.getLogger(__name__)
+LABELS = {"invert": "invert (from white bg & black line)",
+          "lineart_standard": "lineart_standard (from white bg & black line)"}
+"""sd-webui-controlnet's display names (``module_list?alias_names=true``); units may send either."""
+LEGACY = {"depth": "depth_midas", "lineart": "lineart_realistic", "hed": "softedge_hed", "pidinet": "softedge_pidinet",
+          "oneformer_ade20k": "seg_ofade20k", **{label: name for name, label in LABELS.items()}}
+"""Names sd-webui-controlnet accepted before its 1.1 renames (and its labels), mapped to the modules above."""
 ANNOTATOR_FOLDER = "annotators"
 MAX_ANNOTATOR_BYTES = 2 << 30
 """The largest annotator file loaded (2 GiB: ONNX's protobuf limit)."""
@@ -204,10 +210,17 @@ class Annotators:
         return _rgb(unpad(pixels))
 
 
-def detail(annotators: Annotators | None) -> dict[str, dict[str, Any]]:
-    """``module_detail`` of every module this server has: the model-free ones, then those with a file."""
+def detail(annotators: Annotators | None, labels: bool = False) -> dict[str, dict[str, Any]]:
+    """``module_detail`` of every module this server has: the model-free ones, then those with a file; with
+    ``labels``, keyed by sd-webui-controlnet's display names (``alias_names``)."""
     found = {name: {"model_free": False, "sliders": [RES]} for name in (annotators.files() if annotators else {})}
-    return {**MODEL_FREE, **found}
+    modules = {**MODEL_FREE, **found}
+    return {LABELS.get(name, name): value for name, value in modules.items()} if labels else modules
+
+
+def canonical(module: str) -> str:
+    """A unit's module as this server names it (legacy names and display labels mapped)."""
+    return LEGACY.get(module, module)
 
 
 def with_defaults(module: str, res: float, a: float, b: float,
@@ -223,7 +236,7 @@ def preprocess(module: str, image: np.ndarray, res: int, a: float, b: float, fie
                annotators: Annotators | None = None) -> np.ndarray:
     """uint8 [H, W, 3] through ``module``: threshold_a ``a`` and threshold_b ``b`` as the module reads them; an
     unknown module or one without its file is refused naming ``<field>.module`` and listing what exists."""
-    image = image if image.ndim == 3 else _rgb(image)
+    image, module = (image if image.ndim == 3 else _rgb(image)), canonical(module)
     if module == "blur_gaussian" and a <= 0:
         raise InvalidRequestError("blur_gaussian's threshold_a (Sigma) must be above 0", param=f"{field}.threshold_a")
     if module in RUN:

@@ -19,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 
 from engines.errors import InvalidRequestError
 from server.controlnet import API_VERSION, UNIT_COUNT, ControlNetLibrary, served_names
-from server.controlnet_modules import detail, preprocess, with_defaults
+from server.controlnet_modules import canonical, detail, preprocess, with_defaults
 from server.images_in import from_base64
 
 router = APIRouter(prefix="/controlnet", tags=["controlnet"])
@@ -49,7 +49,7 @@ def model_list(request: Request) -> dict[str, list[str]]:
 @router.get("/module_list")
 def module_list(request: Request, alias_names: bool = False) -> dict[str, Any]:
     library = _library(request)
-    modules = detail(library.annotators if library else None)
+    modules = detail(library.annotators if library else None, labels=alias_names)
     return {"module_list": list(modules), "module_detail": modules}
 
 
@@ -72,8 +72,8 @@ class DetectRequest(BaseModel):
 
 def _detect(body: DetectRequest, library: ControlNetLibrary | None, max_pixels: int) -> dict[str, Any]:
     annotators = library.annotators if library else None
-    modules = detail(annotators)
-    if body.controlnet_module not in modules:
+    modules, module = detail(annotators), canonical(body.controlnet_module)
+    if module not in modules:
         raise InvalidRequestError(f"unknown ControlNet module {body.controlnet_module[:64]!r}; this server has "
                                   f"{list(modules)} (GET /controlnet/module_list)", param="controlnet_module")
     key = "controlnet_input_images" if body.controlnet_input_images or not body.controlnet_images else \
@@ -85,10 +85,10 @@ def _detect(body: DetectRequest, library: ControlNetLibrary | None, max_pixels: 
     for i, text in enumerate(given):
         field = f"{key}[{i}]"
         image = np.asarray(from_base64(text, field, max_pixels).convert("RGB"))
-        res, low, high = with_defaults(body.controlnet_module, body.controlnet_processor_res,
+        res, low, high = with_defaults(module, body.controlnet_processor_res,
                                        body.controlnet_threshold_a, body.controlnet_threshold_b, annotators)
         try:
-            out = preprocess(body.controlnet_module, image, int(res), low, high, "controlnet", annotators)
+            out = preprocess(module, image, int(res), low, high, "controlnet", annotators)
         except InvalidRequestError as exc:  # named as this route's fields: controlnet_threshold_a, ...
             raise InvalidRequestError(str(exc), param=(exc.param or "").replace("controlnet.", "controlnet_")) \
                 from None

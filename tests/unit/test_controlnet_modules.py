@@ -212,3 +212,23 @@ def test_detect_takes_webuiapis_field_and_names_this_routes_fields(library: Cont
     none = client.post("/controlnet/detect", json={"controlnet_module": "none"})
     assert none.status_code == 422 and "controlnet_input_images" in none.text
     assert client.get("/controlnet/module_list").json()["module_detail"]["depth_midas"]["sliders"][0]["value"] == 512
+
+
+def test_legacy_names_and_display_labels_reach_the_modules(library: ControlNetLibrary) -> None:
+    """sd-webui-controlnet's ``module_list?alias_names=true`` labels and its pre-1.1 names (``depth``) are taken by
+    units and by detect, and the infotext names the module as this server does."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from server.routes import controlnet as routes
+
+    app = FastAPI()
+    app.include_router(routes.router)
+    app.state.controlnets = library
+    labels = TestClient(app).get("/controlnet/module_list", params={"alias_names": "true"}).json()["module_list"]
+    assert "invert (from white bg & black line)" in labels and "invert" not in labels and "depth_midas" in labels
+    text, _ = _b64(_square())
+    units = parse_units({"args": [{"image": text, "model": "edges", "module": "invert (from white bg & black line)"},
+                                  {"image": text, "model": "edges", "module": "depth"}]}, library, 64, 64, 1 << 20)
+    assert units[0].unit.image[0, 0].tolist() == [255] * 3 and "Module: invert," in units[0].infotext
+    assert "Module: depth_midas," in units[1].infotext
