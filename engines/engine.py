@@ -159,7 +159,7 @@ class OrtEngine:
     def _attach_controlnets(self, folder: Path) -> None:
         """Every size's SD pipeline gets the folder's ControlNets (engines/pipelines/controlnet.py). The files are
         untrusted input: one that does not fit the model is logged refused by name and left out; a model that
-        serves no ControlNet (no residual UNet, SDXL, a DiT) serves none, logged. Never fatal to the boot."""
+        serves no ControlNet (no residual UNet, a DiT) serves none, logged. Never fatal to the boot."""
         from engines.pipelines import controlnet
         from engines.pipelines.unet import StableDiffusionOnnx
 

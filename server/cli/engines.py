@@ -31,7 +31,7 @@ def register(sub: Any) -> None:
                       help="which family's structure to build in miniature (default sd1, the embedded model; "
                            "flux, flux-schnell, sd3, sd35: the flow-matching DiT families)")
     tiny.add_argument("--controlnet", type=Path, default=None, metavar="DIR",
-                      help="sd1 only: also a tiny ControlNet exported to DIR and the UNet's residual variant "
+                      help="sd1 and sdxl: also a tiny ControlNet exported to DIR and the UNet's residual variant "
                            "(unet_controlnet/) in the model; --diffusers-out gets its weights in controlnet/")
     export = engines.add_parser("export", help="export a local diffusers SD 1.x/2.x/XL, Flux.1 or SD 3 folder to ONNX")
     export.add_argument("--from", dest="src", type=Path, required=True)
@@ -41,7 +41,7 @@ def register(sub: Any) -> None:
                              "graph inputs/outputs fp32; docs/families.md); SD 1.x/2.x/XL: fp32, then "
                              "`engines optimize --fp16`")
     export.add_argument("--controlnet", action="store_true",
-                        help="--from a diffusers ControlNet folder: export it alone; --from an SD 1.x/2.x folder: "
+                        help="--from a diffusers ControlNet folder: export it alone; --from an SD 1.x/2.x/XL folder: "
                              "the model plus the UNet's residual variant (unet_controlnet/)")
     export.add_argument("--first-block", action="store_true",
                         help="Flux/SD 3 only: also the transformer in parts for the first-block step cache "

@@ -302,9 +302,9 @@ a CPU cell the engine's load under that profile, a CUDA-only cell that load's gr
 **proven on CPU** cites tests of `make test` (registered in `PROOFS`,
 `tests/integration/test_support_matrix.py`); **proven on a GPU** needs a recorded GPU run.
 GPU runs recorded: {recorded}.
-Refused at boot (exit 11, naming what was found): other pipeline classes (FLUX.2 [dev], Kontext inpainting, the
-Flux tools, Qwen-Image-Edit 2511, ...), depth and upscaler UNets, LCM, SDXL refiners; ControlNets are served beside
-an SD 1.x model (`--controlnet-dir`), not as a model. On a GPU node, `sdserve accept --out report/`
+Refused at boot (exit 11, naming what was found): other pipeline classes (FLUX.2 [klein] inpainting, Kontext
+inpainting, the Flux tools, the first Qwen-Image-Edit, ...), depth and upscaler UNets, LCM, SDXL refiners; ControlNets
+are served beside an SD 1.x or SDXL model (`--controlnet-dir`), not as a model. On a GPU node, `sdserve accept --out report/`
 proves the fast path and writes the numbers
 ([the GPU path]({docs}gpu-path.md#acceptance-on-a-gpu-node-sdserve-accept))."""
 

@@ -125,8 +125,8 @@ def test_vision_inputs_match_the_qwen2_vl_processor_and_window_index() -> None:
 
 def test_family_model_info_and_refusals(edit: tuple[Path, Any], tmp_path: Path) -> None:
     """The exported folder is qwen-image-edit and says it takes 1 to 3 images by diffusers' size rule; four images
-    and references of other sizes in one batch are refused naming image; a 2511 folder (``zero_cond_t``) and the
-    first Edit release are refused by name."""
+    and references of other sizes in one batch are refused naming image; the first Edit release is refused by
+    name (2511, ``zero_cond_t``, is served: test_qwen_edit_2511_parity.py)."""
     folder, _ = edit
     assert detect_dit(folder).name == "qwen-image-edit"
     pipe = _ours(folder)
@@ -144,7 +144,7 @@ def test_family_model_info_and_refusals(edit: tuple[Path, Any], tmp_path: Path) 
     with pytest.raises(InvalidRequestError, match="same sizes") as mixed:
         pipe(batch((ref,), (_input_image(64, 32),)))
     assert four.value.param == mixed.value.param == "image"
-    for name, config, said in (("edit-2511", {"zero_cond_t": True}, "zero_cond_t"), ("edit-1", {}, "first release")):
+    for name, config, said in (("edit-1", {}, "first release"),):
         other = tmp_path / name
         (other / "transformer").mkdir(parents=True)
         (other / "scheduler").mkdir()
