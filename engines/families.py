@@ -137,7 +137,7 @@ register(FamilyFacts("qwen-image", ("qwen-image",), "transformer", 50, 4.0,
 """Qwen-Image: diffusers' defaults (50 steps, ``true_cfg_scale`` 4.0, ``max_sequence_length`` 512: the text states
 the transformer attends to, ``t5_length`` here); its model card's square size is 1328."""
 register(FamilyFacts("qwen-image-edit", ("qwen-image-edit",), "transformer", 40, 4.0,
-                     "Qwen-Image-Edit-Plus 2509 (instruction edits with 1 to 3 input images, true CFG)",
+                     "Qwen-Image-Edit-Plus 2509/2511 (instruction edits with 1 to 3 input images, true CFG)",
                      t5_length=1024, own_defaults=True, trained_size=1024,
                      lora_text_encoders="Qwen-Image-Edit LoRAs adapt the transformer only (diffusers' "
                      "QwenImageLoraLoaderMixin loads none into the Qwen2.5-VL text encoder): remove the text-encoder "

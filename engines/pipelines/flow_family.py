@@ -16,7 +16,7 @@ folder's ``model_index.json`` and component configs before any session runs.
 
 - ``flux-kontext``: FLUX.1 Kontext [dev]: Flux.1 dev with a reference image's tokens in the sequence (instruction
   edits, engines/pipelines/kontext.py).
-- ``qwen-image-edit``: Qwen-Image-Edit-Plus 2509: Qwen-Image with the input images through the vision tower and
+- ``qwen-image-edit``: Qwen-Image-Edit-Plus 2509/2511: Qwen-Image with the input images through the vision tower and
   their latents in the sequence (instruction edits, engines/pipelines/qwen_edit.py).
 
 Refused by name: Flux.1 Kontext inpainting, FLUX.2 [klein] inpainting and KV-cached editing, the Flux tools
@@ -38,7 +38,7 @@ from engines.pipelines.unet_family import read_json
 DIT_FAMILIES = families.names("transformer")
 SERVED = ("sdserve serves Flux.1 dev/schnell (FluxPipeline), SD 3 / 3.5 (StableDiffusion3Pipeline), Qwen-Image "
           "(QwenImagePipeline), Z-Image (ZImagePipeline), FLUX.2 [klein] (Flux2KleinPipeline), FLUX.2 [dev] "
-          "(Flux2Pipeline) and FLUX.1 Kontext [dev] (FluxKontextPipeline), Qwen-Image-Edit-Plus 2509 "
+          "(Flux2Pipeline) and FLUX.1 Kontext [dev] (FluxKontextPipeline), Qwen-Image-Edit-Plus 2509/2511 "
           "(QwenImageEditPlusPipeline) DiT folders")
 REFUSED: dict[str, str] = {
     "FluxKontextInpaint": "Flux.1 Kontext inpainting (masks are not served for the DiT families)",
