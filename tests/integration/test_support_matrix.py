@@ -87,6 +87,8 @@ PROOFS: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {
     ("qwen-image-edit", "dev"): (
         ("tests/integration/test_qwen_edit_parity.py::test_instruction_edit_matches_diffusers",
          "instruction-edit parity with diffusers, one and two input images, true CFG with negative prompts"),
+        ("tests/integration/test_qwen_edit_2511_parity.py::test_2511_instruction_edit_matches_diffusers",
+         "2511 (zero_cond_t) parity with diffusers, one and two input images"),
     ),
     ("flux2-klein", "dev"): (
         ("tests/integration/test_flux2_parity.py::test_images_match_diffusers", "txt2img parity with diffusers"),
