@@ -158,3 +158,22 @@ def test_export_of_the_diffusers_folder_is_the_tiny_build(dit_build: Builder, tm
         assert (out / part).read_bytes() == (onnx_dir / part).read_bytes(), part
     index = json.loads((out / "model_index.json").read_text(encoding="utf-8"))
     assert index["_class_name"] == "OnnxFlux2Pipeline" and "is_distilled" not in index
+
+
+def test_an_fp16_export_serves_the_fp32_image(dit_build: Builder, tmp_path: Path) -> None:
+    """`sdserve engines export --dtype fp16`: the transformer in fp16 behind fp32 inputs and outputs, the Mistral
+    encoder kept fp32 (engines/build/dit_folder.py ``HALF_TEXT``: a language model's states pass fp16's range), the
+    manifest saying so; ORT's CPU provider runs it (its fp16 kernels, onnxruntime/core/providers/cpu) to the fp32
+    export's image within 1/255 (bf16 runs on CUDA/TensorRT only)."""
+    from engines import architectures
+
+    onnx_dir, diffusers_dir = dit_build("flux2-dev")
+    row = architectures.of(diffusers_dir)
+    out = row.load(row.export)(diffusers_dir, tmp_path / "fp16", "fp16")
+    source = json.loads((out / "manifest.json").read_text(encoding="utf-8"))["source"]
+    assert source["precision"] == {"text_encoder": "fp32", "transformer": "fp16", "vae": "fp32"}
+    batch = Batch((ImageSpec(PROMPTS[0], "", seed=1, guidance_scale=4.0),), width=32, height=32, steps=2)
+    runtime = Runtime(RuntimeSettings(providers=("CPUExecutionProvider",), allow_cpu=True))
+    half = Flux2DevPipeline(out, runtime)(batch, max_sequence_length=LENGTH).images.astype(np.int16)
+    full = _ours(onnx_dir)(batch, max_sequence_length=LENGTH).images.astype(np.int16)
+    assert np.abs(half - full).max() <= 1 and full.std() > 10
