@@ -323,6 +323,10 @@ class FlowPipeline:
                          modes=("txt2img", "img2img") if self.editor else ("txt2img",),
                          edits_unavailable=self.edits_unavailable, edit_schedulers=SAMPLERS if self.editor else (),
                          token_patch=self.size_multiple, text_tokens=self.text_tokens(),
+                         prompt_limits=((77, "CLIP tokens"), (self.max_sequence_length, "T5 tokens (max_sequence_"
+                                        "length)")) if self.architecture.t5 else ((self.prompt_tokens(), "text "
+                                        "encoder tokens (max_sequence_length)"),),
+                         reads_negative=lambda g: self.uses_cfg(np.array([g], dtype=np.float32)),
                          hidden_size=int(self.config.get("num_attention_heads", 24))
                          * int(self.config.get("attention_head_dim", 128)))
 

@@ -241,7 +241,8 @@ class StableDiffusionOnnx:
         return ModelInfo(name, self.size_multiple, self.default_size, tuple(SCHEDULERS), self.tokenizer.max_length,
                          digest, f.name, f.prediction_type, f.text_encoders, f.vae_scaling_factor, f.cfg_default,
                          f.default_steps, f.default_guidance, modes, self.edits_unavailable, f.inpainting,
-                         EDIT_SCHEDULERS if edits else ())
+                         EDIT_SCHEDULERS if edits else (),
+                         reads_negative=lambda g: families.effective_guidance(g) > 1.0)  # as __call__'s CFG decides
 
     def describe(self) -> str:
         return self.family.describe()
