@@ -47,8 +47,8 @@ def advice(components: Sequence[Mapping[str, Any]], device: Mapping[str, Any], h
                  f"- a bigger card: none of the listed cards holds {_gib(need)}")
     text = [c for c in components if _text(c)]
     if text:
-        act = (lambda c: int(c["activations"]) * engines) if tensorrt else (lambda c: 0)
-        moved = sum(int(c["weights"]) * engines + act(c) for c in text)
+        # under TensorRT each engine holds its activations; ONNX Runtime's arena holds the largest component's
+        moved = sum((int(c["weights"]) + (int(c["activations"]) if tensorrt else 0)) * engines for c in text)
         rest = need - moved
         verdict = "fits" if rest <= have else "still does not fit"
         lines.append(f"- the text encoder on a second device: this device needs {_gib(rest)} ({verdict}, margin "
@@ -56,7 +56,7 @@ def advice(components: Sequence[Mapping[str, Any]], device: Mapping[str, Any], h
                      "every component on one device)")
     by_size = sorted((c for c in components if int(c["weights"]) > 0), key=lambda c: -int(c["weights"]))
     denoiser = [c for c in by_size if not _text(c)][:1]
-    for chosen in (denoiser, denoiser + text):
+    for chosen in [denoiser] + ([denoiser + text] if text else []):
         if not chosen:
             continue
         saved = sum((int(c["weights"]) - int(c["params"]) * FP8_BYTES) * engines for c in chosen)
