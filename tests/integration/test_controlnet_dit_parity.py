@@ -1,0 +1,169 @@
+"""FLUX.1 ControlNet on our ORT flow pipeline vs diffusers' torch FluxControlNetPipeline on the same tiny weights and
+initial latents (issue 56): one unit, two units (FluxMultiControlNetModel: block samples summed), the union kind,
+guidance_start/end and the conditioning scale; weight 0 gives the image without control.
+
+diffusers samples the control image's VAE posterior with the request's generator; sdserve takes its mean, so the
+reference is asked for the mean too (``retrieve_latents(..., sample_mode="argmax")``). The ONNX files run on ONNX
+Runtime's CPU execution provider; the residual inputs, several bound to one device value, go through IO binding
+(onnxruntime/python/onnxruntime_inference_collection.py IOBinding.bind_ortvalue_input)."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from engines.build.controlnet_dit import export_controlled_flux, export_flux_controlnet, make_tiny_flux_controlnet
+from engines.config import RuntimeSettings
+from engines.errors import InvalidRequestError
+from engines.pipelines import controlnet_dit
+from engines.pipelines.contract import image_rng
+from engines.pipelines.flow import load_pipeline, pack_latents
+from engines.runtime.sessions import Runtime
+from engines.types.request import Batch, ControlUnit, ImageSpec
+
+PROMPTS = ["a photo of an astronaut riding a horse", "a red cube on a table, studio lighting"]
+SEEDS = [31, 32]
+SIZE, STEPS, GUIDANCE, T5_LENGTH = 64, 4, 3.5, 64
+
+Builder = Callable[[str], tuple[Path, Path]]
+
+
+@pytest.fixture(scope="module")
+def built(dit_build: Builder, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A copy of the tiny FLUX.1 dev model with transformer_controlnet/, two tiny ControlNets and a union one (ONNX and
+    torch weights)."""
+    from diffusers import FluxTransformer2DModel
+
+    onnx_dir, diffusers_dir = dit_build("flux")
+    root = tmp_path_factory.mktemp("flux_controlnet")
+    model = root / "model"
+    shutil.copytree(onnx_dir, model)
+    transformer = FluxTransformer2DModel.from_pretrained(diffusers_dir / "transformer")  # type: ignore[no-untyped-call]
+    export_controlled_flux(transformer.eval(), model)
+    paths = {"model": model, "diffusers": diffusers_dir}
+    for name, seed, union in (("edges", 0, False), ("depth", 5, False), ("union", 2, True)):
+        net = make_tiny_flux_controlnet(seed, union=union)
+        export_flux_controlnet(net, root / "nets" / name, {"kind": "tiny", "seed": seed})
+        net.save_pretrained(root / f"{name}_torch")
+        paths[name], paths[f"{name}_torch"] = root / "nets" / name, root / f"{name}_torch"
+    return paths
+
+
+@pytest.fixture(scope="module")
+def ours(built: dict[str, Path]) -> Any:
+    pipe = load_pipeline(built["model"], Runtime(RuntimeSettings(providers=("CPUExecutionProvider",),
+                                                                  allow_cpu=True)))
+    controlnet_dit.attach(pipe, built["model"], {n: built[n] for n in ("edges", "depth", "union")})
+    return pipe
+
+
+def _control_image(seed: int, height: int, width: int) -> np.ndarray:
+    """A blocky pattern, as an edge or depth map is: large areas, sharp borders."""
+    rng = np.random.default_rng(seed)
+    cells = rng.integers(0, 256, size=(height // 8 + 1, width // 8 + 1, 3), dtype=np.uint8)
+    return np.ascontiguousarray(np.repeat(np.repeat(cells, 8, axis=0), 8, axis=1)[:height, :width])
+
+
+def _noise() -> np.ndarray:
+    return np.stack([image_rng(s).standard_normal((16, SIZE // 8, SIZE // 8), dtype=np.float32) for s in SEEDS])
+
+
+def _theirs(built: dict[str, Path], units: list[ControlUnit], monkeypatch: pytest.MonkeyPatch,
+            mode: int | None = None) -> np.ndarray:
+    from diffusers import FluxControlNetModel, FluxControlNetPipeline
+    from diffusers.pipelines.flux import pipeline_flux_controlnet as module
+
+    given = module.retrieve_latents
+    monkeypatch.setattr(module, "retrieve_latents",
+                        lambda out, generator=None, sample_mode="sample": given(out, generator, "argmax"))
+    nets = [FluxControlNetModel.from_pretrained(built[f"{u.model}_torch"]).eval()  # type: ignore[no-untyped-call]
+            for u in units]
+    pipe = FluxControlNetPipeline.from_pretrained(  # type: ignore[no-untyped-call]
+        built["diffusers"], controlnet=nets if len(nets) > 1 else nets[0])
+    pipe.set_progress_bar_config(disable=True)
+    images = [Image.fromarray(u.image) for u in units]
+    one = len(units) == 1
+    with torch.no_grad():
+        out = pipe(PROMPTS, control_image=images[0] if one else images, height=SIZE, width=SIZE,
+                   num_inference_steps=STEPS, guidance_scale=GUIDANCE, max_sequence_length=T5_LENGTH,
+                   latents=torch.from_numpy(pack_latents(_noise())), output_type="np", control_mode=mode,
+                   controlnet_conditioning_scale=units[0].weight if one else [u.weight for u in units],
+                   control_guidance_start=units[0].guidance_start if one else [u.guidance_start for u in units],
+                   control_guidance_end=units[0].guidance_end if one else [u.guidance_end for u in units]).images
+    return np.asarray((out * 255).round().astype(np.uint8))
+
+
+def _mine(ours: Any, units: tuple[ControlUnit, ...]) -> np.ndarray:
+    batch = Batch(tuple(ImageSpec(p, seed=s, guidance_scale=GUIDANCE) for p, s in zip(PROMPTS, SEEDS, strict=True)),
+                  SIZE, SIZE, STEPS, control=units)
+    return np.asarray(ours(batch, latents=_noise(), max_sequence_length=T5_LENGTH).images)
+
+
+def _assert_close(mine: np.ndarray, theirs: np.ndarray, what: str) -> None:
+    diff = np.abs(mine.astype(np.int16) - theirs.astype(np.int16))
+    assert mine.shape == theirs.shape == (2, SIZE, SIZE, 3)
+    assert (diff <= 1).mean() >= 0.999, f"{what}: {(diff > 1).sum()} values differ by more than 1/255"
+    assert diff.max() <= 3, f"{what}: max difference {diff.max()}/255"
+
+
+def _differs(a: np.ndarray, b: np.ndarray) -> float:
+    return float((np.abs(a.astype(np.int16) - b.astype(np.int16)) > 1).mean())
+
+
+CASES = {
+    # one unit; a control image of another size, resized to the output as diffusers' VaeImageProcessor does
+    "one": [("edges", 1.0, 0.0, 1.0, (40, 56))],
+    # start/end: active over the middle half of the steps only
+    "window": [("edges", 1.3, 0.25, 0.75, (SIZE, SIZE))],
+    # FluxMultiControlNetModel: samples summed, each unit its scale and its own active fraction of the steps
+    "two": [("edges", 0.8, 0.0, 0.8, (SIZE, SIZE)), ("depth", 1.2, 0.25, 1.0, (SIZE, SIZE))],
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_flux_controlnet_matches_diffusers(case: str, ours: Any, built: dict[str, Path],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    units = tuple(ControlUnit(_control_image(k, h, w), name, weight, start, end)
+                  for k, (name, weight, start, end, (h, w)) in enumerate(CASES[case]))
+    mine = _mine(ours, units)
+    _assert_close(mine, _theirs(built, list(units), monkeypatch), case)
+    # The control has teeth: the same request without it differs far more than the tolerance.
+    assert _differs(mine, _mine(ours, ())) > 0.1
+
+
+def test_union_controlnet_matches_diffusers(ours: Any, built: dict[str, Path],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The union kind: its mode embedding leads the text tokens (mode 0, canny, where the unit names none)."""
+    units = (ControlUnit(_control_image(8, SIZE, SIZE), "union", 1.0),)
+    mine = _mine(ours, units)
+    _assert_close(mine, _theirs(built, list(units), monkeypatch, mode=controlnet_dit.union_mode(units[0])), "union")
+    assert _differs(mine, _mine(ours, ())) > 0.1
+
+
+def test_weight_zero_is_the_image_without_control(ours: Any, built: dict[str, Path]) -> None:
+    unit = ControlUnit(_control_image(3, SIZE, SIZE), "edges", 0.0)
+    assert np.array_equal(_mine(ours, (unit,)), _mine(ours, ()))
+
+
+def test_unit_inactive_over_every_step_runs_the_plain_transformer(ours: Any) -> None:
+    unit = ControlUnit(_control_image(4, SIZE, SIZE), "edges", 1.0, guidance_start=1.0, guidance_end=1.0)
+    assert np.array_equal(_mine(ours, (unit,)), _mine(ours, ()))
+
+
+def test_unknown_or_foreign_controlnet_is_refused_by_name(ours: Any, built: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.raises(InvalidRequestError, match="lineart") as raised:
+        _mine(ours, (ControlUnit(_control_image(0, SIZE, SIZE), "lineart"),))
+    assert raised.value.param == "controlnet.model"
+    foreign = tmp_path / "sd15"
+    foreign.mkdir()
+    (foreign / "config.json").write_text('{"_class_name": "ControlNetModel"}')
+    (foreign / "model.onnx").write_bytes(b"")
+    controls = controlnet_dit.FluxControlNets(ours, built["model"], {"sd15": foreign})
+    assert "sd15" in controls.refused and not controls.nets
