@@ -20,7 +20,9 @@ from engines.lora.active import Adapters
 from engines.numerics.flow_schedule import FlowSchedule, flow_schedule, flux_sigmas
 from engines.numerics.t5_tokenizer import T5Tokenizer
 from engines.numerics.tokenizer import ClipTokenizer
-from engines.pipelines.flow import DitConditioning, FlowPipeline, run
+from engines.pipelines import controlnet_dit
+from engines.pipelines.contract import Begun
+from engines.pipelines.flow import DitConditioning, DitDenoising, FlowPipeline, run
 from engines.pipelines.ort_model import OrtModel
 from engines.types.request import Batch
 
@@ -73,6 +75,22 @@ class FluxPipeline(FlowPipeline):
         states = run(self.t5, {next(iter(self.t5.inputs)): t5_ids}, ["last_hidden_state"], adapters)[0]
         cut = tuple(a or b for a, b in zip(tokens.truncated, t5.truncated, strict=True))
         return DitConditioning(states, pooled, cut, (False,) * len(prompts))
+
+    controls: controlnet_dit.FluxControlNets | None = None
+    """The ControlNets served with this model (controlnet_dit.attach), None without."""
+
+    def begin(self, batch: Batch, latents: np.ndarray | None = None, adapters: Adapters | None = None,
+              max_sequence_length: int | None = None) -> Begun:
+        """The flow pipeline's begin, and the request's ControlNet units (engines/pipelines/controlnet_dit.py)."""
+        begun = super().begin(batch, latents, adapters, max_sequence_length)
+        controlnet_dit.start(self, batch, begun.state)
+        return begun
+
+    def run_denoiser(self, states: Sequence[DitDenoising]) -> None:
+        """Controlled states run their ControlNets and the residual transformer; the others join as before."""
+        plain = controlnet_dit.run_controlled(self, states) if self.controls is not None else list(states)
+        if plain:
+            super().run_denoiser(plain)
 
     def schedule(self, steps: int, h: int, w: int) -> FlowSchedule:
         """Evenly spaced sigmas, shifted by ``mu`` of the packed token count when the config says."""
