@@ -328,6 +328,8 @@ def resolve(file: str, modules: list[LoraModule], header: Header, targets: Model
     for m in modules:
         component = denoiser if m.component == DENOISER else m.component
         weights = targets.get(component)
+        if component in UNLOADED_ENCODERS.get(family, {}):
+            raise LoraFileError(f"LoRA file {file} adapts {component}: {UNLOADED_ENCODERS[family][component]}")
         if weights is None:
             refused = text_encoder_lora_refused(family) if component.startswith("text_encoder") else ""
             raise LoraFileError(f"LoRA file {file} adapts {component}: {refused}" if refused else
@@ -356,6 +358,13 @@ def resolve(file: str, modules: list[LoraModule], header: Header, targets: Model
                  "transformer never reads (pruned from its graph): they change nothing and are not merged (%s)",
                  file, len(inert), family, ", ".join(inert))
     return tuple(out)
+
+
+FLUX1_T5_LORA = ("FLUX.1 LoRAs adapt the transformer and the CLIP text encoder (diffusers' FluxLoraLoaderMixin "
+                 "loads none into the T5 encoder, text_encoder_2): remove the text_encoder_2 keys from the file")
+UNLOADED_ENCODERS = {family: {"text_encoder_2": FLUX1_T5_LORA} for family in ("flux", "flux-schnell", "flux-kontext")}
+"""Per family, the text encoders a model has but its diffusers loader loads no LoRA into: a file adapting one is
+refused by name (served, it would change an image diffusers' pipeline leaves alone)."""
 
 
 def text_encoder_lora_refused(family: str) -> str:
