@@ -38,19 +38,23 @@ TEMPLATE = "{bos}[SYSTEM_PROMPT]" + SYSTEM_MESSAGE + "[/SYSTEM_PROMPT][INST]{pro
 
 
 def tokenizer_settings(folder: Path) -> dict[str, str]:
-    """The tokenizer folder's pad and BOS tokens and its padding and truncation sides (tokenizer_config.json; a
-    missing key takes transformers' default: right, right)."""
+    """The tokenizer folder's pad and BOS tokens (required: the padding and the template use them) and its padding
+    and truncation sides (a missing side is transformers' default, right), from tokenizer_config.json."""
     path = folder / "tokenizer_config.json"
     try:
-        config: dict[str, Any] = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        config: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{path} is unreadable: {exc}") from exc
+        raise ModelLoadError(f"{path} is missing or unreadable: {exc}") from exc
 
-    def token(key: str, default: str) -> str:
-        value = config.get(key, default)
-        return str(value.get("content", default) if isinstance(value, dict) else value)
+    def token(key: str) -> str:
+        value = config.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        if not isinstance(value, str) or not value:
+            raise ModelLoadError(f"{path} names no {key}: FLUX.2 [dev]'s prompts are padded with it and its "
+                                 "template starts with the BOS")
+        return value
 
-    settings = {"pad": token("pad_token", "<pad>"), "bos": token("bos_token", "<s>"),
+    settings = {"pad": token("pad_token"), "bos": token("bos_token"),
                 "padding_side": str(config.get("padding_side", "right")),
                 "truncation_side": str(config.get("truncation_side", "right"))}
     for key in ("padding_side", "truncation_side"):

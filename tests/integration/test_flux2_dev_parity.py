@@ -144,6 +144,23 @@ def test_left_padding_as_transformers_pads() -> None:
     assert fit([5, 6, 7], 2, 0, "left", "right") == ([5, 6], [1, 1])
 
 
+def test_the_tokenizer_settings_are_the_folders(tmp_path: Path) -> None:
+    """Pad and BOS tokens and the sides come from tokenizer_config.json (transformers' AddedToken dicts too); a
+    folder naming no pad token or an unknown side is refused at load, naming the file."""
+    from engines.errors import ModelLoadError
+    from engines.pipelines.flux2_dev import tokenizer_settings
+
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text(json.dumps({"pad_token": {"content": "<pad>"}, "bos_token": "<s>", "padding_side": "left"}))
+    assert tokenizer_settings(tmp_path) == {"pad": "<pad>", "bos": "<s>", "padding_side": "left",
+                                            "truncation_side": "right"}
+    for body, named in (({"bos_token": "<s>"}, "pad_token"), ({"pad_token": "<pad>"}, "bos_token"),
+                        ({"pad_token": "<pad>", "bos_token": "<s>", "padding_side": "middle"}, "padding_side")):
+        config.write_text(json.dumps(body))
+        with pytest.raises(ModelLoadError, match=named):
+            tokenizer_settings(tmp_path)
+
+
 def test_export_of_the_diffusers_folder_is_the_tiny_build(dit_build: Builder, tmp_path: Path) -> None:
     """`sdserve engines export --from` a Flux2Pipeline folder (the registry row's ``export``) writes the graphs and
     tokenizer the tiny build wrote from the same weights."""
