@@ -20,8 +20,12 @@ tokens itself, so ``LatentJoin`` lays the joint sequence out as a one-row image 
 takes the noisy part back (no transformer of its own). The schedule's shift counts the noisy tokens only.
 
 The output size: the request's, or the first image's size as encoded (``flux2_size``: diffusers'
-``height = height or image_height`` in its loop over the images). The denoising starts from noise (no strength);
-img2img is not served (FLUX.2 takes images as references only).
+``height = height or image_height`` in its loop over the images). The denoising starts from noise (no strength).
+
+With the VAE encoder the folder also serves img2img (variations: the routes send an edit without a mask to an
+instruction edit) as every DiT family does it (engines/pipelines/flow_edits.py, diffusers' Flux img2img formulas)
+in FLUX.2's latent space: the encoder's moments are already patchified and normalised, so the sample, the noise
+and the loop are the txt2img ones (scale 1, shift 0). diffusers has no FLUX.2 img2img pipeline to compare with.
 """
 
 from __future__ import annotations
@@ -167,9 +171,8 @@ class Flux2References(FlowPipeline):
                                 self.transformer.output_dtype())
         if self.editor is None:
             self.edits_unavailable = (
-                f"{folder.name} has no vae_encoder/model.onnx: it serves txt2img only (FLUX.2 takes input images as "
-                "references of an instruction edit, never as an img2img start; export the folder with its VAE "
-                "encoder to serve them)")
+                f"{folder.name} has no vae_encoder/model.onnx: it serves txt2img only (export the folder with its "
+                "VAE encoder to serve img2img and edits with reference images)")
 
     def _reference_sizes(self, batch: Batch) -> list[tuple[int, int]]:
         """The encoded (width, height) of the batch's input images; every image of a batch must give the same
@@ -187,9 +190,6 @@ class Flux2References(FlowPipeline):
         return list(next(iter(sets)))
 
     def check_inputs(self, batch: Batch) -> None:
-        if batch.mode == "img2img":
-            raise InvalidRequestError("FLUX.2 takes input images as references (an edit without a mask is an "
-                                      "instruction edit), not as an img2img start", param="image")
         super().check_inputs(batch)
         if batch.mode == "instruct":
             if self.editor is None:
@@ -236,11 +236,11 @@ class Flux2References(FlowPipeline):
                 for key, value in host.items()}
 
     def model_info(self, name: str, digest: str = "") -> ModelInfo:
-        """Instruction edits with up to ``REFERENCES`` images where the folder has the VAE encoder; no img2img."""
+        """Instruction edits with up to ``REFERENCES`` images where the folder has the VAE encoder."""
         info = super().model_info(name, digest)
         if self.editor is None:
             return info
         m = self.size_multiple
-        return replace(info, modes=("txt2img", "instruct"), instruct_images=REFERENCES,
+        return replace(info, modes=(*info.modes, "instruct"), instruct_images=REFERENCES,
                        instruct_size=partial(flux2_size, multiple=m),
                        instruct_references=partial(reference_sizes, multiple=m))
