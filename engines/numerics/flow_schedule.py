@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from engines.errors import InvalidRequestError
+
 UNSUPPORTED = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas",
                "stochastic_sampling")
 """FlowMatchEulerDiscreteScheduler options this module does not implement: a config setting one is refused."""
@@ -135,6 +137,10 @@ def flow_schedule(config: FlowMatchConfig, steps: int, sigmas: Sequence[float] |
         else _static_shift(config.shift, base)
     if config.shift_terminal:  # in the shifted sigmas' dtype, as the scheduler's stretch_shift_to_terminal
         one_minus = 1 - np.asarray(shifted)
+        if not one_minus[-1]:  # one step at sigma 1: the scheduler divides 0 by 0 (diffusers' sigmas are NaN)
+            raise InvalidRequestError(f"this model's schedule is stretched to shift_terminal "
+                                      f"{config.shift_terminal}: it needs at least 2 steps, got {steps}",
+                                      param="steps")
         shifted = 1 - one_minus / (one_minus[-1] / (1 - config.shift_terminal))
     sig32 = np.asarray(shifted).astype(np.float32)
     timesteps = sig32 * np.float32(n)

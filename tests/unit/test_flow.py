@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from engines.errors import InvalidRequestError
 from engines.numerics.flow_schedule import FlowMatchConfig, calculate_shift, euler_step, flow_schedule, flux_sigmas
 
 FLOW = {"num_train_timesteps": 1000, "base_shift": 0.5, "max_shift": 1.15, "base_image_seq_len": 256,
@@ -88,6 +89,22 @@ def test_dynamic_shifting_needs_mu_and_sigmas_must_match_steps() -> None:
         flow_schedule(cfg, 4)
     with pytest.raises(ValueError, match="3 sigmas given for 4 steps"):
         flow_schedule(cfg, 4, sigmas=[1.0, 0.5, 0.25], mu=0.5)
+
+
+
+def test_one_step_on_a_terminal_shift_is_refused_naming_steps_as_diffusers_would_give_nan() -> None:
+    """Qwen-Image's scheduler stretches its sigmas to ``shift_terminal``: with one step the only sigma is 1 and
+    diffusers' ``stretch_shift_to_terminal`` divides 0 by 0 (its sigmas are NaN); two steps follow diffusers."""
+    config = {**FLOW, "use_dynamic_shifting": True, "shift_terminal": 0.02, "time_shift_type": "exponential"}
+    cfg = FlowMatchConfig.from_config(config)
+    with np.errstate(invalid="ignore"):
+        theirs = _theirs(config, 1, True, 0.8)
+    assert np.isnan(theirs.sigmas[0].item())
+    with pytest.raises(InvalidRequestError, match="at least 2 steps") as refused:
+        flow_schedule(cfg, 1, sigmas=flux_sigmas(1), mu=0.8)
+    assert refused.value.param == "steps"
+    two = flow_schedule(cfg, 2, sigmas=flux_sigmas(2), mu=0.8)
+    np.testing.assert_allclose(two.sigmas, _theirs(config, 2, True, 0.8).sigmas.numpy(), rtol=1e-6)
 
 
 def _session(model: bytes) -> Any:
