@@ -52,13 +52,15 @@ TOKENS, TEXT = 16, 8
 """Example image and text token counts of the traced graphs (both axes are dynamic)."""
 
 
-def make_tiny_flux_controlnet(seed: int = SEED, union: bool = False, guidance_embeds: bool = True) -> Any:
-    """The tiny FLUX.1 ControlNet (``union``: with InstantX's seven modes), seeded, its zero layers given random
-    weights."""
+def make_tiny_flux_controlnet(seed: int = SEED, union: bool = False, guidance_embeds: bool = True,
+                              single_layers: int = 1) -> Any:
+    """The tiny FLUX.1 ControlNet (``union``: with InstantX's seven modes; ``single_layers`` 0: double blocks
+    only), seeded, its zero layers given random weights."""
     from diffusers import FluxControlNetModel
 
     torch.manual_seed(seed + 9)  # not the transformer's weights again
-    net = FluxControlNetModel(**CONTROLNET_FLUX, guidance_embeds=guidance_embeds,
+    net = FluxControlNetModel(**{**CONTROLNET_FLUX, "num_single_layers": single_layers},
+                              guidance_embeds=guidance_embeds,
                               num_mode=UNION_MODES if union else None).eval()
     generator = torch.Generator().manual_seed(seed + 10)
     with torch.no_grad():

@@ -11,6 +11,9 @@
   weight, are summed over the units (FluxMultiControlNetModel, in unit order, on the device) and go into the
   transformer's residual variant (``transformer_controlnet/``: one residual input per block; block ``k`` gets sample
   ``k // ceil(blocks / samples)``, diffusers' interval rule, zeros where the ControlNet has no single blocks);
+  where units' ControlNets differ in depth, each unit's samples are mapped to the blocks first and then summed
+  (diffusers sums by sample index, truncating to the shorter list, and drops every later unit's single samples when
+  the first unit has none; with equal depths, and a first unit with single blocks, the two are the same);
 - a unit is active at evaluation ``i`` of ``n`` unless ``i / n < guidance_start`` or ``(i + 1) / n > guidance_end``
   (diffusers' ``controlnet_keep``); an evaluation with no active unit runs the plain transformer with the uncontrolled
   rows (what the residual variant computes with zero residuals).
@@ -178,9 +181,7 @@ class FluxControlNets:
                                            "conditioning_scale": np.full((rows,), unit.weight, np.float32)}
             if net.union:
                 host["controlnet_mode"] = np.full((rows, 1), union_mode(unit), np.int64)
-                for table, lead in (("rope_cos", 1.0), ("rope_sin", 0.0)):  # the mode token: position zero
-                    given = np.asarray(_host(state.feeds[table]), np.float32)
-                    host[table] = np.concatenate([np.full((1, given.shape[1]), lead, np.float32), given])
+                host |= union_rope(pipe, state)
             feeds: dict[str, Feed] = {n: pipe.runtime.upload(f"flux_control{k}_{n}", v.astype(model.input_dtype(n)))
                                       for n, v in host.items()}
             keep = tuple(not (i / state.evaluations < unit.guidance_start
@@ -234,8 +235,17 @@ class FluxControlNets:
         return [value for value in mapped if value is not None]
 
 
-def _host(value: Feed) -> np.ndarray:
-    return value.numpy() if isinstance(value, ort.OrtValue) else np.asarray(value)
+def union_rope(pipe: FluxPipeline, state: DitDenoising) -> dict[str, np.ndarray]:
+    """The union kind's rope tables: its mode token leads the text tokens, all at position zero (diffusers'
+    ``txt_ids[:1]`` prepended), then the packed image tokens; computed on the host as the transformer's are."""
+    from engines.pipelines.flux import flux_rope, image_ids  # flux.py imports this module
+
+    states = state.feeds["encoder_hidden_states"]
+    text = int((states.shape() if isinstance(states, ort.OrtValue) else states.shape)[1])
+    h, w = state.latent_size
+    ids = np.concatenate([np.zeros((text + 1, 3), np.float32), image_ids(h // 2, w // 2)])
+    cos, sin = flux_rope(ids, pipe.axes_dim)
+    return {"rope_cos": cos, "rope_sin": sin}
 
 
 def union_mode(unit: ControlUnit) -> int:

@@ -1,5 +1,6 @@
 """FLUX.1 ControlNet on our ORT flow pipeline vs diffusers' torch FluxControlNetPipeline on the same tiny weights and
-initial latents (issue 56): one unit, two units (FluxMultiControlNetModel: block samples summed), the union kind,
+initial latents (issue 56): one unit, two units (FluxMultiControlNetModel: block samples summed), the union kind, one
+without single blocks (the transformer's single blocks then get no residual),
 guidance_start/end and the conditioning scale; weight 0 gives the image without control.
 
 diffusers samples the control image's VAE posterior with the request's generator; sdserve takes its mean, so the
@@ -48,8 +49,9 @@ def built(dit_build: Builder, tmp_path_factory: pytest.TempPathFactory) -> dict[
     transformer = FluxTransformer2DModel.from_pretrained(diffusers_dir / "transformer")  # type: ignore[no-untyped-call]
     export_controlled_flux(transformer.eval(), model)
     paths = {"model": model, "diffusers": diffusers_dir}
-    for name, seed, union in (("edges", 0, False), ("depth", 5, False), ("union", 2, True)):
-        net = make_tiny_flux_controlnet(seed, union=union)
+    for name, seed, union, singles in (("edges", 0, False, 1), ("depth", 5, False, 1), ("union", 2, True, 1),
+                                       ("doubles", 6, False, 0)):
+        net = make_tiny_flux_controlnet(seed, union=union, single_layers=singles)
         export_flux_controlnet(net, root / "nets" / name, {"kind": "tiny", "seed": seed})
         net.save_pretrained(root / f"{name}_torch")
         paths[name], paths[f"{name}_torch"] = root / "nets" / name, root / f"{name}_torch"
@@ -60,7 +62,7 @@ def built(dit_build: Builder, tmp_path_factory: pytest.TempPathFactory) -> dict[
 def ours(built: dict[str, Path]) -> Any:
     pipe = load_pipeline(built["model"], Runtime(RuntimeSettings(providers=("CPUExecutionProvider",),
                                                                   allow_cpu=True)))
-    controlnet_dit.attach(pipe, built["model"], {n: built[n] for n in ("edges", "depth", "union")})
+    controlnet_dit.attach(pipe, built["model"], {n: built[n] for n in ("edges", "depth", "union", "doubles")})
     return pipe
 
 
@@ -124,6 +126,11 @@ CASES = {
     "window": [("edges", 1.3, 0.25, 0.75, (SIZE, SIZE))],
     # FluxMultiControlNetModel: samples summed, each unit its scale and its own active fraction of the steps
     "two": [("edges", 0.8, 0.0, 0.8, (SIZE, SIZE)), ("depth", 1.2, 0.25, 1.0, (SIZE, SIZE))],
+    # double blocks only, alone and after one with single blocks (diffusers then keeps the first unit's single
+    # samples; sdserve sums zeros in: the same. In the other order diffusers drops the second unit's single samples,
+    # sdserve does not: engines/pipelines/controlnet_dit.py)
+    "doubles": [("doubles", 1.0, 0.0, 1.0, (SIZE, SIZE))],
+    "edges+doubles": [("edges", 0.6, 0.0, 1.0, (SIZE, SIZE)), ("doubles", 0.9, 0.0, 1.0, (SIZE, SIZE))],
 }
 
 
@@ -167,3 +174,29 @@ def test_unknown_or_foreign_controlnet_is_refused_by_name(ours: Any, built: dict
     (foreign / "model.onnx").write_bytes(b"")
     controls = controlnet_dit.FluxControlNets(ours, built["model"], {"sd15": foreign})
     assert "sd15" in controls.refused and not controls.nets
+
+
+def test_controlled_rows_side_by_side_get_their_solo_images(ours: Any) -> None:
+    """Two controlled requests (other ControlNets, scales, fractions) and a plain one advance through shared
+    ``run_denoiser`` ticks, as step-level batching drives them (each controlled state runs its own ControlNet and
+    residual-transformer calls; the plain one and any controlled state with no unit active at its step join the
+    plain call): each image equals its solo run."""
+    sets = [(ControlUnit(_control_image(6, SIZE, SIZE), "edges", 0.7),),
+            (ControlUnit(_control_image(7, SIZE, SIZE), "union", 1.2, 0.25, 0.75),), ()]
+    solo = [_mine(ours, units) for units in sets]
+    runs = []
+    for k, units in enumerate(sets):
+        batch = Batch(tuple(ImageSpec(p, seed=s, guidance_scale=GUIDANCE)
+                            for p, s in zip(PROMPTS, SEEDS, strict=True)), SIZE, SIZE, STEPS, control=units)
+        with ours.runtime.scoped(f"side{k}"):
+            runs.append(ours.begin(batch, _noise(), max_sequence_length=T5_LENGTH))
+    for _ in range(4 * STEPS):
+        running = [run for run in runs if not run.finished]
+        if not running:
+            break
+        ours.run_denoiser([run.state for run in running])
+        for run in running:
+            ours.advance(run.state)
+    assert all(run.finished for run in runs)
+    for run, alone in zip(runs, solo, strict=True):
+        assert np.array_equal(np.asarray(ours.finish(run).images), alone)
