@@ -191,6 +191,9 @@ class RuntimeSettings(BaseModel):
     """Whether running on the CPU is acceptable (dev only). Never implied by anything else."""
     device_id: int = Field(0, ge=0, le=63)
     """CUDA device ordinal this process serves (one process per GPU)."""
+    buffer_cache_mb: int = Field(256, ge=1, le=1_048_576)
+    """MiB the per-shape device buffers, host staging (pinned on a GPU) and per-step tables keep between requests,
+    least recently used shape evicted first (engines/runtime/buffers.py): distinct sizes cannot grow it past this."""
     intra_op_threads: int = Field(0, ge=0, le=256)
     """ORT intra-op threads; 0 lets ONNX Runtime choose (one per physical core)."""
     intra_op_spinning: bool = False

@@ -125,7 +125,8 @@ class OrtEngine:
         try:
             sources = self._verify_artifacts()
             self._integrity = IntegrityWatcher(self.model_dir)  # what was just verified, watched after boot
-            self._runtime = Runtime(self.settings, self.model_dir, self._device_total(), max_running=self.max_running)
+            self._runtime = Runtime(self.settings, self.model_dir, self._device_total(), max_running=self.max_running,
+                                    max_cached_bytes=self.settings.buffer_cache_mb << 20)
             self._load_pipelines(sources)
             # admission's estimate and the arena trim's rule; prebuilt engines hold memory sized when they were built
             memory = request_memory.for_folder(self.model_dir) if ANY in self._pipelines else None

@@ -27,7 +27,8 @@ SIZES = [(64 + 16 * i, 64 + 16 * j) for i in range(5) for j in range(5)]
 
 @pytest.fixture(scope="module")
 def engine(tiny_model: Path) -> Iterator[Engine]:
-    built = create_engine(tiny_model, load_settings("dev").runtime)
+    settings = load_settings("dev").runtime.model_copy(update={"buffer_cache_mb": BUDGET >> 20})
+    built = create_engine(tiny_model, settings)
     built.preflight()
     built.load()
     yield built
@@ -41,7 +42,7 @@ def pixels(engine: Engine, size: tuple[int, int]) -> np.ndarray:
 
 def test_distinct_sizes_in_sequence_stay_under_the_buffer_budget(engine: Engine) -> None:
     runtime = engine._runtime  # type: ignore[attr-defined]
-    runtime.max_cached_bytes = BUDGET
+    assert runtime.max_cached_bytes == BUDGET, "[runtime] buffer_cache_mb did not reach the buffer caches"
     first = pixels(engine, SIZES[0])
     held = []
     for size in SIZES[1:]:
