@@ -36,7 +36,7 @@ from engines.errors import (
     SelfTestError,
     VersionMismatchError,
 )
-from engines.health import request_memory, selftest, signature
+from engines.health import boot_fit, request_memory, selftest, signature
 from engines.health.capabilities import Proven, snapshot
 from engines.health.integrity import IntegrityWatcher
 from engines.health.preflight import Check, Observations, evaluate, failures, gather
@@ -125,6 +125,8 @@ class OrtEngine:
         try:
             sources = self._verify_artifacts()
             self._integrity = IntegrityWatcher(self.model_dir)  # what was just verified, watched after boot
+            boot_fit.require_fits(self.model_dir, self.settings, self._device_total(),
+                                  f"CUDA device {self.settings.device_id}")  # never an out-of-memory halfway
             self._runtime = Runtime(self.settings, self.model_dir, self._device_total(), max_running=self.max_running,
                                     max_cached_bytes=self.settings.buffer_cache_mb << 20)
             self._load_pipelines(sources)

@@ -85,3 +85,24 @@ def test_the_json_plan_carries_the_counts_and_the_advice(flux2_dev: Path) -> Non
 def test_a_141_gb_card_fits_and_gets_no_advice(flux2_dev: Path) -> None:
     plan = json.loads(_doctor(flux2_dev, 141, "--json").stdout)["memory_plan"]
     assert plan["device"]["verdicts"]["base"]["fits"] and plan["advice"] == []
+
+
+def test_the_boot_refuses_it_on_an_80_gb_card_before_a_session_is_built(flux2_dev: Path) -> None:
+    """engines/engine.py ``load`` calls engines/health/boot_fit.py ``require_fits`` with NVML's reading of the served
+    device before any session: on 80 GB (decimal, the card's marketed size) the production policy's plan for one
+    image is refused with its numbers and what would fit, never an out-of-memory halfway through the load; on
+    141 GB it passes; with the device's memory unknown (CPU) nothing is checked."""
+    from engines.errors import ModelLoadError
+    from engines.health.boot_fit import require_fits
+    from server.settings import load_settings
+
+    runtime = load_settings("production").runtime
+    with pytest.raises(ModelLoadError) as refused:
+        require_fits(flux2_dev, runtime, 80 * 10**9, "CUDA device 0")
+    said = str(refused.value)
+    need = float(re.search(r"needs ([0-9.]+) GiB for one 512x512 image", said).group(1))  # type: ignore[union-attr]
+    assert need > 2 * (TRANSFORMER_PARAMS + TEXT_PARAMS) / GIB, said  # the bf16 weights alone pass 80 GB
+    assert "the device has 74.51 GiB" in said and "flux2-dev" in said, said
+    assert "141 GB card (H200)" in said and "text encoder on a second device" in said and "fp8" in said, said
+    require_fits(flux2_dev, runtime, 141 * 10**9, "CUDA device 0")
+    require_fits(flux2_dev, runtime, None, "")
