@@ -218,6 +218,9 @@ def tiny_family(model: Path) -> str:
     """The tiny family of the model folder ``model``: sdxl when its model_index.json names a second text encoder,
     else sd1 (``engines tiny --controlnet`` is refused for the other families before anything is built)."""
     index = json.loads((model / "model_index.json").read_text(encoding="utf-8"))
+    if index.get("_class_name") == "OnnxFluxPipeline":  # FLUX.1: engines/build/controlnet_dit.py
+        config = json.loads((model / "transformer" / "config.json").read_text(encoding="utf-8"))
+        return "flux" if config.get("guidance_embeds") else "flux-schnell"
     return "sdxl" if index.get("text_encoder_2") else "sd1"
 
 
@@ -227,6 +230,10 @@ def build_tiny_controlnet(out: Path, model: Path | None = None, diffusers_out: P
     ``model`` (that tiny model's folder) its UNet's residual variant is added there; ``diffusers_out``: the
     ControlNet's torch weights too (parity tests)."""
     family = family or (tiny_family(model) if model is not None else "sd1")
+    if family in ("flux", "flux-schnell"):
+        from engines.build.controlnet_dit import build_tiny_flux_controlnet
+
+        return build_tiny_flux_controlnet(out, model, diffusers_out, family=family)
     net = make_tiny_controlnet(family=family)
     export_controlnet(net, out, {"kind": "tiny", "family": f"{family}-controlnet", "seed": SEED})
     if model is not None:
@@ -246,6 +253,10 @@ def export_controlnet_folder(src: Path, out: Path) -> Path:
     if not config_path.is_file():
         raise FileNotFoundError(f"{src} is not a diffusers ControlNet folder (no config.json)")
     kind = json.loads(config_path.read_text(encoding="utf-8")).get("_class_name")
+    if kind == "FluxControlNetModel":
+        from engines.build.controlnet_dit import export_flux_controlnet_folder
+
+        return export_flux_controlnet_folder(src, out)
     if kind != "ControlNetModel":
         raise ValueError(f"{src}: config.json names {kind!r}, not ControlNetModel (an SD 1.x/2.x or SDXL "
                          "ControlNet)")

@@ -200,3 +200,38 @@ def test_controlled_rows_side_by_side_get_their_solo_images(ours: Any) -> None:
     assert all(run.finished for run in runs)
     for run, alone in zip(runs, solo, strict=True):
         assert np.array_equal(np.asarray(ours.finish(run).images), alone)
+
+
+def test_tiny_build_for_a_flux_folder(dit_build: Builder, tmp_path: Path) -> None:
+    """``build_tiny_controlnet`` on a tiny FLUX.1 folder (what `sdserve engines tiny --family flux --controlnet DIR`
+    runs): the family read from model_index.json, the ControlNet and the transformer's residual variant written; the
+    variant carries the folder's transformer weights (weight 0 gives the plain image), the ControlNet steers."""
+    from engines.build.controlnet import build_tiny_controlnet, tiny_family
+
+    model = tmp_path / "model"
+    shutil.copytree(dit_build("flux")[0], model)
+    assert tiny_family(model) == "flux"
+    build_tiny_controlnet(tmp_path / "nets" / "canny", model)
+    assert (model / "transformer_controlnet" / "model.onnx").is_file()
+    pipe = load_pipeline(model, Runtime(RuntimeSettings(providers=("CPUExecutionProvider",), allow_cpu=True)))
+    controls = controlnet_dit.attach(pipe, model, {"canny": tmp_path / "nets" / "canny"})
+    assert sorted(controls.nets) == ["canny"] and not controls.refused
+    image = _control_image(11, SIZE, SIZE)
+    plain = _mine(pipe, ())
+    assert np.array_equal(_mine(pipe, (ControlUnit(image, "canny", 0.0),)), plain)
+    assert _differs(_mine(pipe, (ControlUnit(image, "canny", 1.0),)), plain) > 0.1
+
+
+def test_cli_exports_a_flux_controlnet_folder(built: dict[str, Path], tmp_path: Path) -> None:
+    """`sdserve engines export --controlnet --from <diffusers FluxControlNetModel folder>` gives the same ONNX file as
+    the build (deterministic export), the union kind too."""
+    import json
+
+    from server.cli.main import main
+
+    for name in ("edges", "union"):
+        out = tmp_path / name
+        assert main(["engines", "export", "--controlnet", "--from", str(built[f"{name}_torch"]), "--out",
+                     str(out)]) == 0
+        assert (out / "model.onnx").read_bytes() == (built[name] / "model.onnx").read_bytes()
+        assert json.loads((out / "config.json").read_text())["_class_name"] == "FluxControlNetModel"
