@@ -206,7 +206,8 @@ way), and the ``all_x_embedder`` / ``all_final_layer`` ModuleDicts: the export s
 alone (``/2-1/MatMul``), so diffusers' ``all_x_embedder.2-1`` is the graph's ``2-1``; the original checkpoint's
 ``x_embedder`` and ``final_layer`` are the released model's only patch key, ``2-1``."""
 
-ORIGINAL_LAYOUTS: dict[str, tuple[Rule, ...]] = {"flux2-klein": FLUX2_RULES, "z-image": ZIMAGE_RULES}
+ORIGINAL_LAYOUTS: dict[str, tuple[Rule, ...]] = {"flux2-klein": FLUX2_RULES, "flux2-dev": FLUX2_RULES,
+                                                  "z-image": ZIMAGE_RULES}
 """Per architecture (engines/families.py ``bases``): a module's other names, in kohya's flat naming."""
 
 

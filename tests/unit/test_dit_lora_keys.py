@@ -35,7 +35,7 @@ FLUX2["single_transformer_blocks.0.attn.to_qkv_mlp_proj"] = _target(
     "single_transformer_blocks.0.attn.to_qkv_mlp_proj", (9 * WIDTH, WIDTH))
 
 
-@pytest.mark.parametrize("family", ["flux2-klein", "flux2-klein-base"])
+@pytest.mark.parametrize("family", ["flux2-klein", "flux2-klein-base", "flux2-dev"])
 @pytest.mark.parametrize(("qkv", "suffixes"), [
     ("diffusion_model.double_blocks.0.img_attn.qkv", (".lora_A.weight", ".lora_B.weight")),
     ("lora_unet_double_blocks_0_img_attn_qkv", (".lora_down.weight", ".lora_up.weight"))])
