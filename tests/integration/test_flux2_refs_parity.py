@@ -170,3 +170,55 @@ def test_bad_input_is_refused_by_name(folders: dict[str, tuple[Path, Path]]) -> 
         with pytest.raises(InvalidRequestError, match=words) as caught:
             ours(bad, max_sequence_length=LENGTH)
         assert caught.value.param == "image", words
+
+
+def test_edit_rows_join_running_rows_and_keep_their_solo_latents(folders: dict[str, tuple[Path, Path]],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Step-level batching (engines/steps.py begin/tick): a 2-image txt2img request runs; after one tick two edit
+    requests with other input images of one size join it (their reference tokens: one key, one transformer call
+    joining their rows; the txt2img rows another). Each request's final latents equal its solo run's, far closer
+    than the input images move them."""
+    from tests.integration.test_step_batching import _engine
+
+    engine = _engine(folders["flux2-klein"][0])
+    size = engine.pipeline.default_size
+
+    def edit(k: int, image: int | None = None) -> Batch:
+        picture = _picture(size, size, k if image is None else image)
+        return Batch((ImageSpec(PROMPTS[k % 2], seed=20 + k, guidance_scale=1.0,
+                                edit=EditImage(image=picture, references=(picture,))),), size, size, 3, "euler")
+
+    long = Batch(tuple(ImageSpec(p, seed=s, guidance_scale=1.0) for p, s in zip(PROMPTS, SEEDS, strict=True)), size,
+                 size, 4, "euler")
+    batches = [long, edit(1), edit(2), edit(1, image=2)]  # the last: the first edit with the second's image
+
+    def latents(run: Any) -> np.ndarray:
+        return np.array(run.begun.state.lat[0].numpy())
+
+    solo = []
+    for batch in batches:
+        run = engine.begin(batch)
+        while not run.finished:
+            engine.tick([run])
+        solo.append(latents(run))
+        engine.finish(run)
+    calls: list[int] = []
+    run_joined = engine.pipeline._run_joined
+    monkeypatch.setattr(engine.pipeline, "_run_joined", lambda states: (calls.append(len(states)),
+                                                                         run_joined(states)))
+    running = {0: engine.begin(long)}
+    engine.tick([running[0]])
+    running.update({k: engine.begin(batches[k]) for k in (1, 2)})
+    joined: dict[int, np.ndarray] = {}
+    while running:
+        engine.tick(list(running.values()))
+        for k, run in list(running.items()):
+            if run.finished:
+                joined[k] = latents(run)
+                engine.finish(running.pop(k))
+    errors = [float(np.abs(joined[k] - solo[k]).max()) for k in range(3)]
+    effect = float(np.abs(solo[1] - solo[3]).max())
+    print(f"\njoined vs solo latents: max |diff| {errors}; the other input image moves them by {effect:.2e}; "
+          f"rows per transformer call {calls}")
+    assert max(errors) < 1e-5 and effect > 2e-4
+    assert calls == [1] + [1, 2] * 3  # alone; then per tick the txt2img run's call and the two edit runs' one
