@@ -328,8 +328,8 @@ def resolve(file: str, modules: list[LoraModule], header: Header, targets: Model
     for m in modules:
         component = denoiser if m.component == DENOISER else m.component
         weights = targets.get(component)
-        if component in UNLOADED_ENCODERS.get(family, {}):
-            raise LoraFileError(f"LoRA file {file} adapts {component}: {UNLOADED_ENCODERS[family][component]}")
+        if component.startswith("text_encoder") and any(part in _flat(m).lower() for part in T5_MODULES):
+            raise LoraFileError(f"LoRA file {file} adapts {component}, {T5_LORA}")
         if weights is None:
             refused = text_encoder_lora_refused(family) if component.startswith("text_encoder") else ""
             raise LoraFileError(f"LoRA file {file} adapts {component}: {refused}" if refused else
@@ -360,11 +360,11 @@ def resolve(file: str, modules: list[LoraModule], header: Header, targets: Model
     return tuple(out)
 
 
-FLUX1_T5_LORA = ("FLUX.1 LoRAs adapt the transformer and the CLIP text encoder (diffusers' FluxLoraLoaderMixin "
-                 "loads none into the T5 encoder, text_encoder_2): remove the text_encoder_2 keys from the file")
-UNLOADED_ENCODERS = {family: {"text_encoder_2": FLUX1_T5_LORA} for family in ("flux", "flux-schnell", "flux-kontext")}
-"""Per family, the text encoders a model has but its diffusers loader loads no LoRA into: a file adapting one is
-refused by name (served, it would change an image diffusers' pipeline leaves alone)."""
+T5_MODULES = ("selfattention", "densereludense")
+"""Module names only T5's encoder has (``encoder.block.N.layer.0.SelfAttention.q``, ``...DenseReluDense.wi``)."""
+T5_LORA = ("a T5 text encoder: diffusers' LoRA loaders load none into T5 (FluxLoraLoaderMixin takes the transformer "
+           "and CLIP, SD3LoraLoaderMixin the transformer and the two CLIPs), so the file is refused rather than served "
+           "changing an image diffusers' pipeline leaves alone: remove the T5 keys from it")
 
 
 def text_encoder_lora_refused(family: str) -> str:

@@ -127,8 +127,9 @@ def test_a_flux_lora_on_kontext_edits_matches_diffusers(kontext: dict[str, Any],
 
 def test_a_t5_lora_is_refused_by_name_as_diffusers_loads_none(kontext: dict[str, Any]) -> None:
     """diffusers' FluxLoraLoaderMixin loads the transformer and the CLIP encoder (``text_encoder.`` keys) only: a
-    file adapting T5 (``text_encoder_2.``) leaves its pipeline's T5 untouched, so the server lists it refused,
-    naming the component and the loader, rather than serve an image diffusers would not make."""
+    file adapting T5 (``text_encoder_2.``, T5's module names) leaves its pipeline's T5 untouched, so the server
+    lists it refused (engines/lora/library.py ``T5_LORA``), naming the component and the loader, rather than serve
+    an image diffusers would not make."""
     import diffusers
 
     pipe = diffusers.FluxKontextPipeline.from_pretrained(kontext["diffusers"])
@@ -145,7 +146,7 @@ def test_a_t5_lora_is_refused_by_name_as_diffusers_loads_none(kontext: dict[str,
     listed = {f.name: f for f in kontext["engine"].refresh_loras()}
     try:
         problem = listed["kontext_t5"].problem
-        assert "adapts text_encoder_2" in problem and "FluxLoraLoaderMixin" in problem, problem
+        assert "adapts text_encoder_2, a T5 text encoder" in problem and "FluxLoraLoaderMixin" in problem, problem
         assert not listed["kontext_t5"].components and not listed["kontext_style"].problem
     finally:
         path.unlink()
