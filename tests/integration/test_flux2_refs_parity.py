@@ -222,3 +222,18 @@ def test_edit_rows_join_running_rows_and_keep_their_solo_latents(folders: dict[s
           f"rows per transformer call {calls}")
     assert max(errors) < 1e-5 and effect > 2e-4
     assert calls == [1] + [1, 2] * 3  # alone; then per tick the txt2img run's call and the two edit runs' one
+
+
+def test_export_of_the_diffusers_folder_is_the_tiny_build(folders: dict[str, tuple[Path, Path]],
+                                                          tmp_path: Path) -> None:
+    """``export_flux2_refs_folder`` on the Flux2KleinPipeline folder writes the graphs the tiny build wrote from the
+    same weights, the VAE encoder included, named in model_index.json and hashed by the manifest."""
+    from engines.build.flux2_refs import export_flux2_refs_folder
+
+    onnx_dir, diffusers_dir = folders["flux2-klein"]
+    out = export_flux2_refs_folder(diffusers_dir, tmp_path / "exported")
+    for part in ("vae_encoder/model.onnx", "transformer/model.onnx", "vae_decoder/model.onnx"):
+        assert (out / part).read_bytes() == (onnx_dir / part).read_bytes(), part
+    assert json.loads((out / "model_index.json").read_text(encoding="utf-8"))["vae_encoder"][1] == "OnnxRuntimeModel"
+    manifest = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
+    assert "vae_encoder/model.onnx" in manifest["files"] and manifest["source"]["kind"] == "diffusers-folder"
