@@ -30,6 +30,7 @@ import torch
 from engines.build.clip_vocab import clip_vocab, find_bpe_source, write_tokenizer
 from engines.build.dit_export import export_dit, write_json
 from engines.build.t5_vocab import t5_pieces, write_t5_tokenizer
+from engines.errors import ConfigError
 
 log = logging.getLogger(__name__)
 SEED = 0
@@ -251,6 +252,20 @@ def _build_qwen_edit(out: Path, bpe: Path | None, diffusers_out: Path | None, va
 OWN_BUILDERS["qwen-image-edit"] = _build_qwen_edit
 
 
+def _build_qwen_edit_2511(out: Path, bpe: Path | None) -> Path:
+    """Qwen-Image-Edit-Plus 2511: the 2509 build with the transformer's ``zero_cond_t`` switched on."""
+    import importlib
+
+    build: Callable[..., Path] = importlib.import_module("engines.build.qwen_edit").build_tiny_qwen_edit
+    return build(out, bpe, zero_cond_t=True)
+
+
+VARIANTS: dict[tuple[str, str], Callable[[Path, Path | None], Path]] = {
+    ("qwen-image-edit", "2511"): _build_qwen_edit_2511}
+"""(family, variant) -> builder of a released configuration the family serves beside its first one, told apart by
+its configs (``sdserve engines tiny --family F --variant V``)."""
+
+
 def _build_flux2_dev(out: Path, bpe: Path | None, diffusers_out: Path | None, vae_encoder: bool,
                      first_block: bool) -> Path:
     """FLUX.2 [dev] (engines/build/mistral3.py, named by string): txt2img only, no first-block parts."""
@@ -266,10 +281,18 @@ OWN_BUILDERS["flux2-dev"] = _build_flux2_dev
 
 
 def build_tiny_dit(family: str, out: Path, bpe: Path | None = None, diffusers_out: Path | None = None,
-                   vae_encoder: bool = True, first_block: bool = False) -> Path:
+                   vae_encoder: bool = True, first_block: bool = False, variant: str = "") -> Path:
     """Build the tiny ``family`` model and export it to ``out``; ``diffusers_out``: the same weights as a diffusers
     folder too; ``vae_encoder``: export the VAE encoder (edits) as well; ``first_block``: the transformer's parts
-    for the first-block cache too (engines/build/dit_split.py). Qwen-Image: engines/build/qwen.py."""
+    for the first-block cache too (engines/build/dit_split.py); ``variant``: one of ``VARIANTS`` (built with its
+    defaults only). Qwen-Image: engines/build/qwen.py."""
+    if variant:
+        chosen = VARIANTS.get((family, variant))
+        if chosen is None or diffusers_out is not None or first_block:
+            known = ", ".join(f"--family {f} --variant {v}" for f, v in VARIANTS) or "none"
+            raise ConfigError(f"no tiny {family} variant {variant!r} with these options (variants: {known}; built "
+                             "without --diffusers-out)")
+        return chosen(out, bpe)
     own = OWN_BUILDERS.get(family)
     if own is not None:
         return own(out, bpe, diffusers_out, vae_encoder, first_block)

@@ -30,6 +30,9 @@ def register(sub: Any) -> None:
                       default=families.names()[0],
                       help="which family's structure to build in miniature (default sd1, the embedded model; "
                            "flux, flux-schnell, sd3, sd35: the flow-matching DiT families)")
+    tiny.add_argument("--variant", default="",
+                      help="a released configuration the family also serves: qwen-image-edit 2511 (zero_cond_t); "
+                           "default the family's first")
     tiny.add_argument("--controlnet", type=Path, default=None, metavar="DIR",
                       help="sd1 and sdxl: also a tiny ControlNet exported to DIR and the UNet's residual variant "
                            "(unet_controlnet/) in the model; --diffusers-out gets its weights in controlnet/")
@@ -90,23 +93,32 @@ def check_diffusers_folder(src: Path) -> None:
         raise ModelLoadError(f"--from {src}: not a diffusers Stable Diffusion folder, missing {missing}")
 
 
-def run(args: argparse.Namespace) -> int:
-    import json
+def _check_tiny(args: argparse.Namespace) -> None:
+    """``engines tiny``'s options that only some families take, refused by name before anything is built."""
+    from engines.errors import ConfigError
 
-    if args.engines_cmd == "tiny" and getattr(args, "controlnet", None) is not None:
+    if getattr(args, "controlnet", None) is not None:
         from engines.build.controlnet import TINY_FAMILIES
 
         if args.family not in TINY_FAMILIES:
-            from engines.errors import ConfigError
-
             raise ConfigError(f"--controlnet: a tiny ControlNet is built for {', '.join(TINY_FAMILIES)} only, "
                               f"not {args.family}")
+    if args.variant and args.family not in DIT_FAMILIES:
+        raise ConfigError(f"--variant: {args.family} has no tiny variants (qwen-image-edit: 2511)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    if args.engines_cmd == "tiny":
+        _check_tiny(args)
     if args.engines_cmd == "tiny" and args.family in DIT_FAMILIES:
         from engines.build.dit import build_tiny_dit
 
-        out = build_tiny_dit(args.family, args.out, args.bpe, args.diffusers_out)
+        out = build_tiny_dit(args.family, args.out, args.bpe, args.diffusers_out, variant=args.variant)
     elif args.engines_cmd == "tiny":
         from engines.build.tiny import build_tiny
+
 
         out = build_tiny(args.out, args.bpe, args.diffusers_out, args.family)
         if getattr(args, "controlnet", None) is not None:
