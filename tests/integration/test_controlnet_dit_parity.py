@@ -235,3 +235,57 @@ def test_cli_exports_a_flux_controlnet_folder(built: dict[str, Path], tmp_path: 
                      str(out)]) == 0
         assert (out / "model.onnx").read_bytes() == (built[name] / "model.onnx").read_bytes()
         assert json.loads((out / "config.json").read_text())["_class_name"] == "FluxControlNetModel"
+
+
+def test_img2img_with_a_unit_matches_diffusers(ours: Any, built: dict[str, Path],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """img2img with a unit vs FluxControlNetImg2ImgPipeline: the init image's posterior sampled with our streams'
+    draws (start noise first, then the encoder's sample noise, as test_dit_parity.py feeds diffusers), the control
+    image's taken at its mean."""
+    import dataclasses
+
+    import diffusers.models.autoencoders.vae as vae
+    from diffusers import FluxControlNetImg2ImgPipeline, FluxControlNetModel
+    from diffusers.pipelines.flux import pipeline_flux_controlnet_image_to_image as module
+
+    from engines.types.request import EditImage
+
+    strength = 0.7
+    y, x = np.mgrid[0:SIZE, 0:SIZE].astype(np.float32) / SIZE
+    init = np.asarray((np.stack([x, y, 0.5 + 0.5 * np.sin(6 * x + 4 * y)], axis=-1) * 255).round().astype(np.uint8))
+    unit = ControlUnit(_control_image(12, SIZE, SIZE), "edges", 1.1, 0.0, 0.9)
+    batch = Batch(tuple(ImageSpec(p, seed=s, guidance_scale=GUIDANCE, edit=EditImage(init))
+                        for p, s in zip(PROMPTS, SEEDS, strict=True)), SIZE, SIZE, STEPS, strength=strength,
+                  control=(unit,))
+    mine = np.asarray(ours(batch, max_sequence_length=T5_LENGTH).images)
+    rngs = [image_rng(s) for s in SEEDS]
+    noise, eps = (np.stack([r.standard_normal((16, SIZE // 8, SIZE // 8), dtype=np.float32) for r in rngs])
+                  for _ in range(2))
+
+    def answer(array: np.ndarray) -> Any:
+        def randn(shape, generator=None, device=None, dtype=None, layout=None):  # type: ignore[no-untyped-def]
+            assert tuple(shape) == array.shape
+            return torch.from_numpy(array.copy()).to(dtype=dtype)
+        return randn
+
+    monkeypatch.setattr(vae, "randn_tensor", answer(eps))
+    monkeypatch.setattr(module, "randn_tensor", answer(noise))
+    given, calls = module.retrieve_latents, []
+
+    def retrieve(out: Any, generator: Any = None, sample_mode: str = "sample") -> Any:
+        calls.append(len(calls))  # the control image is encoded first: its mean; then the init images: sampled
+        return given(out, generator, "argmax" if len(calls) == 1 else sample_mode)
+
+    monkeypatch.setattr(module, "retrieve_latents", retrieve)
+    net = FluxControlNetModel.from_pretrained(built["edges_torch"]).eval()  # type: ignore[no-untyped-call]
+    pipe = FluxControlNetImg2ImgPipeline.from_pretrained(built["diffusers"], controlnet=net)  # type: ignore[no-untyped-call]
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        theirs = pipe(PROMPTS, image=[Image.fromarray(init)] * 2, control_image=Image.fromarray(unit.image),
+                      height=SIZE, width=SIZE, strength=strength, num_inference_steps=STEPS, guidance_scale=GUIDANCE,
+                      max_sequence_length=T5_LENGTH, output_type="np", controlnet_conditioning_scale=unit.weight,
+                      control_guidance_start=unit.guidance_start, control_guidance_end=unit.guidance_end).images
+    assert len(calls) == 2
+    _assert_close(mine, np.asarray((theirs * 255).round().astype(np.uint8)), "img2img")
+    plain = dataclasses.replace(batch, control=())
+    assert _differs(mine, np.asarray(ours(plain, max_sequence_length=T5_LENGTH).images)) > 0.1
