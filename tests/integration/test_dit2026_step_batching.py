@@ -68,3 +68,17 @@ def test_z_image_turbo_rows_joining_mid_way_get_their_solo_images(dit_build: Bui
                                images=(ImageSpec("a watercolour", seed=5, guidance_scale=0.0,
                                                  edit=EditImage(picture)),))
     _joins(engine, long, edit)
+
+
+def test_a_flux2_dev_row_with_its_own_embedded_guidance_joins_and_gets_its_solo_image(dit_build: Builder) -> None:
+    """FLUX.2 [dev]: the guidance is a transformer input per row (embedded, no CFG): a 2-image request at 4.0 runs,
+    a request at 2.0 with other prompts, seeds and step count joins at tick 2; each keeps its own guidance."""
+    engine = _engine(dit_build("flux2-dev")[0])
+    assert engine.info.family == "flux2-dev"
+    size = engine.pipeline.default_size
+    long = _batch("a lighthouse at dusk", 10, 6, size, 4.0, n=2)
+    later = _batch("a red cube on a table", 40, 4, size, 2.0)
+    _joins(engine, long, later)
+    other = engine.generate(dataclasses.replace(later, images=tuple(
+        dataclasses.replace(s, guidance_scale=4.0) for s in later.images)))
+    assert np.abs(_pixels(other)[0] - _pixels(engine.generate(later))[0]).max() > 0, "the guidance is an input"

@@ -133,7 +133,7 @@ def test_a_reusing_row_leaves_the_joined_call_and_others_are_untouched(engine: O
     assert np.abs(_pixels(joined_cached).astype(int) - _pixels(solo_cached)).max() <= 1
 
 
-@pytest.mark.parametrize("family", ["flux", "sd3", "qwen-image"])
+@pytest.mark.parametrize("family", ["flux", "sd3", "qwen-image", "flux2-dev"])
 def test_dit_families_cache_at_the_output(dit_build: Callable[[str], tuple[Path, Path]], family: str) -> None:
     engine = _engine(dit_build(family)[0])
     try:
