@@ -17,7 +17,8 @@ flow-matching base (engines/pipelines/flow.py). The folder is the layout engines
    negative prompt empty by default (diffusers always uses ""); the distilled ones never do (diffusers ignores the
    scale). Decode: the VAE decoder undoes the batch norm and unpatchifies itself (folded in at export).
 
-img2img is not served: ``Flux2KleinPipeline`` takes images as reference tokens (editing), not as a start.
+Input images: ``Flux2KleinPipeline`` takes them as reference tokens (instruction edits, engines/pipelines/
+flux2_refs.py, 1 to 4 images); a folder exported with its ``vae_encoder/`` serves those edits and img2img.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from engines.numerics.flow_schedule import FlowSchedule, flow_schedule, flux_sig
 from engines.numerics.qwen_tokenizer import load_unpadded
 from engines.pipelines.flow import DitConditioning, FlowPipeline, Geometry, run
 from engines.pipelines.flux import flux_rope
+from engines.pipelines.flux2_refs import Flux2References
 from engines.pipelines.ort_model import OrtModel
 from engines.pipelines.unet_family import read_json
 from engines.types.request import Batch
@@ -63,7 +65,7 @@ def position_ids(text: int, grid_h: int, grid_w: int) -> np.ndarray:
     return np.concatenate([words, image.reshape(-1, 4)])
 
 
-class Flux2Pipeline(FlowPipeline):
+class Flux2Pipeline(Flux2References, FlowPipeline):
     """FLUX.2 [klein] (distilled and base): Qwen3's stacked states, a fixed-length unmasked text sequence."""
 
     FIRST_BLOCK = False
