@@ -230,9 +230,9 @@ def build_tiny_controlnet(out: Path, model: Path | None = None, diffusers_out: P
     ``model`` (that tiny model's folder) its UNet's residual variant is added there; ``diffusers_out``: the
     ControlNet's torch weights too (parity tests)."""
     family = family or (tiny_family(model) if model is not None else "sd1")
-    if family in ("flux", "flux-schnell"):
-        from engines.build.controlnet_dit import build_tiny_flux_controlnet
+    from engines.build.controlnet_dit import TINY_FLUX_FAMILIES, build_tiny_flux_controlnet
 
+    if family in TINY_FLUX_FAMILIES:
         return build_tiny_flux_controlnet(out, model, diffusers_out, family=family)
     net = make_tiny_controlnet(family=family)
     export_controlnet(net, out, {"kind": "tiny", "family": f"{family}-controlnet", "seed": SEED})

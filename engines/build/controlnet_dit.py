@@ -38,8 +38,9 @@ from typing import Any
 import torch
 
 from engines.artifacts import MANIFEST, read_manifest, write_model_manifest
-from engines.build.dit import FLUX, SEED
-from engines.build.dit_export import _export, _GivenRope, _rotary_for_export
+from engines.build.dit import FLUX, RECIPES, SEED
+from engines.build.dit_export import register_half_symbolics
+from engines.build.dit_folder import export_onnx
 from engines.build.export import write_json, write_manifest
 
 CONTROLNET_FLUX = {**FLUX, "num_layers": 1, "num_single_layers": 1}
@@ -50,6 +51,32 @@ ZERO_STD = 0.05
 """Standard deviation of the tiny ControlNet's (otherwise zero) output projections and control embedder."""
 TOKENS, TEXT = 16, 8
 """Example image and text token counts of the traced graphs (both axes are dynamic)."""
+TINY_FLUX_FAMILIES = tuple(name for name, recipe in RECIPES.items() if recipe.transformer == "FluxTransformer2DModel")
+"""The tiny families a FLUX.1 ControlNet is built for (engines/build/dit.py RECIPES: dev and schnell)."""
+
+
+class _RopeInputs(torch.nn.Module):
+    """The network's ``pos_embed`` while tracing: it answers with the rope tables the graph takes as inputs (the
+    pipeline computes them, engines/pipelines/flux.py ``flux_rope``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.tables is not None, "the rope tables are set by the traced forward"
+        return self.tables
+
+
+def _rope_apply(x: torch.Tensor, freqs_cis: tuple[torch.Tensor, torch.Tensor], use_real: bool = True,
+                use_real_unbind_dim: int = -1, sequence_dim: int = 2) -> torch.Tensor:
+    """diffusers' ``apply_rotary_emb`` for FLUX.1 blocks (x [B, tokens, heads, dim], real tables, interleaved
+    pairs): each pair (a, b) becomes (a cos - b sin, b cos + a sin). Pairs are split with ``unflatten`` so the traced
+    graph keeps its batch and token axes dynamic."""
+    cos, sin = freqs_cis[0][None, :, None, :], freqs_cis[1][None, :, None, :]
+    a, b = x.unflatten(-1, (-1, 2)).unbind(-1)
+    swapped = torch.stack([-b, a], dim=-1).flatten(-2)
+    return (x.float() * cos + swapped.float() * sin).to(x.dtype)
 
 
 def make_tiny_flux_controlnet(seed: int = SEED, union: bool = False, guidance_embeds: bool = True,
@@ -79,7 +106,7 @@ class _FluxControlNet(torch.nn.Module):
     def __init__(self, model: Any) -> None:
         super().__init__()
         self.model = model
-        self.rope = _GivenRope()
+        self.rope = _RopeInputs()
         model.pos_embed = self.rope
         self.union = model.config.num_mode is not None
         self.guidance = bool(model.config.guidance_embeds)
@@ -105,7 +132,7 @@ class _ControlledFlux(torch.nn.Module):
     def __init__(self, model: Any) -> None:
         super().__init__()
         self.model = model
-        self.rope = _GivenRope()
+        self.rope = _RopeInputs()
         model.pos_embed = self.rope
         self.blocks = len(model.transformer_blocks)
         self.guidance = bool(model.config.guidance_embeds)
@@ -127,9 +154,10 @@ def _traced(model: Any, module: torch.nn.Module, args: tuple[torch.Tensor, ...],
     from diffusers.models.transformers import transformer_flux
 
     original, rotary = model.pos_embed, transformer_flux.apply_rotary_emb
-    transformer_flux.apply_rotary_emb = _rotary_for_export
+    transformer_flux.apply_rotary_emb = _rope_apply
+    register_half_symbolics()  # aten::rms_norm (the q/k norms) has no symbolic of the legacy exporter's own
     try:
-        _export(module, args, path, inputs, outputs, dynamic)
+        export_onnx(module, args, path, inputs, outputs, dynamic)  # weights external past 2 GB
     finally:
         model.pos_embed, transformer_flux.apply_rotary_emb = original, rotary
 
@@ -221,7 +249,7 @@ def build_tiny_flux_controlnet(out: Path, model: Path | None = None, diffusers_o
     ``diffusers_out``: the ControlNet's torch weights too (parity tests)."""
     from engines.build.dit import make_dit_components
 
-    net = make_tiny_flux_controlnet(union=union, guidance_embeds=family == "flux")
+    net = make_tiny_flux_controlnet(union=union, guidance_embeds=RECIPES[family].transformer_config["guidance_embeds"])
     export_flux_controlnet(net, out, {"kind": "tiny", "family": "flux-controlnet" + ("-union" if union else ""),
                                       "seed": SEED})
     if model is not None:

@@ -37,7 +37,7 @@ import onnxruntime as ort
 
 from engines.errors import InvalidRequestError, ModelLoadError
 from engines.pipelines.controlnet import prepare_image
-from engines.pipelines.flow import DitDenoising, pack_latents, run
+from engines.pipelines.flow import DitConditioning, DitDenoising, pack_latents, run
 from engines.pipelines.ort_model import Feed, OrtModel
 from engines.pipelines.unet_edits import ENCODER_OUTPUT
 from engines.pipelines.unet_family import read_json
@@ -237,15 +237,11 @@ class FluxControlNets:
 
 def union_rope(pipe: FluxPipeline, state: DitDenoising) -> dict[str, np.ndarray]:
     """The union kind's rope tables: its mode token leads the text tokens, all at position zero (diffusers'
-    ``txt_ids[:1]`` prepended), then the packed image tokens; computed on the host as the transformer's are."""
-    from engines.pipelines.flux import flux_rope, image_ids  # flux.py imports this module
-
+    ``txt_ids[:1]`` prepended), then the packed image tokens: the pipeline's own tables for one more text token."""
     states = state.feeds["encoder_hidden_states"]
     text = int((states.shape() if isinstance(states, ort.OrtValue) else states.shape)[1])
-    h, w = state.latent_size
-    ids = np.concatenate([np.zeros((text + 1, 3), np.float32), image_ids(h // 2, w // 2)])
-    cos, sin = flux_rope(ids, pipe.axes_dim)
-    return {"rope_cos": cos, "rope_sin": sin}
+    longer = DitConditioning(np.zeros((1, text + 1, 1), np.float32), None, (), ())  # position_feeds reads its length
+    return pipe.position_feeds(longer, *state.latent_size)
 
 
 def union_mode(unit: ControlUnit) -> int:
