@@ -57,6 +57,20 @@ NAMED_ROLES: dict[str, dict[str, tuple[str, ...]]] = {
 }
 """SDXL's extra UNet inputs (same rank, told apart by name): the pooled projection of the second text encoder and
 the six micro-conditioning time ids (original size, crop top-left, target size)."""
+RESIDUAL_DOWN, RESIDUAL_MID = "down_block_additional_residual_", "mid_block_additional_residual"
+"""The ControlNet residual inputs of the UNet's residual variant (``unet_controlnet/``, engines/build/controlnet.py):
+[rows, channels, h / f, w / f] per level (engines/pipelines/controlnet.py ``residual_levels``); the channels are
+fixed in the graph ("" role), the sides follow the latents at each level's downsampling."""
+MAX_RESIDUALS = 64
+ROLES["unet_controlnet"] = ROLES["unet"]
+NAMED_ROLES["unet_controlnet"] = {**NAMED_ROLES["unet"], RESIDUAL_MID: ("cfg_batch", "", "resmid_h", "resmid_w"),
+                                  **{f"{RESIDUAL_DOWN}{i}": ("cfg_batch", "", f"res{i}_h", f"res{i}_w")
+                                     for i in range(MAX_RESIDUALS)}}
+ROLES["controlnet"] = {3: ("cfg_batch", "tokens", "hidden"), 1: ("cfg_batch",)}
+NAMED_ROLES["controlnet"] = {**NAMED_ROLES["unet"], "sample": ("cfg_batch", "unet_channels", "height", "width"),
+                             "controlnet_cond": ("cfg_batch", "image_channels", "pixel_height", "pixel_width")}
+"""A ControlNet (engines/build/controlnet.py's layout) runs on every UNet row: the UNet's latents, timestep and text
+states (SDXL's added conditions too), the control image at the output's pixels, one conditioning scale per row."""
 BUILD_BUDGET_S = {"sd1": 900.0, "sd2": 900.0, "sdxl": 2700.0, "flux": 5400.0, "flux-schnell": 5400.0,
                   "sd3": 2700.0, "sd35": 3600.0, "qwen-image": 9000.0, "flux2-klein": 3600.0, "z-image": 3600.0}
 """Seconds `engines build` may take per served size, by architecture (fp16 engines, builder optimization level 3,
@@ -73,8 +87,9 @@ CreateNodeComputeInfoFromGraph) whose initializers stored on disk stay reference
 reads the weights from the model folder. A component over the limit therefore builds only from a file path, with
 its weights external and no ORT optimization folding them into new inline tensors: trt_build builds from the path
 at ORT_DISABLE_ALL. Unverified on a GPU so far (docs/gpu-path.md, the second device run)."""
-OPTIONAL_COMPONENTS = ("text_encoder_2", "vae_encoder")
-"""Built when the model folder has them (SDXL's second text encoder; the VAE encoder that edits need)."""
+OPTIONAL_COMPONENTS = ("text_encoder_2", "vae_encoder", "unet_controlnet")
+"""Built when the model folder has them (SDXL's second text encoder; the VAE encoder that edits need; the UNet's
+ControlNet residual variant)."""
 
 
 @dataclass(frozen=True)
@@ -124,7 +139,18 @@ def model_dims(model_dir: Path) -> dict[str, int | None]:
             "hidden": _int(unet.get("cross_attention_dim"), text.get("hidden_size")),
             "pooled": _int(text_2.get("projection_dim"), text_2.get("hidden_size")),
             "time_ids": 6, "image_channels": 3,
-            "factor": 2 ** (len(blocks) - 1) if isinstance(blocks, list) and blocks else 8}
+            "factor": 2 ** (len(blocks) - 1) if isinstance(blocks, list) and blocks else 8, **_residual_dims(unet)}
+
+
+def _residual_dims(unet: dict[str, Any]) -> dict[str, int | None]:
+    """The downsampling of each ControlNet residual the UNet of config ``unet`` takes (``res_factor_<i>``, the
+    mid block's ``res_factor_mid``), as engines/pipelines/controlnet.py ``residual_levels`` lists them."""
+    if not isinstance(unet.get("block_out_channels"), list) or not isinstance(unet.get("layers_per_block"), int):
+        return {}
+    from engines.pipelines.controlnet import residual_levels
+
+    levels = residual_levels(unet)
+    return {**{f"res_factor_{i}": f for i, (_, f) in enumerate(levels[:-1])}, "res_factor_mid": levels[-1][1]}
 
 
 def graph_inputs(path: Path) -> dict[str, list[int | str]]:
@@ -174,6 +200,10 @@ def component_shapes(component: str, inputs: dict[str, list[int | str]], dims: d
     factor = dims["factor"] or 8
     values = {**dims, "batch": batch, "cfg_batch": 2 * batch if cfg else batch, "height": p.height // factor,
               "width": p.width // factor, "pixel_height": p.height, "pixel_width": p.width}
+    for key, f in dims.items():  # the ControlNet residuals' sides, as the pipeline's buffers floor them
+        if key.startswith("res_factor_") and f:
+            level = key.removeprefix("res_factor_")
+            values[f"res{level}_h"], values[f"res{level}_w"] = p.height // factor // f, p.width // factor // f
     # The timestep has one value per UNet row (rows at different steps share a call under step-level batching),
     # so it follows cfg_batch; a UNet exported with a fixed [1] timestep keeps its fixed dim (resolve).
     return ",".join(f"{name}:" + "x".join(str(d) for d in resolve(component, name, declared, values))
@@ -283,6 +313,36 @@ def plan(model_dir: Path, profiles: list[ShapeProfile], flags: BuildFlags, devic
             "budget_s": BUILD_BUDGET_S.get(base, max(BUILD_BUDGET_S.values())) * len(profiles),
             "build_flags": asdict(flags) | {"fp32_components": [c for c in present if c in upcast],
                                             **({"precision": precision} if precision else {})}, "sizes": sizes,
+            "manifest": f"{TRT_DIR}/manifest.json"}
+
+
+def controlnet_plan(net_dir: Path, model_dir: Path, profiles: list[ShapeProfile], flags: BuildFlags,
+                    device_id: int = 0) -> dict[str, Any]:
+    """A ControlNet's plan for the model it serves (``sdserve serve --controlnet-dir``): per served size, the
+    provider options of its engine, shaped as ``plan``'s (component ``controlnet``, source ``model.onnx``) with every
+    path relative to the ControlNet's folder (its ``trt/<WxH>/controlnet_ctx.onnx`` and engine cache beside it). Its
+    rows, latents and text states are the model's UNet's (every CFG row runs it), the control image the output's
+    pixels. A ControlNet for another base (engines/pipelines/controlnet.py ``base_mismatch``) is refused by name;
+    the model's ``unet_controlnet/`` (planned by ``plan``) takes its residuals."""
+    from engines.pipelines.controlnet import base_mismatch
+
+    if not (net_dir / "model.onnx").is_file():
+        raise ArtifactError(f"{net_dir} has no model.onnx: no ControlNet to plan")
+    dims = model_dims(model_dir)
+    why = base_mismatch(net_dir.name, _json(net_dir / "config.json"), dims["pooled"] is not None)
+    if why:
+        raise ArtifactError(f"no TensorRT plan for {net_dir.name} on {model_dir.name}: {why}")
+    inputs, component = graph_inputs(net_dir / "model.onnx"), "controlnet"
+    sizes = {}
+    for p in profiles:
+        options = _options(component, inputs, dims, p, flags, device_id)
+        sizes[p.name] = {"profile": asdict(p) | {"name": p.name},
+                         "components": {component: {"source": "model.onnx", "provider_options": options,
+                                                    "writes": [f"{TRT_DIR}/{p.name}/{component}_ctx.onnx",
+                                                               f"{TRT_DIR}/{p.name}/{ENGINE_CACHE}/*"]}},
+                         RECORD: {component: record(options, rows(component, inputs, dims, p))}}
+    return {"model": net_dir.name, "serves": model_dir.name, "dims": dims, "architecture": _architecture(model_dir),
+            "weights": {component: weights(net_dir, "model.onnx")}, "build_flags": asdict(flags), "sizes": sizes,
             "manifest": f"{TRT_DIR}/manifest.json"}
 
 

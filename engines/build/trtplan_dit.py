@@ -9,6 +9,9 @@ tables over text + image tokens; SD 3's takes latents ``[rows, 16, H/8, W/8]`` a
 length is the family's ``max_sequence_length`` capped by the tokenizer's. A dim that is fixed in the graph is
 kept; one that is neither fixed nor known refuses the plan (trtplan.resolve).
 
+Instruction edits (FLUX.1 Kontext, Qwen-Image-Edit 2509/2511, FLUX.2 with reference images): their reference
+tokens widen every image-token dim, engines/build/trtplan_edit.py.
+
 Qwen-Image (engines/pipelines/qwen.py, qwen_tokenizer.py): the transformer takes the 2x2-packed tokens
 like Flux, and ``max_sequence_length`` (512) text states, every row zero-padded to that fixed length, with the key
 mask ``encoder_hidden_states_mask`` [rows, 512] beside them; rows doubled under true CFG (negatives first); rope
@@ -68,12 +71,14 @@ NAMED: dict[str, tuple[str, ...]] = {
     "image_index": ("padded_image_tokens",), "image_pad": ("padded_image_tokens",),
     "image_rope_cos": ("padded_image_tokens", "rope_dim"), "image_rope_sin": ("padded_image_tokens", "rope_dim"),
     "text_rope_cos": ("text_tokens", "rope_dim"), "text_rope_sin": ("text_tokens", "rope_dim"),
-    "timestep": ("rows",), "guidance": ("rows",),
+    "timestep": ("rows",), "guidance": ("rows",), "modulate_index": ("image_tokens",),
     "rope_cos": ("rope_tokens", "rope_dim"), "rope_sin": ("rope_tokens", "rope_dim"),
     "latent_sample": ("batch", "latent_channels", "height", "width"),
     "sample": ("batch", "image_channels", "pixel_height", "pixel_width"),
 }
-"""Each input's dims by role; SD 3's 4-D ``hidden_states`` and the T5's ``input_ids`` are told apart in ``roles``."""
+"""Each input's dims by role; SD 3's 4-D ``hidden_states`` and the T5's ``input_ids`` are told apart in ``roles``.
+``modulate_index``: Qwen-Image-Edit 2511's 0/1 per image token, the reference tokens included
+(engines/build/trtplan_edit.py)."""
 
 
 def _json(path: Path) -> dict[str, Any]:
@@ -104,7 +109,7 @@ def dims(folder: Path, family: DitFamily) -> dict[str, int | None]:
     distilled = bool(_json(folder / "model_index.json").get("is_distilled", False))
     cfg = {"cfg_rows": 2 if family.cfg and not distilled else 1}
     if row.text_tokens == "fixed":
-        return {**text_dims(family), **vae_dims(vae), **cfg}
+        return {**text_dims(family), **vae_dims(vae), **cfg, **_edit(family, folder, vae)}
     t5_tok = _json(folder / row.t5.replace("text_encoder", "tokenizer") / "tokenizer_config.json")
     clip_tok = _json(folder / "tokenizer" / "tokenizer_config.json")
     cap = t5_tok.get("model_max_length")
@@ -113,7 +118,16 @@ def dims(folder: Path, family: DitFamily) -> dict[str, int | None]:
     clip = clip_tok.get("model_max_length")
     clip = clip if isinstance(clip, int) and 0 < clip < 100_000 else 77
     return {"t5_tokens": t5, "clip_tokens": clip,
-            "text_tokens": clip + t5 if row.text_tokens == "clip+t5" else t5, **vae_dims(vae), **cfg}
+            "text_tokens": clip + t5 if row.text_tokens == "clip+t5" else t5, **vae_dims(vae), **cfg,
+            **_edit(family, folder, vae)}
+
+
+def _edit(family: DitFamily, folder: Path, vae: dict[str, Any]) -> dict[str, int]:
+    """An instruction-edit folder's reference bounds (engines/build/trtplan_edit.py ``references``; {} else)."""
+    from engines.build.trtplan_edit import references
+
+    geometry = vae_dims(vae)
+    return references(family, folder, int(geometry["factor"] or 8) * int(geometry["pack"] or 2))
 
 
 def text_dims(family: DitFamily) -> dict[str, int | None]:
@@ -157,12 +171,16 @@ def vae_dims(vae: dict[str, Any]) -> dict[str, int | None]:
 
 
 def roles(family: DitFamily, component: str, name: str, rank: int) -> tuple[str, ...] | None:
+    if family.base == "qwen-image-edit" and component in ("text_encoder", "vision"):
+        from engines.build.trtplan_edit import QWEN_EDIT_ROLES
+
+        return QWEN_EDIT_ROLES.get((component, name))
     if name == "input_ids" and architectures.get(family.base).text_tokens == "fixed":
         return ("rows", "text_ids")
     if name == "input_ids":
         return ("rows", "t5_tokens") if component == t5_component(family) else ("rows", "clip_tokens")
     if component == "transformer" and name == "hidden_states" and rank == 4:
-        return ("rows", "latent_channels", "height", "width")
+        return ("rows", "latent_channels", "grid_height", "grid_width")
     return NAMED.get(name)
 
 
@@ -176,7 +194,10 @@ def values(family: DitFamily, base: dict[str, int | None], width: int, height: i
     image_tokens = (h // pack) * (w // pack)
     text = base["text_tokens"] or 0
     rows = batch * (base.get("cfg_rows") or 1) if cfg else batch
-    return {**base, "batch": batch, "rows": rows, "height": h, "width": w,
-            "pixel_height": height, "pixel_width": width, "image_tokens": image_tokens,
-            "padded_image_tokens": image_tokens + (-image_tokens) % SEQ_MULTI_OF,
-            "rope_tokens": text + image_tokens, "text_ids": base.get(f"text_ids_{bound}")}
+    found = {**base, "batch": batch, "rows": rows, "height": h, "width": w, "grid_height": h, "grid_width": w,
+             "pixel_height": height, "pixel_width": width, "image_tokens": image_tokens,
+             "padded_image_tokens": image_tokens + (-image_tokens) % SEQ_MULTI_OF,
+             "rope_tokens": text + image_tokens, "text_ids": base.get(f"text_ids_{bound}")}
+    from engines.build.trtplan_edit import edit_values
+
+    return edit_values(base, found, bound)
