@@ -171,7 +171,7 @@ def vae_dims(vae: dict[str, Any]) -> dict[str, int | None]:
 
 
 def roles(family: DitFamily, component: str, name: str, rank: int) -> tuple[str, ...] | None:
-    if family.base == "qwen-image-edit" and component in ("text_encoder", "vision"):
+    if "vision" in architectures.get(family.base).components and component in ("text_encoder", "vision"):
         from engines.build.trtplan_edit import QWEN_EDIT_ROLES
 
         return QWEN_EDIT_ROLES.get((component, name))

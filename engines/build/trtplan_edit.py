@@ -19,11 +19,15 @@ tokens, C] (Kontext, Qwen-Image-Edit) and in the rotary tables (text + noisy + r
 
 from __future__ import annotations
 
+import inspect
 import math
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
+from engines import architectures
 from engines.pipelines.flow_family import DitFamily
 
 EDIT_ASPECT_MAX = 8.0
@@ -48,39 +52,35 @@ def _bounds(sizes: list[tuple[int, int]], multiple: int, images: int) -> dict[st
             "ref_side_min": min(sides), "ref_side_max": max(sides)}
 
 
+def edit_module(family: DitFamily) -> ModuleType | None:
+    """The module defining the family's reference hooks: the first class in its pipeline's MRO whose module has
+    ``reference_sizes`` and ``REFERENCES`` (engines/pipelines/kontext.py, qwen_edit.py, flux2_refs.py); None for
+    a pipeline without instruction edits."""
+    cls = architectures.get(family.base).pipeline_class()
+    for base in getattr(cls, "__mro__", ()):
+        module = sys.modules.get(base.__module__)
+        if module is not None and hasattr(module, "reference_sizes") and hasattr(module, "REFERENCES"):
+            return module
+    return None
+
+
 def references(family: DitFamily, folder: Path, multiple: int) -> dict[str, int]:
     """The reference bounds of an instruction-edit folder ({} for one that serves no instruction edits: no VAE
-    encoder, or a family without references): ``ref_tokens`` (the most tokens the references add to a row),
-    ``ref_side_min``/``ref_side_max`` (pixels the VAE encoder sees), and Qwen-Image-Edit's vision bounds."""
-    if not (folder / "vae_encoder" / "model.onnx").is_file():
+    encoder, or a pipeline without references): ``ref_tokens`` (the most tokens the references add to a row),
+    ``ref_side_min``/``ref_side_max`` (pixels the VAE encoder sees), and, for a pipeline with a vision tower
+    (Qwen-Image-Edit), its bounds. The encoded sizes are the pipeline module's own ``reference_sizes`` over every
+    probed aspect within its ``MAX_ASPECT`` (else ``EDIT_ASPECT_MAX``), and its ``MIN_SIDE`` square."""
+    module = edit_module(family)
+    if module is None or not (folder / "vae_encoder" / "model.onnx").is_file():
         return {}
-    if family.base == "flux-kontext":
-        from engines.pipelines import kontext
-
-        sizes = [kontext.reference_size(w, h, multiple) for w, h in kontext.PREFERRED_KONTEXT_RESOLUTIONS]
-        return {**_bounds(sizes, multiple, kontext.REFERENCES)}
-    if family.base in ("flux2-klein", "flux2-dev"):
-        from engines.pipelines import flux2_refs
-
-        probed = [(w, h) for w, h in _inputs() if max(w / h, h / w) <= flux2_refs.MAX_ASPECT]
-        sizes = [flux2_refs.reference_size(w, h, multiple) for w, h in probed]
-        low = flux2_refs.reference_size(flux2_refs.MIN_SIDE, flux2_refs.MIN_SIDE, multiple)
-        return {**_bounds([*sizes, low], multiple, flux2_refs.REFERENCES)}
-    if family.base == "qwen-image-edit":
-        return {**_bounds(qwen_reference_sizes(), multiple, qwen_images()), **qwen_vision(folder)}
-    return {}
-
-
-def qwen_images() -> int:
-    from engines.pipelines import qwen_edit
-
-    return qwen_edit.REFERENCES
-
-
-def qwen_reference_sizes() -> list[tuple[int, int]]:
-    from engines.pipelines import qwen_edit
-
-    return list(qwen_edit.reference_sizes(tuple(_inputs())))
+    aspect = float(getattr(module, "MAX_ASPECT", EDIT_ASPECT_MAX))
+    probes = [(w, h) for w, h in _inputs() if max(w / h, h / w) <= aspect]
+    if hasattr(module, "MIN_SIDE"):
+        probes.append((int(module.MIN_SIDE), int(module.MIN_SIDE)))
+    sizing = module.reference_sizes
+    kwargs = {"multiple": multiple} if "multiple" in inspect.signature(sizing).parameters else {}
+    bounds = _bounds(list(sizing(tuple(probes), **kwargs)), multiple, int(module.REFERENCES))
+    return {**bounds, **(qwen_vision(folder) if hasattr(module, "VisionInputs") else {})}
 
 
 def qwen_condition_patches(folder: Path, width: int, height: int) -> int:
