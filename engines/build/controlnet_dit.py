@@ -148,12 +148,14 @@ class _ControlledFlux(torch.nn.Module):
                           controlnet_single_block_samples=list(residuals[self.blocks:]), return_dict=False)[0]
 
 
-def _traced(model: Any, module: torch.nn.Module, args: tuple[torch.Tensor, ...], path: Path, inputs: list[str],
+def _traced(model: Any, wrap: Any, args: tuple[torch.Tensor, ...], path: Path, inputs: list[str],
             outputs: list[str], dynamic: dict[str, dict[int, str]]) -> None:
-    """Export with the rope stand-in and diffusers' rotary function swapped for the dynamic one, both restored."""
+    """Export ``wrap(model)`` (which puts the rope stand-in in) with diffusers' rotary function swapped for the
+    dynamic one; the model's own ``pos_embed`` and the function restored after (the model stays usable)."""
     from diffusers.models.transformers import transformer_flux
 
     original, rotary = model.pos_embed, transformer_flux.apply_rotary_emb
+    module = wrap(model)
     transformer_flux.apply_rotary_emb = _rope_apply
     register_half_symbolics()  # aten::rms_norm (the q/k norms) has no symbolic of the legacy exporter's own
     try:
@@ -209,7 +211,7 @@ def export_flux_controlnet(net: Any, out: Path, source: dict[str, Any]) -> Path:
     blocks, singles = residual_names(config)
     dynamic |= {"hidden_states": tokens, "controlnet_cond": tokens, "conditioning_scale": {0: "batch"},
                 **{name: tokens for name in [*blocks, *singles]}}
-    _traced(net, _FluxControlNet(net), tuple(args), out / "model.onnx", inputs, [*blocks, *singles], dynamic)
+    _traced(net, _FluxControlNet, tuple(args), out / "model.onnx", inputs, [*blocks, *singles], dynamic)
     write_json(out / "config.json", {"_class_name": "FluxControlNetModel", **dict(config)})
     write_manifest(out, source)
     return out
@@ -233,7 +235,7 @@ def export_controlled_flux(transformer: Any, out: Path) -> Path:
     tokens = {0: "batch", 1: "image_tokens"}
     dynamic |= {"hidden_states": tokens, "out_hidden_states": tokens, **{name: tokens for name in residuals}}
     target = out / "transformer_controlnet"
-    _traced(transformer, _ControlledFlux(transformer), tuple(args), target / "model.onnx", [*inputs, *residuals],
+    _traced(transformer, _ControlledFlux, tuple(args), target / "model.onnx", [*inputs, *residuals],
             ["out_hidden_states"], dynamic)
     write_json(target / "config.json", {"_class_name": type(transformer).__name__, **dict(config)})
     if (out / MANIFEST).is_file():  # the folder's manifest covers the new files too (its other keys kept)

@@ -230,9 +230,16 @@ class FluxControlNets:
                 assert zeros is not None or count == 0
                 mapped += [zeros] * count
                 continue
-            interval = ceil(count / len(samples))
-            mapped += [samples[k // interval] for k in range(count)]
+            mapped += [samples[j] for j in block_sources(count, len(samples))]
         return [value for value in mapped if value is not None]
+
+
+def block_sources(blocks: int, samples: int) -> list[int]:
+    """Which of a ControlNet's ``samples`` each of ``blocks`` transformer blocks adds: diffusers'
+    ``index_block // ceil(blocks / samples)`` (FLUX.1 dev's 19 double blocks take InstantX's 5 samples four at a
+    time, the last block the fifth)."""
+    interval = ceil(blocks / samples)
+    return [k // interval for k in range(blocks)]
 
 
 def union_rope(pipe: FluxPipeline, state: DitDenoising) -> dict[str, np.ndarray]:

@@ -289,3 +289,47 @@ def test_img2img_with_a_unit_matches_diffusers(ours: Any, built: dict[str, Path]
     _assert_close(mine, np.asarray((theirs * 255).round().astype(np.uint8)), "img2img")
     plain = dataclasses.replace(batch, control=())
     assert _differs(mine, np.asarray(ours(plain, max_sequence_length=T5_LENGTH).images)) > 0.1
+
+
+def test_residual_transformer_maps_fewer_samples_to_its_blocks(tmp_path: Path) -> None:
+    """A transformer deeper than its ControlNet (2 double and 3 single blocks; 1 and 2 samples, as FLUX.1 dev's 19/38
+    take InstantX's 5/10): the residual variant fed per block by ``block_sources`` equals diffusers'
+    FluxTransformer2DModel given the samples themselves (its interval rule)."""
+    import onnxruntime as ort
+    from diffusers import FluxTransformer2DModel
+
+    from engines.build.dit import FLUX
+    from engines.pipelines.flux import flux_rope, image_ids
+
+    torch.manual_seed(3)
+    transformer = FluxTransformer2DModel(**{**FLUX, "num_layers": 2, "num_single_layers": 3}).eval()
+    export_controlled_flux(transformer, tmp_path)
+    assert controlnet_dit.block_sources(19, 5) == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4 + [4] * 3
+    rng = np.random.default_rng(0)
+    rows, text, grid = 2, 5, 4
+    tokens, inner = grid * grid, int(FLUX["num_attention_heads"]) * int(FLUX["attention_head_dim"])
+    feeds = {"hidden_states": rng.standard_normal((rows, tokens, 64), np.float32),
+             "encoder_hidden_states": rng.standard_normal((rows, text, int(FLUX["joint_attention_dim"])), np.float32),
+             "pooled_projections": rng.standard_normal((rows, int(FLUX["pooled_projection_dim"])), np.float32),
+             "timestep": np.array([0.7, 0.3], np.float32)}
+    ids = np.concatenate([np.zeros((text, 3), np.float32), image_ids(grid, grid)])
+    feeds["rope_cos"], feeds["rope_sin"] = flux_rope(ids, FLUX["axes_dims_rope"])
+    doubles = [rng.standard_normal((rows, tokens, inner), np.float32)]
+    singles = [rng.standard_normal((rows, tokens, inner), np.float32) for _ in range(2)]
+    for k, j in enumerate(controlnet_dit.block_sources(2, 1)):
+        feeds[f"block_residual_{k}"] = doubles[j]
+    for k, j in enumerate(controlnet_dit.block_sources(3, 2)):
+        feeds[f"single_residual_{k}"] = singles[j]
+    session = ort.InferenceSession(str(tmp_path / "transformer_controlnet" / "model.onnx"),
+                                   providers=["CPUExecutionProvider"])
+    mine = session.run(None, feeds)[0]
+    given = {name: torch.from_numpy(feeds[name]) for name in ("hidden_states", "encoder_hidden_states",
+                                                              "pooled_projections", "timestep")}
+    ids = {"img_ids": torch.from_numpy(image_ids(grid, grid)), "txt_ids": torch.zeros(text, 3)}
+    with torch.no_grad():
+        theirs = transformer(**given, **ids, controlnet_block_samples=[torch.from_numpy(d) for d in doubles],
+                             controlnet_single_block_samples=[torch.from_numpy(s) for s in singles],
+                             return_dict=False)[0].numpy()
+        plain = transformer(**given, **ids, return_dict=False)[0].numpy()
+    assert np.abs(mine - theirs).max() < 1e-4
+    assert np.abs(mine - plain).max() > 1e-2  # the residuals reached the blocks
