@@ -333,3 +333,20 @@ def test_residual_transformer_maps_fewer_samples_to_its_blocks(tmp_path: Path) -
         plain = transformer(**given, **ids, return_dict=False)[0].numpy()
     assert np.abs(mine - theirs).max() < 1e-4
     assert np.abs(mine - plain).max() > 1e-2  # the residuals reached the blocks
+
+
+def test_what_a_controlled_request_is_refused(ours: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused by name, never run without its control: a step cache (its reused outputs would skip the units), and a
+    model that serves no ControlNet."""
+    from engines.types.request import CACHE_MIN_STEPS, StepCache
+
+    unit = ControlUnit(_control_image(1, SIZE, SIZE), "edges")
+    cached = Batch((ImageSpec(PROMPTS[0], seed=SEEDS[0], guidance_scale=GUIDANCE),), SIZE, SIZE, CACHE_MIN_STEPS,
+                   control=(unit,), cache=StepCache())
+    with pytest.raises(InvalidRequestError, match="step cache") as raised:
+        ours(cached, max_sequence_length=T5_LENGTH)
+    assert raised.value.param == "cache"
+    monkeypatch.setattr(ours, "controls", None)
+    with pytest.raises(InvalidRequestError, match="serves no ControlNet") as raised:
+        _mine(ours, (unit,))
+    assert raised.value.param == "controlnet"
