@@ -190,7 +190,7 @@ register(Architecture(
     variant_keys=("guidance_embeds",), components=("text_encoder", "transformer", "vae_decoder"),
     memory_parts={"text_encoder": "qwen3_text", "transformer": "flux2_transformer"},
     precision={"text_encoder": "bf16"}, text_tokens="fixed", text_ids="padded",
-    export="engines.build.flux2:export_flux2_folder"))
+    export="engines.build.flux2_refs:export_flux2_refs_folder"))
 """FLUX.2 [klein] (Qwen3 text encoder; the step-distilled and the base checkpoints, ``is_distilled`` telling them
 apart): engines/pipelines/flux2.py. Latents run unpacked ([B, 128, h, w]: the transformer flattens them itself).
 Memory plan: the Qwen3 encoder's and FLUX.2 transformer's own formulas; the VAE (AutoencoderKLFlux2) is

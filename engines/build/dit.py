@@ -198,11 +198,14 @@ def _build_qwen(out: Path, bpe: Path | None, diffusers_out: Path | None, vae_enc
 
 def _build_flux2(distilled: bool) -> Callable[[Path, Path | None, Path | None, bool, bool], Path]:
     def build(out: Path, bpe: Path | None, diffusers_out: Path | None, vae_encoder: bool, first_block: bool) -> Path:
-        from engines.build.flux2 import build_tiny_flux2
+        import importlib
 
         if first_block:
             raise ValueError("the first-block cache's transformer parts are not exported for FLUX.2")
-        return build_tiny_flux2(out, bpe, diffusers_out, distilled)  # txt2img only: no VAE encoder
+        # with its VAE encoder: reference-image edits (engines/build/flux2_refs.py, named by string); else txt2img
+        module, name = ("flux2_refs", "build_tiny_flux2_refs") if vae_encoder else ("flux2", "build_tiny_flux2")
+        build: Callable[..., Path] = getattr(importlib.import_module(f"engines.build.{module}"), name)
+        return build(out, bpe, diffusers_out, distilled)
     return build
 
 
