@@ -103,7 +103,8 @@ class PerPixel:
     bytes_per_pixel: int = 1000
     factor: int = 8
 
-    def need(self, width: int, height: int, denoise_images: int, images: int, encode: bool = False) -> MemoryNeed:
+    def need(self, width: int, height: int, denoise_images: int, images: int, encode: bool = False,
+             references: tuple[tuple[int, int], ...] = ()) -> MemoryNeed:
         stages = (("denoiser", width * height * denoise_images * self.bytes_per_pixel),
                   ("VAE decode", width * height * images * self.bytes_per_pixel))
         stage, peak = max(stages, key=lambda s: s[1])
@@ -225,7 +226,8 @@ def test_a_request_that_fits_alone_is_admitted_and_shares_only_the_calls_that_fi
 class HeavyDecode(PerPixel):
     """The VAE decode takes three times the denoiser's bytes per pixel (as at large sizes on a real model)."""
 
-    def need(self, width: int, height: int, denoise_images: int, images: int, encode: bool = False) -> MemoryNeed:
+    def need(self, width: int, height: int, denoise_images: int, images: int, encode: bool = False,
+             references: tuple[tuple[int, int], ...] = ()) -> MemoryNeed:
         stages = (("denoiser", width * height * denoise_images * self.bytes_per_pixel),
                   ("VAE decode", width * height * images * 3 * self.bytes_per_pixel))
         stage, peak = max(stages, key=lambda s: s[1])
