@@ -39,7 +39,7 @@ import torch
 
 from engines.artifacts import MANIFEST, read_manifest, write_model_manifest
 from engines.build.dit import FLUX, RECIPES, SEED
-from engines.build.dit_export import register_half_symbolics
+from engines.build.dit_export import PRECISION, TORCH_DTYPES, cast_model, register_half_symbolics
 from engines.build.dit_folder import export_onnx
 from engines.build.export import write_json, write_manifest
 
@@ -148,6 +148,37 @@ class _ControlledFlux(torch.nn.Module):
                           controlnet_single_block_samples=list(residuals[self.blocks:]), return_dict=False)[0]
 
 
+class _HalfInside(torch.nn.Module):
+    """A network cast to half precision behind fp32 graph inputs and outputs (as engines/build/dit_export.py exports
+    the plain transformer at ``--dtype fp16|bf16``): floating inputs are cast in, but the rope tables at ``keep``
+    (diffusers keeps them in fp32 at every dtype), and outputs cast to fp32. The pipeline then binds fp32 values
+    whichever dtype the export has."""
+
+    def __init__(self, inner: torch.nn.Module, dtype: torch.dtype, keep: tuple[int, ...]) -> None:
+        super().__init__()
+        self.inner, self.dtype, self.keep = inner, dtype, keep
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        cast = [a.to(self.dtype) if a.is_floating_point() and i not in self.keep else a for i, a in enumerate(args)]
+        out = self.inner(*cast)
+        return tuple(o.float() for o in out) if isinstance(out, tuple) else out.float()
+
+
+def _wrap(kind: Any, dtype: str, keep: tuple[int, ...]) -> Any:
+    """``kind`` (an export module class) as a wrapper of a network; in ``dtype`` (its transformer precision, the
+    network cast in place, its class's fp32 keeps kept) behind fp32 inputs and outputs."""
+    if dtype == "fp32":
+        return kind
+    if dtype not in PRECISION:
+        raise ValueError(f"dtype {dtype!r}: expected fp32 or one of {sorted(PRECISION)}")
+    half = PRECISION[dtype]["transformer"]
+
+    def wrap(model: Any) -> torch.nn.Module:
+        cast_model(model, half)
+        return _HalfInside(kind(model), TORCH_DTYPES[half], keep)
+    return wrap
+
+
 def _traced(model: Any, wrap: Any, args: tuple[torch.Tensor, ...], path: Path, inputs: list[str],
             outputs: list[str], dynamic: dict[str, dict[int, str]]) -> None:
     """Export ``wrap(model)`` (which puts the rope stand-in in) with diffusers' rotary function swapped for the
@@ -182,9 +213,10 @@ def residual_names(config: Any) -> tuple[list[str], list[str]]:
             [f"controlnet_single_block_sample_{j}" for j in range(int(get("num_single_layers")))])
 
 
-def export_flux_controlnet(net: Any, out: Path, source: dict[str, Any]) -> Path:
+def export_flux_controlnet(net: Any, out: Path, source: dict[str, Any], dtype: str = "fp32") -> Path:
     """``net`` (a diffusers FluxControlNetModel without XLabs' hint block) as ``out``/model.onnx with its config.json
-    and manifest."""
+    and manifest; ``dtype`` fp16/bf16: the network in the transformer's precision of that export (``net`` is cast in
+    place), its inputs and outputs fp32."""
     if net.input_hint_block is not None:
         raise ValueError("XLabs FLUX.1 ControlNets (conditioning_embedding_channels: a pixel hint block) are not "
                          "served; InstantX-style ones (VAE-encoded control latents) and their union kind are")
@@ -211,15 +243,18 @@ def export_flux_controlnet(net: Any, out: Path, source: dict[str, Any]) -> Path:
     blocks, singles = residual_names(config)
     dynamic |= {"hidden_states": tokens, "controlnet_cond": tokens, "conditioning_scale": {0: "batch"},
                 **{name: tokens for name in [*blocks, *singles]}}
-    _traced(net, _FluxControlNet, tuple(args), out / "model.onnx", inputs, [*blocks, *singles], dynamic)
+    rope = (inputs.index("rope_cos"), inputs.index("rope_sin"))
+    _traced(net, _wrap(_FluxControlNet, dtype, rope), tuple(args), out / "model.onnx", inputs, [*blocks, *singles],
+            dynamic)
     write_json(out / "config.json", {"_class_name": "FluxControlNetModel", **dict(config)})
-    write_manifest(out, source)
+    write_manifest(out, source if dtype == "fp32" else {**source, "dtype": dtype})
     return out
 
 
-def export_controlled_flux(transformer: Any, out: Path) -> Path:
-    """``transformer`` (FluxTransformer2DModel, fp32) with one residual input per block, as
-    ``out``/transformer_controlnet/model.onnx (+ config.json)."""
+def export_controlled_flux(transformer: Any, out: Path, dtype: str = "fp32") -> Path:
+    """``transformer`` (FluxTransformer2DModel) with one residual input per block, as
+    ``out``/transformer_controlnet/model.onnx (+ config.json); ``dtype``: as the model's plain transformer was
+    exported (fp16/bf16: cast in place, fp32 inputs and outputs)."""
     config, rows = transformer.config, 2
     inner = int(config.num_attention_heads) * int(config.attention_head_dim)
     common, names, dynamic = _common(config, rows)
@@ -235,7 +270,8 @@ def export_controlled_flux(transformer: Any, out: Path) -> Path:
     tokens = {0: "batch", 1: "image_tokens"}
     dynamic |= {"hidden_states": tokens, "out_hidden_states": tokens, **{name: tokens for name in residuals}}
     target = out / "transformer_controlnet"
-    _traced(transformer, _ControlledFlux, tuple(args), target / "model.onnx", [*inputs, *residuals],
+    rope = (inputs.index("rope_cos"), inputs.index("rope_sin"))
+    _traced(transformer, _wrap(_ControlledFlux, dtype, rope), tuple(args), target / "model.onnx", [*inputs, *residuals],
             ["out_hidden_states"], dynamic)
     write_json(target / "config.json", {"_class_name": type(transformer).__name__, **dict(config)})
     if (out / MANIFEST).is_file():  # the folder's manifest covers the new files too (its other keys kept)
@@ -268,18 +304,19 @@ def is_flux_controlnet(src: Path) -> bool:
         "FluxControlNetModel"
 
 
-def export_flux_controlnet_folder(src: Path, out: Path) -> Path:
-    """Export a local diffusers FluxControlNetModel folder."""
+def export_flux_controlnet_folder(src: Path, out: Path, dtype: str = "fp32") -> Path:
+    """Export a local diffusers FluxControlNetModel folder (``dtype``: the model's export dtype)."""
     from diffusers import FluxControlNetModel
 
     if not is_flux_controlnet(src):
         raise ValueError(f"{src}: config.json does not name FluxControlNetModel")
     return export_flux_controlnet(FluxControlNetModel.from_pretrained(src).eval(), out,
-                                  {"kind": "diffusers-folder", "path_name": src.name})
+                                  {"kind": "diffusers-folder", "path_name": src.name}, dtype)
 
 
-def export_controlled_flux_folder(src: Path, out: Path) -> Path:
-    """Add transformer_controlnet/ to the exported FLUX.1 model ``out`` from the diffusers folder ``src``."""
+def export_controlled_flux_folder(src: Path, out: Path, dtype: str = "fp32") -> Path:
+    """Add transformer_controlnet/ to the exported FLUX.1 model ``out`` from the diffusers folder ``src``, in the
+    dtype its transformer was exported in."""
     from diffusers import FluxTransformer2DModel
 
-    return export_controlled_flux(FluxTransformer2DModel.from_pretrained(src / "transformer").eval(), out)
+    return export_controlled_flux(FluxTransformer2DModel.from_pretrained(src / "transformer").eval(), out, dtype)

@@ -350,3 +350,33 @@ def test_what_a_controlled_request_is_refused(ours: Any, monkeypatch: pytest.Mon
     with pytest.raises(InvalidRequestError, match="serves no ControlNet") as raised:
         _mine(ours, (unit,))
     assert raised.value.param == "controlnet"
+
+
+def test_fp16_exports_keep_parity_with_fp32(ours: Any, built: dict[str, Path], tmp_path: Path) -> None:
+    """The ControlNet and the residual transformer exported at ``--dtype fp16`` (networks cast, fp32 inputs and
+    outputs, the rope tables fp32 inside as diffusers keeps them) serve the same unit as the fp32 exports do, within
+    half precision's drift (tolerance as tests/integration/test_dit_half.py measures the plain transformer's)."""
+    from diffusers import FluxControlNetModel, FluxTransformer2DModel
+
+    model = tmp_path / "model"
+    shutil.copytree(built["model"], model)
+    transformer = FluxTransformer2DModel.from_pretrained(built["diffusers"] / "transformer")  # type: ignore[no-untyped-call]
+    export_controlled_flux(transformer.eval(), model, "fp16")
+    net = FluxControlNetModel.from_pretrained(built["edges_torch"]).eval()  # type: ignore[no-untyped-call]
+    export_flux_controlnet(net, tmp_path / "edges", {"kind": "tiny"}, "fp16")
+    import onnx
+
+    for path in (model / "transformer_controlnet" / "model.onnx", tmp_path / "edges" / "model.onnx"):
+        graph = onnx.load(str(path)).graph  # weights in half, inputs and outputs fp32
+        kinds = {init.data_type for init in graph.initializer}
+        assert onnx.TensorProto.FLOAT16 in kinds, path
+        assert {v.type.tensor_type.elem_type for v in [*graph.input, *graph.output]} <= {
+            onnx.TensorProto.FLOAT, onnx.TensorProto.INT64}, path
+    pipe = load_pipeline(model, Runtime(RuntimeSettings(providers=("CPUExecutionProvider",), allow_cpu=True)))
+    controlnet_dit.attach(pipe, model, {"edges": tmp_path / "edges"})
+    unit = (ControlUnit(_control_image(13, SIZE, SIZE), "edges", 1.0),)
+    half, full = _mine(pipe, unit), _mine(ours, unit)
+    diff = np.abs(half.astype(np.int16) - full.astype(np.int16))
+    print(f"\nfp16 ControlNet: max |diff| {diff.max()}/255, mean {diff.mean():.4f}")
+    assert diff.max() <= 2 and diff.mean() <= 0.1
+    assert _differs(half, _mine(pipe, ())) > 0.1
