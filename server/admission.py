@@ -21,6 +21,7 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from engines.errors import InvalidRequestError
 from engines.types.health import GpuSample
@@ -234,6 +235,8 @@ class MemoryAsk:
     count_param: str = "n"
     second_pass: bool = False
     """A Hires fix second pass (at the target size): the target is what to lower."""
+    controls: int = 0
+    """The batch's ControlNet units: their residuals join the denoiser's memory (MemoryModel.need ``controls``)."""
 
 
 def host_limit() -> tuple[int, str]:
@@ -293,10 +296,11 @@ def _culprit(model: MemoryModel, budget: MemoryBudget, ask: MemoryAsk) -> str:
     return ask.count_param if budget.bytes is not None and one.peak_bytes <= budget.bytes else ask.size_param
 
 
-def _refs(ask: MemoryAsk) -> dict[str, tuple[tuple[int, int], ...]]:
-    """``references`` for MemoryModel.need, named only when there are any (a memory model of a family without
-    instruction edits may not take it)."""
-    return {"references": ask.references} if ask.references else {}
+def _refs(ask: MemoryAsk) -> dict[str, Any]:
+    """``references`` and ``controls`` for MemoryModel.need, each named only when there are any (a memory model of
+    a family without instruction edits or ControlNet may not take them)."""
+    return {**({"references": ask.references} if ask.references else {}),
+            **({"controls": ask.controls} if ask.controls else {})}
 
 
 def _memory_message(ask: MemoryAsk, need: MemoryNeed, budget: MemoryBudget) -> str:

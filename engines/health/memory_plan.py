@@ -28,6 +28,9 @@ What the plan charges, and why (each line is what this codebase does today, not 
   a second time (plus the head a third), at the files' dtype, counted as components of their own; their
   activations are within the transformer's (they run in its place). Under a TensorRT policy they are not loaded
   (the TensorRT plan builds no engine for them) and the plan says so instead of counting them.
+- **ControlNet** (``[runtime.controlnet] dir``; engines/health/controlnet_memory.py): the UNet's residual variant
+  ``unet_controlnet/`` as a second UNet, each ControlNet's weights from its file, and two residual sets at the
+  served shape.
 - **Host**: sessions load one at a time. A TensorRT engine file is read whole into host memory before it is
   deserialized; ORT reads an inline ONNX file whole and memory-maps external data (page cache: reclaimable). The
   LoRA manager keeps a host copy of every adaptable weight of an inline component (``targets.base_weights``;
@@ -407,13 +410,13 @@ def _verdict(need: int, have: int | None) -> dict[str, Any] | None:
     return None if have is None else {"need": need, "have": have, "fits": need <= have, "margin": have - need}
 
 
-def _device(parts: list[Component], served: Served, engines: int) -> dict[str, int]:
+def _device(parts: list[Component], served: Served, engines: int, residuals: int = 0) -> dict[str, int]:
     """Device bytes: base (weights x engines, activations, overhead) and with LoRA variants on the denoiser, or on
     every adaptable component (text encoders too), each with the merged-set cache and the merge buffers."""
     weights = sum(c.weights for c in parts) * engines
     act = sum(c.activations for c in parts) * engines if served.tensorrt else \
         max((c.activations for c in parts), default=0)
-    base = weights + act + OVERHEAD
+    base = weights + act + OVERHEAD + residuals  # residuals: ControlNet's (engines/health/controlnet_memory.py)
 
     def lora(chosen: list[Component]) -> int:
         # the variants run on CUDA: beside TensorRT's contexts, or in the one CUDA arena the base sessions share
@@ -473,7 +476,8 @@ def _first_block(folder: Path, lay: Layout, served: Served) -> dict[str, Any]:
             "weights": 0, "note": note}
 
 
-def plan(folder: Path, served: Served, dtype: str | None = None, budgets: Budgets | None = None) -> dict[str, Any]:
+def plan(folder: Path, served: Served, dtype: str | None = None, budgets: Budgets | None = None,
+         controlnet_dir: str | Path | None = None) -> dict[str, Any]:
     """The memory plan of ``folder`` served as ``served`` (``dtype``: every component's device dtype instead of
     the policy's), compared with ``budgets``: JSON-ready. ModelLoadError when the folder is no served family."""
     if dtype is not None and dtype not in ITEMSIZE:
@@ -490,8 +494,12 @@ def plan(folder: Path, served: Served, dtype: str | None = None, budgets: Budget
     extra = [component(folder, name, "first_block_part", lay, served, dtype) for name in first_block["parts"]]
     first_block["weights"] = sum(c.weights for c in extra)
     parts += extra
+    from engines.health.controlnet_memory import plan_parts  # ``controlnet_dir``: [runtime.controlnet] dir
+
+    control, controlnet = plan_parts(folder, lay, served, dtype, controlnet_dir, component, ITEMSIZE)
+    parts += control
     engines = _engines(folder, served)
-    device, host = _device(parts, served, engines), _host(parts, served)
+    device, host = _device(parts, served, engines, controlnet["residual_bytes"]), _host(parts, served)
     return {
         "model": folder.name, "family": lay.family,
         "served": {"width": served.width, "height": served.height, "images": served.images,
@@ -499,6 +507,7 @@ def plan(folder: Path, served: Served, dtype: str | None = None, budgets: Budget
                    "policy": "tensorrt" if served.tensorrt else "onnx"},
         "components": [c.__dict__ for c in parts],
         "missing": [c.name for c in parts if c.source == "missing"], "first_block": first_block,
+        "controlnet": controlnet,
         "device": {**device, "budget": {"bytes": budgets.device_bytes, "source": budgets.device_source},
                    "verdicts": {k: _verdict(device[k], budgets.device_bytes)
                                 for k in ("base", "lora_denoiser", "lora_all", "lora_denoiser_set_cached")}},
@@ -516,4 +525,4 @@ def for_runtime(model: Path, runtime: RuntimeSettings, width: int, height: int, 
     cache budget."""
     tensorrt = runtime.plugin is None and "TensorrtExecutionProvider" in runtime.providers
     served = Served(width, height, images, sizes, tensorrt, runtime.tensorrt.fp16, runtime.lora.cache_mb << 20)
-    return plan(model, served, dtype, budgets)
+    return plan(model, served, dtype, budgets, runtime.controlnet.dir)

@@ -27,11 +27,12 @@ worst ratio seen, 1.22).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from engines.errors import ModelLoadError
+from engines.health.controlnet_memory import VARIANT, request_bytes, unet_config
 from engines.health.memory_plan import (
     DENOISERS,
     ITEMSIZE,
@@ -65,6 +66,9 @@ class RequestMemory:
     """Component name -> its config.json."""
     items: dict[str, int]
     """Component name -> bytes per activation element (the files' float type)."""
+    controlnet: dict[str, Any] = field(default_factory=dict)
+    """The residual UNet's config when the folder has ``unet_controlnet/`` ({}: no ControlNet residuals): a
+    controlled request's denoiser stage holds two residual sets (engines/health/controlnet_memory.py)."""
 
     @property
     def factor(self) -> int:
@@ -80,12 +84,16 @@ class RequestMemory:
                            self.lay, self.items.get(name, 4), measured=True)
 
     def need(self, width: int, height: int, denoise_images: int, images: int, encode: bool = False,
-             references: tuple[tuple[int, int], ...] = ()) -> MemoryNeed:
+             references: tuple[tuple[int, int], ...] = (), controls: int = 0) -> MemoryNeed:
+        """``controls``: the ControlNet units of the batch (their residuals join the denoiser stage; a ControlNet
+        runs before the UNet on the same arena, its activations within the UNet's)."""
         denoiser = next(n for n in self.lay.parts if n in DENOISERS)
         patch = self.lay.factor * 2  # the 2x2-packed latents every instruction-edit family joins
         extra = sum((w // patch) * (h // patch) for w, h in references)
+        residuals = request_bytes(self.controlnet, width, height, denoise_images * (2 if self.lay.cfg else 1),
+                                  self.factor, self.items.get(denoiser, 4)) if controls and self.controlnet else 0
         raw = {"text encoder": max(self.stage(n, width, height, images) for n in TEXT_ENCODERS),
-               "denoiser": self.stage(denoiser, width, height, denoise_images, extra),
+               "denoiser": self.stage(denoiser, width, height, denoise_images, extra) + residuals,
                "VAE decode": self.stage("vae_decoder", width, height, images)
                + images * width * height * IMAGE_BUFFER_BYTES}
         if encode or references:  # a request's input images are encoded once each, whatever its image count
@@ -93,7 +101,10 @@ class RequestMemory:
                                     + [self.stage("vae_encoder", w, h, 1) for w, h in references])
         stages = tuple((name, int(value * ARENA_SLACK)) for name, value in raw.items())
         stage, peak = max(stages, key=lambda s: s[1])
-        return MemoryNeed(peak, stage, stages, self._why(stage, width, height, denoise_images, images, extra))
+        why = self._why(stage, width, height, denoise_images, images, extra)
+        if stage == "denoiser" and residuals:
+            why += f", with {residuals / GIB:.2f} GiB of ControlNet residuals (two sets)"
+        return MemoryNeed(peak, stage, stages, why)
 
     def _why(self, stage: str, width: int, height: int, denoise_images: int, images: int, extra: int = 0) -> str:
         factor = self.lay.factor
@@ -121,7 +132,9 @@ def for_folder(folder: Path) -> RequestMemory | None:
             raise ModelLoadError(f"no config.json for {', '.join(missing)}")
         probe = Served(64, 64, 1, tensorrt=False)
         parts = {name: component(folder, name, kind, lay, probe, None) for name, kind in lay.parts.items()}
-        return RequestMemory(lay, configs, {name: ITEMSIZE.get(c.stored_dtype, 4) for name, c in parts.items()})
+        control = unet_config(folder) if (folder / VARIANT / "model.onnx").is_file() else {}
+        return RequestMemory(lay, configs, {name: ITEMSIZE.get(c.stored_dtype, 4) for name, c in parts.items()},
+                             control)
     except (ModelLoadError, OSError, TypeError, ValueError, KeyError, IndexError) as exc:
         log.warning("no request memory estimate for %s (admission will not refuse on memory): %s", folder, exc)
         return None
