@@ -11,9 +11,11 @@
   weight, are summed over the units (FluxMultiControlNetModel, in unit order, on the device) and go into the
   transformer's residual variant (``transformer_controlnet/``: one residual input per block; block ``k`` gets sample
   ``k // ceil(blocks / samples)``, diffusers' interval rule, zeros where the ControlNet has no single blocks);
-  where units' ControlNets differ in depth, each unit's samples are mapped to the blocks first and then summed
-  (diffusers sums by sample index, truncating to the shorter list, and drops every later unit's single samples when
-  the first unit has none; with equal depths, and a first unit with single blocks, the two are the same);
+  units whose ControlNets have one depth are summed by sample, then mapped (diffusers' order: a sample per
+  ControlNet block held, not one per transformer block); where their depths differ, each unit's samples are mapped to
+  the blocks first and then summed (diffusers sums by sample index, truncating to the shorter list, and drops every
+  later unit's single samples when the first unit has none; with a first unit with single blocks and units of
+  equal double depth, the two are the same);
 - a unit is active at evaluation ``i`` of ``n`` unless ``i / n < guidance_start`` or ``(i + 1) / n > guidance_end``
   (diffusers' ``controlnet_keep``); an evaluation with no active unit runs the plain transformer with the uncontrolled
   rows (what the residual variant computes with zero residuals).
@@ -149,8 +151,11 @@ class FluxControlNets:
                                      f"transformer takes {np.dtype(self.dtype).name} (export both alike)")
             self.nets[name] = FluxControlNet(name, model, int(config["num_layers"]), int(config["num_single_layers"]),
                                              config.get("num_mode") is not None, bool(config.get("guidance_embeds")))
-        self.sum = OrtModel(pipe.runtime, sum_graph(len(self.blocks) + len(self.singles), self.dtype),
-                            "flux_controlnet_sum" + label)
+        counts = {len(self.blocks) + len(self.singles)} | {n.blocks + n.singles for n in self.nets.values()}
+        self.sums = {count: OrtModel(pipe.runtime, sum_graph(count, self.dtype), f"flux_controlnet_sum{count}" + label)
+                     for count in sorted(counts)}
+        """Adds one unit's samples to the others', per count: a ControlNet's samples (units of one depth), or one per
+        transformer block (units of several depths)."""
 
     def _control_latents(self, pipe: FluxPipeline, unit: ControlUnit, width: int, height: int) -> np.ndarray:
         """The unit's image VAE-encoded (the posterior's mean), scaled and shifted, packed: [1, N, 4C]."""
@@ -193,12 +198,14 @@ class FluxControlNets:
         return control
 
     def run(self, pipe: FluxPipeline, state: DitDenoising, control: ControlRun, active: list[ActiveUnit]) -> None:
-        """The state's next evaluation with its ``active`` units: their residuals per block, summed, into the
-        residual transformer."""
+        """The state's next evaluation with its ``active`` units: their samples summed (by sample where the units'
+        ControlNets have one depth, as FluxMultiControlNetModel; else per block), one per block into the residual
+        transformer."""
         i = state.next_eval
         base: dict[str, Feed] = {"hidden_states": state.model_in, "timestep": state.timesteps[i], **state.feeds}
         rows, tokens = int(state.model_in.shape()[0]), int(state.model_in.shape()[1])
         inner = int(pipe.config["num_attention_heads"]) * int(pipe.config["attention_head_dim"])
+        depths = {(unit.net.blocks, unit.net.singles) for unit in active}
         total: list[ort.OrtValue] = []
         for k, unit in enumerate(active):
             net = unit.net
@@ -209,15 +216,20 @@ class FluxControlNets:
             net.model.run({"hidden_states": state.model_in, "timestep": state.timesteps[i],
                            "rope_cos": base["rope_cos"], "rope_sin": base["rope_sin"], **feeds, **unit.feeds},
                           dict(zip(names, outputs, strict=True)))
-            per_block = self._per_block(outputs[:net.blocks], outputs[net.blocks:], control.zeros)
+            mine = outputs if len(depths) == 1 else self._per_block(outputs[:net.blocks], outputs[net.blocks:],
+                                                                     control.zeros)
             if not total:
-                total = per_block
+                total = mine
                 continue
             sums = [pipe.runtime.buffer(f"flux_control_sum{k % 2}_{j}", (rows, tokens, inner), self.dtype)
-                    for j in range(len(per_block))]  # FluxMultiControlNetModel: summed in unit order
-            self.sum.run({**{f"a{j}": a for j, a in enumerate(total)}, **{f"b{j}": b for j, b in enumerate(per_block)}},
-                         {f"sum{j}": out for j, out in enumerate(sums)})
+                    for j in range(len(mine))]  # FluxMultiControlNetModel: summed in unit order
+            self.sums[len(mine)].run({**{f"a{j}": a for j, a in enumerate(total)},
+                                      **{f"b{j}": b for j, b in enumerate(mine)}},
+                                     {f"sum{j}": out for j, out in enumerate(sums)})
             total = sums
+        if len(depths) == 1:
+            blocks, _ = next(iter(depths))
+            total = self._per_block(total[:blocks], total[blocks:], control.zeros)
         residuals = dict(zip([*self.blocks, *self.singles], total, strict=True))
         self.transformer.run({**base, **residuals}, {"out_hidden_states": state.model_out}, state.adapters)
 
