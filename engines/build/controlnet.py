@@ -245,8 +245,9 @@ def build_tiny_controlnet(out: Path, model: Path | None = None, diffusers_out: P
     return out
 
 
-def export_controlnet_folder(src: Path, out: Path) -> Path:
-    """Export a local diffusers ControlNet folder (config.json with ``_class_name`` ControlNetModel)."""
+def export_controlnet_folder(src: Path, out: Path, dtype: str = "fp32") -> Path:
+    """Export a local diffusers ControlNet folder (config.json with ``_class_name`` ControlNetModel, or
+    FluxControlNetModel: engines/build/controlnet_dit.py, which alone takes a half ``dtype``)."""
     from diffusers import ControlNetModel
 
     config_path = src / "config.json"
@@ -256,7 +257,9 @@ def export_controlnet_folder(src: Path, out: Path) -> Path:
     if kind == "FluxControlNetModel":
         from engines.build.controlnet_dit import export_flux_controlnet_folder
 
-        return export_flux_controlnet_folder(src, out)
+        return export_flux_controlnet_folder(src, out, dtype)
+    if dtype != "fp32":
+        raise ValueError(f"{src}: an SD ControlNet exports in fp32 only, not {dtype}")
     if kind != "ControlNetModel":
         raise ValueError(f"{src}: config.json names {kind!r}, not ControlNetModel (an SD 1.x/2.x or SDXL "
                          "ControlNet)")
