@@ -215,8 +215,9 @@ TINY_FAMILIES = ("sd1", "sdxl")
 
 
 def tiny_family(model: Path) -> str:
-    """The tiny family of the model folder ``model``: sdxl when its model_index.json names a second text encoder,
-    else sd1 (``engines tiny --controlnet`` is refused for the other families before anything is built)."""
+    """The tiny family of the model folder ``model``: flux or flux-schnell for a FLUX.1 folder (its transformer's
+    guidance_embeds), sdxl when its model_index.json names a second text encoder, else sd1 (``engines tiny
+    --controlnet`` is refused for the other families before anything is built)."""
     index = json.loads((model / "model_index.json").read_text(encoding="utf-8"))
     if index.get("_class_name") == "OnnxFluxPipeline":  # FLUX.1: engines/build/controlnet_dit.py
         config = json.loads((model / "transformer" / "config.json").read_text(encoding="utf-8"))
