@@ -260,7 +260,8 @@ def union_rope(pipe: FluxPipeline, state: DitDenoising) -> dict[str, np.ndarray]
     states = state.feeds["encoder_hidden_states"]
     text = int((states.shape() if isinstance(states, ort.OrtValue) else states.shape)[1])
     longer = DitConditioning(np.zeros((1, text + 1, 1), np.float32), None, (), ())  # position_feeds reads its length
-    return pipe.position_feeds(longer, *state.latent_size)
+    tables: dict[str, np.ndarray] = pipe.position_feeds(longer, *state.latent_size)
+    return tables
 
 
 def union_mode(unit: ControlUnit) -> int:

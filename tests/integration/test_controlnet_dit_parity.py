@@ -270,7 +270,7 @@ def test_img2img_with_a_unit_matches_diffusers(ours: Any, built: dict[str, Path]
 
     monkeypatch.setattr(vae, "randn_tensor", answer(eps))
     monkeypatch.setattr(module, "randn_tensor", answer(noise))
-    given, calls = module.retrieve_latents, []
+    given, calls = module.retrieve_latents, list[int]()
 
     def retrieve(out: Any, generator: Any = None, sample_mode: str = "sample") -> Any:
         calls.append(len(calls))  # the control image is encoded first: its mean; then the init images: sampled
@@ -298,11 +298,13 @@ def test_residual_transformer_maps_fewer_samples_to_its_blocks(tmp_path: Path) -
     import onnxruntime as ort
     from diffusers import FluxTransformer2DModel
 
-    from engines.build.dit import FLUX
+    from engines.build.dit import FLUX as TINY
     from engines.pipelines.flux import flux_rope, image_ids
 
+    FLUX: dict[str, Any] = TINY
     torch.manual_seed(3)
-    transformer = FluxTransformer2DModel(**{**FLUX, "num_layers": 2, "num_single_layers": 3}).eval()
+    transformer: Any = FluxTransformer2DModel(**{**FLUX, "num_layers": 2, "num_single_layers": 3})  # type: ignore[no-untyped-call]
+    transformer.eval()
     export_controlled_flux(transformer, tmp_path)
     assert controlnet_dit.block_sources(19, 5) == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4 + [4] * 3
     rng = np.random.default_rng(0)
@@ -323,14 +325,14 @@ def test_residual_transformer_maps_fewer_samples_to_its_blocks(tmp_path: Path) -
     session = ort.InferenceSession(str(tmp_path / "transformer_controlnet" / "model.onnx"),
                                    providers=["CPUExecutionProvider"])
     mine = session.run(None, feeds)[0]
-    given = {name: torch.from_numpy(feeds[name]) for name in ("hidden_states", "encoder_hidden_states",
-                                                              "pooled_projections", "timestep")}
-    ids = {"img_ids": torch.from_numpy(image_ids(grid, grid)), "txt_ids": torch.zeros(text, 3)}
+    inputs = {name: torch.from_numpy(feeds[name]) for name in ("hidden_states", "encoder_hidden_states",
+                                                               "pooled_projections", "timestep")}
+    positions = {"img_ids": torch.from_numpy(image_ids(grid, grid)), "txt_ids": torch.zeros(text, 3)}
     with torch.no_grad():
-        theirs = transformer(**given, **ids, controlnet_block_samples=[torch.from_numpy(d) for d in doubles],
+        theirs = transformer(**inputs, **positions, controlnet_block_samples=[torch.from_numpy(d) for d in doubles],
                              controlnet_single_block_samples=[torch.from_numpy(s) for s in singles],
                              return_dict=False)[0].numpy()
-        plain = transformer(**given, **ids, return_dict=False)[0].numpy()
+        plain = transformer(**inputs, **positions, return_dict=False)[0].numpy()
     assert np.abs(mine - theirs).max() < 1e-4
     assert np.abs(mine - plain).max() > 1e-2  # the residuals reached the blocks
 
