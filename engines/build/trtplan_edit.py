@@ -22,6 +22,7 @@ from __future__ import annotations
 import inspect
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -86,6 +87,11 @@ def references(family: DitFamily, folder: Path, multiple: int) -> dict[str, int]
 def qwen_condition_patches(folder: Path, width: int, height: int) -> int:
     """The vision tower's patches for one input image of ``width`` x ``height``: resized to 384² at its aspect, then
     the Qwen2-VL processor's ``smart_resize`` (engines/pipelines/qwen_edit.py ``VisionInputs``)."""
+    return _patch_counter(folder)(width, height)
+
+
+def _patch_counter(folder: Path) -> Callable[[int, int], int]:
+    """``qwen_condition_patches`` with the folder's processor and vision configs read once."""
     from engines.pipelines import qwen_edit
     from engines.pipelines.unet_family import read_json
 
@@ -95,9 +101,12 @@ def qwen_condition_patches(folder: Path, width: int, height: int) -> int:
     size = processor.get("size") or {}
     low = int(processor.get("min_pixels") or size.get("shortest_edge", 56 * 56))
     high = int(processor.get("max_pixels") or size.get("longest_edge", 28 * 28 * 1280))
-    w, h = qwen_edit.calculate_dimensions(qwen_edit.CONDITION_AREA, width / height)
-    h, w = qwen_edit.smart_resize(h, w, patch * merge, low, high)
-    return (h // patch) * (w // patch)
+
+    def count(width: int, height: int) -> int:
+        w, h = qwen_edit.calculate_dimensions(qwen_edit.CONDITION_AREA, width / height)
+        h, w = qwen_edit.smart_resize(h, w, patch * merge, low, high)
+        return (h // patch) * (w // patch)
+    return count
 
 
 def qwen_vision(folder: Path) -> dict[str, int]:
@@ -107,8 +116,9 @@ def qwen_vision(folder: Path) -> dict[str, int]:
     from engines.pipelines.unet_family import read_json
 
     merge = int(read_json(folder / "vision" / "config.json")["spatial_merge_size"]) ** 2
-    patches = sorted({qwen_condition_patches(folder, w, h) for w, h in _inputs()})
-    square = qwen_condition_patches(folder, 1024, 1024)
+    count = _patch_counter(folder)
+    patches = sorted({count(w, h) for w, h in _inputs()})
+    square = count(1024, 1024)
     images = qwen_edit.REFERENCES
     return {"patches_min": patches[0], "patches_opt": square, "patches_max": patches[-1],
             "embed_tokens_min": 1, "embed_tokens_opt": square // merge,

@@ -69,9 +69,10 @@ PIPELINES = {"flux-kontext": ("engines.pipelines.kontext", "KontextPipeline"),
              "qwen-2509": ("engines.pipelines.qwen_edit", "QwenEditPipeline"),
              "qwen-2511": ("engines.pipelines.qwen_edit", "QwenEditPipeline"),
              "flux2-klein": ("engines.pipelines.flux2", "Flux2Pipeline")}
-INPUTS = {"flux-kontext": [[(64, 48)]], "qwen-2509": [[(64, 48)], [(40, 72), (64, 64)]],
+INPUTS = {"flux-kontext": [[(64, 48)]], "qwen-2509": [[(64, 48)]],
           "qwen-2511": [[(64, 48)], [(40, 72), (64, 64)]], "flux2-klein": [[(64, 64)], [(96, 64), (64, 128)]]}
-"""A one-image edit for every model and a two-image one where the model takes several (Kontext takes one)."""
+"""A one-image edit for every model and a two-image one where the model takes several (Kontext takes one; 2509's
+feeds are 2511's without ``modulate_index``: one edit, each reference encoded at ~1024² on the CPU, is enough)."""
 
 
 def _edit_feeds(name: str, folder: Path, inputs: list[tuple[int, int]], width: int, height: int,
