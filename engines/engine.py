@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 from PIL import Image
@@ -160,35 +160,40 @@ class OrtEngine:
         log.info("model %s: %s", self.model_dir.name, pipe.describe())
 
     def _attach_controlnets(self, folder: Path) -> None:
-        """Every size's SD pipeline gets the folder's ControlNets (engines/pipelines/controlnet.py). The files are
-        untrusted input: one that does not fit the model is logged refused by name and left out; a model that
-        serves no ControlNet (no residual UNet, a DiT) serves none, logged. Never fatal to the boot."""
-        from engines.pipelines import controlnet
+        """Every size's pipeline gets the folder's ControlNets: an SD UNet's (engines/pipelines/controlnet.py) or
+        FLUX.1's (engines/pipelines/controlnet_dit.py). The files are untrusted input: one that does not fit the
+        model is logged refused by name and left out; a model that serves no ControlNet (no residual denoiser,
+        another DiT) serves none, logged. Never fatal to the boot."""
+        from engines.pipelines import controlnet, controlnet_dit
+        from engines.pipelines.flux import FluxPipeline
         from engines.pipelines.unet import StableDiffusionOnnx
 
         nets = {sub.name: sub for sub in sorted(folder.iterdir()) if sub.is_dir()
                 and (sub / "model.onnx").is_file() and (sub / "config.json").is_file()} if folder.is_dir() else {}
         for size, pipe in self._pipelines.items():
-            if not isinstance(pipe, StableDiffusionOnnx):
-                log.warning("ControlNet not served: %s is not an SD UNet model", self.info.family)
+            attach: Any = controlnet.attach if isinstance(pipe, StableDiffusionOnnx) else \
+                controlnet_dit.attach if isinstance(pipe, FluxPipeline) else None
+            if attach is None:
+                log.warning("ControlNet not served: %s has no ControlNet path (SD UNet and FLUX.1 models have)",
+                            self.info.family)
                 return
             label = "" if size == ANY else f"@{size}"
             try:
-                controlnet.attach(pipe, self.model_dir, nets, label)
+                attach(pipe, self.model_dir, nets, label)
                 continue
             except UNFIT as exc:
                 failure = exc
             accepted = {}
             for name, path in nets.items():  # after a failure only: which files fit, each alone
                 try:
-                    controlnet.attach(pipe, self.model_dir, {name: path}, label)
+                    attach(pipe, self.model_dir, {name: path}, label)
                     accepted[name] = path
                 except UNFIT as exc:
                     log.warning("ControlNet %s refused: %s", name, exc)
             if accepted:
-                controlnet.attach(pipe, self.model_dir, accepted, label)
+                attach(pipe, self.model_dir, accepted, label)
             else:
-                pipe.controls = None
+                cast(Any, pipe).controls = None  # an SD or FLUX.1 pipeline (attach above)
                 log.warning("ControlNet not served by this model: %s", failure)
 
     def _load_lora(self) -> None:

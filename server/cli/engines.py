@@ -99,12 +99,35 @@ def _check_tiny(args: argparse.Namespace) -> None:
 
     if getattr(args, "controlnet", None) is not None:
         from engines.build.controlnet import TINY_FAMILIES
+        from engines.build.controlnet_dit import TINY_FLUX_FAMILIES
 
-        if args.family not in TINY_FAMILIES:
-            raise ConfigError(f"--controlnet: a tiny ControlNet is built for {', '.join(TINY_FAMILIES)} only, "
-                              f"not {args.family}")
+        if args.family not in (*TINY_FAMILIES, *TINY_FLUX_FAMILIES):
+            raise ConfigError(f"--controlnet: a tiny ControlNet is built for "
+                              f"{', '.join((*TINY_FAMILIES, *TINY_FLUX_FAMILIES))} only, not {args.family}")
     if args.variant and args.family not in DIT_FAMILIES:
         raise ConfigError(f"--variant: {args.family} has no tiny variants (qwen-image-edit: 2511)")
+
+
+def _export_dit(args: argparse.Namespace) -> Path:
+    """``engines export`` of a diffusers DiT folder; with ``--controlnet`` (FLUX.1 only) the transformer's residual
+    variant beside it (engines/build/controlnet_dit.py)."""
+    import json
+
+    from engines.build.dit_export import export_dit_folder
+
+    dtype, controlnet = getattr(args, "dtype", "fp32"), getattr(args, "controlnet", False)
+    if controlnet and json.loads((args.src / "transformer" / "config.json").read_text(encoding="utf-8")).get(
+            "_class_name") != "FluxTransformer2DModel":
+        from engines.errors import ConfigError
+
+        raise ConfigError(f"--controlnet: {args.src} is not a FLUX.1 folder; ControlNets are served on SD 1.x/2.x, "
+                          "SDXL and FLUX.1 models")
+    out: Path = export_dit_folder(args.src, args.out, dtype, getattr(args, "first_block", False))
+    if controlnet:
+        from engines.build.controlnet_dit import export_controlled_flux_folder
+
+        export_controlled_flux_folder(args.src, out, dtype)
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -119,23 +142,18 @@ def run(args: argparse.Namespace) -> int:
     elif args.engines_cmd == "tiny":
         from engines.build.tiny import build_tiny
 
-
         out = build_tiny(args.out, args.bpe, args.diffusers_out, args.family)
-        if getattr(args, "controlnet", None) is not None:
-            from engines.build.controlnet import build_tiny_controlnet
+    if args.engines_cmd == "tiny" and getattr(args, "controlnet", None) is not None:
+        from engines.build.controlnet import build_tiny_controlnet
 
-            build_tiny_controlnet(args.controlnet, out,
-                                  args.diffusers_out / "controlnet" if args.diffusers_out else None)
+        build_tiny_controlnet(args.controlnet, out, args.diffusers_out / "controlnet" if args.diffusers_out else None)
     elif args.engines_cmd == "export" and getattr(args, "controlnet", False) \
             and not (args.src / "model_index.json").is_file():
         from engines.build.controlnet import export_controlnet_folder
 
-        out = export_controlnet_folder(args.src, args.out)
+        out = export_controlnet_folder(args.src, args.out, getattr(args, "dtype", "fp32"))
     elif args.engines_cmd == "export" and _dit_source(args.src):
-        from engines.build.dit_export import export_dit_folder
-
-        out = export_dit_folder(args.src, args.out, getattr(args, "dtype", "fp32"),
-                                getattr(args, "first_block", False))
+        out = _export_dit(args)
     elif args.engines_cmd == "export":
         from engines.build.export import export_folder
 
