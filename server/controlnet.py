@@ -206,8 +206,19 @@ def parse_units(script: Any, library: ControlNetLibrary | None, width: int, heig
         source = {**ingredient(data, f"{field}.image", "inputTo"),
                   "controlnet": {"unit": i, "model": net.name, "sha256": net.sha256, "module": module}}
         parsed.append(ParsedUnit(ControlUnit(np.ascontiguousarray(np.asarray(fitted.convert("RGB"))), net.name,
-                                             weight, start, end), info, source))
+                                             weight, start, end, union_mode(module)), info, source))
     return tuple(parsed)
+
+
+UNION_MODES = {"canny": 0, "tile": 1, "depth": 2, "blur": 3, "openpose": 4}
+"""A1111 preprocessor (its name's first word) -> InstantX FLUX.1 Union control type (canny 0, tile 1, depth 2,
+blur 3, pose 4, gray 5, low quality 6): the unit's control type on a union ControlNet."""
+
+
+def union_mode(module: str) -> int | None:
+    """The union control type a unit's ``module`` makes (``depth_midas`` -> depth 2, ``tile_resample`` -> tile 1), or
+    None where none fits (the ControlNet's first type, canny, as diffusers' default)."""
+    return UNION_MODES["openpose"] if "openpose" in module else UNION_MODES.get(module.split("_")[0])
 
 
 def openai_units(value: Any, field: str = "controlnet") -> dict[str, Any]:

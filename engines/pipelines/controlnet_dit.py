@@ -266,8 +266,8 @@ def union_rope(pipe: FluxPipeline, state: DitDenoising) -> dict[str, np.ndarray]
 
 def union_mode(unit: ControlUnit) -> int:
     """The union ControlNet's mode of ``unit`` (InstantX: canny 0, tile 1, depth 2, blur 3, pose 4, gray 5, low
-    quality 6): the unit's ``union_mode`` where the request type carries one, else 0."""
-    return int(getattr(unit, "union_mode", None) or 0)
+    quality 6): the unit's ``union_mode``, else 0."""
+    return int(unit.union_mode or 0)
 
 
 def start(pipe: FluxPipeline, batch: Batch, state: DitDenoising) -> None:

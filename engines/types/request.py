@@ -130,6 +130,9 @@ class ControlUnit:
     """Fraction of the steps before which the unit is inactive (diffusers' ``control_guidance_start``)."""
     guidance_end: float = 1.0
     """Fraction of the steps after which the unit is inactive (diffusers' ``control_guidance_end``)."""
+    union_mode: int | None = None
+    """A union ControlNet's control type for this unit (InstantX FLUX.1 Union: canny 0, tile 1, depth 2, blur 3, pose
+    4, gray 5, low quality 6), from the unit's preprocessor; None: 0. A single-type ControlNet ignores it."""
 
 
 def control_key(units: tuple[ControlUnit, ...]) -> tuple[str, ...]:

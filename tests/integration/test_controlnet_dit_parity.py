@@ -145,13 +145,18 @@ def test_flux_controlnet_matches_diffusers(case: str, ours: Any, built: dict[str
     assert _differs(mine, _mine(ours, ())) > 0.1
 
 
-def test_union_controlnet_matches_diffusers(ours: Any, built: dict[str, Path],
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """The union kind: its mode embedding leads the text tokens (mode 0, canny, where the unit names none)."""
-    units = (ControlUnit(_control_image(8, SIZE, SIZE), "union", 1.0),)
+@pytest.mark.parametrize("mode", [None, 2])
+def test_union_controlnet_matches_diffusers(ours: Any, built: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+                                            mode: int | None) -> None:
+    """The union kind: its mode embedding leads the text tokens (mode 0, canny, where the unit names none; 2, depth,
+    as server/controlnet.py ``union_mode`` gives a ``depth_midas`` unit), diffusers' ``control_mode``."""
+    units = (ControlUnit(_control_image(8, SIZE, SIZE), "union", 1.0, union_mode=mode),)
     mine = _mine(ours, units)
     _assert_close(mine, _theirs(built, list(units), monkeypatch, mode=controlnet_dit.union_mode(units[0])), "union")
     assert _differs(mine, _mine(ours, ())) > 0.1
+    if mode is not None:
+        canny = (ControlUnit(units[0].image, "union", 1.0),)
+        assert not np.array_equal(mine, _mine(ours, canny)), "the control type is an input of the union ControlNet"
 
 
 def test_weight_zero_is_the_image_without_control(ours: Any, built: dict[str, Path]) -> None:

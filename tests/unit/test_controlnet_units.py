@@ -126,3 +126,13 @@ def test_routes(library: ControlNetLibrary) -> None:
     refused = client.post("/controlnet/detect", json={"controlnet_module": "depth",
                                                       "controlnet_input_images": [_b64(_square())]})
     assert refused.status_code == 422 and "depth" in refused.text and "controlnet_module" in refused.text
+
+
+def test_a_units_preprocessor_gives_the_union_control_type() -> None:
+    """InstantX FLUX.1 Union's types (canny 0, tile 1, depth 2, blur 3, pose 4) from A1111's module names; none for a
+    module no type fits (the union ControlNet's first, canny)."""
+    from server.controlnet import union_mode
+
+    assert [union_mode(m) for m in ("canny", "tile_resample", "depth_midas", "depth_anything", "blur_gaussian",
+                                    "openpose_full", "dw_openpose_full", "invert", "none")] == \
+        [0, 1, 2, 2, 3, 4, 4, None, None]
