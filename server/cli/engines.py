@@ -130,23 +130,30 @@ def _export_dit(args: argparse.Namespace) -> Path:
     return out
 
 
+def _tiny(args: argparse.Namespace) -> Path:
+    """``engines tiny``: the family's tiny model (a DiT's from engines/build/dit.py), with ``--controlnet`` its tiny
+    ControlNet and the denoiser's residual variant."""
+    _check_tiny(args)
+    if args.family in DIT_FAMILIES:
+        from engines.build.dit import build_tiny_dit
+
+        out: Path = build_tiny_dit(args.family, args.out, args.bpe, args.diffusers_out, variant=args.variant)
+    else:
+        from engines.build.tiny import build_tiny
+
+        out = build_tiny(args.out, args.bpe, args.diffusers_out, args.family)
+    if getattr(args, "controlnet", None) is not None:
+        from engines.build.controlnet import build_tiny_controlnet
+
+        build_tiny_controlnet(args.controlnet, out, args.diffusers_out / "controlnet" if args.diffusers_out else None)
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     import json
 
     if args.engines_cmd == "tiny":
-        _check_tiny(args)
-    if args.engines_cmd == "tiny" and args.family in DIT_FAMILIES:
-        from engines.build.dit import build_tiny_dit
-
-        out = build_tiny_dit(args.family, args.out, args.bpe, args.diffusers_out, variant=args.variant)
-    elif args.engines_cmd == "tiny":
-        from engines.build.tiny import build_tiny
-
-        out = build_tiny(args.out, args.bpe, args.diffusers_out, args.family)
-    if args.engines_cmd == "tiny" and getattr(args, "controlnet", None) is not None:
-        from engines.build.controlnet import build_tiny_controlnet
-
-        build_tiny_controlnet(args.controlnet, out, args.diffusers_out / "controlnet" if args.diffusers_out else None)
+        out = _tiny(args)
     elif args.engines_cmd == "export" and getattr(args, "controlnet", False) \
             and not (args.src / "model_index.json").is_file():
         from engines.build.controlnet import export_controlnet_folder
