@@ -8,6 +8,8 @@ transformers.
   the final norm with them; the vision tower is never run by the pipeline and is not exported.
 - The transformer, VAE and scheduler are FLUX.2's (engines/build/flux2.py writes them, the transformer with its
   ``guidance`` input: dev's ``guidance_embeds``); the folder's class is ``OnnxFlux2Pipeline``.
+- The VAE encoder (reference images, ``Flux2Pipeline``'s ``image=``): engines/build/flux2_refs.py
+  ``export_flux2_encoder``, as for klein; the tiny build and the export of a diffusers folder both write it.
 - The tiny model: a ``Mistral3ForConditionalGeneration`` 32 layers deep (the deepest state read is not the last,
   as in the released 40), a byte-level BPE tokenizer with Mistral's special tokens and a chat template rendering
   what Mistral Small 3.1's renders for the pipeline's messages (a system turn and one user text turn:
@@ -16,6 +18,7 @@ transformers.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import shutil
 import tempfile
@@ -24,8 +27,9 @@ from typing import Any
 
 import torch
 
-from engines.build.dit_folder import TORCH_DTYPES, load_diffusers, with_io
+from engines.build.dit_folder import TORCH_DTYPES, config_of, half_plan, load_diffusers, with_io
 from engines.build.flux2 import SCHEDULER, TINY_NATIVE_SIZE, VAE, export_flux2, export_rms
+from engines.build.flux2_refs import export_flux2_encoder
 from engines.health.param_counts import FLUX2_DEV_TEXT_LAYERS
 
 log = logging.getLogger(__name__)
@@ -36,7 +40,8 @@ TINY_TEXT = dict(hidden_size=64, num_hidden_layers=32, num_attention_heads=4, nu
                  intermediate_size=96, vocab_size=512, max_position_embeddings=1024)
 """A Mistral language model in miniature, deep enough (32 > 30) that the deepest state read is not the last."""
 TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16)
-"""The Pixtral vision tower of the tiny Mistral3 (the pipeline never runs it: txt2img only)."""
+"""The Pixtral vision tower of the tiny Mistral3 (the pipeline never runs it: its input images go through the VAE
+encoder, the prompt's text alone through the language model)."""
 TRANSFORMER = dict(patch_size=1, in_channels=128, num_layers=1, num_single_layers=1, attention_head_dim=16,
                    num_attention_heads=2, joint_attention_dim=len(FLUX2_DEV_TEXT_LAYERS) * TINY_TEXT["hidden_size"],
                    timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), rope_theta=2000, guidance_embeds=True)
@@ -169,14 +174,17 @@ def export_flux2_dev(components: dict[str, Any], tokenizer_dir: Path, out: Path,
                         text=(_export_text, text_config))
 
 
-def build_tiny_flux2_dev(out: Path, bpe: Path | None = None, diffusers_out: Path | None = None) -> Path:
-    """Build the tiny FLUX.2 [dev] and export it to ``out``; ``diffusers_out``: the same weights as a diffusers
-    folder too."""
+def build_tiny_flux2_dev(out: Path, bpe: Path | None = None, diffusers_out: Path | None = None,
+                         vae_encoder: bool = True) -> Path:
+    """Build the tiny FLUX.2 [dev] and export it to ``out``, with its VAE encoder (reference images) unless
+    ``vae_encoder`` is false (txt2img only); ``diffusers_out``: the same weights as a diffusers folder too."""
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer_dir = Path(tmp) / "tokenizer"
         components = make_flux2_dev_components(write_mistral3_tokenizer(tokenizer_dir, bpe))
-        export_flux2_dev(components, tokenizer_dir, out, {"kind": "tiny", "family": "flux2-dev", "seed": SEED},
-                         native_size=TINY_NATIVE_SIZE)
+        source = {"kind": "tiny", "family": "flux2-dev", "seed": SEED}
+        export_flux2_dev(components, tokenizer_dir, out, source, native_size=TINY_NATIVE_SIZE)
+        if vae_encoder:
+            export_flux2_encoder(components["vae"], out, source)
         if diffusers_out is not None:
             save_flux2_dev_diffusers(components, tokenizer_dir, diffusers_out)
     log.info("tiny FLUX.2 [dev] model in %s", out)
@@ -185,7 +193,8 @@ def build_tiny_flux2_dev(out: Path, bpe: Path | None = None, diffusers_out: Path
 
 def export_flux2_dev_folder(src: Path, out: Path, dtype: str = "fp32") -> Path:
     """Export a local diffusers ``Flux2Pipeline`` folder in ``dtype`` (the networks load in their export dtype:
-    engines/build/dit_folder.py ``half_plan``); ModelLoadError for an sdserve ONNX folder."""
+    engines/build/dit_folder.py ``half_plan``) with its VAE encoder (the VAE as ``export_flux2`` cast it, the
+    manifest's source as it wrote it); ModelLoadError for an sdserve ONNX folder."""
     from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
     from transformers import Mistral3ForConditionalGeneration
 
@@ -195,5 +204,7 @@ def export_flux2_dev_folder(src: Path, out: Path, dtype: str = "fp32") -> Path:
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = Path(tmp) / "tokenizer"
         shutil.copytree(src / "tokenizer", tokenizer)
-        return export_flux2_dev(parts, tokenizer, out, {"kind": "diffusers-folder", "family": family.name,
-                                                        "path_name": src.name}, dtype=dtype)
+        export_flux2_dev(parts, tokenizer, out, {"kind": "diffusers-folder", "family": family.name,
+                                                 "path_name": src.name}, dtype=dtype)
+    source = json.loads((out / "manifest.json").read_text(encoding="utf-8")).get("source", {})
+    return export_flux2_encoder(parts["vae"], out, source, half_plan(dtype, config_of(parts["vae"]))["vae"])

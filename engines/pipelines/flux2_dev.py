@@ -11,22 +11,32 @@ encoder and guidance. The folder is the layout engines/build/mistral3.py writes.
    position goes to the transformer (unmasked), as in klein.
 2. Guidance: the scale is a transformer input (``guidance_embeds``), one value per image, fed raw (the transformer
    multiplies it by 1000); never classifier-free guidance (one row per image).
+3. Reference images (``image=``, a folder with its ``vae_encoder/``): ``Flux2Pipeline`` prepares, encodes and
+   places them exactly as ``Flux2KleinPipeline`` does (the same ``check_image_input`` limits, the area rescale past
+   1024², the floor to 16 by centre crop, the encoder's mean batch-normalised, T offsets ``10 + 10 k``, the output
+   size the first image's, the schedule's shift from the noisy tokens alone), so klein's mixin
+   (engines/pipelines/flux2_refs.py) serves them; the text encoder never sees them (only the optional caption
+   upsampling, not served, would). What differs is the count: ``REFERENCES`` (Black Forest Labs recommends at most
+   6 for [dev], 4 for [klein]; diffusers' pipelines set no limit).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from tokenizers import Tokenizer
 
-from engines.errors import ModelLoadError
+from engines.errors import InvalidRequestError, ModelLoadError
 from engines.lora.active import Adapters
 from engines.pipelines.flow import DitConditioning, run
 from engines.pipelines.flux2 import Flux2Pipeline
+from engines.pipelines.flux2_refs import reference_size
 from engines.pipelines.ort_model import OrtModel
+from engines.types.model import ModelInfo
 from engines.types.request import Batch
 
 SYSTEM_MESSAGE = ("You are an AI that reasons about image descriptions. You give structured responses focusing on "
@@ -35,6 +45,9 @@ SYSTEM_MESSAGE = ("You are an AI that reasons about image descriptions. You give
 TEMPLATE = "{bos}[SYSTEM_PROMPT]" + SYSTEM_MESSAGE + "[/SYSTEM_PROMPT][INST]{prompt}[/INST]"
 """What Mistral Small 3.1's chat template renders for ``format_input``'s messages (system + one user text turn,
 ``add_generation_prompt=False``)."""
+REFERENCES = 6
+"""Input images one edit takes: Black Forest Labs' recommended maximum for FLUX.2 [dev] (each image adds its tokens
+to every transformer call)."""
 
 
 def tokenizer_settings(folder: Path) -> dict[str, str]:
@@ -105,6 +118,24 @@ class Flux2DevPipeline(Flux2Pipeline):
 
     def uses_cfg(self, guidance: np.ndarray) -> bool:
         return False
+
+    def _reference_sizes(self, batch: Batch) -> list[tuple[int, int]]:
+        """klein's, with [dev]'s count of input images (``REFERENCES``)."""
+        sets = set()
+        for spec in batch.images:
+            refs = spec.edit.references if spec.edit is not None else ()
+            if not 1 <= len(refs) <= REFERENCES:
+                raise InvalidRequestError(f"FLUX.2 [dev] takes 1 to {REFERENCES} input images per edit, not "
+                                          f"{len(refs)}", param="image")
+            sets.add(tuple(reference_size(r.shape[1], r.shape[0], self.size_multiple) for r in refs))
+        if len(sets) > 1:
+            raise InvalidRequestError(f"the input images of one batch must have one encoded size each (they give "
+                                      f"{sorted(sets)})", param="image")
+        return list(next(iter(sets)))
+
+    def model_info(self, name: str, digest: str = "") -> ModelInfo:
+        info = super().model_info(name, digest)
+        return replace(info, instruct_images=REFERENCES) if info.instruct_images else info
 
     def describe(self) -> str:
         return f"{self.family.name} (flow matching, guidance embedded)"
