@@ -85,14 +85,21 @@ def test_flux2_profiles(family: str, per_image: int, dit_build: Builder) -> None
     with its mask; rope over 512 + 12 tokens. The distilled checkpoint never doubles its rows."""
     folder = dit_build(family)[0]
     text = detect_dit(folder).max_sequence_length
-    sizes = _plan(folder)["sizes"]["64x48"]
+    plan = _plan(folder)
+    sizes = plan["sizes"]["64x48"]
+    # with the VAE encoder the folder serves reference edits: the latents become a one-row image [rows, 128, 1,
+    # 12 + references] (engines/build/trtplan_edit.py); min: txt2img's tokens, opt: one reference, max: the most
+    one, most = plan["dims"].get("ref_tokens_one", 0), plan["dims"].get("ref_tokens", 0)
+    grids = {"min": (1, 4) if most else (3, 4), "opt": (1, 12 + one) if one else (3, 4),
+             "max": (3, 12 + most) if most else (3, 4)}
+    extra = {"min": 0, "opt": one, "max": most}
     for bound, rows in (("min", 1), ("opt", per_image * BATCH_OPT), ("max", per_image * BATCH_MAX)):
         encoder = _shapes(sizes["components"]["text_encoder"]["provider_options"], bound)
         assert encoder == {"input_ids": [rows, text], "attention_mask": [rows, text]}
         shapes = _shapes(sizes["components"]["transformer"]["provider_options"], bound)
-        assert shapes["hidden_states"] == [rows, 128, 3, 4]
+        assert shapes["hidden_states"] == [rows, 128, *grids[bound]]
         assert shapes["encoder_hidden_states"][:2] == [rows, text] and shapes["timestep"] == [rows]
-        assert shapes["rope_cos"][0] == shapes["rope_sin"][0] == text + 3 * 4
+        assert shapes["rope_cos"][0] == shapes["rope_sin"][0] == text + 3 * 4 + extra[bound]
     assert _shapes(sizes["components"]["vae_decoder"]["provider_options"], "max")["latent_sample"] == \
         [BATCH_MAX, 128, 3, 4]
     assert sizes[trtplan.RECORD]["transformer"]["rows"]["per_image"] == per_image
