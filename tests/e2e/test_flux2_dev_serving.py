@@ -3,7 +3,10 @@ encoder under the pipeline's system message, the guidance embedded in the transf
 self-test as every family, through the official openai SDK (POST /v1/images/generations) and the A1111 route
 (/sdapi/v1/txt2img) with the family's defaults from the registry (50 steps, guidance 4.0, diffusers'
 ``Flux2Pipeline``'s) when a request leaves them out, and Forge's ``distilled_cfg_scale`` setting the embedded
-guidance. Sessions run on ONNX Runtime's CPU provider (onnxruntime/core/providers/cpu)."""
+guidance; the build has its VAE encoder, so the boot runs the family's edit canary and the openai client's
+images.edit with one image and with a list of two, no mask, is an instruction edit depending on them (up to [dev]'s
+6 images, one more a 400 naming ``image`` and the limit). Sessions run on ONNX Runtime's CPU provider
+(onnxruntime/core/providers/cpu)."""
 
 from __future__ import annotations
 
@@ -48,7 +51,7 @@ def test_through_the_openai_sdk(server: str) -> None:
     assert np.abs(first - second).max() > 0, "two seeds, two images"
     caps = httpx.get(f"{server}/capabilities", timeout=30).json()
     assert caps["family"]["family"] == "flux2-dev" and caps["family"]["prediction_type"] == "flow"
-    assert caps["family"]["modes"] == "txt2img" and caps["family"]["native_size"] == 64
+    assert caps["family"]["modes"] == "txt2img,img2img,instruct" and caps["family"]["native_size"] == 64
 
 
 def test_a1111_txt2img_with_the_familys_defaults(server: str) -> None:
@@ -75,3 +78,33 @@ def test_a1111_txt2img_with_the_familys_defaults(server: str) -> None:
     odd = httpx.post(url, json={**body, "width": 72}, timeout=60)
     assert odd.status_code in (400, 422), odd.text
     assert "width" in odd.text
+
+
+def _upload(k: int, width: int = 83, height: int = 70) -> tuple[str, bytes, str]:
+    """A patterned PNG upload; an odd ``k`` gives its negative (the most different input of the same size)."""
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    pixels = np.stack([127 + 120 * np.sin(x / 4.0), 127 + 120 * np.cos(y / 3.0), (x + y) % 256],
+                      axis=-1).clip(0, 255).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(255 - pixels if k % 2 else pixels).save(buffer, format="PNG")
+    return f"{k}.png", buffer.getvalue(), "image/png"
+
+
+def test_openai_edits_with_one_and_two_images_depend_on_them(server: str) -> None:
+    """Flux2Pipeline's ``image=``: the output at the first image's size floored to 16 (83x70 -> 80x64), bit-identical
+    for the same seed and prompt unless the input images' tokens reach the sequence; 7 images refused by name."""
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="not-needed", max_retries=0, timeout=120)
+
+    def edit(image: object) -> tuple[np.ndarray, str]:
+        raw = client.images.with_raw_response.edit(image=image, prompt="make it blue",  # type: ignore[arg-type]
+                                                   response_format="b64_json", extra_body={"steps": 2, "seed": 11})
+        return _png(raw.parse().data[0].b64_json or ""), raw.headers["x-sdserve-mode"]  # type: ignore[index]
+
+    (one, mode), (other, _) = edit(_upload(0)), edit(_upload(1))
+    two, mode_two = edit([_upload(0), _upload(1, 64, 96)])
+    assert mode == mode_two == "instruct"
+    assert one.shape == other.shape == two.shape == (64, 80, 3)
+    assert not np.array_equal(one, other) and not np.array_equal(one, two)
+    with pytest.raises(openai.BadRequestError) as seven:
+        client.images.edit(image=[_upload(k, 64, 64) for k in range(7)], prompt="x")
+    assert seven.value.param == "image" and "at most 6 input images" in str(seven.value)
