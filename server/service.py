@@ -203,7 +203,7 @@ class ImageService:
             decode = max(n, q.max_batch) if q.batching != "step" else n if encodes else min(n, q.decode_images)
             asks.append(MemoryAsk(width, height, n, max(n, self.call_images(width, height)), decode, encodes,
                                   self.engine.info.references(input_sizes(b)), size_param,
-                                  second_pass=size is not None))
+                                  second_pass=size is not None, controls=len(b.control)))
         try:
             admit_memory(self.engine.info.memory, self.memory, asks)
         except InvalidRequestError:

@@ -65,12 +65,13 @@ class MemoryModel(Protocol):
         """Image pixels per latent pixel along each side (the VAE's downsampling)."""
 
     def need(self, width: int, height: int, denoise_images: int, images: int, encode: bool = False,
-             references: tuple[tuple[int, int], ...] = ()) -> MemoryNeed:
+             references: tuple[tuple[int, int], ...] = (), controls: int = 0) -> MemoryNeed:
         """Peak bytes of a batch at ``width`` x ``height``: ``denoise_images`` in one denoiser call (requests
         sharing it included), ``images`` through the text encoders and the VAE; ``encode``: the VAE encoder runs
         too (edits, a Hires fix second pass from pixels); ``references``: an instruction edit's input images as the
         model encodes them (ModelInfo.references), each through the VAE encoder and its latents joining every
-        denoiser row as extra tokens."""
+        denoiser row as extra tokens; ``controls``: the batch's ControlNet units (their residuals join the denoiser
+        stage)."""
 
 
 @dataclass(frozen=True)

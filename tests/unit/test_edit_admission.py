@@ -144,7 +144,7 @@ class TokenMemory:
     factor: int = 8
 
     def need(self, width: int, height: int, denoise_images: int, images: int, encode: bool = False,
-             references: tuple[tuple[int, int], ...] = ()) -> MemoryNeed:
+             references: tuple[tuple[int, int], ...] = (), controls: int = 0) -> MemoryNeed:
         tokens = (width // 16) * (height // 16) + sum((w // 16) * (h // 16) for w, h in references)
         stages = (("denoiser", tokens * denoise_images * self.per_token),)
         return MemoryNeed(stages[0][1], "denoiser", stages, f"{tokens} tokens")

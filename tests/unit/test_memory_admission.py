@@ -104,7 +104,7 @@ class PerPixel:
     factor: int = 8
 
     def need(self, width: int, height: int, denoise_images: int, images: int, encode: bool = False,
-             references: tuple[tuple[int, int], ...] = ()) -> MemoryNeed:
+             references: tuple[tuple[int, int], ...] = (), controls: int = 0) -> MemoryNeed:
         stages = (("denoiser", width * height * denoise_images * self.bytes_per_pixel),
                   ("VAE decode", width * height * images * self.bytes_per_pixel))
         stage, peak = max(stages, key=lambda s: s[1])
@@ -227,7 +227,7 @@ class HeavyDecode(PerPixel):
     """The VAE decode takes three times the denoiser's bytes per pixel (as at large sizes on a real model)."""
 
     def need(self, width: int, height: int, denoise_images: int, images: int, encode: bool = False,
-             references: tuple[tuple[int, int], ...] = ()) -> MemoryNeed:
+             references: tuple[tuple[int, int], ...] = (), controls: int = 0) -> MemoryNeed:
         stages = (("denoiser", width * height * denoise_images * self.bytes_per_pixel),
                   ("VAE decode", width * height * images * 3 * self.bytes_per_pixel))
         stage, peak = max(stages, key=lambda s: s[1])
