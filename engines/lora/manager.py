@@ -34,7 +34,7 @@ import onnxruntime as ort
 
 from engines.config import LoraSettings
 from engines.errors import InvalidRequestError, ModelLoadError
-from engines.lora import keys, library, merge, targets
+from engines.lora import keys, library, merge, residual, targets
 from engines.lora.active import Weights
 from engines.lora.library import LoraFile
 from engines.lora.safetensors import LoraFileError, memory_bytes
@@ -139,6 +139,8 @@ class LoraManager:
         self._listing: tuple[LoraInfo, ...] = ()
         self.stats = LoraStats()
         self.history: OrderedDict[str, int] = OrderedDict()
+        self._residuals: dict[tuple[Path, str], Model] = {}
+        """Variants of graphs holding a component's weights (residual_variant), by (path, component)."""
         self.refresh()
 
     def _load_components(self, model_dir: Path) -> dict[str, Component]:
@@ -175,6 +177,34 @@ class LoraManager:
                                             f"{name}:lora", extra=extra)
             comp.required = {k: self._device(v) for k, v in comp.base.items()} if as_inputs else {}
             log.info("LoRA: variant session for %s built (a file of the library adapts it)", name)
+
+    def residual_variant(self, path: Path, component: str = "unet") -> Model | None:
+        """A LoRA variant session of ``path``, a graph holding ``component``'s weights (ControlNet's residual UNet,
+        ``unet_controlnet/model.onnx``), that binds ``component``'s merged tensors: its targets renamed to the
+        component's initializer names (engines/lora/residual.py), so a set merged once runs on both. None while no
+        file of the library adapts the component (no variant of it either); built once, on the first call after
+        one does. ModelLoadError when the graph's adaptable weights are not the component's."""
+        comp = self.components.get(component)
+        if comp is None or comp.variant is None:
+            return None
+        key = (path, component)
+        with self._lock:
+            found = self._residuals.get(key)
+            if found is not None:
+                return found
+            model = onnx.load(str(path), load_external_data=False)
+            external = any(i.data_location == onnx.TensorProto.EXTERNAL for i in model.graph.initializer)
+            if not external:
+                model = onnx.load(str(path))
+            own = targets.find(model, self.settings.targets)
+            renamed = residual.renamed_like(model, own, comp.targets, str(path.parent.name), component)
+            extra = {"session.model_external_initializers_file_folder_path": str(path.parent)} if external else None
+            as_inputs = self.runtime.settings.plugin is not None  # the base values: comp.required, the same weights
+            found = self._make_model(self.runtime, targets.with_overridable(renamed, comp.targets, as_inputs),
+                                     f"{path.parent.name}:lora", extra=extra)
+            self._residuals[key] = found
+            log.info("LoRA: variant session for %s built (takes %s's merged weights)", path.parent.name, component)
+            return found
 
     def _device(self, array: np.ndarray) -> ort.OrtValue:
         value = ort.OrtValue.ortvalue_from_shape_and_type(list(array.shape), array.dtype.type, self.runtime.device,

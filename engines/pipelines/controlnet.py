@@ -14,6 +14,12 @@ A pipeline serves ControlNet once ``attach`` gave it the ControlNets and its res
 path are unchanged otherwise. A ControlNet for another base (an SDXL one, config ``addition_embed_type``
 "text_time", on an SD 1.x/2.x model, or the reverse) is left out at load, logged by name, and a unit naming it is
 refused by name (``controlnet.model``) with the reason; a file that fits no other way raises ModelLoadError.
+
+LoRA with ControlNet is diffusers' ``load_lora_weights`` + ``fuse_lora`` on StableDiffusionControlNetPipeline: the
+LoRA adapts the UNet and the text encoders, never a ControlNet. The text encoders run as without units; the
+residual UNet runs on its own LoRA variant session (``attach_lora``: LoraManager.residual_variant, the same targets
+renamed to the UNet's initializer names) with the UNet's merged tensors bound, so one merged set serves both UNets;
+its run is recorded as the UNet's (Adapters.adapted), the only component it adapts.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import onnxruntime as ort
 from PIL import Image
 
 from engines.errors import InvalidRequestError, ModelLoadError
+from engines.lora.active import Adapters
 from engines.pipelines.ort_model import Feed, OrtModel
 from engines.pipelines.unet_family import read_json
 from engines.types.request import Batch, ControlUnit
@@ -133,6 +140,9 @@ class ControlNets:
             raise ModelLoadError(f"{folder} has no unet_controlnet/model.onnx (export the model with "
                                  "`sdserve engines export --controlnet` to serve ControlNet)")
         self.unet = OrtModel(pipe.runtime, path, "unet_controlnet" + label)
+        self.path = path
+        self.denoiser = pipe.unet.component
+        """The plain UNet's component name: the key of the merged LoRA tensors the residual UNet binds."""
         count = sum(name.startswith(DOWN) for name in self.unet.inputs)
         self.residuals = [f"{DOWN}{i}" for i in range(count)] + [MID]
         missing = [name for name in self.residuals if name not in self.unet.inputs]
@@ -172,6 +182,17 @@ class ControlNets:
         self.sum = OrtModel(pipe.runtime, sum_graph(len(self.residuals), self.unet.input_dtype(MID)),
                             "controlnet_sum" + label)
         """Adds one unit's residuals to the others' on the device."""
+
+    def attach_lora(self, manager: Any) -> None:
+        """Give the residual UNet the LoRA variant of ``manager`` (engines/lora/manager.py LoraManager), or None
+        while no file adapts the UNet; called wherever the plain UNet's variant is attached (boot, refresh)."""
+        self.unet.variant = manager.residual_variant(self.path, self.denoiser)
+
+    def lora(self, adapters: Adapters | None) -> Adapters | None:
+        """The adapters the residual UNet runs with: the UNet's merged tensors under its own component name, or
+        None (its base session) when the batch has none for the UNet."""
+        weights = adapters.of(self.denoiser) if adapters is not None else None
+        return Adapters({self.unet.component: weights}) if weights is not None else None
 
     def start(self, pipe: StableDiffusionOnnx, batch: Batch, state: Denoising) -> ControlRun:
         """The request's units on the device: images prepared, scales per row, activity per evaluation."""
@@ -227,8 +248,11 @@ class ControlNets:
                 self.sum.run(feeds | {f"b{j}": b for j, b in enumerate(outputs)},
                              {f"sum{j}": out for j, out in enumerate(sums)})
                 total = sums
+        lora = self.lora(state.adapters)
         self.unet.run({**base, **dict(zip(self.residuals, total, strict=True))}, {pipe.io.out: state.model_out},
-                      state.adapters)
+                      lora)
+        if lora is not None and state.adapters is not None and self.unet.component in lora.adapted:
+            state.adapters.adapted.add(self.denoiser)  # the UNet ran with its LoRA (as the residual UNet)
 
 
 def prepare_image(unit: ControlUnit, width: int, height: int) -> np.ndarray:
@@ -245,15 +269,17 @@ def prepare_image(unit: ControlUnit, width: int, height: int) -> np.ndarray:
 
 def start(pipe: StableDiffusionOnnx, batch: Batch, state: Denoising) -> ControlRun | None:
     """The request's control set, or None without units (the pipeline's plain path). InvalidRequestError when the
-    pipeline serves no ControlNet, or with LoRA (the residual UNet has no LoRA variant yet)."""
+    pipeline serves no ControlNet, or with a LoRA on the UNet while the residual UNet has no LoRA variant (a
+    server whose boot did not attach it: ControlNets.attach_lora)."""
     if not batch.control:
         return None
     controls: ControlNets | None = getattr(pipe, "controls", None)
     if controls is None:
         raise InvalidRequestError("this model serves no ControlNet (no ControlNet folder or no "
                                   "unet_controlnet/model.onnx)", param="controlnet")
-    if batch.loras:
-        raise InvalidRequestError("ControlNet with LoRA is not served yet", param="controlnet")
+    if state.adapters is not None and state.adapters.of(controls.denoiser) and controls.unet.variant is None:
+        raise InvalidRequestError("ControlNet with a LoRA on the UNet is not served by this server (the residual "
+                                  "UNet has no LoRA variant)", param="controlnet")
     return controls.start(pipe, batch, state)
 
 
