@@ -62,6 +62,9 @@ EDIT_DROP = 64
 CONDITION_AREA = 384 * 384
 VAE_AREA = 1024 * 1024
 REFERENCES = 3
+MAX_ASPECT = 8.0
+"""The widest input image (long side over short side): diffusers sets no bound; past it the production TensorRT
+plan's profiles (engines/build/trtplan_edit.py) hold no engine for the image, so it is refused naming ``image``."""
 """Input images per edit: diffusers sets no limit; Qwen-Image-Edit-2509's card names 1 to 3 as the trained range."""
 MAX_SEQUENCE_LENGTH = 1024
 """The edit pipeline's ``tokenizer_max_length`` (the template, image tokens included, is never cut)."""
@@ -204,6 +207,11 @@ class QwenEditPipeline(QwenPipeline):
             if not 1 <= len(r) <= REFERENCES:
                 raise InvalidRequestError(f"Qwen-Image-Edit takes 1 to {REFERENCES} input images per edit, not "
                                           f"{len(r)}", param="image")
+            for a in r:
+                if max(a.shape[0], a.shape[1]) > MAX_ASPECT * min(a.shape[0], a.shape[1]):
+                    raise InvalidRequestError(f"an input image of {a.shape[1]}x{a.shape[0]} is wider than "
+                                              f"{MAX_ASPECT:g}:1, the most this server's Qwen-Image-Edit takes",
+                                              param="image")
         sizes = {tuple(calculate_dimensions(VAE_AREA, a.shape[1] / a.shape[0]) for a in r) for r in refs}
         if len(sizes) > 1:
             raise InvalidRequestError("the input images of one batch must resize to the same sizes (they give "

@@ -153,3 +153,21 @@ def test_admission_sees_the_references_before_any_pixel_is_decoded(client: TestC
     assert [r.shape for r in batch.images[0].edit.references] == [(128, 96, 3), (64, 64, 3)]
     ran = engine.batches[-1].images[0].edit
     assert ran is not None and [r.shape for r in ran.references] == [(128, 96, 3), (64, 64, 3)]
+
+
+def test_qwen_edit_refuses_an_input_image_past_its_aspect_bound_naming_image() -> None:
+    """engines/pipelines/qwen_edit.py ``MAX_ASPECT``: an input image wider than 8:1 gets no engine of the production
+    plan (engines/build/trtplan_edit.py reads the same bound), so it is a 400 naming ``image``; 8:1 passes."""
+    from engines.errors import InvalidRequestError
+    from engines.pipelines.qwen_edit import MAX_ASPECT, QwenEditPipeline
+    from engines.types.request import Batch, EditImage, ImageSpec
+
+    def batch(width: int, height: int) -> Batch:
+        image = np.zeros((height, width, 3), np.uint8)
+        return Batch((ImageSpec("a hat", edit=EditImage(image, references=(image,))),), 64, 64, 2)
+
+    assert MAX_ASPECT == 8.0
+    assert len(QwenEditPipeline._references(None, batch(512, 64))[0]) == 1  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="wider than 8:1") as refused:
+        QwenEditPipeline._references(None, batch(64, 520))  # type: ignore[arg-type]
+    assert refused.value.param == "image"
