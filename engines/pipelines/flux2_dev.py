@@ -34,7 +34,7 @@ from engines.errors import InvalidRequestError, ModelLoadError
 from engines.lora.active import Adapters
 from engines.pipelines.flow import DitConditioning, run
 from engines.pipelines.flux2 import Flux2Pipeline
-from engines.pipelines.flux2_refs import reference_size
+from engines.pipelines.flux2_refs import MAX_ASPECT, MIN_SIDE, reference_size, reference_sizes
 from engines.pipelines.ort_model import OrtModel
 from engines.types.model import ModelInfo
 from engines.types.request import Batch
@@ -48,6 +48,10 @@ TEMPLATE = "{bos}[SYSTEM_PROMPT]" + SYSTEM_MESSAGE + "[/SYSTEM_PROMPT][INST]{pro
 REFERENCES = 6
 """Input images one edit takes: Black Forest Labs' recommended maximum for FLUX.2 [dev] (each image adds its tokens
 to every transformer call)."""
+EDIT_RULES = (MIN_SIDE, MAX_ASPECT, reference_sizes)
+"""klein's reference rules, named in this module too: engines/build/trtplan_edit.py reads ``MIN_SIDE``,
+``MAX_ASPECT`` and ``reference_sizes`` from the module that defines a pipeline's ``REFERENCES`` (the TensorRT edit
+bounds at [dev]'s count)."""
 
 
 def tokenizer_settings(folder: Path) -> dict[str, str]:
