@@ -230,6 +230,12 @@ def render_plan(plan: dict[str, Any]) -> list[str]:
                 f"{_gib(d['lora_denoiser_set_cached'])}  "
                 f"{_against(d['verdicts']['lora_denoiser_set_cached'], device_src)}")]
     lines += [f"  {line}" for line in plan.get("advice", [])]  # what would fit, when the device is too small
+    cn = plan.get("controlnet") or {}
+    if cn.get("dir"):  # [runtime.controlnet] dir: the nets' weights are component lines above, their residuals here
+        lines.append(f"  ControlNet ({cn['dir']}): " + (
+            f"{', '.join(cn['nets'])}; residuals {_gib(cn['residual_bytes'])} in the device total "
+            f"({cn['residual_sets']} sets alive at once)" if cn.get("served") else "not served")
+            + (f"; {cn['note']}" if cn.get("note") else ""))
     if plan["missing"]:
         lines.append(f"  missing (no model.onnx, no config.json; counted as 0): {', '.join(plan['missing'])}")
     fbc = plan.get("first_block", {})

@@ -175,3 +175,5 @@ def test_doctor_lists_the_controlnet_parts(built: dict[str, tuple[Path, Path]]) 
     text = subprocess.run([sys.executable, "-m", "server.cli", "doctor", "--profile", "dev", "--model", str(model),
                            "--plan-size", "128x96"], env=env, capture_output=True, text=True, timeout=120).stdout
     assert "controlnet:canny" in text and "unet_controlnet" in text
+    residuals = plan["controlnet"]["residual_bytes"] / (1 << 30)
+    assert f"ControlNet ({net.parent}): canny; residuals {residuals:.2f} GiB in the device total" in text, text
