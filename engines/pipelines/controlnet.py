@@ -185,8 +185,13 @@ class ControlNets:
 
     def attach_lora(self, manager: Any) -> None:
         """Give the residual UNet the LoRA variant of ``manager`` (engines/lora/manager.py LoraManager), or None
-        while no file adapts the UNet; called wherever the plain UNet's variant is attached (boot, refresh)."""
-        self.unet.variant = manager.residual_variant(self.path, self.denoiser)
+        while no file adapts the UNet; called wherever the plain UNet's variant is attached (boot, refresh). A
+        residual UNet whose weights are not the UNet's gets none (logged): a unit with a UNet LoRA is refused."""
+        try:
+            self.unet.variant = manager.residual_variant(self.path, self.denoiser)
+        except ModelLoadError as exc:
+            log.warning("LoRA with ControlNet not served: %s", exc)
+            self.unet.variant = None
 
     def lora(self, adapters: Adapters | None) -> Adapters | None:
         """The adapters the residual UNet runs with: the UNet's merged tensors under its own component name, or
