@@ -131,22 +131,31 @@ def write_flux2_tokenizer(out: Path, bpe: Path | None = None) -> int:
     return len(vocab) + len(THINK)
 
 
+def tiny_transformer_and_vae(config: dict[str, Any], seed: int) -> tuple[Any, Any]:
+    """The tiny FLUX.2 transformer (``config``: klein's ``TRANSFORMER`` or dev's, with its guidance embedding) and VAE
+    from ``seed`` + 1 and + 2, the VAE's batch-norm statistics as a trained VAE has them, not the identity."""
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+
+    torch.manual_seed(seed + 1)
+    transformer = Flux2Transformer2DModel(**config).eval()
+    torch.manual_seed(seed + 2)
+    vae = AutoencoderKLFlux2(**VAE).eval()
+    with torch.no_grad():
+        vae.bn.running_mean.copy_(torch.randn_like(vae.bn.running_mean) * 0.5)
+        vae.bn.running_var.copy_(torch.rand_like(vae.bn.running_var) + 0.5)
+    return transformer, vae
+
+
 def make_flux2_components(vocab_size: int, distilled: bool, seed: int = SEED) -> dict[str, Any]:
     """The networks and scheduler of the tiny FLUX.2 [klein], each module from its own seed."""
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(**TEXT, vocab_size=-(-vocab_size // 64) * 64, pad_token_id=vocab_size - 5,
                          eos_token_id=vocab_size - 3)
     torch.manual_seed(seed)
     text = Qwen3ForCausalLM(config).eval()
-    torch.manual_seed(seed + 1)
-    transformer = Flux2Transformer2DModel(**TRANSFORMER).eval()
-    torch.manual_seed(seed + 2)
-    vae = AutoencoderKLFlux2(**VAE).eval()
-    with torch.no_grad():  # batch-norm statistics as a trained VAE has them, not the identity
-        vae.bn.running_mean.copy_(torch.randn_like(vae.bn.running_mean) * 0.5)
-        vae.bn.running_var.copy_(torch.rand_like(vae.bn.running_var) + 0.5)
+    transformer, vae = tiny_transformer_and_vae(TRANSFORMER, seed)
     return {"text_encoder": text, "transformer": transformer, "vae": vae,
             "scheduler": FlowMatchEulerDiscreteScheduler(**SCHEDULER), "is_distilled": distilled}
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from engines.build.dit_folder import TORCH_DTYPES, config_of, half_plan, load_diffusers, with_io
-from engines.build.flux2 import SCHEDULER, TINY_NATIVE_SIZE, VAE, export_flux2, export_rms
+from engines.build.flux2 import SCHEDULER, TINY_NATIVE_SIZE, export_flux2, export_rms, tiny_transformer_and_vae
 from engines.build.flux2_refs import export_flux2_encoder
 from engines.health.param_counts import FLUX2_DEV_TEXT_LAYERS
 
@@ -138,7 +138,7 @@ def write_mistral3_tokenizer(out: Path, bpe: Path | None = None) -> int:
 
 def make_flux2_dev_components(vocab_size: int, seed: int = SEED) -> dict[str, Any]:
     """The networks and scheduler of the tiny FLUX.2 [dev], each module from its own seed."""
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
     text = {"model_type": "mistral", **TINY_TEXT, "vocab_size": -(-vocab_size // 64) * 64,
@@ -147,13 +147,7 @@ def make_flux2_dev_components(vocab_size: int, seed: int = SEED) -> dict[str, An
                             image_token_index=SPECIALS.index("[IMG]"))
     torch.manual_seed(seed)
     encoder = Mistral3ForConditionalGeneration(config).eval()
-    torch.manual_seed(seed + 1)
-    transformer = Flux2Transformer2DModel(**TRANSFORMER).eval()
-    torch.manual_seed(seed + 2)
-    vae = AutoencoderKLFlux2(**VAE).eval()
-    with torch.no_grad():  # batch-norm statistics as a trained VAE has them, not the identity
-        vae.bn.running_mean.copy_(torch.randn_like(vae.bn.running_mean) * 0.5)
-        vae.bn.running_var.copy_(torch.rand_like(vae.bn.running_var) + 0.5)
+    transformer, vae = tiny_transformer_and_vae(TRANSFORMER, seed)
     return {"text_encoder": encoder, "transformer": transformer, "vae": vae,
             "scheduler": FlowMatchEulerDiscreteScheduler(**SCHEDULER)}
 
