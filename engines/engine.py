@@ -136,10 +136,10 @@ class OrtEngine:
             if self.plan is not None:  # the family's canary set (configs/canaries.toml [family.<name>])
                 self.plan = dataclasses.replace(self.plan, family=self.info.family, suite=self.plan.suite.for_family(
                     self.info.family, edits=self.info.instruct_images > 0))
+            if self.settings.controlnet.dir:  # before the LoRA variants: the residual UNet gets its own
+                self._attach_controlnets(Path(self.settings.controlnet.dir))
             if self.settings.lora.dir:
                 self._load_lora()
-            if self.settings.controlnet.dir:
-                self._attach_controlnets(Path(self.settings.controlnet.dir))
         except NotReadyError as exc:
             self._errors.append(str(exc))
             raise
@@ -216,6 +216,9 @@ class OrtEngine:
                 found = self._lora.components.get(model.component)
                 # built by make_model=OrtModel (the manager types it by the Model protocol it needs)
                 model.variant = cast("OrtModel | None", found.variant) if found is not None else None
+            controls = getattr(pipe, "controls", None)
+            if controls is not None and hasattr(controls, "attach_lora"):  # an SD pipeline's residual UNet
+                controls.attach_lora(self._lora)
 
     def nvml_index(self) -> int:
         """The NVML index of the served CUDA ordinal, matched by PCI bus id (CUDA_VISIBLE_DEVICES renumbers CUDA
