@@ -82,3 +82,17 @@ def test_an_edit_row_joining_a_running_set_of_generations_gets_its_solo_image(en
     first = _joins(engine, generation, edit)
     second = _joins(engine, dataclasses.replace(edit, steps=5), dataclasses.replace(generation, steps=3))
     print(f"\nkontext step batching, edit joins generations {first}; generation joins an edit {second}")
+
+
+def test_an_edit_takes_the_output_step_cache(engine: OrtEngine) -> None:
+    """The output-level step cache (engines/numerics/step_cache.py) on an instruction edit: evaluations are reused
+    and the image stays within the gate's bound of the uncached edit (PSNR >= 30 dB), the reference tokens in every
+    computed call."""
+    from server.caching import psnr_db
+    from tests.integration.test_step_cache import CACHE
+
+    plain = _edit("put a hat on it", 10, 20, _picture(90, 60, 0.0))
+    cached = dataclasses.replace(plain, cache=CACHE)
+    alone, reused = engine.generate(plain), engine.generate(cached)
+    assert reused.cache is not None and reused.cache.reused > 0, reused.cache
+    assert psnr_db(_pixels(alone)[0], _pixels(reused)[0]) >= 30.0
