@@ -291,3 +291,34 @@ def test_home_assistant_generate_image_service(mode: str, openai_base: str, size
     assert fetched.status_code == 200
     width, height = (int(v) for v in body["size"].split("x"))
     assert Image.open(io.BytesIO(fetched.content)).size == (width, height)
+
+
+# The samplers these clients send by default, on a flow-matching model (FLUX.1 dev-like, guidance embedded).
+
+@pytest.fixture(scope="module")
+def flux_server(dit_build: Any) -> Iterator[str]:
+    """The tiny FLUX.1 dev-like model under the dev profile."""
+    server = ServerProcess("--profile", "dev", "--model", str(dit_build("flux")[0]))
+    try:
+        yield server.wait_ready(timeout=300)
+    finally:
+        assert server.stop() == 0, server.log
+
+
+def test_aiyabot_and_webuiapi_euler_a_on_flux(mode: str, flux_server: str) -> None:
+    """aiyabot core/stablecog.py (commit eb8ff68) dream_handler with its channel defaults (sampler "Euler a", steps
+    30, cfg_scale "7.0" as a string, 512x512, styles ["None"], clip skip 1 as an override) and webuiapi's txt2img
+    with the package's defaults (Euler a, 20 steps): both served on FLUX.1 with the flow formulation of Euler a
+    (diffusers' FlowMatchEulerDiscreteScheduler with stochastic sampling), labelled "Euler a" in the infotext."""
+    size = side(mode)
+    dream = sized(mode, {"prompt": "a castle on a hill", "negative_prompt": "", "steps": 30, "width": 512,
+                         "height": 512, "cfg_scale": "7.0", "sampler_index": "Euler a", "seed": 1234567,
+                         "n_iter": 1, "batch_size": 1, "styles": ["None"],
+                         "override_settings": {"CLIP_stop_at_last_layers": 1}})
+    answer = httpx.post(f"{flux_server}{SDAPI}/txt2img", json=dream, timeout=1200)
+    assert answer.status_code == 200, answer.text
+    info = json.loads(answer.json()["info"])
+    assert "Sampler: Euler a," in info["infotexts"][0] and info["seed"] == 1234567
+    assert _decoded(answer.json()["images"][0]).size == (size, size)
+    result = _webui(flux_server).txt2img(prompt="a red fox in snow", width=size, height=size)
+    assert result.image.size == (size, size) and result.info["sampler_name"] == "Euler a"
