@@ -15,6 +15,7 @@ import io
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -95,10 +96,12 @@ def test_openai_edits_with_one_and_two_images_depend_on_them(server: str) -> Non
     for the same seed and prompt unless the input images' tokens reach the sequence; 7 images refused by name."""
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="not-needed", max_retries=0, timeout=120)
 
-    def edit(image: object) -> tuple[np.ndarray, str]:
-        raw = client.images.with_raw_response.edit(image=image, prompt="make it blue",  # type: ignore[arg-type]
-                                                   response_format="b64_json", extra_body={"steps": 2, "seed": 11})
-        return _png(raw.parse().data[0].b64_json or ""), raw.headers["x-sdserve-mode"]  # type: ignore[index]
+    def edit(image: Any) -> tuple[np.ndarray, str]:
+        raw = client.images.with_raw_response.edit(image=image, prompt="make it blue", response_format="b64_json",
+                                                   extra_body={"steps": 2, "seed": 11})
+        data = raw.parse().data
+        assert data and data[0].b64_json
+        return _png(data[0].b64_json), raw.headers["x-sdserve-mode"]
 
     (one, mode), (other, _) = edit(_upload(0)), edit(_upload(1))
     two, mode_two = edit([_upload(0), _upload(1, 64, 96)])
