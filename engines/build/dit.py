@@ -271,13 +271,14 @@ its configs (``sdserve engines tiny --family F --variant V``)."""
 
 def _build_flux2_dev(out: Path, bpe: Path | None, diffusers_out: Path | None, vae_encoder: bool,
                      first_block: bool) -> Path:
-    """FLUX.2 [dev] (engines/build/mistral3.py, named by string): txt2img only, no first-block parts."""
+    """FLUX.2 [dev] (engines/build/mistral3.py, named by string): with its VAE encoder (reference images) unless
+    ``vae_encoder`` is off; no first-block parts."""
     import importlib
 
     if first_block:
         raise ValueError("the first-block cache's transformer parts are not exported for FLUX.2")
     build: Callable[..., Path] = importlib.import_module("engines.build.mistral3").build_tiny_flux2_dev
-    return build(out, bpe, diffusers_out)
+    return build(out, bpe, diffusers_out, vae_encoder)
 
 
 OWN_BUILDERS["flux2-dev"] = _build_flux2_dev

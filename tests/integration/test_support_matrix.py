@@ -95,6 +95,10 @@ PROOFS: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {
         ("tests/e2e/test_flux2_serving.py::test_through_the_openai_sdk", "served through the openai SDK"),
         ("tests/integration/test_flux2_lora.py::test_transformer_lora_images_match_diffusers",
          "LoRA (transformer) matches diffusers; text-encoder LoRA refused by name"),
+        ("tests/integration/test_flux2_refs_parity.py::test_edits_match_diffusers",
+         "reference-image edit parity with diffusers, one and two input images"),
+        ("tests/e2e/test_flux2_edits.py::test_one_and_two_images_are_instruction_edits_that_depend_on_them",
+         "reference-image edits through the openai SDK, one image and a list of two"),
     ),
     ("flux2-klein-base", "dev"): (
         ("tests/integration/test_flux2_parity.py::test_images_match_diffusers",
@@ -108,6 +112,8 @@ PROOFS: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {
          "are_refused", "LoRA (transformer) matches diffusers; text-encoder LoRA refused by name"),
         ("tests/integration/test_flux2_dev_doctor.py::test_an_80_gb_card_is_told_it_does_not_fit_and_what_would",
          "doctor: does not fit an 80 GB card in bf16, says what would"),
+        ("tests/integration/test_flux2_dev_refs_parity.py::test_edits_match_diffusers",
+         "reference-image edit parity with diffusers, one and two input images"),
     ),
     ("sd1", "openvino"): (
         ("tests/integration/test_plugin_ep.py::test_built_artifacts_boot_on_the_ep",

@@ -35,7 +35,7 @@ def test_every_part_is_planned_and_passes_orts_parser(dit_build: Builder) -> Non
     folder = dit_build("flux2-dev")[0]
     plan = trtplan.plan(folder, trtplan.profiles_from(SIZES, BATCH_MAX, BATCH_OPT), trtplan.BuildFlags())
     components = plan["sizes"]["64x48"]["components"]
-    assert set(components) == {"text_encoder", "transformer", "vae_decoder"}
+    assert set(components) == {"text_encoder", "transformer", "vae_decoder", "vae_encoder"}
     assert plan["build_flags"]["precision"] == dict.fromkeys(components, "bf16")
     verdicts = parser_verdicts(folder, plan)
     assert len(verdicts) == len(SIZES) * len(components)
