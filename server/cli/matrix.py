@@ -304,7 +304,7 @@ a CPU cell the engine's load under that profile, a CUDA-only cell that load's gr
 GPU runs recorded: {recorded}.
 Refused at boot (exit 11, naming what was found): other pipeline classes (FLUX.2 [klein] inpainting, Kontext
 inpainting, the Flux tools, the first Qwen-Image-Edit, ...), depth and upscaler UNets, LCM, SDXL refiners; ControlNets
-are served beside an SD 1.x or SDXL model (`--controlnet-dir`), not as a model. On a GPU node,
+are served beside an SD 1.x, SDXL or FLUX.1 model (`--controlnet-dir`), not as a model. On a GPU node,
 `sdserve accept --out report/` proves the fast path and writes the numbers
 ([the GPU path]({docs}gpu-path.md#acceptance-on-a-gpu-node-sdserve-accept))."""
 
