@@ -25,7 +25,7 @@ from server.app import create_app
 from server.settings import load_settings
 
 Builder = Callable[[str], tuple[Path, Path]]
-FAMILIES = ["sd1", "flux", "sd3", "qwen-image", "z-image-turbo"]
+FAMILIES = ["sd1", "flux", "sd3", "qwen-image", "z-image-turbo", "flux2-klein"]
 
 
 def _png() -> bytes:
