@@ -235,7 +235,7 @@ def test_webuiapi_extras(mode: str, upscale_server: str) -> None:
 def test_sillytavern_adetailer_refusal_names_the_script(mode: str, upscale_server: str) -> None:
     """public/scripts/extensions/stable-diffusion/index.js (the ``adetailer_face`` block of generateAutoImage)
     adds alwayson_scripts.ADetailer {args: [true, true, {ad_model: "face_yolov8n.pt"}]}; src/endpoints/
-    stable-diffusion.js (commit 66354542 of the stored snapshot's /generate) first GETs options (Forge test:
+    stable-diffusion.js (its /generate handler) first GETs options (Forge test:
     ``forge_preset``), forwards the body to txt2img, and on a non-OK reply throws with the reply's text as the
     error's cause (its server log) and answers its own UI a bare 500: SillyTavern shows "Internal Server Error"
     whatever the backend says. sdserve's side: the text it logs is a 422 naming the script, as A1111 refuses a
