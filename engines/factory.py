@@ -1,5 +1,6 @@
-"""The constructors server/ may call: an engine for a model folder under a runtime policy, and the upscaler library
-of A1111's extras routes (engines/pipelines/upscale.py, re-exported here: its ONNX sessions load lazily)."""
+"""The constructors server/ may call: an engine for a model folder under a runtime policy, the upscaler library
+of A1111's extras routes (engines/pipelines/upscale.py, re-exported here: its ONNX sessions load lazily) and the
+ControlNet annotator networks (engines/pipelines/annotator.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ from pathlib import Path
 from typing import Any
 
 from engines.config import Matrix, RuntimeSettings, SelfTestPlan, SignatureThresholds
+from engines.pipelines.annotator import OnnxAnnotator
 from engines.pipelines.upscale import OnnxUpscaler, TilesStopped, UpscalerLibrary
 from engines.protocol import Engine
 from engines.types.health import Faults
 
-__all__ = ["OnnxUpscaler", "TilesStopped", "UpscalerLibrary", "accept", "accept_step_budgets", "create_engine",
-           "dit_build_estimate", "manifest_name", "memory_plan", "require_build_fits"]
+__all__ = ["OnnxAnnotator", "OnnxUpscaler", "TilesStopped", "UpscalerLibrary", "accept", "accept_step_budgets",
+           "create_engine", "dit_build_estimate", "manifest_name", "memory_plan", "require_build_fits"]
 
 
 def create_engine(model: Path, runtime: RuntimeSettings, matrix: Matrix | None = None,

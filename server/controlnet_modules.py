@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from engines.errors import InvalidRequestError
+from engines.factory import OnnxAnnotator
 
 RES = {"name": "Resolution", "value": 512, "min": 64, "max": 2048, "step": 8}
 """sd-webui-controlnet's processor_res slider (``flag_preprocessor_resolution``)."""
@@ -153,7 +154,7 @@ class Annotators:
         self.folder = folder / ANNOTATOR_FOLDER if folder is not None else None
         self.refused: dict[str, str] = {}
         """Module -> why its file was refused (too large, not loadable)."""
-        self._sessions: dict[str, Any] = {}
+        self._sessions: dict[str, OnnxAnnotator] = {}
         self._lock = threading.Lock()
 
     def files(self) -> dict[str, Path]:
@@ -163,9 +164,7 @@ class Annotators:
         return {p.stem: p for p in sorted(self.folder.glob("*.onnx"))
                 if p.stem in ANNOTATOR_KINDS and p.is_file() and p.stem not in self.refused}
 
-    def session(self, module: str, field: str) -> Any:
-        import onnxruntime as ort
-
+    def session(self, module: str, field: str) -> OnnxAnnotator:
         with self._lock:
             if module in self._sessions:
                 return self._sessions[module]
@@ -175,7 +174,7 @@ class Annotators:
             try:
                 if path.stat().st_size > MAX_ANNOTATOR_BYTES:
                     raise ValueError(f"over {MAX_ANNOTATOR_BYTES} bytes")
-                session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+                session = OnnxAnnotator(path)
             except Exception as exc:  # untrusted file: refused by name, never fatal; the reason in the log only
                 self.refused[module] = type(exc).__name__  # (ORT's message names the file's path)
                 log.warning("ControlNet annotator %s refused: %s", module, exc)
@@ -192,7 +191,7 @@ class Annotators:
         session = self.session(module, field)
         padded, unpad = resize_with_pad(image, res)
         x = (padded.astype(np.float32) / 255.0).transpose(2, 0, 1)[None]
-        out = np.asarray(session.run(None, {session.get_inputs()[0].name: x})[0], dtype=np.float32)
+        out = session(x)
         if out.ndim != 4 or out.shape[0] != 1 or out.shape[1] not in (1, 3):
             raise InvalidRequestError(f"ControlNet module {module!r}: its file answered {list(out.shape)}, not "
                                       "[1, 1 or 3, h, w]", param=field)

@@ -146,6 +146,15 @@ def test_engines_never_import_the_http_layer(path: Path) -> None:
     assert bad == []
 
 
+@pytest.mark.parametrize("path", [p for p in _files() if p.relative_to(ROOT).parts[0] == "server"],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_http_layer_reaches_onnx_runtime_only_through_engines(path: Path) -> None:
+    """An ONNX session the server needs (an annotator, an upscaler) is built in engines/ and reached through
+    engines.factory, so the provider policy and the session rules live in one place."""
+    bad = [m for m, _ in _imports(path) if m.split(".")[0] == "onnxruntime"]
+    assert bad == [], f"{path.relative_to(ROOT)} imports {bad}"
+
+
 @pytest.mark.parametrize("path", _files(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_torch_only_at_build_time(path: Path) -> None:
     if path.relative_to(ROOT).parts[:2] == ("engines", "build"):
