@@ -16,9 +16,11 @@ would change the image), a unit without an image, a mask (inpaint units are not 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,14 +103,29 @@ class ControlNetLibrary:
                                   f"{self.titles(served) or 'none'} (GET /controlnet/model_list)", param=field)
 
 
+_SERVED: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
+"""Per engine, the ControlNets it loaded once it has any: they are attached at load only, so the capability
+snapshot is not rebuilt for every ControlNet request and listing."""
+
+
 def served_names(engine: Any) -> set[str] | None:
     """The ControlNets the engine loaded: its sessions ``controlnet_<name>`` (``@<size>`` per prebuilt size;
     engines/pipelines/controlnet.py names them so). None without an engine (nothing to filter by)."""
     capabilities = getattr(engine, "capabilities", None)
     if capabilities is None:
         return None
-    return {name.split("@")[0].removeprefix("controlnet_") for name in capabilities().sessions
-            if name.startswith("controlnet_")}
+    try:
+        known = _SERVED.get(engine)
+    except TypeError:  # an engine object that cannot be a weak key: read it every time
+        known = None
+    if known is not None:
+        return set(known)
+    names = frozenset(name.split("@")[0].removeprefix("controlnet_") for name in capabilities().sessions
+                      if name.startswith("controlnet_"))
+    if names:  # none yet: the engine may still be loading
+        with contextlib.suppress(TypeError):
+            _SERVED[engine] = names
+    return set(names)
 
 
 @dataclass(frozen=True)

@@ -232,3 +232,20 @@ def test_legacy_names_and_display_labels_reach_the_modules(library: ControlNetLi
                                   {"image": text, "model": "edges", "module": "depth"}]}, library, 64, 64, 1 << 20)
     assert units[0].unit.image[0, 0].tolist() == [255] * 3 and "Module: invert," in units[0].infotext
     assert "Module: depth_midas," in units[1].infotext
+
+
+def test_the_served_names_are_read_once_per_engine_once_it_has_any() -> None:
+    """server/controlnet.py ``served_names``: ControlNets attach at load only, so after the first read that finds
+    some the capability snapshot is not rebuilt per request; while the engine has none it is read again."""
+    class Engine:
+        def __init__(self) -> None:
+            self.reads, self.sessions = 0, {"unet": 0}
+
+        def capabilities(self) -> SimpleNamespace:
+            self.reads += 1
+            return SimpleNamespace(sessions=dict(self.sessions))
+
+    engine = Engine()
+    assert served_names(engine) == set() and served_names(engine) == set() and engine.reads == 2
+    engine.sessions["controlnet_edges"] = 0
+    assert [served_names(engine) for _ in range(3)] == [{"edges"}] * 3 and engine.reads == 3
