@@ -21,6 +21,7 @@ from collections.abc import Callable
 import numpy as np
 import onnxruntime as ort
 
+from engines.errors import InvalidRequestError
 from engines.numerics.flow_graph import build_flow_noise_graph
 from engines.numerics.rows import shape_feed
 from engines.pipelines.ort_model import OrtModel
@@ -41,12 +42,17 @@ class DitEditor:
         self.noise = {copies: make(build_flow_noise_graph(scaling, shift, model_in, copies, packed),
                                    f"flow_noise{copies}") for copies in (1, 2)}
 
+    @property
+    def moments_output(self) -> str:
+        """The encoder output holding the latent distribution's moments (mean, then log-variance)."""
+        return ENCODER_OUTPUT if ENCODER_OUTPUT in self.encoder.outputs else self.encoder.outputs[0]
+
     def _encode(self, batch: Batch, rngs: list[np.random.Generator], shape: tuple[int, ...]) -> ort.OrtValue:
         """The VAE sample of each init image (unscaled), drawn with the image's stream, on the device."""
         name = next(iter(self.encoder.inputs))
         pixels = edit_inputs(batch, False).pixels
         pix = self.runtime.upload("dit_edit_pixels", pixels.astype(self.encoder.input_dtype(name)))
-        out = ENCODER_OUTPUT if ENCODER_OUTPUT in self.encoder.outputs else self.encoder.outputs[0]
+        out = self.moments_output
         moments = self.runtime.buffer("dit_edit_moments", (shape[0], 2 * shape[1], *shape[2:]),
                                       self.encoder.output_dtype())
         self.encoder.run({name: pix}, {out: moments})
@@ -74,3 +80,28 @@ class DitEditor:
         model_in = self.runtime.buffer("dit_in", (copies * n, *out_shape[1:]), self.model_in)
         self.noise[copies].run(feeds, {"next": start, "model_in": model_in})
         return start, model_in
+
+
+class ReferenceEdits:
+    """The instruction-edit checks of a flow pipeline that reads its input images as extra tokens (FLUX.1 Kontext:
+    kontext.py, FLUX.2: flux2_refs.py). Listed before the pipeline's base class, whose ``check_inputs`` it extends;
+    the pipeline says how its images are sized (``_reference_sizes``)."""
+
+    editor: DitEditor | None
+    edits_unavailable: str
+
+    def _reference_sizes(self, batch: Batch) -> list[tuple[int, int]]:
+        """The encoded (width, height) of the batch's input images; refuses a batch whose images do not fit."""
+        raise NotImplementedError
+
+    def check_inputs(self, batch: Batch) -> None:
+        super().check_inputs(batch)  # type: ignore[misc]  # the pipeline base's: after this class in the MRO
+        if batch.mode == "instruct":
+            if self.editor is None:
+                raise InvalidRequestError(f"edits are not served by this model: {self.edits_unavailable}",
+                                          param="image")
+            self._reference_sizes(batch)
+
+    def reference_encoder(self, batch: Batch) -> DitEditor | None:
+        """The editor whose VAE encoder reads an instruction edit's images; None for any other batch."""
+        return self.editor if batch.mode == "instruct" else None

@@ -46,10 +46,10 @@ from engines.errors import InvalidRequestError
 from engines.numerics.rows import Buffers, Runnable, shape_feed
 from engines.numerics.step_graph import elem_type, serialize
 from engines.pipelines.flow import DitConditioning, FlowPipeline, run
+from engines.pipelines.flow_edits import ReferenceEdits
 from engines.pipelines.flow_extra import ExtraJoin, ExtraTokens
 from engines.pipelines.flux import flux_rope
 from engines.pipelines.ort_model import Feed
-from engines.pipelines.unet_edits import ENCODER_OUTPUT
 from engines.runtime.sessions import Runtime
 from engines.types.model import ModelInfo
 from engines.types.request import Batch
@@ -162,7 +162,7 @@ class LatentJoin(ExtraJoin):
                        {"out": into})
 
 
-class Flux2References(FlowPipeline):
+class Flux2References(ReferenceEdits, FlowPipeline):
     """The reference-image hooks of ``Flux2Pipeline`` (listed before its base: these override FlowPipeline's)."""
 
     def __init__(self, folder: Path, runtime: Runtime, label: str = "", sources: dict[str, Path] | None = None) -> None:
@@ -189,24 +189,16 @@ class Flux2References(FlowPipeline):
                                       f"{sorted(sets)})", param="image")
         return list(next(iter(sets)))
 
-    def check_inputs(self, batch: Batch) -> None:
-        super().check_inputs(batch)
-        if batch.mode == "instruct":
-            if self.editor is None:
-                raise InvalidRequestError(f"edits are not served by this model: {self.edits_unavailable}",
-                                          param="image")
-            self._reference_sizes(batch)
-
     def extra_tokens(self, batch: Batch) -> ExtraTokens | None:
         """The input images' latent tokens (the encoder's mean, patchified and normalised) and their ids."""
-        if batch.mode != "instruct" or self.editor is None:
+        editor = self.reference_encoder(batch)
+        if editor is None:
             return None
         sizes = self._reference_sizes(batch)
         sets = [spec.edit.references for spec in batch.images if spec.edit is not None]
         distinct = list({tuple(map(id, refs)): refs for refs in sets}.values())  # a request's images share them
-        encoder = self.editor.encoder
-        name, out = next(iter(encoder.inputs)), ENCODER_OUTPUT if ENCODER_OUTPUT in encoder.outputs else \
-            encoder.outputs[0]
+        encoder = editor.encoder
+        name, out = next(iter(encoder.inputs)), editor.moments_output
         tokens = []
         for refs in distinct:
             parts = []

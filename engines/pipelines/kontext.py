@@ -27,9 +27,9 @@ from PIL import Image
 
 from engines.errors import InvalidRequestError
 from engines.pipelines.flow import DitConditioning, pack_latents, run
+from engines.pipelines.flow_edits import ReferenceEdits
 from engines.pipelines.flow_extra import ExtraTokens
 from engines.pipelines.flux import FluxPipeline, flux_rope, image_ids
-from engines.pipelines.unet_edits import ENCODER_OUTPUT
 from engines.types.model import ModelInfo
 from engines.types.request import Batch
 
@@ -79,7 +79,7 @@ def reference_pixels(image: np.ndarray, width: int, height: int) -> np.ndarray:
     return (pixels * 2.0 - 1.0).transpose(2, 0, 1)
 
 
-class KontextPipeline(FluxPipeline):
+class KontextPipeline(ReferenceEdits, FluxPipeline):
     """FLUX.1 Kontext [dev]: Flux.1 dev with the reference image's latents beside the noisy ones."""
 
     FIRST_BLOCK = False
@@ -98,25 +98,18 @@ class KontextPipeline(FluxPipeline):
                                       f"(they give {sorted(set(sizes))})", param="image")
         return sizes
 
-    def check_inputs(self, batch: Batch) -> None:
-        super().check_inputs(batch)
-        if batch.mode == "instruct":
-            if self.editor is None:
-                raise InvalidRequestError(f"edits are not served by this model: {self.edits_unavailable}",
-                                          param="image")
-            self._reference_sizes(batch)
-
     def extra_tokens(self, batch: Batch) -> ExtraTokens | None:
         """The reference images' packed latents (the VAE's mean, scaled) and their ids ``(1, row, col)``."""
-        if batch.mode != "instruct" or self.editor is None:
+        editor = self.reference_encoder(batch)
+        if editor is None:
             return None
         width, height = self._reference_sizes(batch)[0]
         refs = [spec.edit.references[0] for spec in batch.images if spec.edit is not None]
         distinct = list({id(ref): ref for ref in refs}.values())  # a request's images share its input: encoded once
         pixels = np.stack([reference_pixels(ref, width, height) for ref in distinct])
-        encoder = self.editor.encoder
-        out = ENCODER_OUTPUT if ENCODER_OUTPUT in encoder.outputs else encoder.outputs[0]
-        moments = run(encoder, {next(iter(encoder.inputs)): pixels}, [out], None)[0].astype(np.float32)
+        encoder = editor.encoder
+        moments = run(encoder, {next(iter(encoder.inputs)): pixels}, [editor.moments_output], None)[0].astype(
+            np.float32)
         g = self.geometry
         mean = moments[:, :g.latent_channels]  # DiagonalGaussianDistribution's mode
         latents = (mean - np.float32(g.shift_factor)) * np.float32(g.scaling_factor)
