@@ -1,0 +1,210 @@
+"""openOutpaint (zero01101/openOutpaint, commit 32f38d9) replayed from its source against a real `sdserve serve`
+with a ControlNet folder and a LoRA library (issues 56 and 57): its ControlNet panel (js/extensions.js discovery,
+js/ui/tool/dream.js ``addControlNetToAlwaysOnScripts``) and its LoRA picker (js/index.js ``getLoras`` and
+``loraAutoComplete``). Each body is built as the client's source builds it; the reply is read as the client reads it
+(dream.js ``_generate``: ``images`` and ``JSON.parse(info).all_seeds``). ``lean`` and ``defaults`` as in
+tests/e2e/test_client_replays.py: lean (in ``make test``) shrinks only the image sizes to 64 px; ``defaults``
+(marker ``client_defaults``) sends the client's own 512x512.
+
+openOutpaint's ControlNet panel is an in/outpainting panel only: its model picker keeps the models whose name holds
+"inpaint", its module picker the modules holding "inpaint" plus ``inpaint_global_harmonious``, and the optional
+reference unit a ``reference*`` module with model "None". sdserve serves none of those modules (inpaint units and
+reference-only are refused by name: server/controlnet.py), so every ControlNet request the panel can build is a
+422 naming the unit's ``module`` and listing the modules served; the same dream without the panel is served.
+
+The library holds the tiny SD 1.x ControlNet of `sdserve engines tiny --controlnet` twice: as ``edges`` and under the
+name of the ControlNet an openOutpaint user installs for the panel (``control_v11p_sd15_inpaint``), so its
+inpaint-only model filter has something to pick. The UNet's residual variant and the ControlNet run on ONNX
+Runtime's CPU provider (onnxruntime/python/onnxruntime_inference_collection.py InferenceSession).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests import lora_files as lf
+from tests.e2e.conftest import ServerProcess
+from tests.e2e.test_client_replays import OPENOUTPAINT, sized
+
+pytestmark = pytest.mark.slow
+SDAPI = "/sdapi/v1"
+INPAINT_NET = "control_v11p_sd15_inpaint"
+LORA = "style"
+BODY = {**OPENOUTPAINT, "alwayson_scripts": {}}
+"""stableDiffusionData with the sliders' defaults (tests/e2e/test_client_replays.py OPENOUTPAINT) and, at commit
+32f38d9, ``alwayson_scripts: {}`` on every request: extensions.js ``checkForSoftInpainting`` sets ``alwaysOnScripts``
+unconditionally, so dream.js ``buildAlwaysOnScripts`` starts each request with an empty object."""
+
+
+@pytest.fixture(params=["lean", pytest.param("defaults", marks=pytest.mark.client_defaults)])
+def mode(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The tiny SD 1.x model under the dev profile with ``--controlnet-dir`` (``edges`` and ``INPAINT_NET``) and
+    ``--lora-dir`` (one UNet LoRA, ``style``)."""
+    root = tmp_path_factory.mktemp("openoutpaint")
+    model, library, loras = root / "model", root / "controlnets", root / "loras"
+    done = subprocess.run([sys.executable, "-m", "server.cli", "engines", "tiny", "--out", str(model),
+                           "--controlnet", str(library / "edges")], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shutil.copytree(library / "edges", library / INPAINT_NET)
+    loras.mkdir()
+    lf.write_safetensors(loras / f"{LORA}.safetensors", lf.numpy_lora(model, scale=0.2, seed=3))
+    process = ServerProcess("--profile", "dev", "--model", str(model), "--controlnet-dir", str(library),
+                            "--lora-dir", str(loras))
+    try:
+        yield process.wait_ready(timeout=300)
+    finally:
+        assert process.stop() == 0, process.log
+
+
+def _data_url(image: Image.Image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def _canvas(size: int) -> tuple[Image.Image, Image.Image]:
+    """The Dream tool's inputs for a reticle half over a picture: the init canvas (the picture over black) and the
+    mask canvas (white where the canvas is empty, black over the picture)."""
+    init = Image.new("RGB", (size, size), (0, 0, 0))
+    init.paste(Image.effect_mandelbrot((size // 2, size), (-2, -1, 1, 1), 40).convert("RGB"), (0, 0))
+    mask = Image.new("RGB", (size, size), (0, 0, 0))
+    mask.paste((255, 255, 255), (size // 2, 0, size, size))
+    return init, mask
+
+
+def _read(answer: httpx.Response, size: int, count: int) -> list[np.ndarray]:
+    """What ``_generate`` reads: ``images`` (base64 PNGs it draws) and ``JSON.parse(info).all_seeds``."""
+    assert answer.status_code == 200, answer.text
+    data = answer.json()
+    seeds = json.loads(data["info"])["all_seeds"]
+    assert len(data["images"]) == len(seeds) == count
+    images = [Image.open(io.BytesIO(base64.b64decode(i))) for i in data["images"]]
+    assert {i.size for i in images} == {(size, size)}
+    return [np.asarray(i.convert("RGB")).astype(np.int16) for i in images]
+
+
+def _panel(base: str) -> dict[str, Any]:
+    """extensions.js ``getExtensions`` -> ``checkForControlNet`` -> ``getModels``/``getModules``: what the panel's
+    three pickers offer, and the settings value it reads."""
+    scripts = httpx.get(f"{base}{SDAPI}/scripts", timeout=10).json()
+    found = [s for s in scripts["img2img"] if "controlnet" in s.lower()]
+    version = httpx.get(f"{base}/controlnet/version", timeout=10).json()["version"]
+    settings = httpx.get(f"{base}/controlnet/settings", timeout=10).json()
+    models = httpx.get(f"{base}/controlnet/model_list", timeout=10).json()["model_list"]
+    modules = httpx.get(f"{base}/controlnet/module_list", timeout=10).json()["module_list"]
+    return {"scripts": found, "version": version, "settings": settings,
+            "models": [m for m in models if "inpaint" in m],
+            "modules": [m for m in modules if "inpaint" in m] + ["inpaint_global_harmonious"],
+            "references": [m for m in modules if "reference" in m]}
+
+
+def test_openoutpaint_controlnet_panel_discovery(server: str) -> None:
+    """The panel is enabled: ``controlnet`` among GET scripts' img2img entries and ``version > 0``. Its model picker
+    shows only the inpaint ControlNet (``name [hash8]``), its module picker only the pushed
+    ``inpaint_global_harmonious`` (sdserve lists no inpaint module), its reference picker nothing. It reads
+    ``control_net_max_models_num`` from /controlnet/settings, the key sd-webui-controlnet renamed to
+    ``control_net_unit_count`` in 2023 (commit 1d54023, scripts/api.py): absent on current A1111 and on sdserve
+    alike, so ``undefined < 2`` is false and the reference box stays enabled in both."""
+    panel = _panel(server)
+    assert panel["scripts"] == ["controlnet"] and panel["version"] > 0
+    assert panel["settings"] == {"control_net_unit_count": 3}
+    assert len(panel["models"]) == 1 and panel["models"][0].startswith(f"{INPAINT_NET} [")
+    assert panel["modules"] == ["inpaint_global_harmonious"] and panel["references"] == []
+
+
+def _unit(panel: dict[str, Any], image: str | None, mask: str | None) -> dict[str, Any]:
+    """dream.js ``addControlNetToAlwaysOnScripts``: the picked module and model, the mode and resize selects'
+    first options ("Balanced", "Just Resize"), processor_res 64, and the canvases as data URLs (the Dream tool) or
+    no image at all (the Img2Img tool passes null canvases: the extension then takes img2img's init image)."""
+    unit: dict[str, Any] = {"enabled": True, "module": panel["modules"][0], "model": panel["models"][0],
+                            "control_mode": "Balanced", "processor_res": 64, "resize_mode": "Just Resize"}
+    if image is not None:
+        unit |= {"image": image, "mask": mask}
+    return unit
+
+
+def _refused_naming_module(answer: httpx.Response, index: int = 0) -> str:
+    assert answer.status_code == 422, answer.text
+    detail = answer.json()["detail"][0]
+    assert ".".join(str(p) for p in detail["loc"]).endswith(f"alwayson_scripts.controlnet.args[{index}].module"), \
+        detail
+    assert "canny" in detail["msg"], detail  # the modules this server has, listed
+    return str(detail["msg"])
+
+
+def test_openoutpaint_dream_with_controlnet_inpainting(mode: str, server: str) -> None:
+    """The Dream tool with "Toggle ControlNet In/Outpainting" ticked over a half-filled canvas: txt2img (dream.js
+    sends ControlNet dreams to txt2img, after sd-webui-controlnet discussion 1464) with the canvas and its mask in the
+    unit. sdserve serves no inpaint module: 422 naming the unit's module, listing what it has. openOutpaint then
+    throws on ``JSON.parse(data.info)`` (a 422 has no info) and draws nothing; with the box unticked the same
+    reticle is an img2img the server serves (tests/e2e/test_client_replays.py)."""
+    panel = _panel(server)
+    size = 64 if mode == "lean" else 512
+    init, mask = _canvas(size)
+    body = {**sized(mode, BODY), "denoising_strength": 1,
+            "alwayson_scripts": {"controlnet": {"args": [_unit(panel, _data_url(init), _data_url(mask))]}}}
+    msg = _refused_naming_module(httpx.post(f"{server}{SDAPI}/txt2img", json=body, timeout=120))
+    assert "inpaint_global_harmonious" in msg
+
+
+def test_openoutpaint_controlnet_reference_unit(server: str) -> None:
+    """"Reference as 1st CN Unit" ticked: dream.js unshifts ``{module: <reference module>, model: "None",
+    threshold_a: fidelity 0.5, threshold_b: 64, image}`` before the inpaint unit. The reference picker is empty on
+    sdserve, so the module is null in the client's JSON: refused naming ``args[0].module`` like any unknown module
+    (reference-only is an attention hook of sd-webui-controlnet, not a ControlNet file)."""
+    panel = _panel(server)
+    init, mask = _canvas(64)
+    reference = {"enabled": True, "module": panel["references"][0] if panel["references"] else None,
+                 "model": "None", "control_mode": "Balanced", "image": _data_url(init), "processor_res": 64,
+                 "threshold_a": 0.5, "threshold_b": 64, "resize_mode": "Just Resize"}
+    units = [reference, _unit(panel, _data_url(init), _data_url(mask))]
+    body = {**sized("lean", BODY), "alwayson_scripts": {"controlnet": {"args": units}}}
+    _refused_naming_module(httpx.post(f"{server}{SDAPI}/txt2img", json=body, timeout=120))
+
+
+def test_openoutpaint_img2img_tool_with_controlnet(server: str) -> None:
+    """The Img2Img tool with the panel ticked: dream.js ``addControlNetToAlwaysOnScripts(state, null, null)``, a
+    unit with no image or mask (sd-webui-controlnet's ``choose_input_image`` then uses img2img's init image and, for
+    an inpaint unit, its mask). Refused by its module first, as the Dream tool's unit."""
+    panel = _panel(server)
+    init, mask = _canvas(64)
+    body = {**sized("lean", BODY), "init_images": [_data_url(init)], "mask": _data_url(mask),
+            "denoising_strength": 0.7, "image_cfg_scale": 0.5, "steps": 12,
+            "alwayson_scripts": {"controlnet": {"args": [_unit(panel, None, None)]}}}
+    _refused_naming_module(httpx.post(f"{server}{SDAPI}/img2img", json=body, timeout=120))
+
+
+def test_openoutpaint_lora_picker(mode: str, server: str) -> None:
+    """index.js ``getLoras``: GET /sdapi/v1/loras, each entry's ``name`` as the picker's option; picking one appends
+    ``"  <lora:" + value + ":1>"`` to the prompt box. The Dream tool on an empty canvas then posts the whole
+    stableDiffusionData to txt2img (with its empty ``alwayson_scripts``) and draws every image; the seed typed into
+    the seed box (a string) makes the LoRA's effect visible against the same dream without it."""
+    entries = httpx.get(f"{server}{SDAPI}/loras", timeout=10).json()
+    options = [entry["name"] for entry in entries]
+    assert options == [LORA]
+    body = {**sized(mode, BODY), "seed": "1234"}
+    size = body["width"]
+    plain = _read(httpx.post(f"{server}{SDAPI}/txt2img", json=body, timeout=1200), size, 4)
+    picked = {**body, "prompt": body["prompt"] + "  <lora:" + options[0] + ":1>"}
+    answer = httpx.post(f"{server}{SDAPI}/txt2img", json=picked, timeout=1200)
+    adapted = _read(answer, size, 4)
+    assert json.loads(answer.json()["info"])["all_seeds"][0] == 1234
+    assert "Lora hashes" in json.loads(answer.json()["info"])["infotexts"][0]
+    assert min(float(np.abs(a - p).mean()) for a, p in zip(adapted, plain, strict=True)) > 1.0
