@@ -74,11 +74,20 @@ NAMED: dict[str, tuple[str, ...]] = {
     "timestep": ("rows",), "guidance": ("rows",), "modulate_index": ("image_tokens",),
     "rope_cos": ("rope_tokens", "rope_dim"), "rope_sin": ("rope_tokens", "rope_dim"),
     "latent_sample": ("batch", "latent_channels", "height", "width"),
+    "controlnet_cond": ("rows", "image_tokens", ""), "controlnet_mode": ("rows", ""), "conditioning_scale": ("rows",),
     "sample": ("batch", "image_channels", "pixel_height", "pixel_width"),
 }
 """Each input's dims by role; SD 3's 4-D ``hidden_states`` and the T5's ``input_ids`` are told apart in ``roles``.
 ``modulate_index``: Qwen-Image-Edit 2511's 0/1 per image token, the reference tokens included
-(engines/build/trtplan_edit.py)."""
+(engines/build/trtplan_edit.py). ``controlnet_*``, ``conditioning_scale``: a FLUX.1 ControlNet's
+(engines/build/controlnet_dit.py; its mode and channel dims are fixed in the graph)."""
+CONTROLLED = "transformer_controlnet"
+"""FLUX.1's residual transformer (engines/build/controlnet_dit.py): the transformer's inputs, then one residual
+``[rows, image_tokens, inner]`` per block (``RESIDUALS``; the width is fixed in the graph)."""
+RESIDUALS = ("block_residual_", "single_residual_")
+CONTROL_ROPE = "control_rope_tokens"
+"""A FLUX.1 ControlNet's rope rows: the text and image tokens, one more for the union kind's mode token
+(``control_text`` in the plan's dims, engines/build/trtplan_controlnet.py)."""
 
 
 def _json(path: Path) -> dict[str, Any]:
@@ -91,13 +100,26 @@ def t5_component(family: DitFamily) -> str:
 
 
 def components(family: DitFamily, folder: Path) -> list[str]:
+    """The folder's exported parts: the row's, the VAE encoder, FLUX.1's residual transformer (ControlNet)."""
     parts = architectures.get(family.base).components
-    return [p for p in [*parts, "vae_encoder"] if (folder / p / "model.onnx").is_file()]
+    return [p for p in [*parts, "vae_encoder", CONTROLLED] if (folder / p / "model.onnx").is_file()]
 
 
 def precisions(family: DitFamily, folder: Path) -> dict[str, str]:
-    """Every exported component's engine precision (what engines/build/trtplan.py puts in the plan's flags)."""
-    return {c: precision(family, c, folder) for c in components(family, folder)}
+    """Every exported component's engine precision (what engines/build/trtplan.py puts in the plan's flags); the
+    residual transformer's is its own export's, else the transformer's (the same network)."""
+    return {c: precision(family, c, folder) if c != CONTROLLED else controlled_precision(family, folder / c)
+            for c in components(family, folder)}
+
+
+def controlled_precision(family: DitFamily, folder: Path) -> str:
+    """The engine precision of a FLUX.1 ControlNet part in ``folder`` (the residual transformer or a ControlNet):
+    a half export's own, else the registry's transformer precision (a ControlNet is the transformer's blocks)."""
+    from engines.health.dit_precision import export_precision
+
+    path = folder / "model.onnx"
+    found = export_precision(path) if path.is_file() else None
+    return found if found not in (None, "fp32") else precision(family, "transformer")
 
 
 def dims(folder: Path, family: DitFamily) -> dict[str, int | None]:
@@ -179,6 +201,10 @@ def roles(family: DitFamily, component: str, name: str, rank: int) -> tuple[str,
         return ("rows", "text_ids")
     if name == "input_ids":
         return ("rows", "t5_tokens") if component == t5_component(family) else ("rows", "clip_tokens")
+    if name.startswith(RESIDUALS):
+        return ("rows", "image_tokens", "")
+    if component == "controlnet" and name in ("rope_cos", "rope_sin"):
+        return (CONTROL_ROPE, "rope_dim")
     if component == "transformer" and name == "hidden_states" and rank == 4:
         return ("rows", "latent_channels", "grid_height", "grid_width")
     return NAMED.get(name)
@@ -197,7 +223,8 @@ def values(family: DitFamily, base: dict[str, int | None], width: int, height: i
     found = {**base, "batch": batch, "rows": rows, "height": h, "width": w, "grid_height": h, "grid_width": w,
              "pixel_height": height, "pixel_width": width, "image_tokens": image_tokens,
              "padded_image_tokens": image_tokens + (-image_tokens) % SEQ_MULTI_OF,
-             "rope_tokens": text + image_tokens, "text_ids": base.get(f"text_ids_{bound}")}
+             "rope_tokens": text + image_tokens, "text_ids": base.get(f"text_ids_{bound}"),
+             CONTROL_ROPE: text + image_tokens + (base.get("control_text") or 0)}
     from engines.build.trtplan_edit import edit_values
 
     return edit_values(base, found, bound)

@@ -11,6 +11,15 @@ Served ControlNet (engines/pipelines/controlnet.py ``attach``, only when ``[runt
   (h / f) × (w / f) at the residual UNet's input type, where h × w are the latents and f the level's downsampling;
   the pipeline keeps two sets alive at once (each unit's outputs and the running sum, ``control_res{k % 2}``).
 
+FLUX.1 (``transformer_controlnet/``, engines/pipelines/controlnet_dit.py) counts the residual transformer as a
+second transformer session and each ControlNet as one, and its residuals: one ``[rows, image_tokens, inner]``
+tensor per transformer block (double and single) per set, at the residual inputs' own type (the graph's: an fp16
+or bf16 export takes fp32 residuals behind its casts), ``inner`` = heads x head dim. A set has at most one tensor
+per block (a ControlNet with fewer samples shares them across blocks; units of several depths are summed per
+block). The sets the pipeline's buffers keep grow with the units (``flux_sets``): one unit's outputs; with two, the
+second's and their sum; from three, two output and two sum sets alternating. The plan counts the most (any number
+of units); a request, its own units.
+
 A ControlNet folder that is no ControlNet (no model.onnx or config.json) is left out here as at load.
 """
 
@@ -60,14 +69,60 @@ def residual_bytes(unet_config: dict[str, Any], width: int, height: int, rows: i
     return sum(rows * channels * (h // f) * (w // f) * item for channels, f in residual_levels(unet_config))
 
 
-def request_bytes(unet_config: dict[str, Any], width: int, height: int, rows: int, factor: int, item: int) -> int:
-    """The residual bytes a controlled request holds: ``RESIDUAL_SETS`` sets."""
+def request_bytes(unet_config: dict[str, Any], width: int, height: int, rows: int, factor: int, item: int,
+                  units: int | None = None) -> int:
+    """The residual bytes a controlled request holds: ``RESIDUAL_SETS`` sets of an SD UNet's residuals, or for a
+    FLUX.1 transformer config (``residual_config``) the sets ``units`` keep (None: the most, ``flux_sets``)."""
+    if FLUX_KEY in unet_config:
+        return flux_sets(units) * flux_residual_bytes(unet_config, width, height, rows, factor,
+                                                      int(unet_config.get(ITEM_KEY) or item))
     return RESIDUAL_SETS * residual_bytes(unet_config, width, height, rows, factor, item)
 
 
 DIT_VARIANT = "transformer_controlnet"
-"""FLUX.1's residual transformer (engines/pipelines/controlnet_dit.py): its weights and its ControlNets' are counted;
-its per-block residuals are not (yet): the plan's note says so."""
+"""FLUX.1's residual transformer (engines/pipelines/controlnet_dit.py): one residual input per block."""
+FLUX_KEY, ITEM_KEY = "num_single_layers", "_residual_itemsize"
+"""A FLUX.1 transformer config is told by its single blocks; ``residual_config`` adds the residuals' item size."""
+FLUX_MOST_SETS = 4
+
+
+def flux_sets(units: int | None) -> int:
+    """Residual sets a FLUX.1 evaluation with ``units`` units keeps (engines/pipelines/controlnet_dit.py ``run``:
+    ``flux_control_res{k % 2}`` per unit, ``flux_control_sum{k % 2}`` from the second): 1, 3, then 4."""
+    if units is None:
+        return FLUX_MOST_SETS
+    return 0 if units <= 0 else min(FLUX_MOST_SETS, 2 * units - 1)
+
+
+def flux_residual_bytes(config: dict[str, Any], width: int, height: int, rows: int, factor: int, item: int) -> int:
+    """One set of FLUX.1 residuals: one ``[rows, tokens, inner]`` tensor per double and single block, ``tokens``
+    the 2x2-packed latents of ``width`` x ``height`` at the VAE's ``factor``."""
+    tokens = (height // factor // 2) * (width // factor // 2)
+    inner = int(config["num_attention_heads"]) * int(config["attention_head_dim"])
+    blocks = int(config["num_layers"]) + int(config[FLUX_KEY])
+    return blocks * rows * tokens * inner * item
+
+
+def residual_config(folder: Path) -> dict[str, Any]:
+    """The config a controlled request's residuals are priced by (RequestMemory.controlnet): the residual UNet's,
+    or FLUX.1's transformer config with the residual inputs' item size; {} without a residual variant."""
+    if (folder / VARIANT / "model.onnx").is_file():
+        return unet_config(folder)
+    path = folder / DIT_VARIANT / "model.onnx"
+    config = _json(folder / DIT_VARIANT / "config.json") or _json(folder / "transformer" / "config.json")
+    if not path.is_file() or FLUX_KEY not in config:
+        return {}
+    return {**config, ITEM_KEY: residual_itemsize(path)}
+
+
+def residual_itemsize(path: Path) -> int:
+    """Bytes per element of the residual transformer's first block residual input, read from the graph."""
+    import onnx
+    from onnx.helper import tensor_dtype_to_np_dtype
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    elem = next(i.type.tensor_type.elem_type for i in graph.input if i.name.startswith("block_residual_"))
+    return int(tensor_dtype_to_np_dtype(elem).itemsize)
 
 
 def variant(folder: Path, controlnet_dir: str | Path | None) -> str:
@@ -106,9 +161,8 @@ def plan_parts(folder: Path, lay: Any, served_as: Any, dtype: str | None, contro
                          for net, path in found.items())]
     rows = served_as.images * (2 if lay.cfg else 1)
     section["served"] = True
-    if name == VARIANT:
-        section["residual_bytes"] = request_bytes(unet_config(folder), served_as.width, served_as.height, rows,
-                                                  lay.factor, itemsize[residual.dtype])
-    else:
-        section["note"] = f"the per-block residuals of {DIT_VARIANT} are not counted"
+    section["residual_bytes"] = request_bytes(residual_config(folder), served_as.width, served_as.height, rows,
+                                              lay.factor, itemsize[residual.dtype])
+    if name == DIT_VARIANT:
+        section["residual_sets"] = flux_sets(None)
     return parts, section
