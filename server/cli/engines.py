@@ -65,6 +65,8 @@ def register(sub: Any) -> None:
     build.add_argument("--opt-level", type=int, default=3, choices=range(0, 6), help="TensorRT builder level")
     build.add_argument("--opt-batch", type=int, default=None,
                        help="batch the engines are tuned for (default: the largest of serving.batch_sizes)")
+    build.add_argument("--controlnet-dir", type=Path, default=None, metavar="DIR",
+                       help="also plan/build the ControlNets of DIR for the model (default [runtime.controlnet] dir)")
     quant = engines.add_parser("quantize", help="INT8 UNet weights behind the canary accuracy gate")
     quant.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     quant.add_argument("--out", type=Path, required=True)
@@ -253,15 +255,21 @@ def _build_engines(args: argparse.Namespace) -> int:
     plan = trtplan.plan(args.model, profiles, flags, settings.runtime.device_id)
     # Every option set through ORT's real parser, dry runs included: a key it refuses builds nothing anywhere.
     verdicts = trt_build.parser_verdicts(args.model, plan)
+    from engines.build import trtplan_controlnet  # the ControlNets' plans beside the model's (--controlnet-dir)
+    from server.cli.serve import with_controlnet_dir
+
+    net_dir = with_controlnet_dir(settings, args.controlnet_dir).runtime.controlnet.dir
+    nets = trtplan_controlnet.folder_plans(Path(net_dir), args.model, profiles, flags,
+                                           settings.runtime.device_id) if net_dir else {}
     if args.dry_run:
-        print(json.dumps(plan | {"option_parser": verdicts}, indent=2))
-    trt_build.require_parsed(verdicts)
+        print(json.dumps(plan | {"option_parser": verdicts} | nets, indent=2))
+    trt_build.require_parsed(verdicts | trtplan_controlnet.verdicts(nets))
     if args.dry_run:
         return 0
     log.info("option parser: %d TensorRT option sets of the plan accepted by ONNX Runtime's parser (%s)",
              len(verdicts), ", ".join(sorted(verdicts)))
     _require_node_holds(args.model, len(profiles))
-    return _build_on_gpu(args, boot, plan)
+    return _build_on_gpu(args, boot, plan, nets, Path(net_dir or "."))
 
 
 def _require_node_holds(model: Path, sizes: int) -> None:
@@ -277,7 +285,8 @@ def _require_node_holds(model: Path, sizes: int) -> None:
                  readings["free_disk"] / (1 << 30))
 
 
-def _build_on_gpu(args: argparse.Namespace, boot: Any, plan: dict[str, Any]) -> int:
+def _build_on_gpu(args: argparse.Namespace, boot: Any, plan: dict[str, Any], nets: dict[str, Any],
+                  net_dir: Path) -> int:
     from dataclasses import replace
 
     from engines.build.trt_build import build
@@ -291,6 +300,11 @@ def _build_on_gpu(args: argparse.Namespace, boot: Any, plan: dict[str, Any]) -> 
     # The manifest binds the engines to the served card by its NVML index, matched by PCI bus id (never the ordinal).
     manifest = build(args.model, plan, observations.model_dump() if observations else {}, engine.nvml_index())
     log.info("engines and manifest written: %s", manifest)
+    if nets:
+        from engines.build.trtplan_controlnet import build as build_nets
+
+        written = build_nets(nets, net_dir, observations.model_dump() if observations else {}, engine.nvml_index())
+        log.info("ControlNet engines and manifests written: %s", ", ".join(map(str, written)) or "none")
     return 0
 
 
