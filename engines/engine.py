@@ -36,7 +36,7 @@ from engines.errors import (
     SelfTestError,
     VersionMismatchError,
 )
-from engines.health import boot_fit, request_memory, selftest, signature
+from engines.health import boot_fit, controlnet_canary, request_memory, selftest, signature
 from engines.health.capabilities import Proven, snapshot
 from engines.health.integrity import IntegrityWatcher
 from engines.health.preflight import Check, Observations, evaluate, failures, gather
@@ -282,6 +282,9 @@ class OrtEngine:
         try:
             self._report = selftest.run(plan, self.generate, self.model_dir, self.telemetry(),
                                         self.settings.device_id)
+            # with ControlNets: each one's canary (refused by name when it fails; a wrong residual UNet fails here)
+            self._report = selftest.with_controlnets(self._report, controlnet_canary.check(
+                plan, self._pipelines.values(), self.generate))
         except SelfTestError as exc:
             if isinstance(exc.report, SelfTestReport):
                 self._report = exc.report

@@ -9,7 +9,8 @@ so a row count the engines cannot take fails the boot rather than the first busy
 measurement, so it stays out of the report's timed shapes. An instruction-edit family's edit canary
 ([family.<name>.edit] in configs/canaries.toml) runs once per served size on a fixed input image (``canary_input``)
 where the model edits: sane, fingerprinted, and timed (one run) (the report's ``edits``: admission's first cost of an
-edit's reference tokens).
+edit's reference tokens). With ControlNets loaded, the ControlNet canary (engines/health/controlnet_canary.py) runs
+after these and its results join the report (``with_controlnets``).
 """
 
 from __future__ import annotations
@@ -116,7 +117,16 @@ def _suite(plan: SelfTestPlan) -> dict[str, Any]:
     dump = plan.suite.model_dump(mode="json")
     if dump.get("edit") is None:
         dump.pop("edit", None)
+    dump.pop("controlnet", None)  # the ControlNet canary is judged against the plain image, never a recording
     return dump
+
+
+def with_controlnets(report: SelfTestReport, results: tuple[ShapeResult, ...]) -> SelfTestReport:
+    """``report`` with the ControlNet canary's results (SelfTestReport.controlnets, where the report type has
+    that field; otherwise the results stay in the log only)."""
+    if not results or "controlnets" not in type(report).model_fields:
+        return report
+    return report.model_copy(update={"controlnets": results})
 
 
 def record(plan: SelfTestPlan, generate: Generate, model_dir: Path) -> Path:
