@@ -6,6 +6,8 @@ set's merged UNet tensors are what the residual UNet must run with too. Its LoRA
 the same shapes, but the exporter names the weights of MatMul nodes after the node (``onnx::MatMul_2387`` in one
 graph, ``onnx::MatMul_2401`` in the other). ``renamed_like`` gives the graph's target initializers the component's
 names, so one merged set binds on both variant sessions by name: no second merge, no second copy of merged weights.
+FLUX.1's residual transformer (``transformer_controlnet/``, engines/build/controlnet_dit.py) is the same case for the
+transformer: a FLUX.1 LoRA adapts the transformer, never the ControlNet (diffusers' FluxLoraLoaderMixin).
 """
 
 from __future__ import annotations

@@ -23,6 +23,13 @@
 A FluxPipeline serves ControlNet once ``attach`` gave it the ControlNets and its residual transformer. A ControlNet
 that is no FLUX.1 one (an SD ControlNet, XLabs' pixel-hint kind, other widths) is left out at load, logged, and a
 unit naming it is refused by name (``controlnet.model``) with the reason.
+
+LoRA with a FLUX.1 ControlNet is diffusers' ``load_lora_weights`` + ``fuse_lora`` on FluxControlNetPipeline: a
+FLUX.1 LoRA adapts the transformer (and the CLIP text encoder), never the ControlNet (FluxLoraLoaderMixin loads into
+the transformer only). The residual transformer runs on its own LoRA variant session (``attach_lora``:
+LoraManager.residual_variant, its targets renamed to the plain transformer's initializer names, engines/lora/
+residual.py) with the transformer's merged tensors bound, so one merged set serves both; its run is recorded as the
+transformer's (Adapters.adapted).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import numpy as np
 import onnxruntime as ort
 
 from engines.errors import InvalidRequestError, ModelLoadError
+from engines.lora.active import Adapters
 from engines.pipelines.controlnet import prepare_image
 from engines.pipelines.flow import DitConditioning, DitDenoising, pack_latents, run
 from engines.pipelines.ort_model import Feed, OrtModel
@@ -127,6 +135,8 @@ class FluxControlNets:
             raise ModelLoadError(f"{folder} has no vae_encoder/model.onnx: FLUX.1 ControlNets take VAE-encoded "
                                  "control images")
         self.transformer = OrtModel(pipe.runtime, path, "transformer_controlnet" + label)
+        self.path, self.denoiser = path, str(pipe.transformer.component)
+        """The residual transformer's graph and the component whose LoRA weights it takes (``transformer``)."""
         inputs = self.transformer.inputs
         self.blocks = [f"{BLOCK}{k}" for k in range(sum(n.startswith(BLOCK) for n in inputs))]
         self.singles = [f"{SINGLE}{k}" for k in range(sum(n.startswith(SINGLE) for n in inputs))]
@@ -156,6 +166,23 @@ class FluxControlNets:
                      for count in sorted(counts)}
         """Adds one unit's samples to the others', per count: a ControlNet's samples (units of one depth), or one per
         transformer block (units of several depths)."""
+
+    def attach_lora(self, manager: Any) -> None:
+        """Give the residual transformer the LoRA variant of ``manager`` (engines/lora/manager.py LoraManager), or
+        None while no file adapts the transformer; called wherever the plain transformer's variant is attached (boot,
+        refresh). A residual transformer whose weights are not the transformer's gets none (logged): a unit with a
+        transformer LoRA is then refused."""
+        try:
+            self.transformer.variant = manager.residual_variant(self.path, self.denoiser)
+        except ModelLoadError as exc:
+            log.warning("LoRA with ControlNet not served: %s", exc)
+            self.transformer.variant = None
+
+    def lora(self, adapters: Adapters | None) -> Adapters | None:
+        """The adapters the residual transformer runs with: the transformer's merged tensors under its own component
+        name, or None (its base session) when the batch has none for the transformer."""
+        weights = adapters.of(self.denoiser) if adapters is not None else None
+        return Adapters({self.transformer.component: weights}) if weights is not None else None
 
     def _control_latents(self, pipe: FluxPipeline, unit: ControlUnit, width: int, height: int) -> np.ndarray:
         """The unit's image VAE-encoded (the posterior's mean), scaled and shifted, packed: [1, N, 4C]."""
@@ -231,7 +258,10 @@ class FluxControlNets:
             blocks, _ = next(iter(depths))
             total = self._per_block(total[:blocks], total[blocks:], control.zeros)
         residuals = dict(zip([*self.blocks, *self.singles], total, strict=True))
-        self.transformer.run({**base, **residuals}, {"out_hidden_states": state.model_out}, state.adapters)
+        lora = self.lora(state.adapters)
+        self.transformer.run({**base, **residuals}, {"out_hidden_states": state.model_out}, lora)
+        if lora is not None and state.adapters is not None and self.transformer.component in lora.adapted:
+            state.adapters.adapted.add(self.denoiser)  # the transformer ran with its LoRA (as the residual one)
 
     def _per_block(self, blocks: list[ort.OrtValue], singles: list[ort.OrtValue],
                    zeros: ort.OrtValue | None) -> list[ort.OrtValue]:
@@ -272,15 +302,17 @@ def union_mode(unit: ControlUnit) -> int:
 
 def start(pipe: FluxPipeline, batch: Batch, state: DitDenoising) -> None:
     """Give ``state`` the request's control set (nothing without units). InvalidRequestError when the pipeline
-    serves no ControlNet, or with LoRA, a step cache or reference images."""
+    serves no ControlNet, or with a LoRA on the transformer while the residual transformer has no LoRA variant (a
+    server whose boot did not attach it: FluxControlNets.attach_lora), a step cache or reference images."""
     if not batch.control:
         return
     controls: FluxControlNets | None = getattr(pipe, "controls", None)
     if controls is None:
         raise InvalidRequestError("this model serves no ControlNet (no ControlNet folder or no "
                                   "transformer_controlnet/model.onnx)", param="controlnet")
-    if state.adapters is not None and state.adapters.of(pipe.transformer.component):
-        raise InvalidRequestError("ControlNet with a LoRA on the transformer is not served yet", param="controlnet")
+    if state.adapters is not None and state.adapters.of(controls.denoiser) and controls.transformer.variant is None:
+        raise InvalidRequestError("ControlNet with a LoRA on the transformer is not served by this server (the "
+                                  "residual transformer has no LoRA variant)", param="controlnet")
     if state.cache is not None or state.first_block is not None:
         raise InvalidRequestError("the step cache is not served with ControlNet", param="cache")
     if state.extra is not None:
