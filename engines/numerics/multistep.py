@@ -54,10 +54,12 @@ def _pndm_timesteps(schedule: Schedule, n: int) -> np.ndarray:
     return np.concatenate([ts[:-1], ts[-2:-1], ts[-1:]])[::-1].copy()
 
 
-def plms(schedule: Schedule, n: int) -> SchedulePlan:
+def plms(schedule: Schedule, n: int, start: int = 0) -> SchedulePlan:
     """PLMS as diffusers' PNDMScheduler(skip_prk_steps=True). Evaluations 0 and 1 make the first step; diffusers
-    drops evaluation 1's output from its history, so evaluation 1 pushes evaluation 0's again."""
-    timesteps = _pndm_timesteps(schedule, n)
+    drops evaluation 1's output from its history, so evaluation 1 pushes evaluation 0's again. ``start``: an edit's
+    first step; the plan returned begins there (not to be sliced): diffusers' img2img runs ``timesteps[start:]``
+    and PNDM's counter starts afresh at its first, so the first two evaluations there make one step as above."""
+    timesteps = _pndm_timesteps(schedule, n)[start:]
     ratio = schedule.num_train_timesteps // n
     evals: list[Step] = []
     first = Lin()
@@ -72,8 +74,10 @@ def plms(schedule: Schedule, n: int) -> SchedulePlan:
         nxt = _pndm_update(schedule, t, t - ratio, SAMPLE, output)
         first = nxt if k == 0 else first
         evals.append(Step(float(t), 1.0, nxt, MODEL))
-    head = (Step(evals[0].timestep, 1.0, evals[0].next, MODEL, evals[1]),) if n > 1 else (evals[0],)
-    return SchedulePlan(1.0, head + tuple(evals[2:]))
+    head = (Step(evals[0].timestep, 1.0, evals[0].next, MODEL, evals[1]),) if len(evals) > 1 else (evals[0],)
+    acp = schedule.alphas_cumprod  # add_noise at each evaluation's timestep (DDPM form)
+    sigmas = (*(math.sqrt((1 - float(acp[t])) / float(acp[t])) for t in timesteps), 0.0)
+    return SchedulePlan(1.0, head + tuple(evals[2:]), sigmas)
 
 
 def _lagrange_integral(nodes: list[float], j: int, lo: float, hi: float) -> float:
@@ -86,9 +90,12 @@ def _lagrange_integral(nodes: list[float], j: int, lo: float, hi: float) -> floa
     return float(antiderivative(hi) - antiderivative(lo))
 
 
-def lms(schedule: Schedule, timesteps: np.ndarray, sigmas: np.ndarray, init: float, order: int = 4) -> SchedulePlan:
+def lms(schedule: Schedule, timesteps: np.ndarray, sigmas: np.ndarray, init: float, order: int = 4,
+        start: int = 0) -> SchedulePlan:
     """LMS as diffusers' LMSDiscreteScheduler (order 4) on Euler's timesteps and sigmas (final 0 appended): the
-    history holds each step's derivative."""
+    history holds each step's derivative. ``start``: an edit begins there (``set_begin_index``) with no
+    derivatives kept; diffusers still takes the coefficients of order ``min(step + 1, 4)`` and pairs them with
+    the derivatives it has (its ``zip``), so the first steps there use the leading coefficients only."""
     steps = []
     for i, t in enumerate(timesteps):
         sigma = float(sigmas[i])
@@ -97,9 +104,10 @@ def lms(schedule: Schedule, timesteps: np.ndarray, sigmas: np.ndarray, init: flo
         used = min(i + 1, order)
         nodes = [float(sigmas[i - k]) for k in range(used)]
         coeffs = [_lagrange_integral(nodes, j, sigma, float(sigmas[i + 1])) for j in range(used)]
+        coeffs = coeffs[:max(1, i - start + 1)]
         nxt = SAMPLE + derivative * coeffs[0] + sum((hist(j) * c for j, c in enumerate(coeffs[1:], 1)), Lin())
         steps.append(Step(float(t), scale, nxt, derivative))
-    return SchedulePlan(init, tuple(steps))
+    return SchedulePlan(init, tuple(steps), tuple(float(s) for s in sigmas), ve=True)
 
 
 def _unipc_terms(sigmas: np.ndarray, target: int, source: int, older: int | None,
@@ -130,18 +138,19 @@ def _unipc_terms(sigmas: np.ndarray, target: int, source: int, older: int | None
     return coef_sample, src, scale * rho_older, scale * rho_t
 
 
-def unipc(schedule: Schedule, timesteps: np.ndarray, sigmas: np.ndarray) -> SchedulePlan:
+def unipc(schedule: Schedule, timesteps: np.ndarray, sigmas: np.ndarray, start: int = 0) -> SchedulePlan:
     """UniPC (bh2, order 2) as diffusers' UniPCMultistepScheduler on DPM-Solver's timesteps and sigmas. The history
     holds the x0 estimates; the corrected previous sample the corrector starts from is recovered from the current
-    (predicted) sample."""
+    (predicted) sample. ``start``: an edit begins there (``set_begin_index``): no corrector at that step (no last
+    sample yet) and a first-order predictor, as diffusers' empty history makes them."""
     n = len(timesteps)
-    orders = [min(2, n - i, i + 1) for i in range(n)]  # lower-order warm-up and final step
+    orders = [max(1, min(2, n - i, i - start + 1)) for i in range(n)]  # lower-order warm-up and final step
     steps = []
     predicted = (1.0, 0.0, 0.0)  # how step i-1 made this sample from (corrected sample, m_{i-1}, m_{i-2})
     for i, t in enumerate(timesteps):
         m_i = schedule.denoised(float(sigmas[i]), 1.0)
         corrected = SAMPLE
-        if i > 0:
+        if i > start:
             ps, q1, q2 = predicted
             last = (SAMPLE - PREV * q1 - hist(2) * q2) * (1.0 / ps)
             cs, c_src, c_older, c_t = _unipc_terms(sigmas, i, i - 1, i - 2 if orders[i - 1] == 2 else None, True)
@@ -149,22 +158,25 @@ def unipc(schedule: Schedule, timesteps: np.ndarray, sigmas: np.ndarray) -> Sche
         ps, p_src, p_older, _ = _unipc_terms(sigmas, i + 1, i, i - 1 if orders[i] == 2 else None, False)
         steps.append(Step(float(t), 1.0, corrected * ps + m_i * p_src + PREV * p_older, m_i))
         predicted = (ps, p_src, p_older)
-    return SchedulePlan(1.0, tuple(steps))
+    return SchedulePlan(1.0, tuple(steps), tuple(float(s) for s in sigmas))
 
 
 def heun(schedule: Schedule, timesteps: np.ndarray, sigmas: np.ndarray, init: float) -> SchedulePlan:
     """Heun as diffusers' HeunDiscreteScheduler on Euler's timesteps and sigmas: per step an Euler predictor, then
     (but for the final step to sigma 0) a second evaluation whose derivative is averaged with the first. The
-    predictor pushes its input sample."""
-    steps = []
+    predictor pushes its input sample. Its noise levels are per evaluation, as diffusers interleaves them (the
+    corrector's is the next sigma): an edit's start and inpainting's blend after each evaluation read them."""
+    steps, levels = [], []
     for i, t in enumerate(timesteps):
         sigma, sigma_next = float(sigmas[i]), float(sigmas[i + 1])
         scale = 1.0 / math.sqrt(sigma * sigma + 1.0)
         x0 = schedule.denoised(sigma, scale)
         predictor = SAMPLE + (SAMPLE - x0) * ((sigma_next - sigma) / sigma)
+        levels.append(sigma)
         if sigma_next == 0.0:
             steps.append(Step(float(t), scale, predictor, x0))
             continue
+        levels.append(sigma_next)
         scale_next = 1.0 / math.sqrt(sigma_next * sigma_next + 1.0)
         x0_next = schedule.denoised(sigma_next, scale_next)
         # x_{i+1} = x_i + (d_i + d') / 2 * dt with d_i * dt = predictor - x_i: x_i is the pushed entry (PREV)
@@ -172,4 +184,4 @@ def heun(schedule: Schedule, timesteps: np.ndarray, sigmas: np.ndarray, init: fl
         corrector = (SAMPLE + PREV) * 0.5 + derivative * (0.5 * (sigma_next - sigma))
         second = Step(float(timesteps[i + 1]), scale_next, corrector, x0_next)
         steps.append(Step(float(t), scale, predictor, SAMPLE, second))
-    return SchedulePlan(init, tuple(steps))
+    return SchedulePlan(init, tuple(steps), (*levels, 0.0), ve=True)

@@ -83,15 +83,16 @@ class SchedulePlan:
     init_noise_sigma: float
     steps: tuple[Step, ...]
     sigmas: tuple[float, ...] = ()
-    """The noise level (VE sigma) at the start of each step, then the final one (0): len(steps) + 1 entries
-    where the sampler serves edits (the noise an edit adds at its first step and inpainting's per-step blend)."""
+    """The noise level (VE sigma) at the start of each UNet evaluation, then the final one (0): one entry more
+    than :meth:`evaluations` (the noise an edit adds at its first step and inpainting's blend after every
+    evaluation, as diffusers blends after every timestep of its loop; Heun's and PLMS's steps hold two)."""
     ve: bool = False
     """How a clean sample x0 is noised to level sigma, as the scheduler's ``add_noise``: True ``x0 + sigma*noise``
     (the Euler family), False ``alpha*x0 + sigma_t*noise`` with alpha = 1/sqrt(sigma^2 + 1) (DDPM, DDIM, DPM)."""
 
     def noising(self, index: int) -> tuple[float, float]:
-        """(a, b) of ``add_noise``: the sample at the start of step ``index`` (len(steps): the end) is
-        ``a*x0 + b*noise``."""
+        """(a, b) of ``add_noise``: the sample at the start of evaluation ``index`` (len(evaluations()): the end)
+        is ``a*x0 + b*noise``."""
         sigma = self.sigmas[index]
         if self.ve:
             return 1.0, sigma
@@ -103,7 +104,8 @@ class SchedulePlan:
         steps; the sampler's own history must already restart there, see schedulers.make_plan)."""
         if not start:
             return self
-        return SchedulePlan(self.init_noise_sigma, self.steps[start:], self.sigmas[start:], self.ve)
+        first = sum(len(step.evaluations()) for step in self.steps[:start])
+        return SchedulePlan(self.init_noise_sigma, self.steps[start:], self.sigmas[first:], self.ve)
 
     def evaluations(self) -> tuple[tuple[Step, bool], ...]:
         """Every UNet evaluation in order, each with whether it completes a step (for progress and interrupts)."""

@@ -24,6 +24,8 @@ Served by engines/numerics/multistep.py, reading up to 3 earlier history entries
 second UNet evaluation within a step (``Step.then``):
 - plms / lms / unipc / heun: PNDMScheduler (skip_prk_steps), LMSDiscreteScheduler, UniPCMultistepScheduler, Heun.
 
+Every sampler here serves edits (img2img, inpainting) as diffusers' pipelines run it from a later step.
+
 Not served (yet), and why:
 - dpm2 / dpm2_a: KDPM2(Ancestral)DiscreteScheduler evaluate at a midpoint sigma (servable like heun; not done yet).
 - dpmpp_sde: DPMSolverSDEScheduler draws its noise from a torchsde Brownian tree, which parity would need.
@@ -303,16 +305,16 @@ def _scheduled(sampler: Callable[..., SchedulePlan], kind: str | None, spacing: 
     return sampler(schedule, n, kind, **options)
 
 
-def lms(schedule: NoiseSchedule, n: int, kind: str | None = None) -> SchedulePlan:
-    return multistep.lms(schedule, *_euler_sigmas(schedule, n, kind))
+def lms(schedule: NoiseSchedule, n: int, kind: str | None = None, start: int = 0) -> SchedulePlan:
+    return multistep.lms(schedule, *_euler_sigmas(schedule, n, kind), start=start)
 
 
 def heun(schedule: NoiseSchedule, n: int, kind: str | None = None) -> SchedulePlan:
     return multistep.heun(schedule, *_euler_sigmas(schedule, n, kind))
 
 
-def unipc(schedule: NoiseSchedule, n: int, kind: str | None = None) -> SchedulePlan:
-    return multistep.unipc(schedule, *_dpm_sigmas(schedule, n, kind))
+def unipc(schedule: NoiseSchedule, n: int, kind: str | None = None, start: int = 0) -> SchedulePlan:
+    return multistep.unipc(schedule, *_dpm_sigmas(schedule, n, kind), start=start)
 
 
 MULTISTEP: dict[str, Callable[..., SchedulePlan]] = {"lms": lms, "unipc": unipc, "heun": heun}
@@ -331,21 +333,19 @@ SCHEDULERS: dict[str, Callable[[NoiseSchedule, int], SchedulePlan]] = {
 """Scheduler names as the API accepts them (engines.config.SCHEDULER_NAMES lists the same, in this order)."""
 
 
-EDIT_BASES = ("euler", "euler_a", "ddim", "dpmpp_2m", "dpmpp_2m_sde", "dpmpp_2m_sde_heun")
-"""Samplers that serve edits (img2img, inpainting), with any schedule suffix: their plans carry noise levels and
-restart their history where an edit begins. The multistep ones (plms, lms, unipc, heun) warm their history up from
-the first step of the whole schedule, which an edit skips: refused for edits until their plans take a start."""
-EDIT_SCHEDULERS = tuple(name for name in SCHEDULERS if name in EDIT_BASES or any(
-    name == f"{base}_{suffix}" for base in EDIT_BASES for suffix in SIGMA_SCHEDULES))
-RESTART = ("dpmpp_2m",)
-"""Samplers whose plan needs the start step (second-order history); the others are sliced as they are."""
+EDIT_SCHEDULERS = tuple(SCHEDULERS)
+"""Samplers that serve edits (img2img, inpainting): all of them. Their plans carry noise levels per evaluation and
+restart their history where an edit begins, as diffusers' img2img and inpainting pipelines run them
+(``timesteps[start * order:]``, ``set_begin_index``, an empty history at the first step they run)."""
+RESTART = ("dpmpp_2m", "lms", "unipc")
+"""Samplers whose plan needs the start step (history that restarts there); the others are sliced as they are,
+but PLMS, whose plan begins at the start (its first two evaluations there make one step)."""
 
 
 def make_plan(name: str, schedule: NoiseSchedule, num_steps: int, start: int = 0,
               edit: bool = False) -> SchedulePlan:
     """The plan for ``num_steps`` steps of the named scheduler, from step ``start`` on (an ``edit``'s strength
-    skips the first steps: diffusers' ``get_timesteps``); raises on an unknown name or an edit on a sampler that
-    does not serve edits."""
+    skips the first steps: diffusers' ``get_timesteps``); raises on an unknown name."""
     try:
         factory = SCHEDULERS[name]
     except KeyError:
@@ -353,8 +353,7 @@ def make_plan(name: str, schedule: NoiseSchedule, num_steps: int, start: int = 0
                                   param="scheduler") from None
     if not edit:
         return factory(schedule, num_steps)
-    if name not in EDIT_SCHEDULERS:
-        raise InvalidRequestError(f"scheduler {name!r} does not serve edits (img2img, inpainting) here; use one of "
-                                  f"{list(EDIT_SCHEDULERS)}", param="scheduler")
+    if name == "plms":
+        return multistep.plms(schedule, num_steps, start)
     restart = {"start": start} if start and name.startswith(RESTART) else {}
     return factory(schedule, num_steps, **restart).sliced(start)
