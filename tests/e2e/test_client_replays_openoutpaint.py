@@ -24,9 +24,8 @@ import base64
 import io
 import json
 import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -34,6 +33,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from engines.build.controlnet import build_tiny_controlnet
 from tests import lora_files as lf
 from tests.e2e.conftest import ServerProcess
 from tests.e2e.test_client_replays import OPENOUTPAINT, sized
@@ -54,14 +54,16 @@ def mode(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The tiny SD 1.x model under the dev profile with ``--controlnet-dir`` (``edges`` and ``INPAINT_NET``) and
-    ``--lora-dir`` (one UNet LoRA, ``style``)."""
+    ``--lora-dir`` (one UNet LoRA, ``style``). The model is a copy of the session's tiny model with the tiny
+    ControlNet and the UNet's residual variant added as `sdserve engines tiny --controlnet` adds them
+    (engines/build/controlnet.py build_tiny_controlnet, after the same build_tiny), so the tiny model is not
+    built twice."""
     root = tmp_path_factory.mktemp("openoutpaint")
     model, library, loras = root / "model", root / "controlnets", root / "loras"
-    done = subprocess.run([sys.executable, "-m", "server.cli", "engines", "tiny", "--out", str(model),
-                           "--controlnet", str(library / "edges")], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    shutil.copytree(tiny_model, model)
+    build_tiny_controlnet(library / "edges", model)
     shutil.copytree(library / "edges", library / INPAINT_NET)
     loras.mkdir()
     lf.write_safetensors(loras / f"{LORA}.safetensors", lf.numpy_lora(model, scale=0.2, seed=3))
