@@ -24,6 +24,7 @@ import io
 import json
 import re
 import shlex
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
@@ -321,10 +322,43 @@ def check_curl(args: list[str]) -> None:
         assert re.fullmatch(r"[\w\[\]]+=.+", form, re.DOTALL), f"curl -F {form}: not name=value"
 
 
+@cache
+def markers() -> frozenset[str]:
+    """The pytest markers pyproject.toml declares."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    return frozenset(m.split(":")[0] for m in config["tool"]["pytest"]["ini_options"]["markers"])
+
+
+def check_pytest(args: list[str]) -> None:
+    """Its paths exist and its ``-m`` expression names declared markers."""
+    words = iter(args)
+    for word in words:
+        if word == "-m":
+            names = set(re.findall(r"\w+", next(words, ""))) - {"not", "and", "or"}
+            assert names <= markers(), f"pytest -m: markers pyproject.toml does not declare: {names - markers()}"
+        elif not word.startswith("-"):
+            assert (ROOT / word.split("::")[0]).exists(), f"pytest {word}: no such test path"
+
+
+def check_script(args: list[str]) -> None:
+    """``python path/to/script.py --option``: the script exists and defines every option named."""
+    script = ROOT / args[0]
+    assert script.is_file(), f"python {args[0]}: no such script"
+    source = script.read_text(encoding="utf-8")
+    for word in args[1:]:
+        if word.startswith("--"):
+            assert f'"{word.split("=")[0]}"' in source, f"python {args[0]}: defines no option {word}"
+
+
 def check_python(args: list[str], heredoc: str | None, where: str) -> bool:
-    """True where the command is one this checker covers (the CLI module, -c code, a heredoc): compiled."""
+    """True where the command is one this checker covers (the CLI module, pytest, a script of this repo, -c code,
+    a heredoc: compiled)."""
     if args[:2] == ["-m", "server.cli"]:
         check_cli(args[2:])
+    elif args[:2] == ["-m", "pytest"]:
+        check_pytest(args[2:])
+    elif args and args[0].endswith(".py") and (ROOT / args[0].split("/")[0]).is_dir():
+        check_script(args)
     elif "-c" in args:
         compile(args[args.index("-c") + 1], where, "exec")
     elif args[:1] == ["-"] and heredoc is not None:
@@ -344,11 +378,47 @@ def check(command: Command) -> bool:
         check_make(args)
     elif name == "curl":
         check_curl(args)
+    elif name == "pytest":
+        check_pytest(args)
     elif re.fullmatch(r"python3?(\.\d+)?", name):
         return check_python(args, command.heredoc, command.where)
     else:
         return name in PLUMBING
     return True
+
+
+INLINE = re.compile(r"`((?:\.venv/bin/)?(?:sdserve|python3?|pytest) [^`]+|make [a-z][^`]*)`")
+PLACEHOLDER = re.compile(r"[A-Z_]+|<.*|.*>|.*\|.*|\.\.\.")
+
+
+def inline(text: str, name: str) -> list[tuple[str, str]]:
+    """(where, span) of every inline ``sdserve``, ``make``, ``pytest`` or ``python`` code span outside the
+    fences."""
+    prose = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+    return [(f"{name}:{prose[:m.start()].count(chr(10)) + 1}", m.group(1)) for m in INLINE.finditer(prose)]
+
+
+def check_inline(span: str) -> None:
+    """A prose mention may be a fragment (``sdserve engines export --first-block``) or carry placeholders, so it is
+    not parsed whole: its subcommands must exist and every option it names must be one of that subcommand's."""
+    words = [w.strip("[],.;:") for w in span.split()]
+    program = words[0].rsplit("/", 1)[-1]
+    if program == "make":
+        check_make([w for w in words[1:] if w and not PLACEHOLDER.fullmatch(w)])
+    if program != "sdserve":
+        if program != "make":
+            check(Command("inline", tuple(shlex.split(span)), None, "inline"))
+        return
+    current = _strict(cli_parser())
+    for word in words[1:]:
+        choices = next((a.choices for a in current._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if word.startswith("-"):
+            flag = word.split("=", 1)[0]
+            assert flag in current._option_string_actions, f"{current.prog}: no option {flag}"
+        elif choices is not None and word in choices:
+            current = choices[word]
+        elif choices is not None and not PLACEHOLDER.fullmatch(word):
+            raise DocError(f"{current.prog}: no subcommand {word!r} (choose from {', '.join(choices)})")
 
 
 def check_all(found: list[Command]) -> None:
@@ -377,6 +447,22 @@ def test_doc_command_matches_the_code(command: Command) -> None:
         pytest.fail(f"{command.where}: {' '.join(command.words)}\n{exc}")
     assert checked or command.marker, (f"{command.where}: `{' '.join(command.words)}` is neither checked here nor "
                                        "in a block marked <!-- not run: why --> (or runnable)")
+
+
+INLINE_SPANS = [span for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+                for span in inline(page.read_text(encoding="utf-8"), str(page.relative_to(ROOT)))]
+
+
+def test_every_inline_command_names_real_subcommands_and_options() -> None:
+    """The prose's ``sdserve ...`` and ``make ...`` mentions: a renamed option or subcommand there fails too."""
+    assert len(INLINE_SPANS) >= 100, len(INLINE_SPANS)
+    stale = []
+    for where, span in INLINE_SPANS:
+        try:
+            check_inline(span)
+        except (DocError, AssertionError) as exc:
+            stale.append(f"{where}: `{span}`: {exc}")
+    assert not stale, "\n".join(stale)
 
 
 def test_every_not_run_marker_excuses_a_command() -> None:
@@ -409,6 +495,29 @@ def test_a_stale_command_fails(text: str, wrong: str) -> None:
     assert found
     with pytest.raises((DocError, AssertionError, SyntaxError), match=wrong):
         check_all(found)
+
+
+@pytest.mark.parametrize(("text", "wrong"), [
+    ("Export with `sdserve engines export --frst-block` first.", "no option --frst-block"),
+    ("Then `sdserve enginez build --profile P` builds it.", "no subcommand 'enginez'"),
+    ("`sdserve doctor [--json] [--profil P]`", "no option --profil"),
+    ("Run `make refs-all` after.", "no such target"),
+    ("`pytest -m client_default tests/e2e/test_client_replays.py`", "client_default"),
+    ("`.venv/bin/python -m pytest tests/gpus`", "no such test path"),
+    ("`python benchmarks/gpu/device_check.py --rehearsal`", "no option --rehearsal"),
+    ("`python benchmarks/bench_watermarks.py`", "no such script"),
+])
+def test_a_stale_inline_command_fails(text: str, wrong: str) -> None:
+    (found,) = inline(text, "doc.md")
+    with pytest.raises((DocError, AssertionError), match=wrong):
+        check_inline(found[1])
+
+
+def test_inline_placeholders_and_fragments_pass() -> None:
+    for span in ("sdserve engines export --from <a diffusers SD folder> --out models/sd15", "sdserve COMMAND --help",
+                 "sdserve engines optimize --model M --out O [--target cpu|cuda|tensorrt] [--fp16]",
+                 "sdserve serve --lora-dir", "make run PORT=8001"):
+        check_inline(span)
 
 
 def test_an_unknown_program_needs_its_marker() -> None:
