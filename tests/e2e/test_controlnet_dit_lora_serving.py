@@ -1,0 +1,71 @@
+"""LoRA and a FLUX.1 ControlNet unit in one request on a real `sdserve serve --profile dev --controlnet-dir
+--lora-dir` (issue 56): the tiny FLUX.1 [dev] model and its ControlNet from the CLI, a transformer LoRA in the
+library. The LoRA adapts the transformer and its residual variant (the same merged weights: engines/lora/residual.py),
+never the ControlNet, as diffusers' ``load_lora_weights`` + ``fuse_lora`` on FluxControlNetPipeline (parity:
+tests/integration/test_controlnet_dit_lora.py); the variants run on ONNX Runtime's CPU provider
+(onnxruntime/python/onnxruntime_inference_collection.py InferenceSession)."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from tests import lora_files as lf
+from tests.e2e.conftest import ServerProcess
+from tests.e2e.test_controlnet_xl_serving import _pattern, _pixels
+
+pytestmark = pytest.mark.slow
+TXT2IMG = "/sdapi/v1/txt2img"
+BASE = {"prompt": "a lighthouse at dusk", "steps": 4, "seed": 23, "width": 64, "height": 64,
+        "sampler_name": "Euler", "cfg_scale": 3.5}
+
+
+@pytest.fixture(scope="module")
+def server(dit_build: Callable[[str], tuple[Path, Path]],
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The session's tiny FLUX.1 [dev] build (tests/conftest.py dit_build, shared with the parity tests) copied, given
+    a tiny ControlNet and the residual transformer as `sdserve engines tiny --family flux --controlnet` writes them
+    (engines/build/controlnet.py build_tiny_controlnet), and a random PEFT LoRA on the transformer."""
+    from engines.build.controlnet import build_tiny_controlnet
+
+    root = tmp_path_factory.mktemp("controlnet-dit-lora-e2e")
+    model, library, loras = root / "model", root / "controlnets", root / "loras"
+    shutil.copytree(dit_build("flux")[0], model)
+    build_tiny_controlnet(library / "flux_edges", model)
+    assert (model / "transformer_controlnet" / "model.onnx").is_file()
+    loras.mkdir()
+    lf.write_safetensors(loras / "style.safetensors", lf.numpy_lora(model, ("transformer",), scale=0.2, seed=3))
+    process = ServerProcess("--profile", "dev", "--model", str(model), "--controlnet-dir", str(library),
+                            "--lora-dir", str(loras))
+    try:
+        process.wait_ready(timeout=300)
+        yield process
+    finally:
+        assert process.stop() == 0, process.log
+
+
+def _post(url: str, prompt: str, unit: bool) -> np.ndarray:
+    listed = httpx.get(f"{url}/controlnet/model_list").json()["model_list"]
+    units = [{"enabled": True, "image": _pattern(), "module": "canny", "model": listed[0], "weight": 1.0,
+              "threshold_a": 100, "threshold_b": 200}]
+    body = {**BASE, "prompt": prompt, **({"alwayson_scripts": {"controlnet": {"args": units}}} if unit else {})}
+    answer = httpx.post(url + TXT2IMG, json=body, timeout=300)
+    assert answer.status_code == 200, answer.text
+    return _pixels(answer.json()["images"][0])
+
+
+def test_a_lora_and_a_flux_unit_in_one_request_both_change_the_image(server: ServerProcess) -> None:
+    url = server.url
+    assert url is not None
+    plain, lora = _post(url, BASE["prompt"], False), _post(url, BASE["prompt"] + " <lora:style:1>", False)
+    controlled, both = _post(url, BASE["prompt"], True), _post(url, BASE["prompt"] + " <lora:style:1>", True)
+    assert np.abs(lora - plain).mean() > 1.0, "the LoRA changes the plain image"
+    assert np.abs(controlled - plain).mean() > 1.0, "the unit changes the plain image"
+    assert np.abs(both - controlled).mean() > 1.0, "the LoRA changes the controlled image"
+    assert np.abs(both - lora).mean() > 1.0, "the unit changes the LoRA image"
+    assert np.array_equal(_post(url, BASE["prompt"], True), controlled), "a unit without LoRA: the base graphs"
