@@ -21,7 +21,8 @@ from tests.e2e.test_controlnet_xl_serving import _pattern, _pixels
 
 pytestmark = pytest.mark.slow
 TXT2IMG = "/sdapi/v1/txt2img"
-BASE = {"prompt": "a lighthouse at dusk", "steps": 4, "seed": 23, "width": 64, "height": 64,
+PROMPT = "a lighthouse at dusk"
+BASE = {"prompt": PROMPT, "steps": 4, "seed": 23, "width": 64, "height": 64,
         "sampler_name": "Euler", "cfg_scale": 3.5}
 
 
@@ -62,10 +63,10 @@ def _post(url: str, prompt: str, unit: bool) -> np.ndarray:
 def test_a_lora_and_a_flux_unit_in_one_request_both_change_the_image(server: ServerProcess) -> None:
     url = server.url
     assert url is not None
-    plain, lora = _post(url, BASE["prompt"], False), _post(url, BASE["prompt"] + " <lora:style:1>", False)
-    controlled, both = _post(url, BASE["prompt"], True), _post(url, BASE["prompt"] + " <lora:style:1>", True)
+    plain, lora = _post(url, PROMPT, False), _post(url, PROMPT + " <lora:style:1>", False)
+    controlled, both = _post(url, PROMPT, True), _post(url, PROMPT + " <lora:style:1>", True)
     assert np.abs(lora - plain).mean() > 1.0, "the LoRA changes the plain image"
     assert np.abs(controlled - plain).mean() > 1.0, "the unit changes the plain image"
     assert np.abs(both - controlled).mean() > 1.0, "the LoRA changes the controlled image"
     assert np.abs(both - lora).mean() > 1.0, "the unit changes the LoRA image"
-    assert np.array_equal(_post(url, BASE["prompt"], True), controlled), "a unit without LoRA: the base graphs"
+    assert np.array_equal(_post(url, PROMPT, True), controlled), "a unit without LoRA: the base graphs"
