@@ -217,7 +217,7 @@ class OrtEngine:
                 # built by make_model=OrtModel (the manager types it by the Model protocol it needs)
                 model.variant = cast("OrtModel | None", found.variant) if found is not None else None
             controls = getattr(pipe, "controls", None)
-            if controls is not None and hasattr(controls, "attach_lora"):  # an SD pipeline's residual UNet
+            if controls is not None and hasattr(controls, "attach_lora"):  # the residual UNet or FLUX.1 transformer
                 controls.attach_lora(self._lora)
 
     def nvml_index(self) -> int:
