@@ -106,7 +106,7 @@ def blocks(text: str, name: str) -> Iterator[Block]:
     for number, row in enumerate(outside.split("\n"), 1):
         if row.lstrip().startswith("$ "):
             start = sum(len(r) + 1 for r in outside.split("\n")[:number - 1])
-            yield Block(f"{name}:{number}", (row.lstrip()[2:],), _marker(text, start))
+            yield Block(f"{name}:{number}", (row.lstrip()[2:],), _marker(outside, start))
 
 
 def _logical(lines: tuple[str, ...]) -> Iterator[tuple[str, str | None]]:
@@ -205,6 +205,12 @@ def _strict(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+@cache
+def strict_parser() -> argparse.ArgumentParser:
+    """server/cli/main.py's parser, strict (parsing never changes it, so one serves every command)."""
+    return _strict(cli_parser())
+
+
 def _synopses(words: tuple[str, ...]) -> list[list[str]]:
     """A usage line's optional ``[--flag value]`` groups: once left out, once with all of them."""
     if not any(w.startswith("[") or w.endswith("]") for w in words):
@@ -223,7 +229,7 @@ def check_cli(args: list[str]) -> None:
     for words in _synopses(tuple(args)):
         try:
             with contextlib.redirect_stdout(io.StringIO()):
-                namespace = _strict(cli_parser()).parse_args(words)
+                namespace = strict_parser().parse_args(words)
         except SystemExit as exc:  # --help and --version print and exit 0: the words parsed
             if exc.code != 0:
                 raise DocError(f"sdserve {' '.join(words)}: exit {exc.code}") from exc
@@ -409,7 +415,7 @@ def check_inline(span: str) -> None:
         if program != "make":
             check(Command("inline", tuple(shlex.split(span)), None, "inline"))
         return
-    current = _strict(cli_parser())
+    current = strict_parser()
     for word in words[1:]:
         choices = next((a.choices for a in current._actions if isinstance(a, argparse._SubParsersAction)), None)
         if word.startswith("-"):
@@ -525,5 +531,8 @@ def test_an_unknown_program_needs_its_marker() -> None:
     marked = commands("<!-- not run: needs podman -->\n```sh\npodman run sdserve:0.1.0\n```", "doc.md")
     assert [c.words[0] for c in unmarked] == ["podman", "curl"] and not check(unmarked[0])
     assert unmarked[0].marker is None and marked[0].marker == "needs podman"
+    prompt = commands("```text\n$ sdserve nope\n```\nSee:\n<!-- not run: needs helm -->\n  $ helm install sdserve\n",
+                      "doc.md")
+    assert [(c.where, c.words[0], c.marker) for c in prompt] == [("doc.md:6", "helm", "needs helm")]
     heredoc = commands("```sh\npython - <<'PY'\nimport json\nprint(json.dumps({}))\nPY\n```", "doc.md")
     assert len(heredoc) == 1 and heredoc[0].heredoc == "import json\nprint(json.dumps({}))" and check(heredoc[0])
