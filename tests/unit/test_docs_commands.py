@@ -7,14 +7,16 @@
 - ``curl``: its URL's path is a route of the app (the route table create_app builds, on a fake engine) with the
   method curl uses, its ``-d`` JSON parses and names only fields of the route's request schema (the OpenAPI
   document), and every curl option is one this checker knows (an unknown option fails: add it below);
-- ``python -c CODE`` and ``python - <<EOF`` heredocs compile;
+- ``python -c CODE`` and ``python - <<EOF`` heredocs compile; ``python path/script.py --option``: the script is this
+  repo's and defines the option; ``pytest``: its paths exist and its ``-m`` markers are declared in pyproject.toml;
 - shell plumbing (grep, sleep, seq, ...) needs nothing;
 - anything else (podman, kubectl, apt-get, ...) runs outside this repo's reach: its block carries
   ``<!-- not run: why -->`` on the line before the fence, and the test fails on an unmarked one (and on a marker that
   excuses nothing). Blocks marked ``<!-- runnable: ... -->`` run for real in tests/e2e/test_docs_examples.py; their
   commands are checked here too.
 
-docs/reference/ (generated from the code) is not read."""
+The prose's inline ``sdserve``/``make``/``pytest``/``python`` code spans are often fragments with placeholders: their
+subcommands, options, targets, markers and paths must exist. docs/reference/ (generated from the code) is not read."""
 
 from __future__ import annotations
 
