@@ -12,6 +12,9 @@ reference unit a ``reference*`` module with model "None". sdserve serves none of
 reference-only are refused by name: server/controlnet.py), so every ControlNet request the panel can build is a
 422 naming the unit's ``module`` and listing the modules served; the same dream without the panel is served.
 
+The second client replayed is the Photoshop plugin's ControlNet tab (AbdullahAlfaraj/Auto-Photoshop-StableDiffusion-
+Plugin): its units take any model and module, and are served.
+
 The library holds the tiny SD 1.x ControlNet of `sdserve engines tiny --controlnet` twice: as ``edges`` and under the
 name of the ControlNet an openOutpaint user installs for the panel (``control_v11p_sd15_inpaint``), so its
 inpaint-only model filter has something to pick. The UNet's residual variant and the ControlNet run on ONNX
@@ -35,8 +38,8 @@ from PIL import Image
 
 from engines.build.controlnet import build_tiny_controlnet
 from tests import lora_files as lf
-from tests.e2e.conftest import ServerProcess
-from tests.e2e.test_client_replays import OPENOUTPAINT, sized
+from tests.e2e.conftest import ServerProcess, dev_config
+from tests.e2e.test_client_replays import OPENOUTPAINT, PHOTOSHOP, sized
 
 pytestmark = pytest.mark.slow
 SDAPI = "/sdapi/v1"
@@ -59,7 +62,9 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     ``--lora-dir`` (one UNet LoRA, ``style``). The model is a copy of the session's tiny model with the tiny
     ControlNet and the UNet's residual variant added as `sdserve engines tiny --controlnet` adds them
     (engines/build/controlnet.py build_tiny_controlnet, after the same build_tiny), so the tiny model is not
-    built twice."""
+    built twice. ``request_timeout_s`` is raised from the dev profile's 120 s: openOutpaint's fetch waits without a
+    limit (as A1111 has no deadline), and its default dream (4 images of 512x512, 30 steps) can take longer than
+    that on 2 busy CPU cores (a 504 after 27 of 30 steps, seen)."""
     root = tmp_path_factory.mktemp("openoutpaint")
     model, library, loras = root / "model", root / "controlnets", root / "loras"
     shutil.copytree(tiny_model, model)
@@ -67,7 +72,8 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     shutil.copytree(library / "edges", library / INPAINT_NET)
     loras.mkdir()
     lf.write_safetensors(loras / f"{LORA}.safetensors", lf.numpy_lora(model, scale=0.2, seed=3))
-    process = ServerProcess("--profile", "dev", "--model", str(model), "--controlnet-dir", str(library),
+    config = dev_config(root, replace={"request_timeout_s = 120": "request_timeout_s = 1200"})
+    process = ServerProcess("--config", str(config), "--model", str(model), "--controlnet-dir", str(library),
                             "--lora-dir", str(loras))
     try:
         yield process.wait_ready(timeout=300)
@@ -210,3 +216,47 @@ def test_openoutpaint_lora_picker(mode: str, server: str) -> None:
     assert json.loads(answer.json()["info"])["all_seeds"][0] == 1234
     assert "Lora hashes" in json.loads(answer.json()["info"])["infotexts"][0]
     assert min(float(np.abs(a - p).mean()) for a, p in zip(adapted, plain, strict=True)) > 1.0
+
+
+# The second client whose ControlNet requests are replayed here: the Photoshop plugin's ControlNet tab
+# (AbdullahAlfaraj/Auto-Photoshop-StableDiffusion-Plugin, commit 6f6d490), whose units any model and module take.
+
+def test_photoshop_plugin_controlnet_tab_txt2img(mode: str, server: str) -> None:
+    """typescripts/controlnet/entry.ts ``initializeControlNetTab`` (GET version, settings read as
+    ``control_net_unit_count || control_net_max_models_num``, model_list, module_list?alias_names=true) and
+    ``mapPluginSettingsToControlNet``: one unit per ``maxControlNet``, unit 0 enabled with the picked module and
+    model, the rest disabled and empty; each with the legacy ``input_image`` (raw base64), ``mask: ''`` (txt2img is
+    a maskless mode), ``resize_mode`` "Crop and Resize", ``lowvram``, store.ts defaults (processor_res 512,
+    thresholds 0: picking a module moves no slider), and, as the API version is above 1, ``control_mode`` and
+    ``pixel_perfect`` (true); the payload keeps the legacy top-level ``controlnet_units`` beside
+    ``alwayson_scripts.controlnet.args``, ``subseed -1`` and empty ``override_settings``. The settings are the
+    plugin's getSettings() (tests/e2e/test_client_replays.py PHOTOSHOP). Served: the image follows the control and
+    the infotext names the unit."""
+    assert httpx.get(f"{server}/controlnet/version", timeout=10).json()["version"] > 1
+    settings = httpx.get(f"{server}/controlnet/settings", timeout=10).json()
+    units_count = settings.get("control_net_unit_count") or settings.get("control_net_max_models_num") or 0
+    assert units_count == 3
+    models = httpx.get(f"{server}/controlnet/model_list", timeout=10).json()["model_list"]
+    modules = httpx.get(f"{server}/controlnet/module_list", params={"alias_names": "true"}, timeout=10).json()
+    assert "canny" in modules["module_list"] and "canny" in modules["module_detail"]
+    model = next(m for m in models if m.startswith("edges ["))
+    size = 64 if mode == "lean" else 512
+    init, _ = _canvas(size)
+    picture = _data_url(init).removeprefix("data:image/png;base64,")
+    idle = {"enabled": False, "input_image": "", "mask": "", "module": "", "model": "", "weight": 1.0}
+    units = [{"enabled": True, "input_image": picture, "mask": "", "module": "canny", "model": model,
+              "weight": 1.0}] + [dict(idle) for _ in range(units_count - 1)]
+    for unit in units:
+        unit |= {"resize_mode": "Crop and Resize", "lowvram": True, "processor_res": 512, "threshold_a": 0,
+                 "threshold_b": 0, "guidance_start": 0, "guidance_end": 1, "control_mode": "Balanced",
+                 "pixel_perfect": True}
+    settings_body = {**sized(mode, PHOTOSHOP), "seed": "77", "steps": "20" if mode == "defaults" else "4"}
+    payload = {**settings_body, "controlnet_units": units, "subseed": -1, "override_settings": {},
+               "override_settings_restore_afterwards": True, "alwayson_scripts": {"controlnet": {"args": units}}}
+    answer = httpx.post(f"{server}{SDAPI}/txt2img", json=payload, timeout=1200)
+    controlled = _read(answer, size, 1)[0]
+    infotext = json.loads(answer.json()["info"])["infotexts"][0]
+    assert f'ControlNet 0: "Module: canny, Model: {model}' in infotext and "ControlNet 1" not in infotext
+    assert "Pixel Perfect: True" in infotext
+    plain = _read(httpx.post(f"{server}{SDAPI}/txt2img", json=settings_body, timeout=1200), size, 1)[0]
+    assert float(np.abs(controlled - plain).mean()) > 1.0
