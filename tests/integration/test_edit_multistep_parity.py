@@ -12,6 +12,7 @@ every evaluation at the next one's level (Heun's corrector and PLMS's re-run inc
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,12 +44,31 @@ CLASSES = {"plms": ("PNDMScheduler", {"skip_prk_steps": True}), "lms": ("LMSDisc
 """Our name -> the diffusers scheduler class and what the schedule suffix sets on the model's config."""
 
 
-def _theirs(kind: str, diffusers_dir: Path, onnx_dir: Path, scheduler: str) -> Any:
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    """The reference on one thread: torch's two threads spin against the other jobs on a busy 2-core machine
+    (a 64 px run takes 12-28 s on two, under 3 s on one). The numbers are the same either way."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def components(tiny_build: tuple[Path, Path]) -> dict[str, Any]:
+    """The diffusers model components, loaded once and shared by every reference pipeline here."""
+    import diffusers
+
+    return dict(diffusers.StableDiffusionImg2ImgPipeline.from_pretrained(tiny_build[1], safety_checker=None)
+                .components)
+
+
+def _theirs(kind: str, components: dict[str, Any], onnx_dir: Path, scheduler: str) -> Any:
     import diffusers
 
     config = json.loads((onnx_dir / "scheduler" / "scheduler_config.json").read_text())
     name, extra = CLASSES[scheduler]
-    pipe = getattr(diffusers, kind).from_pretrained(diffusers_dir, safety_checker=None)
+    pipe = getattr(diffusers, kind)(**{**components, "requires_safety_checker": False})
     pipe.scheduler = getattr(diffusers, name).from_config({**config, **extra})
     pipe.set_progress_bar_config(disable=True)
     return pipe
@@ -75,12 +95,12 @@ def test_every_sampler_serves_edits(tiny_build: tuple[Path, Path]) -> None:
 
 @pytest.mark.parametrize(("scheduler", "strength"), [(s, 0.6) for s in CLASSES] + [("heun", 0.3), ("plms", 1.0)])
 def test_img2img_multistep_matches_diffusers(scheduler: str, strength: float, sd1: StableDiffusionOnnx,
-                                             tiny_build: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+                                             tiny_build: tuple[Path, Path], components: dict[str, Any],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
     import diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_img2img as module
 
-    onnx_dir, diffusers_dir = tiny_build
     Draws(encodes=1).patch(monkeypatch, module)
-    pipe = _theirs("StableDiffusionImg2ImgPipeline", diffusers_dir, onnx_dir, scheduler)
+    pipe = _theirs("StableDiffusionImg2ImgPipeline", components, tiny_build[0], scheduler)
     with torch.no_grad():
         theirs = pipe(PROMPTS, image=[Image.fromarray(init_image())] * 2, strength=strength, num_inference_steps=STEPS,
                       guidance_scale=GUIDANCE, output_type="np").images
@@ -93,14 +113,14 @@ def test_img2img_multistep_matches_diffusers(scheduler: str, strength: float, sd
 
 @pytest.mark.parametrize("scheduler", ["heun", "plms", "lms"])
 def test_inpaint_multistep_matches_diffusers(scheduler: str, sd1: StableDiffusionOnnx,
-                                             tiny_build: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+                                             tiny_build: tuple[Path, Path], components: dict[str, Any],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """A 4-channel UNet: diffusers blends the image back after every evaluation of its loop at the next
     evaluation's noise level, Heun's predictor and PLMS's first evaluation included."""
     import diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_inpaint as module
 
-    onnx_dir, diffusers_dir = tiny_build
     Draws(encodes=2).patch(monkeypatch, module)
-    pipe = _theirs("StableDiffusionInpaintPipeline", diffusers_dir, onnx_dir, scheduler)
+    pipe = _theirs("StableDiffusionInpaintPipeline", components, tiny_build[0], scheduler)
     with torch.no_grad():
         theirs = pipe(PROMPTS, image=[Image.fromarray(init_image())] * 2,
                       mask_image=[Image.fromarray(square_mask())] * 2,
