@@ -34,6 +34,7 @@ from engines.health.trt_coverage import RECORD
 log = logging.getLogger(__name__)
 COMPONENT = "controlnet"
 FLUX_NET = "FluxControlNetModel"
+"""The diffusers class (config.json ``_class_name``) of a FLUX.1 ControlNet."""
 
 
 def _config(path: Path) -> dict[str, Any]:
@@ -54,8 +55,11 @@ def flux_controlnet_plan(net_dir: Path, model_dir: Path, profiles: list[ShapePro
     dit = trtplan._dit_family(model_dir)
     config = _config(net_dir / "config.json")
     transformer = _config(model_dir / "transformer" / "config.json")
-    why = unfit(net_dir.name, config, transformer) if dit is not None and dit.base == "flux" else \
+    why = unfit(net_dir.name, config, transformer) if dit is not None else \
         f"ControlNet {net_dir.name} is a FLUX.1 ControlNet, {model_dir.name} is no FLUX.1 model (another base)"
+    if not why and not (model_dir / trtplan_dit.CONTROLLED / "model.onnx").is_file():  # exported for FLUX.1 only
+        why = (f"{model_dir.name} has no {trtplan_dit.CONTROLLED}/model.onnx (FLUX.1's residual transformer: "
+               "`sdserve engines export --controlnet`), so it serves no FLUX.1 ControlNet")
     if not why and config.get("guidance_embeds") and not transformer.get("guidance_embeds"):
         why = f"ControlNet {net_dir.name} embeds guidance, this model's transformer takes none"
     if why or dit is None:

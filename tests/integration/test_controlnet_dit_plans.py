@@ -129,6 +129,8 @@ def test_a_controlnet_for_another_base_is_refused_by_name(flux: dict[str, Path],
         net_plan(flux["nets"] / "sd", flux["model"], _profiles(), trtplan.BuildFlags())
     with pytest.raises(ArtifactError, match="ControlNet canny is a FLUX.1 ControlNet, .* is no FLUX.1 model"):
         net_plan(flux["nets"] / "canny", tiny_model, _profiles(), trtplan.BuildFlags())
+    with pytest.raises(ArtifactError, match="has no transformer_controlnet/model.onnx"):  # serves no ControlNet
+        net_plan(flux["nets"] / "canny", flux["plain"], _profiles(), trtplan.BuildFlags())
 
 
 TINY_SET = (1 + 1) * (2 * 16) * 4
