@@ -105,7 +105,7 @@ def test_librechat_style_edit(http: httpx.Client) -> None:
     ([("image", ("a.png", png(picture()), "image/png")),
       ("mask", ("m.png", png(gradient("RGBA", (32, 32))), "image/png"))], {}, 400, "same dimensions"),
     ([("image", ("a.png", png(picture()), "image/png"))], {"stream": "true"}, 400, "stream"),
-    ([("image", ("a.png", png(picture()), "image/png"))], {"scheduler": "plms"}, 400, "does not serve edits"),
+    ([("image", ("a.png", png(picture()), "image/png"))], {"scheduler": "dpm_fast"}, 400, "unknown scheduler"),
     ([("image", ("a.png", png(picture()), "image/png"))], {"bogus": "1"}, 400, "unknown field 'bogus'"),
     ([("mask", ("m.png", png(transparent_left(picture())), "image/png"))], {}, 400, "send one image (got 0)"),
 ])
@@ -148,6 +148,17 @@ def test_webuiapi_img2img(dev_server: str) -> None:
     assert result.image.size == (SIZE, SIZE)
     assert result.info["mode"] == "img2img" and result.info["denoising_strength"] == 0.5
     assert "init_images" not in result.parameters  # include_init_images is False
+
+
+@pytest.mark.parametrize("sampler", ["LMS", "Heun", "PLMS", "UniPC", "LMS Karras"])
+def test_a1111_img2img_with_the_multistep_samplers(dev_server: str, sampler: str) -> None:
+    """AI Render's default sampler (LMS) and the other multistep ones A1111 lists serve img2img (once refused)."""
+    result = _webui(dev_server).img2img(images=[picture()], prompt="a watercolor", denoising_strength=0.5,
+                                        width=SIZE, height=SIZE, seed=5, sampler_name=sampler)
+    assert result.image.size == (SIZE, SIZE)
+    name, _, schedule = sampler.partition(" ")  # "LMS Karras": A1111 reports the sampler and its schedule type
+    assert (result.info["sampler_name"], result.info["mode"]) == (name, "img2img")
+    assert f"Sampler: {name}, Schedule type: {schedule or 'Automatic'}," in result.info["infotexts"][0]
 
 
 def test_webuiapi_inpainting_with_its_defaults(dev_server: str) -> None:

@@ -54,8 +54,18 @@ def test_an_edit_alone_equals_the_same_edit_in_a_batch(sd1: StableDiffusionOnnx)
     assert np.abs(both[1].astype(int) - alone).max() <= 1
 
 
+@pytest.mark.parametrize("scheduler", ["plms", "lms", "heun_karras", "unipc"])
+def test_multistep_samplers_serve_edits(scheduler: str, sd1: StableDiffusionOnnx) -> None:
+    """Once refused for edits (their history warmed up from the schedule's first step); now each runs the strength's
+    share of the steps (parity: tests/integration/test_edit_multistep_parity.py)."""
+    for batch in (_edit(scheduler=scheduler), _edit(square_mask(), scheduler=scheduler)):
+        out = sd1(batch)
+        assert out.steps_total == 3 and out.images.shape == (1, 64, 64, 3)
+        assert np.abs(out.images[0].astype(int) - init_image()).mean() > 0  # it changed the image
+
+
 @pytest.mark.parametrize(("batch", "named"), [
-    (_edit(scheduler="plms"), "does not serve edits"),
+    (_edit(scheduler="dpm_fast"), "unknown scheduler 'dpm_fast'"),
     (_edit(strength=0.05, steps=10), "runs no step"),
     (_edit(strength=1.5), r"must be in \(0, 1\]"),
     (Batch((ImageSpec("a", edit=EditImage(init_image())), ImageSpec("b")), 64, 64, 4, "euler"), "mixes"),
