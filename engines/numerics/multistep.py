@@ -65,8 +65,8 @@ def plms(schedule: Schedule, n: int, start: int = 0) -> SchedulePlan:
     first = Lin()
     for k, t in enumerate(int(t) for t in timesteps):
         if k == 1:  # re-run step 0 from its input sample with the mean of both outputs
-            start = (SAMPLE - PREV * first.model) * (1.0 / first.sample)
-            nxt = _pndm_update(schedule, t + ratio, t, start, (MODEL + PREV) * 0.5)
+            origin = (SAMPLE - PREV * first.model) * (1.0 / first.sample)
+            nxt = _pndm_update(schedule, t + ratio, t, origin, (MODEL + PREV) * 0.5)
             evals.append(Step(float(t), 1.0, nxt, PREV))
             continue
         weights = PLMS_WEIGHTS[max(min(k, 4), 1) - 1]

@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -82,7 +81,7 @@ def sd1(tiny_build: tuple[Path, Path]) -> StableDiffusionOnnx:
 def test_every_sampler_serves_edits(tiny_build: tuple[Path, Path]) -> None:
     """No sampler is refused for edits any more, and each plan from a later step carries one noise level per UNet
     evaluation plus the final 0 (what add_noise and the blend read)."""
-    assert EDIT_SCHEDULERS == tuple(SCHEDULERS)
+    assert tuple(SCHEDULERS) == EDIT_SCHEDULERS
     schedule = NoiseSchedule.from_config(json.loads((tiny_build[0] / "scheduler" / "scheduler_config.json")
                                                     .read_text()))
     start, run = strength_start(STEPS, 0.6)
