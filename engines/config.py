@@ -450,6 +450,18 @@ class EditCanary(BaseModel):
     """Its steps (None: the set's): an edit's step runs the reference tokens too, so the boot keeps it short."""
 
 
+class ControlNetCanary(BaseModel):
+    """The ControlNet canary ([controlnet] in configs/canaries.toml): its prompt and seed, run at boot with each loaded
+    ControlNet at weights 1 and 0 on a fixed control image (engines/health/controlnet_canary.py)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    prompt: str = Field(..., min_length=1)
+    seed: int = Field(..., ge=0, le=2**32 - 1)
+    steps: int | None = Field(None, ge=1, le=100)
+    """Its steps (None: the set's): a plain run and two per ControlNet at boot, so the boot keeps it short."""
+
+
 class FamilyCanaries(BaseModel):
     """A model family's canary set ([family.<name>] in configs/canaries.toml): what it sets replaces the suite's."""
 
@@ -477,6 +489,8 @@ class CanarySuite(BaseModel):
     """Per model family (sd1, sd2, sdxl, turbo): the canary set the self-test and watchdog run for it."""
     edit: EditCanary | None = None
     """The family's edit canary, once ``for_family`` applied a table with one to a model that edits."""
+    controlnet: ControlNetCanary | None = None
+    """[controlnet]: the ControlNet canary's prompt, seed and steps (None: the first canary's at the set's steps)."""
 
     def for_family(self, name: str, edits: bool = True) -> CanarySuite:
         """The suite a model of family ``name`` runs: this one with the family's table applied (its edit canary

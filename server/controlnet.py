@@ -104,8 +104,8 @@ class ControlNetLibrary:
 
 
 _SERVED: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
-"""Per engine, the ControlNets it loaded once it has any: they are attached at load only, so the capability
-snapshot is not rebuilt for every ControlNet request and listing."""
+"""Per engine, the ControlNets it serves once its self-test ran (the ControlNet canary refuses nets then): they
+are attached at load only, so the capability snapshot is not rebuilt for every ControlNet request and listing."""
 
 
 def served_names(engine: Any) -> set[str] | None:
@@ -120,9 +120,10 @@ def served_names(engine: Any) -> set[str] | None:
         known = None
     if known is not None:
         return set(known)
-    names = frozenset(name.split("@")[0].removeprefix("controlnet_") for name in capabilities().sessions
+    snapshot = capabilities()
+    names = frozenset(name.split("@")[0].removeprefix("controlnet_") for name in snapshot.sessions
                       if name.startswith("controlnet_"))
-    if names:  # none yet: the engine may still be loading
+    if names and snapshot.self_test is not None:  # before the self-test ran, its ControlNet canary may refuse some
         with contextlib.suppress(TypeError):
             _SERVED[engine] = names
     return set(names)

@@ -58,7 +58,7 @@ def canary_batch(plan: SelfTestPlan, shape: Shape) -> Batch:
     """The plain canary the ControlNet runs are judged against: batch 1 at ``shape``'s size, with the suite's
     ``[controlnet]`` table applied where it has one (its prompt, seed, and steps when set)."""
     base = plan.suite.batch(Shape(shape.width, shape.height, 1))
-    table: Any = getattr(plan.suite, "controlnet", None)
+    table = plan.suite.controlnet
     if table is None:
         return base
     spec = dataclasses.replace(base.images[0], prompt=table.prompt, negative_prompt="", seed=table.seed)

@@ -54,6 +54,10 @@ class SelfTestReport(_Frozen):
     seconds: float
     edits: tuple[ShapeResult, ...] = ()
     """The instruction edit canary per served size (batch 1), where the family has one and the model edits."""
+    controlnets: tuple[ShapeResult, ...] = ()
+    """The ControlNet canary per loaded ControlNet (engines/health/controlnet_canary.py), at the first served size,
+    batch 1: distances at weights 0 and 1; a net refused by it carries the reason in ``failures`` (not a boot
+    failure: the net is left out)."""
 
 
 # The capability snapshot

@@ -145,7 +145,7 @@ def test_units_refuse_a_module_without_its_file_naming_the_field(library: Contro
 
 def test_the_served_filter_hides_a_file_the_engine_refused(library: ControlNetLibrary) -> None:
     engine = SimpleNamespace(capabilities=lambda: SimpleNamespace(sessions={
-        "unet": 0, "controlnet_edges@64x64": 0, "controlnet_sum": 0}))
+        "unet": 0, "controlnet_edges@64x64": 0, "controlnet_sum": 0}, self_test=None))
     served = served_names(engine)
     assert served is not None and "edges" in served and "refused" not in served
     assert [t.split(" [")[0] for t in library.titles(served)] == ["edges"]
@@ -234,18 +234,22 @@ def test_legacy_names_and_display_labels_reach_the_modules(library: ControlNetLi
     assert "Module: depth_midas," in units[1].infotext
 
 
-def test_the_served_names_are_read_once_per_engine_once_it_has_any() -> None:
-    """server/controlnet.py ``served_names``: ControlNets attach at load only, so after the first read that finds
-    some the capability snapshot is not rebuilt per request; while the engine has none it is read again."""
+def test_the_served_names_are_read_once_per_engine_once_its_self_test_ran() -> None:
+    """server/controlnet.py ``served_names``: ControlNets attach at load only and the self-test's ControlNet canary
+    may refuse some, so once the self-test ran the capability snapshot is not rebuilt per request; before, it is
+    read again (a net the canary refuses leaves the listing)."""
     class Engine:
         def __init__(self) -> None:
-            self.reads, self.sessions = 0, {"unet": 0}
+            self.reads, self.sessions, self.report = 0, {"unet": 0}, None
 
         def capabilities(self) -> SimpleNamespace:
             self.reads += 1
-            return SimpleNamespace(sessions=dict(self.sessions))
+            return SimpleNamespace(sessions=dict(self.sessions), self_test=self.report)
 
     engine = Engine()
     assert served_names(engine) == set() and served_names(engine) == set() and engine.reads == 2
-    engine.sessions["controlnet_edges"] = 0
-    assert [served_names(engine) for _ in range(3)] == [{"edges"}] * 3 and engine.reads == 3
+    engine.sessions.update(controlnet_edges=0, controlnet_broken=0)
+    assert served_names(engine) == {"edges", "broken"} and engine.reads == 3  # loaded, the canary not run yet
+    del engine.sessions["controlnet_broken"]
+    engine.report = "passed"
+    assert [served_names(engine) for _ in range(3)] == [{"edges"}] * 3 and engine.reads == 4
