@@ -9,14 +9,15 @@ Served ControlNet (engines/pipelines/controlnet.py ``attach``, only when ``[runt
   down half and mid block, so its activations are counted with the UNet rule on its own config;
 - **the residuals** of every controlled evaluation: per residual level (``residual_levels``) rows × channels ×
   (h / f) × (w / f) at the residual UNet's input type, where h × w are the latents and f the level's downsampling;
-  the pipeline keeps two sets alive at once (each unit's outputs and the running sum, ``control_res{k % 2}``).
+  the sets alive grow with the units as FLUX.1's below (``residual_sets``: the pipeline's ``control_res{k % 2}``
+  outputs and ``control_sum{k % 2}`` sums are cached buffers, so all it touched stay held).
 
 FLUX.1 (``transformer_controlnet/``, engines/pipelines/controlnet_dit.py) counts the residual transformer as a
 second transformer session and each ControlNet as one, and its residuals: one ``[rows, image_tokens, inner]``
 tensor per transformer block (double and single) per set, at the residual inputs' own type (the graph's: an fp16
 or bf16 export takes fp32 residuals behind its casts), ``inner`` = heads x head dim. A set has at most one tensor
 per block (a ControlNet with fewer samples shares them across blocks; units of several depths are summed per
-block). The sets the pipeline's buffers keep grow with the units (``flux_sets``): one unit's outputs; with two, the
+block). The sets the pipeline's buffers keep grow with the units (``residual_sets``): one unit's outputs; with two, the
 second's and their sum; from three, two output and two sum sets alternating. The plan counts the most (any number
 of units); a request, its own units.
 
@@ -30,9 +31,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-RESIDUAL_SETS = 2
-"""Residual sets alive at once during a controlled evaluation (engines/pipelines/controlnet.py ``run``: one unit's
-outputs and the sum of the units before it, in two alternating buffer sets)."""
+MOST_SETS = 4
+"""Residual sets a controlled evaluation holds with three units or more (engines/pipelines/controlnet.py and
+controlnet_dit.py ``run``: two alternating output sets and two alternating sum sets, each a cached buffer)."""
 VARIANT = "unet_controlnet"
 
 
@@ -71,27 +72,27 @@ def residual_bytes(unet_config: dict[str, Any], width: int, height: int, rows: i
 
 def request_bytes(unet_config: dict[str, Any], width: int, height: int, rows: int, factor: int, item: int,
                   units: int | None = None) -> int:
-    """The residual bytes a controlled request holds: ``RESIDUAL_SETS`` sets of an SD UNet's residuals, or for a
-    FLUX.1 transformer config (``residual_config``) the sets ``units`` keep (None: the most, ``flux_sets``)."""
+    """The residual bytes a controlled request holds: the sets ``units`` keep (None: the most, ``residual_sets``)
+    of an SD UNet's residuals, or of a FLUX.1 transformer config's (``residual_config``)."""
     if FLUX_KEY in unet_config:
-        return flux_sets(units) * flux_residual_bytes(unet_config, width, height, rows, factor,
-                                                      int(unet_config.get(ITEM_KEY) or item))
-    return RESIDUAL_SETS * residual_bytes(unet_config, width, height, rows, factor, item)
+        return residual_sets(units) * flux_residual_bytes(unet_config, width, height, rows, factor,
+                                                          int(unet_config.get(ITEM_KEY) or item))
+    return residual_sets(units) * residual_bytes(unet_config, width, height, rows, factor, item)
 
 
 DIT_VARIANT = "transformer_controlnet"
 """FLUX.1's residual transformer (engines/pipelines/controlnet_dit.py): one residual input per block."""
 FLUX_KEY, ITEM_KEY = "num_single_layers", "_residual_itemsize"
 """A FLUX.1 transformer config is told by its single blocks; ``residual_config`` adds the residuals' item size."""
-FLUX_MOST_SETS = 4
 
 
-def flux_sets(units: int | None) -> int:
-    """Residual sets a FLUX.1 evaluation with ``units`` units keeps (engines/pipelines/controlnet_dit.py ``run``:
-    ``flux_control_res{k % 2}`` per unit, ``flux_control_sum{k % 2}`` from the second): 1, 3, then 4."""
+def residual_sets(units: int | None) -> int:
+    """Residual sets an evaluation with ``units`` units keeps (engines/pipelines/controlnet.py ``control_res{k % 2}``
+    and controlnet_dit.py ``flux_control_res{k % 2}`` per unit, their ``..._sum{k % 2}`` from the second unit): 1, 3,
+    then 4; None: the most."""
     if units is None:
-        return FLUX_MOST_SETS
-    return 0 if units <= 0 else min(FLUX_MOST_SETS, 2 * units - 1)
+        return MOST_SETS
+    return 0 if units <= 0 else min(MOST_SETS, 2 * units - 1)
 
 
 def flux_residual_bytes(config: dict[str, Any], width: int, height: int, rows: int, factor: int, item: int) -> int:
@@ -147,7 +148,7 @@ def plan_parts(folder: Path, lay: Any, served_as: Any, dtype: str | None, contro
 
     found = nets(controlnet_dir)
     section: dict[str, Any] = {"served": False, "dir": str(controlnet_dir or ""), "nets": sorted(found),
-                               "residual_bytes": 0, "residual_sets": RESIDUAL_SETS, "note": ""}
+                               "residual_bytes": 0, "residual_sets": MOST_SETS, "note": ""}
     if not controlnet_dir:
         return [], section
     name = variant(folder, controlnet_dir)
@@ -163,6 +164,4 @@ def plan_parts(folder: Path, lay: Any, served_as: Any, dtype: str | None, contro
     section["served"] = True
     section["residual_bytes"] = request_bytes(residual_config(folder), served_as.width, served_as.height, rows,
                                               lay.factor, itemsize[residual.dtype])
-    if name == DIT_VARIANT:
-        section["residual_sets"] = flux_sets(None)
     return parts, section

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from engines.errors import ModelLoadError
-from engines.health.controlnet_memory import VARIANT, request_bytes, unet_config
+from engines.health.controlnet_memory import request_bytes, residual_config, residual_sets
 from engines.health.memory_plan import (
     DENOISERS,
     ITEMSIZE,
@@ -67,8 +67,9 @@ class RequestMemory:
     items: dict[str, int]
     """Component name -> bytes per activation element (the files' float type)."""
     controlnet: dict[str, Any] = field(default_factory=dict)
-    """The residual UNet's config when the folder has ``unet_controlnet/`` ({}: no ControlNet residuals): a
-    controlled request's denoiser stage holds two residual sets (engines/health/controlnet_memory.py)."""
+    """The residual denoiser's config (``unet_controlnet/``, or FLUX.1's transformer config beside
+    ``transformer_controlnet/``; {}: no ControlNet residuals): a controlled request's denoiser stage holds the
+    residual sets its units keep (engines/health/controlnet_memory.py ``residual_sets``)."""
 
     @property
     def factor(self) -> int:
@@ -91,7 +92,8 @@ class RequestMemory:
         patch = self.lay.factor * 2  # the 2x2-packed latents every instruction-edit family joins
         extra = sum((w // patch) * (h // patch) for w, h in references)
         residuals = request_bytes(self.controlnet, width, height, denoise_images * (2 if self.lay.cfg else 1),
-                                  self.factor, self.items.get(denoiser, 4)) if controls and self.controlnet else 0
+                                  self.factor, self.items.get(denoiser, 4), units=controls) \
+            if controls and self.controlnet else 0
         raw = {"text encoder": max(self.stage(n, width, height, images) for n in TEXT_ENCODERS),
                "denoiser": self.stage(denoiser, width, height, denoise_images, extra) + residuals,
                "VAE decode": self.stage("vae_decoder", width, height, images)
@@ -103,7 +105,8 @@ class RequestMemory:
         stage, peak = max(stages, key=lambda s: s[1])
         why = self._why(stage, width, height, denoise_images, images, extra)
         if stage == "denoiser" and residuals:
-            why += f", with {residuals / GIB:.2f} GiB of ControlNet residuals (two sets)"
+            sets = residual_sets(controls)
+            why += f", with {residuals / GIB:.2f} GiB of ControlNet residuals ({sets} set{'s' * (sets > 1)})"
         return MemoryNeed(peak, stage, stages, why)
 
     def _why(self, stage: str, width: int, height: int, denoise_images: int, images: int, extra: int = 0) -> str:
@@ -132,7 +135,7 @@ def for_folder(folder: Path) -> RequestMemory | None:
             raise ModelLoadError(f"no config.json for {', '.join(missing)}")
         probe = Served(64, 64, 1, tensorrt=False)
         parts = {name: component(folder, name, kind, lay, probe, None) for name, kind in lay.parts.items()}
-        control = unet_config(folder) if (folder / VARIANT / "model.onnx").is_file() else {}
+        control = residual_config(folder)
         return RequestMemory(lay, configs, {name: ITEMSIZE.get(c.stored_dtype, 4) for name, c in parts.items()},
                              control)
     except (ModelLoadError, OSError, TypeError, ValueError, KeyError, IndexError) as exc:

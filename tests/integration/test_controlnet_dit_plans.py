@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -181,14 +180,16 @@ def test_the_residual_sets_grow_with_the_units(flux: dict[str, Path]) -> None:
 
 def test_admission_prices_a_flux_controlnet_unit(flux: dict[str, Path]) -> None:
     """A controlled FLUX.1 request's denoiser stage holds its residuals (RequestMemory.need ``controls``,
-    server/admission.py MemoryAsk.controls). ``controlnet`` is set from ``residual_config`` here: for_folder reads
-    the residual UNet's only until request_memory.py takes ``residual_config`` (this suite's report asks for it)."""
+    server/admission.py MemoryAsk.controls): ``for_folder`` reads the transformer's config beside
+    ``transformer_controlnet/`` (``residual_config``), and the sets follow the request's units."""
     model = flux["model"]
-    found = request_memory.for_folder(model)
-    assert found is not None
-    memory = replace(found, controlnet=controlnet_memory.residual_config(model))
+    memory = request_memory.for_folder(model)
+    assert memory is not None and memory.controlnet == controlnet_memory.residual_config(model) != {}
     plain, controlled = memory.need(256, 256, 8, 1), memory.need(256, 256, 8, 1, controls=1)
-    residuals = 4 * 8 * (256 // 16) ** 2 * TINY_SET  # the most sets: need() passes no unit count
+    residuals = 1 * 8 * (256 // 16) ** 2 * TINY_SET  # one unit: one set (residual_sets)
+    two = memory.need(256, 256, 8, 1, controls=2)
+    assert dict(two.stages)["denoiser"] == int((memory.stage("transformer", 256, 256, 8) + 3 * residuals)
+                                               * request_memory.ARENA_SLACK)  # two units: three sets
     stage = memory.stage("transformer", 256, 256, 8)
     assert dict(controlled.stages)["denoiser"] == int((stage + residuals) * request_memory.ARENA_SLACK)
     assert dict(plain.stages)["denoiser"] == int(stage * request_memory.ARENA_SLACK)

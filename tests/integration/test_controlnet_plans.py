@@ -11,8 +11,9 @@ plan's opt shapes gives exactly the residuals the residual UNet's opt profile de
 
 Memory (engines/health/controlnet_memory.py, memory_plan.py, request_memory.py, server/admission.py): with a
 ControlNet folder configured, the plan counts ``unet_controlnet/`` as a second UNet, each ControlNet's weights from
-its file, and two sets of residuals, whose bytes equal what the real ControlNet outputs at that shape; a request's
-denoiser stage holds them only when it has units; `sdserve doctor` (a real process) lists them. Before, none of it
+its file, and the most residual sets (four: two alternating output and two sum buffers from three units on),
+whose bytes equal what the real ControlNet outputs at that shape; a request's denoiser stage holds the sets its
+units keep (one unit: one), only when it has units; `sdserve doctor` (a real process) lists them. Before, none of it
 was counted."""
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def test_the_memory_plan_counts_the_residual_unet_the_controlnets_and_their_resi
     assert 0 < parts["controlnet:canny"]["params"] < parts["unet"]["params"]  # the down half and mid block
     section = controlled["controlnet"]
     assert section["served"] and section["nets"] == ["canny"]
-    assert section["residual_bytes"] == 2 * _residual_outputs(net, 128, 96, 2 * 2)  # two sets, CFG rows
+    assert section["residual_bytes"] == 4 * _residual_outputs(net, 128, 96, 2 * 2)  # the most sets, CFG rows
     added = parts["unet_controlnet"]["weights"] + parts["controlnet:canny"]["weights"] + section["residual_bytes"]
     grown = controlled["device"]["base"] - plain["device"]["base"]
     assert grown >= added  # plus activations where they exceed the rest's (one CUDA arena: the largest)
@@ -151,11 +152,14 @@ def test_a_controlled_request_holds_the_residuals_and_admission_counts_them(
     memory = request_memory.for_folder(model)
     assert memory is not None and memory.controlnet
     plain, controlled = memory.need(256, 256, 8, 1), memory.need(256, 256, 8, 1, controls=1)
-    residuals = 2 * _residual_outputs(net, 256, 256, 2 * 8)
+    residuals = _residual_outputs(net, 256, 256, 2 * 8)  # one unit: one set
     unet = memory.stage("unet", 256, 256, 8)
     assert dict(controlled.stages)["denoiser"] == int((unet + residuals) * request_memory.ARENA_SLACK)
     assert dict(plain.stages)["denoiser"] == int(unet * request_memory.ARENA_SLACK)
-    assert controlled.stage == "denoiser" and "ControlNet residuals (two sets)" in controlled.why
+    assert controlled.stage == "denoiser" and "ControlNet residuals (1 set)" in controlled.why
+    three = memory.need(256, 256, 8, 1, controls=3)  # outputs and sums alternate: four sets held
+    assert dict(three.stages)["denoiser"] == int((unet + 4 * residuals) * request_memory.ARENA_SLACK)
+    assert "ControlNet residuals (4 sets)" in three.why
     budget = MemoryBudget((plain.peak_bytes + controlled.peak_bytes) // 2, "test")
     admit_memory(memory, budget, [MemoryAsk(256, 256, 1, 8, 1)])  # without units it fits
     with pytest.raises(InvalidRequestError, match="ControlNet residuals"):
