@@ -11,7 +11,13 @@ ControlNet's name and the SHA-256 of its model.onnx (record_control).
 
 What is refused (422 naming the field): an unknown model or module (listing what exists), more units than
 ``control_net_unit_count``, a control mode other than Balanced (its soft injection is not served: ignoring it
-would change the image), a unit without an image, a mask (inpaint units are not served).
+would change the image), a mask on a module other than the inpaint ones, the reference modules (attention hooks).
+
+Inpaint units (``inpaint_global_harmonious``, alias ``inpaint``, and ``inpaint_only``) take the unit's mask (``mask``
+or ``image: {"image", "mask"}``) or, on img2img inpainting, the request's: the hint is the image with its masked
+pixels -1 (ControlUnit.hint_mask, engines/pipelines/controlnet.py). A unit without an image takes img2img's init
+image (sd-webui-controlnet's ``choose_input_image``): the pipeline runs its preprocessor on the batch's init image,
+and refuses it on txt2img (422 naming the unit's ``image``).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import dataclasses
 import hashlib
 import json
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +37,7 @@ from PIL import Image
 
 from engines.errors import InvalidRequestError
 from engines.types.request import Batch, ControlUnit
-from server.controlnet_modules import MODEL_FREE, Annotators, canonical, preprocess, with_defaults
+from server.controlnet_modules import INPAINT, MODEL_FREE, Annotators, canonical, preprocess, with_defaults
 from server.images_in import decode, from_base64_bytes, resize
 from server.provenance_stage import ingredient
 
@@ -158,16 +165,25 @@ def _number(unit: dict[str, Any], key: str, default: float, field: str) -> float
     return float(value)
 
 
-def _image(value: Any, field: str, max_pixels: int) -> tuple[Image.Image, bytes]:
-    """The unit's image and its bytes as sent (base64 or a data URL)."""
+def _image(value: Any, field: str, max_pixels: int,
+           inpaint: str) -> tuple[Image.Image | None, bytes, np.ndarray | None]:
+    """The unit's image (None: absent, the init image on img2img), its bytes as sent (base64 or a data URL) and, for
+    an inpaint module, its mask's first channel (``{"image", "mask"}``; None: the request's mask on img2img)."""
+    mask = None
     if isinstance(value, dict):
+        if value.get("mask") and not inpaint:
+            raise InvalidRequestError("a ControlNet mask is served with the inpaint modules only "
+                                      "(inpaint_global_harmonious, inpaint_only)", param=f"{field}.mask")
         if value.get("mask"):
-            raise InvalidRequestError("a ControlNet mask (inpaint units) is not served", param=f"{field}.mask")
+            mask = np.asarray(decode(from_base64_bytes(value["mask"], f"{field}.mask"), f"{field}.mask",
+                                     max_pixels).convert("RGB"))[:, :, 0]
         value = value.get("image")
-    if not isinstance(value, str) or not value:
-        raise InvalidRequestError("a ControlNet unit needs an image (base64)", param=f"{field}.image")
+    if value is None or value == "":
+        return None, b"", mask
+    if not isinstance(value, str):
+        raise InvalidRequestError("a ControlNet unit's image must be base64 text", param=f"{field}.image")
     data = from_base64_bytes(value, f"{field}.image")
-    return decode(data, f"{field}.image", max_pixels).convert("RGB"), data
+    return decode(data, f"{field}.image", max_pixels).convert("RGB"), data, mask
 
 
 def parse_units(script: Any, library: ControlNetLibrary | None, width: int, height: int,
@@ -208,24 +224,47 @@ def parse_units(script: Any, library: ControlNetLibrary | None, width: int, heig
         if not 0.0 <= start <= end <= 1.0:
             raise InvalidRequestError("guidance_start and guidance_end must satisfy 0 <= start <= end <= 1",
                                       param=f"{field}.guidance_start")
-        image, data = _image(unit.get("image"), field, max_pixels)
+        inpaint = INPAINT.get(module, "")
+        image, data, mask = _image(unit.get("image"), field, max_pixels, inpaint)
         res, low, high = with_defaults(module, _number(unit, "processor_res", -1, field),
                                        _number(unit, "threshold_a", -1, field),
                                        _number(unit, "threshold_b", -1, field), library.annotators)
+        size = (image.width, image.height) if image is not None else (width, height)  # the init image: the batch's
         if unit.get("pixel_perfect") is True:  # external_code.py pixel_perfect_resolution
-            k = (min if resize_mode == "Resize and Fill" else max)(height / image.height, width / image.width)
-            res = float(round(k * min(image.height, image.width)))
-        detected = preprocess(module, np.asarray(image), int(res), low, high, field, library.annotators)
-        fitted = resize(Image.fromarray(detected), width, height, RESIZE_MODES.index(resize_mode))  # type: ignore[arg-type]
+            k = (min if resize_mode == "Resize and Fill" else max)(height / size[1], width / size[0])
+            res = float(round(k * min(size)))
+        run = _preprocessor(module, int(res), low, high, field, library)
+        fitted = np.zeros((0, 0, 3), np.uint8) if image is None else np.asarray(resize(
+            Image.fromarray(run(np.asarray(image))), width, height, RESIZE_MODES.index(resize_mode)).convert("RGB"))  # type: ignore[arg-type]
+        hint_mask = None if mask is None else _fit_mask(mask, image, width, height, resize_mode, field)
         info = (f'ControlNet {i}: "Module: {module}, Model: {net.title}, Weight: {weight:g}, Resize Mode: '
                 f"{resize_mode}, Processor Res: {int(res)}, Threshold A: {low:g}, Threshold B: {high:g}, Guidance "
                 f'Start: {start:g}, Guidance End: {end:g}, Pixel Perfect: {unit.get("pixel_perfect") is True}, '
                 f'Control Mode: {control_mode}"')
         source = {**ingredient(data, f"{field}.image", "inputTo"),
-                  "controlnet": {"unit": i, "model": net.name, "sha256": net.sha256, "module": module}}
-        parsed.append(ParsedUnit(ControlUnit(np.ascontiguousarray(np.asarray(fitted.convert("RGB"))), net.name,
-                                             weight, start, end, union_mode(module)), info, source))
+                  "controlnet": {"unit": i, "model": net.name, "sha256": net.sha256, "module": module}} if data else {}
+        parsed.append(ParsedUnit(ControlUnit(np.ascontiguousarray(fitted), net.name, weight, start, end,
+                                             union_mode(module), hint_mask, inpaint,  # type: ignore[arg-type]
+                                             run if image is None else None, field), info, source))
     return tuple(parsed)
+
+
+def _preprocessor(module: str, res: int, low: float, high: float, field: str,
+                  library: ControlNetLibrary) -> Callable[[np.ndarray], np.ndarray]:
+    """The unit's preprocessor on a uint8 [H, W, 3] image (the unit's, or img2img's init image in the pipeline)."""
+    return lambda pixels: preprocess(module, pixels, res, low, high, field, library.annotators)
+
+
+def _fit_mask(mask: np.ndarray, image: Image.Image | None, width: int, height: int, resize_mode: str,
+              field: str) -> np.ndarray:
+    """An inpaint unit's mask fitted to the output as its image is (the same resize mode), binarized as
+    sd-webui-controlnet's ``high_quality_resize`` does (> 127): bool [height, width], True where masked."""
+    size = (image.width, image.height) if image is not None else (width, height)
+    if mask.shape != (size[1], size[0]):
+        raise InvalidRequestError(f"the ControlNet mask is {mask.shape[1]}x{mask.shape[0]}, its image "
+                                  f"{size[0]}x{size[1]}: send them at one size", param=f"{field}.mask")
+    fitted = resize(Image.fromarray(mask).convert("RGB"), width, height, RESIZE_MODES.index(resize_mode))  # type: ignore[arg-type]
+    return np.asarray(fitted)[:, :, 0] > 127
 
 
 UNION_MODES = {"canny": 0, "tile": 1, "depth": 2, "blur": 3, "openpose": 4}

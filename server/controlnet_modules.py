@@ -48,6 +48,8 @@ MODEL_FREE: dict[str, dict[str, Any]] = {
         RES, {"name": "Sigma", "value": 9.0, "min": 0.01, "max": 64.0, "step": 0.01}]},
     "tile_resample": {"model_free": False, "sliders": [
         None, {"name": "Down Sampling Rate", "value": 1.0, "min": 1.0, "max": 8.0, "step": 0.01}]},
+    "inpaint": {"model_free": False, "sliders": []},
+    "inpaint_only": {"model_free": False, "sliders": []},
 }
 """The preprocessors served without a file, with sd-webui-controlnet's ``module_detail`` (sliders: processor_res,
 threshold_a, threshold_b; None where the module has no resolution slider)."""
@@ -59,7 +61,12 @@ ANNOTATOR_KINDS: dict[str, str] = {
 }
 """The model-based modules an ONNX file may serve, by sd-webui-controlnet's name, and how its map becomes pixels."""
 log = logging.getLogger(__name__)
-LABELS = {"invert": "invert (from white bg & black line)",
+INPAINT = {"inpaint": "global", "inpaint_only": "only"}
+"""sd-webui-controlnet's inpaint modules (``inpaint``, labelled ``inpaint_global_harmonious``, and ``inpaint_only``):
+the image passes unchanged, the unit's mask makes its masked pixels -1 in the hint (ControlUnit.hint_mask)."""
+REFERENCE = ("reference_only", "reference_adain", "reference_adain+attn")
+"""sd-webui-controlnet's reference modules: attention hooks on the UNet (no ControlNet file), not served."""
+LABELS = {"inpaint": "inpaint_global_harmonious", "invert": "invert (from white bg & black line)",
           "lineart_standard": "lineart_standard (from white bg & black line)"}
 """sd-webui-controlnet's display names (``module_list?alias_names=true``); units may send either."""
 LEGACY = {"depth": "depth_midas", "lineart": "lineart_realistic", "hed": "softedge_hed", "pidinet": "softedge_pidinet",
@@ -140,6 +147,7 @@ def _tile_resample(image: np.ndarray, res: int, a: float, b: float) -> np.ndarra
 RUN: dict[str, Callable[[np.ndarray, int, float, float], np.ndarray]] = {
     "none": lambda image, res, a, b: image,
     "invert": lambda image, res, a, b: np.ascontiguousarray(255 - image),
+    "inpaint": lambda image, res, a, b: image, "inpaint_only": lambda image, res, a, b: image,
     "canny": _canny, "threshold": _threshold, "scribble_xdog": _scribble_xdog,
     "lineart_standard": _lineart_standard, "blur_gaussian": _blur_gaussian, "tile_resample": _tile_resample,
 }
@@ -242,7 +250,18 @@ def preprocess(module: str, image: np.ndarray, res: int, a: float, b: float, fie
         return RUN[module](image, max(1, int(res)), a, b)
     if annotators is not None and module in annotators.files():
         return annotators.run(module, image, max(1, int(res)), f"{field}.module")
+    if module in REFERENCE:
+        raise InvalidRequestError(f"ControlNet module {module!r} is an attention hook of sd-webui-controlnet (it runs "
+                                  "no ControlNet model), which this server does not serve; this server has "
+                                  f"{list(detail(annotators))} (GET /controlnet/module_list)", param=f"{field}.module")
     absent = (f" (its file {ANNOTATOR_FOLDER}/{module}.onnx is not in the ControlNet folder)"
               if module in ANNOTATOR_KINDS else "")
     raise InvalidRequestError(f"unknown ControlNet module {module[:64]!r}{absent}; this server has "
                               f"{list(detail(annotators))} (GET /controlnet/module_list)", param=f"{field}.module")
+
+
+def inpaint_view(image: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """What /controlnet/detect returns for an inpaint module (sd-webui-controlnet's ``visualize_inpaint_mask``): the
+    image as RGBA, its alpha ``255 - mask // 2`` (the mask's first channel: masked pixels half transparent)."""
+    alpha = (255 - np.asarray(mask, np.uint8) // 2)[:, :, None]
+    return np.ascontiguousarray(np.concatenate([image[:, :, :3], alpha], axis=2))

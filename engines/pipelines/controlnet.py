@@ -211,7 +211,7 @@ class ControlNets:
             if net is None:
                 raise InvalidRequestError(f"unknown ControlNet {unit.model!r}; this server has "
                                           f"{sorted(self.nets) or 'none'}", param="controlnet.model")
-            image = prepare_image(unit, batch.width, batch.height)
+            image = prepare_hint(unit, batch)
             cond = np.repeat(image[None], rows, axis=0).astype(net.model.input_dtype("controlnet_cond"))
             scale = np.full((rows,), unit.weight, dtype=net.model.input_dtype("conditioning_scale"))
             keep = tuple(not (i / evaluations < unit.guidance_start or (i + 1) / evaluations > unit.guidance_end)
@@ -262,14 +262,67 @@ class ControlNets:
 
 def prepare_image(unit: ControlUnit, width: int, height: int) -> np.ndarray:
     """The control image as diffusers' ``prepare_image`` gives it for one row: [3, height, width] float32 RGB in
-    [0, 1], resized (PIL Lanczos, VaeImageProcessor's default) when it is not the output size."""
-    image = np.asarray(unit.image)
+    [0, 1], resized (PIL Lanczos, VaeImageProcessor's default) when it is not the output size. A unit this path
+    cannot serve (an inpaint unit, one without an image: the DiT pipelines call it) is refused by name."""
+    if unit.inpaint or unit.hint_mask is not None:
+        raise InvalidRequestError("inpaint ControlNet units (inpaint_global_harmonious, inpaint_only) are served on "
+                                  "SD 1.x/2.x and SDXL ControlNets only, not on this model",
+                                  param=f"{unit.field}.module")
+    if unit.from_init is not None:
+        raise InvalidRequestError("a ControlNet unit without an image is served on SD 1.x/2.x and SDXL UNets only: "
+                                  "send the unit's image", param=f"{unit.field}.image")
+    return _pixels(np.asarray(unit.image), width, height, unit.field)
+
+
+def _pixels(image: np.ndarray, width: int, height: int, field: str) -> np.ndarray:
     if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
         raise InvalidRequestError(f"control image must be uint8 [H, W, 3], got {image.dtype} {list(image.shape)}",
-                                  param="controlnet.image")
+                                  param=f"{field}.image")
     if image.shape[:2] != (height, width):
         image = np.asarray(Image.fromarray(image).resize((width, height), Image.Resampling.LANCZOS))
     return (image.astype(np.float32) / 255.0).transpose(2, 0, 1)
+
+
+def unit_inputs(unit: ControlUnit, batch: Batch) -> tuple[np.ndarray, np.ndarray | None]:
+    """The unit's control image (uint8 [H, W, 3]) and hint mask (bool [H, W] or None) on ``batch``: a unit without
+    an image takes the init image of the batch's first image (A1111's ``init_images[0]``, already at the batch's
+    size) through its preprocessor; an inpaint unit without its own mask takes that image's mask (>= 128: diffusers'
+    binarization at 0.5). Refused naming the unit's field: no init image (txt2img), an inpaint unit without any
+    mask, ``inpaint_only`` where the pipeline blends nothing back (not inpainting)."""
+    edit = batch.images[0].edit if batch.images else None
+    image, mask = np.asarray(unit.image), unit.hint_mask
+    if unit.from_init is not None:
+        if edit is None or edit.references:
+            raise InvalidRequestError("a ControlNet unit without an image takes img2img's init image; this request "
+                                      "has none (send the unit's image)", param=f"{unit.field}.image")
+        image = np.asarray(unit.from_init(np.asarray(edit.image)))
+    if not unit.inpaint:
+        return image, mask
+    if mask is None and edit is not None and edit.mask is not None:
+        mask = np.asarray(edit.mask) >= 128
+    if mask is None:
+        raise InvalidRequestError("an inpaint ControlNet unit needs a mask: the unit's (mask, or image {image, "
+                                  "mask}) or, on img2img inpainting, the request's", param=f"{unit.field}.mask")
+    if unit.inpaint == "only" and batch.mode != "inpaint":
+        raise InvalidRequestError("inpaint_only keeps the unmasked area by blending it back, which this server does "
+                                  "on img2img inpainting only (a request with a mask); use inpaint_global_harmonious "
+                                  "here", param=f"{unit.field}.module")
+    return image, mask
+
+
+def prepare_hint(unit: ControlUnit, batch: Batch) -> np.ndarray:
+    """The unit's hint for one row, [3, height, width] float32: prepare_image's pixels in [0, 1], and for an inpaint
+    unit -1 where its mask (resized to the output size, nearest) is set, after the resize so the -1 survives
+    (diffusers' ``make_inpaint_condition``; sd-webui-controlnet's inpaint hint)."""
+    image, mask = unit_inputs(unit, batch)
+    pixels = _pixels(image, batch.width, batch.height, unit.field)
+    if mask is None:
+        return pixels
+    mask = np.asarray(mask, dtype=bool)
+    if mask.shape != (batch.height, batch.width):
+        mask = np.asarray(Image.fromarray(mask.astype(np.uint8) * 255).resize(
+            (batch.width, batch.height), Image.Resampling.NEAREST)) >= 128
+    return np.where(mask[None], np.float32(-1.0), pixels).astype(np.float32)
 
 
 def start(pipe: StableDiffusionOnnx, batch: Batch, state: Denoising) -> ControlRun | None:

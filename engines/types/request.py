@@ -133,6 +133,18 @@ class ControlUnit:
     union_mode: int | None = None
     """A union ControlNet's control type for this unit (InstantX FLUX.1 Union: canny 0, tile 1, depth 2, blur 3, pose
     4, gray 5, low quality 6), from the unit's preprocessor; None: 0. A single-type ControlNet ignores it."""
+    hint_mask: np.ndarray | None = None
+    """Inpaint units: bool [H, W] at ``image``'s size, True where the hint is masked: those pixels are -1 in the
+    control image (diffusers' ``make_inpaint_condition``, sd-webui-controlnet's inpaint hint); None: a plain hint."""
+    inpaint: Literal["", "global", "only"] = ""
+    """An inpaint unit: "global" (inpaint_global_harmonious) or "only" (inpaint_only: served where the pipeline
+    blends the unmasked area back, inpainting); "": not one. Served on SD 1.x/2.x and SDXL UNets only."""
+    from_init: Callable[[np.ndarray], np.ndarray] | None = None
+    """The unit sent no image: it takes the request's init image (img2img; sd-webui-controlnet's
+    ``choose_input_image``), uint8 [H, W, 3] at the batch's size, through this preprocessor; an inpaint unit without
+    its own mask then takes the request's mask. ``image`` is then empty; a txt2img batch refuses the unit."""
+    field: str = "controlnet"
+    """The request field that sent the unit: what the pipeline's refusals name (``<field>.image``, ...)."""
 
 
 def control_key(units: tuple[ControlUnit, ...]) -> tuple[str, ...]:

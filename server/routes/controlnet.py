@@ -3,7 +3,8 @@
 library is ``app.state.controlnets`` (server/controlnet.py ControlNetLibrary; absent: none, the lists are empty).
 ``model_list`` names the ControlNets the engine loaded (a file it refused is not listed); ``module_list`` the
 preprocessors this server has: the model-free ones and the folder's annotator files (server/controlnet_modules.py);
-``/controlnet/detect`` returns what a unit with the same module and parameters would use."""
+``/controlnet/detect`` returns what a unit with the same module and parameters would use (an inpaint module: the
+image as RGBA with its ``controlnet_masks`` mask half transparent, as sd-webui-controlnet shows it)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 
 from engines.errors import InvalidRequestError
 from server.controlnet import API_VERSION, UNIT_COUNT, ControlNetLibrary, served_names
-from server.controlnet_modules import canonical, detail, preprocess, with_defaults
+from server.controlnet_modules import INPAINT, canonical, detail, inpaint_view, preprocess, with_defaults
 from server.images_in import from_base64
 
 router = APIRouter(prefix="/controlnet", tags=["controlnet"])
@@ -65,6 +66,8 @@ class DetectRequest(BaseModel):
     controlnet_images: list[str] = Field(default_factory=list)
     """What webuiapi's ``controlnet_detect`` sends instead of ``controlnet_input_images`` (taken when that is
     empty, so its calls work)."""
+    controlnet_masks: list[str] = Field(default_factory=list)
+    """The inpaint modules' masks, one per image (sd-webui-controlnet: required for them, ignored by the others)."""
     controlnet_processor_res: float = 512
     controlnet_threshold_a: float = 64
     controlnet_threshold_b: float = 64
@@ -81,10 +84,21 @@ def _detect(body: DetectRequest, library: ControlNetLibrary | None, max_pixels: 
     given: list[str] = getattr(body, key)
     if not given or len(given) > DETECT_MAX_IMAGES:
         raise InvalidRequestError(f"{key} needs 1 to {DETECT_MAX_IMAGES} images", param=key)
+    if module in INPAINT and len(body.controlnet_masks) != len(given):
+        raise InvalidRequestError(f"module {body.controlnet_module[:64]!r} needs controlnet_masks: one mask per image",
+                                  param="controlnet_masks")
     images = []
     for i, text in enumerate(given):
         field = f"{key}[{i}]"
         image = np.asarray(from_base64(text, field, max_pixels).convert("RGB"))
+        if module in INPAINT:  # the image passes unchanged; the answer shows the mask (visualize_inpaint_mask)
+            mask = np.asarray(from_base64(body.controlnet_masks[i], f"controlnet_masks[{i}]", max_pixels)
+                              .convert("RGB"))[:, :, 0]
+            if mask.shape != image.shape[:2]:
+                raise InvalidRequestError(f"mask {i} is {mask.shape[1]}x{mask.shape[0]}, its image "
+                                          f"{image.shape[1]}x{image.shape[0]}", param=f"controlnet_masks[{i}]")
+            images.append(_png(inpaint_view(image, mask)))
+            continue
         res, low, high = with_defaults(module, body.controlnet_processor_res,
                                        body.controlnet_threshold_a, body.controlnet_threshold_b, annotators)
         try:
@@ -92,10 +106,14 @@ def _detect(body: DetectRequest, library: ControlNetLibrary | None, max_pixels: 
         except InvalidRequestError as exc:  # named as this route's fields: controlnet_threshold_a, ...
             raise InvalidRequestError(str(exc), param=(exc.param or "").replace("controlnet.", "controlnet_")) \
                 from None
-        buf = io.BytesIO()
-        Image.fromarray(out).save(buf, format="PNG")
-        images.append(base64.b64encode(buf.getvalue()).decode())
+        images.append(_png(out))
     return {"images": images, "info": "Success"}
+
+
+def _png(pixels: np.ndarray) -> str:
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
 
 
 @router.post("/detect")
