@@ -1,0 +1,161 @@
+"""The docs' CLI commands that need no server and no GPU run here as written (bash, in one temp tree holding what
+they read: `models/tiny` a copy of the tiny model, `models/sd15-cuda` another, the config file the memory page's
+snippet reads, a signed `out.png` and its `ca.pem`), and what the doc says they print or exit with is checked. Each
+command is found in its page by its exact text: a doc edit that changes it fails here until the run is updated.
+Commands with a server run in tests/e2e/test_docs_examples.py; every other fenced `sdserve` command of the docs is
+listed in PARSE_ONLY with why it cannot run here (tests/unit/test_docs_commands.py parses it)."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.unit.test_docs_commands import all_commands
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Run:
+    page: str
+    command: str
+    """The command exactly as the page writes it (a console synopsis's ``[--optional]`` groups are left out)."""
+    exit_code: int
+    printed: tuple[str, ...] = ()
+    """Lines (or line starts) the doc shows and stdout must hold."""
+    wrote: tuple[tuple[str, str], ...] = ()
+    """(file, text) the doc says the command writes, the text in the file."""
+
+
+def _page(page: str) -> str:
+    return (ROOT / page).read_text(encoding="utf-8")
+
+
+def _block_after(page: str, heading: str) -> str:
+    """The body of the first fenced block after ``heading`` in ``page``."""
+    text = _page(page)
+    start = text.index(heading)
+    found = re.compile(r"^```\w*\n(.*?)^```$", re.MULTILINE | re.DOTALL).search(text, start)
+    assert found, f"{page}: no fenced block after {heading!r}"
+    return found.group(1)
+
+
+def _gate_row() -> tuple[str, ...]:
+    """caching.md's table under the gate synopsis: its header, and the row up to the wall-time ratio (a timing)."""
+    header, row = _block_after("docs/caching.md", "On demand, against any configuration:").split("\n")[1:3]
+    return header.rstrip(), row[:row.index("time x")]
+
+
+RUNS = [
+    Run("docs/memory.md", "sdserve doctor --model flux-dev --plan-size 1024x1024 --plan-images 1 "
+        "--device-memory-gib 140", 20,  # the production profile on a machine without a GPU: GPU_UNAVAILABLE
+        tuple(_block_after("docs/memory.md", "FLUX.1-dev at 1024x1024, one image per batch").strip().split("\n"))),
+    Run("docs/caching.md", "sdserve gate --cache --profile dev --model models/tiny", 0, _gate_row()),
+    Run("docs/deployment.md", "sdserve serve --profile cuda --model models/sd15-cuda        # exit 20 on a node "
+        "without a usable GPU, saying why", 20),
+    Run("docs/deployment.md", "sdserve deploy render --profile cuda --image sdserve:0.1.0-notrt --out deploy/k8s-cuda",
+        0, wrote=(("deploy/k8s-cuda/rollout.yaml", "sdserve/matrix-tensorrt: absent by design (cuda profile)"),
+                  ("deploy/k8s-cuda/rollout.yaml", "sdserve:0.1.0-notrt"))),
+    Run("docs/provenance.md", "sdserve verify out.png --trust ca.pem          # add --json for one JSON object per "
+        "image", 0, ("out.png: TRUSTED", "  signed by: ", "  generator: sdserve", "  action: c2pa.created",
+                     "  org.sdserve.generation: {")),
+]
+PARSE_ONLY = {
+    "sdserve engines optimize --target cuda --fp16 --model models/sd15 --out models/sd15-cuda":
+        "a minute of graph fusion even on the tiny model (tests/integration covers optimize)",
+    "sdserve accept --profile cuda --model models/sd15-cuda --out accept/": "needs an NVIDIA GPU node (exit 20 here)",
+    "sdserve accept --out accept/ --model models/sd15 --baseline baselines.toml": "needs a GPU node and a real model",
+    "sdserve accept --out accept/ --model models/sd15 --compare http://replica:8000 --changed before.env after.env":
+        "needs a GPU node, a real model and a second replica",
+    "sdserve engines export --from /path/to/stable-diffusion-v1-5 --out models/sd15": "needs a real SD checkpoint",
+    "sdserve serve --model models/sd15": "production profile: needs a GPU and a real model",
+    "sdserve generate a lighthouse at dusk -o out.png --model models/sd15 --size 512x512":
+        "production profile: needs a GPU and a real model",
+    "sdserve engines build --profile openvino --model models/tiny":
+        "the openvino build of the tiny model runs in tests/plugin_ep.py (openvino_model); its block serves after it",
+    "sdserve serve --profile openvino --model models/tiny": "a long-running server (tests/e2e boot the openvino one)",
+    "sdserve engines tiny --family flux --out models/flux-tiny --bpe "
+    ".cache/wheels/open_clip_torch-3.3.0-py3-none-any.whl":
+        "~25 s here with the server after it; the flux tiny build runs in the tiny_family fixture",
+    "sdserve serve --profile dev --model models/flux-tiny --port 8001": "a long-running server (the flux block)",
+    "sdserve serve --profile dev --model models/tiny --lora-dir loras --port 8001":
+        "a long-running server (tests/e2e boot the dev server with a LoRA folder)",
+}
+"""Fenced `sdserve` commands of the docs that do not run here, and why (each parses in test_docs_commands.py)."""
+
+
+def _signed_png(folder: Path) -> None:
+    """``folder/out.png`` signed by a throwaway credential whose CA is ``folder/ca.pem``."""
+    from server.provenance import load_credential, sign_bytes
+    from server.settings import ProvenanceSettings
+    from tests.provenance_ca import make_credential
+
+    key, chain, _ = make_credential().write(folder)
+    pixels = (np.random.default_rng(0).random((64, 64, 3)) * 255).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    settings = ProvenanceSettings(mode="require", key_file=str(key), chain_file=str(chain))
+    facts = {"model": {"id": "tiny"}, "seed": 42}
+    (folder / "out.png").write_bytes(sign_bytes(load_credential(settings), buffer.getvalue(), "image/png", facts))
+
+
+@pytest.fixture(scope="module")
+def tree(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder every command runs in, with what the docs' commands read (the memory page's snippet run first, as
+    the page says, to write the `flux-dev` config folder)."""
+    root = tmp_path_factory.mktemp("docs-run")
+    shutil.copytree(tiny_model, root / "models" / "tiny")
+    shutil.copytree(tiny_model, root / "models" / "sd15-cuda")
+    (root / "tests" / "data").mkdir(parents=True)
+    shutil.copy(ROOT / "tests" / "data" / "model_configs.json", root / "tests" / "data")
+    _signed_png(root)
+    snippet = _block_after("docs/memory.md", "write one out with")
+    done = _bash(snippet, root)
+    assert done.returncode == 0 and (root / "flux-dev" / "transformer" / "config.json").is_file(), done.stderr
+    return root
+
+
+def _bash(script: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``script`` under bash with this venv's `sdserve` and `python` first on PATH."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("SDSERVE_PROFILE", None)
+    env.pop("SDSERVE_MODEL", None)
+    return subprocess.run(["bash", "-o", "pipefail", "-c", script], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=180)
+
+
+@pytest.mark.parametrize("run", RUNS, ids=[f"{r.page}:{r.command.split('#')[0].strip()}" for r in RUNS])
+def test_doc_command_runs_as_written(tree: Path, run: Run) -> None:
+    assert run.command in _page(run.page), f"{run.page} no longer has `{run.command}`: update RUNS"
+    done = _bash(run.command, tree)
+    assert done.returncode == run.exit_code, (run.command, done.returncode, done.stdout[-2000:],
+                                              done.stderr[-2000:])
+    lines = done.stdout.split("\n")
+    missing = [want for want in run.printed if not any(line.rstrip().startswith(want) for line in lines)]
+    assert not missing, f"{run.page}: `{run.command}` no longer prints {missing}:\n{done.stdout[-3000:]}"
+    for file, text in run.wrote:
+        assert text in _page(run.page), f"{run.page} no longer says {text!r}: update RUNS"
+        assert text in (tree / file).read_text(encoding="utf-8"), f"{file} lacks {text!r}"
+
+
+def test_every_fenced_sdserve_command_runs_or_says_why_not() -> None:
+    """A new `sdserve` command in a doc's fence is run here (RUNS), by the server examples, or listed in
+    PARSE_ONLY with its reason; an entry of either list the docs no longer hold fails too."""
+    fenced = {" ".join(["sdserve", *c.words[1:]]) for c in all_commands()
+              if c.words[0].rsplit("/", 1)[-1] == "sdserve"}
+    ran = {re.sub(r"\s+#.*", "", r.command) for r in RUNS}
+    bare = {c: re.sub(r" \[[^]]*\]", "", c) for c in fenced}  # a synopsis runs without its [optional] groups
+    unlisted = {c for c in fenced if bare[c] not in ran and c not in PARSE_ONLY}
+    assert not unlisted, f"fenced sdserve commands neither run nor excused: {sorted(unlisted)}"
+    stale = set(PARSE_ONLY) - fenced | ran - set(bare.values())
+    assert not stale, f"entries no doc fence holds: {sorted(stale)}"
