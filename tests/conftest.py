@@ -40,14 +40,60 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
                                 green=set(_PROOF) == {"passed"}, red="failed" in _PROOF)
 
 
+def _snapshot(folder: Path) -> tuple[tuple[str, int, int], ...]:
+    """Every file under ``folder`` with its size and modification time: a folder a test wrote into reads apart."""
+    return tuple((p.relative_to(folder).as_posix(), p.stat().st_size, p.stat().st_mtime_ns)
+                 for p in sorted(folder.rglob("*")))
+
+
+class TinyFolders:
+    """The ONNX folders of tiny models built so far this session, each with what `sdserve engines tiny --family F`
+    builds: the builds are seeded and the diffusers twin does not change the export (the same bytes), so one
+    family's folder serves every test that only reads it. A folder is handed out again only while unchanged."""
+
+    def __init__(self) -> None:
+        self.built: dict[str, tuple[Path, tuple[tuple[str, int, int], ...]]] = {}
+        """family -> (its ONNX folder, the snapshot taken when it was built)."""
+
+    def add(self, family: str, folder: Path) -> None:
+        self.built.setdefault(family, (folder, _snapshot(folder)))
+
+    def get(self, family: str) -> Path | None:
+        folder, snapshot = self.built.get(family, (None, ()))
+        return folder if folder is not None and _snapshot(folder) == snapshot else None
+
+
 @pytest.fixture(scope="session")
-def tiny_build(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def tiny_folders() -> TinyFolders:
+    return TinyFolders()
+
+
+@pytest.fixture(scope="session")
+def tiny_family(tiny_folders: TinyFolders, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """The ONNX folder `sdserve engines tiny --family F` builds (in process, as `make refs` does), built once per
+    session on first use, or the same export a session fixture (``tiny_build``, ``dit_build``) already made. Read
+    only: a test that changes a model works on its own copy."""
+    from server.cli import matrix
+
+    def build(family: str) -> Path:
+        folder = tiny_folders.get(family)
+        if folder is None:
+            folder = matrix.tiny_folders(tmp_path_factory.mktemp(f"tiny-{family}"), (family,))[family]
+            tiny_folders.built[family] = (folder, _snapshot(folder))
+        return folder
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def tiny_build(tmp_path_factory: pytest.TempPathFactory, tiny_folders: TinyFolders) -> tuple[Path, Path]:
     """(ONNX folder, diffusers folder) of the tiny model with identical weights."""
     from engines.build.tiny import build_tiny
 
     root = tmp_path_factory.mktemp("tiny")
     onnx_dir, diffusers_dir = root / "onnx", root / "diffusers"
     build_tiny(onnx_dir, diffusers_out=diffusers_dir)
+    tiny_folders.add("sd1", onnx_dir)
     return onnx_dir, diffusers_dir
 
 
@@ -66,7 +112,8 @@ def openvino_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 
 @pytest.fixture(scope="session")
-def dit_build(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, Path]]:
+def dit_build(tmp_path_factory: pytest.TempPathFactory,
+              tiny_folders: TinyFolders) -> Callable[[str], tuple[Path, Path]]:
     """(ONNX folder, diffusers folder) of a tiny DiT family (flux, flux-schnell, sd3, sd35), built once per test
     session on first use: parity tests and served-model tests share them. Every family but flux-schnell has its VAE
     encoder (img2img); flux-schnell's folder is the txt2img-only one (tests/integration/test_dit_parity.py)."""
@@ -80,6 +127,8 @@ def dit_build(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple
             build_tiny_dit(family, root / "onnx", diffusers_out=root / "diffusers",
                            vae_encoder=family != "flux-schnell")
             built[family] = (root / "onnx", root / "diffusers")
+            if family != "flux-schnell":  # `engines tiny` exports every family's VAE encoder
+                tiny_folders.add(family, root / "onnx")
         return built[family]
 
     return build

@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,6 @@ from engines.build import optimize
 from engines.build.attention_fusion import fuse_attention
 from engines.build.fusion_report import attention_summary, check_attention, expected_attention
 from engines.build.optimize import feeds_for, output_difference, unsupported_widths
-from engines.build.tiny import build_tiny
 from engines.errors import ArtifactError
 
 TOLERANCE = 1e-4
@@ -40,9 +40,10 @@ def _optimize(model: Path, out: Path, target: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("families")
-    return {f: build_tiny(root / f, family=f) for f in ("sd2", "sdxl", "turbo")}
+def families(tiny_family: Callable[[str], Path]) -> dict[str, Path]:
+    """The tiny models of the other UNet families (tests/conftest.py ``tiny_family``: shared with the support matrix,
+    read only here)."""
+    return {f: tiny_family(f) for f in ("sd2", "sdxl", "turbo")}
 
 
 def _components(model: Path) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -163,9 +164,10 @@ PROOFS: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Every family's tiny model, built as `make refs` builds them (`sdserve engines tiny`, about a minute)."""
-    return matrix.tiny_folders(tmp_path_factory.mktemp("matrix"), matrix.family_names())
+def folders(tiny_family: Callable[[str], Path]) -> dict[str, Path]:
+    """Every family's tiny model, built as `make refs` builds them (`sdserve engines tiny`, about a minute), or the
+    same export another test built this session (tests/conftest.py ``tiny_family``; nothing here writes to it)."""
+    return {family: tiny_family(family) for family in matrix.family_names()}
 
 
 @pytest.fixture(scope="module")
