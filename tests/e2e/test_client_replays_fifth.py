@@ -134,26 +134,26 @@ def _ai_render_img2img(base: str, size: int, sampler: str, steps: int) -> httpx.
 
 
 def test_ai_render_default_sampler_img2img(mode: str, upscale_server: str) -> None:
-    """The add-on's default sampler (LMS) at its 512x512 default render size (lean: 64): sdserve has no LMS, so a
-    422 naming sampler_name with the samplers it serves (A1111 answers an unknown sampler with 404 "Sampler not
-    found", which AI Render's handle_error turns into "select a different sampler"; on the 422 it shows "An error
-    occurred ... Check the server logs"). The user's next pick from the add-on's list, Euler a, is served."""
+    """The add-on's default sampler (LMS) at its 512x512 default render size (lean: 64) on img2img, the only route
+    it calls: served (LMS's plan takes the edit's start step as diffusers' img2img runs it, its history empty there),
+    labelled LMS in the infotext, and the image depends on the sampler (Euler a gives another)."""
     size = side(mode)
     steps = 20 if mode == "defaults" else 4
-    refused = _ai_render_img2img(upscale_server, size, "LMS", steps)
-    assert refused.status_code == 422, refused.text
-    detail = refused.json()["detail"][0]
-    assert detail["loc"] == ["body", "sampler_name"] and "'Euler a'" in detail["msg"], detail
-    answer = _ai_render_img2img(upscale_server, size, "Euler a", steps)
+    answer = _ai_render_img2img(upscale_server, size, "LMS", steps)
     assert answer.status_code == 200, answer.text
-    assert _decoded(answer.json()["images"][0]).size == (size, size)
+    assert "Sampler: LMS," in json.loads(answer.json()["info"])["infotexts"][0]
+    image = _decoded(answer.json()["images"][0])
+    assert image.size == (size, size)
+    other = _ai_render_img2img(upscale_server, size, "Euler a", steps)
+    assert other.status_code == 200, other.text
+    assert _decoded(other.json()["images"][0]).tobytes() != image.tobytes()
 
 
 def test_ai_render_sampler_list(upscale_server: str) -> None:
     """Every sampler of the add-on's list on SD 1.x img2img (the only route it calls): served and labelled in the
     infotext, or a 422 naming sampler_name that lists the samplers img2img runs, each of which is then served.
-    GET /sdapi/v1/samplers lists txt2img's samplers; img2img runs fewer (the edit schedulers: LMS, Heun and PLMS
-    are listed but refused there, as of this pass)."""
+    Every sampler GET /sdapi/v1/samplers lists runs on img2img too (LMS, Heun and PLMS included); the add-on's
+    others (DPM2, DPM fast, DPM adaptive, the 2S a and SDE ones) are not listed and refused by name."""
     offered = {s["name"] for s in httpx.get(f"{upscale_server}{SDAPI}/samplers").json()}
     served, refused, runs = [], {}, set()
     for sampler in AI_RENDER_SAMPLERS:
@@ -170,7 +170,8 @@ def test_ai_render_sampler_list(upscale_server: str) -> None:
         runs |= set(json.loads(detail["msg"].rsplit("available: ", 1)[1].replace("'", '"')))
     assert {"Euler", "Euler a", "DPM++ 2M", "DPM++ 2M Karras", "DDIM"} <= set(served), refused
     assert {s for s in AI_RENDER_SAMPLERS if s in runs} <= set(served), refused
-    assert set(served) <= {s for s in AI_RENDER_SAMPLERS if s in offered or s.removesuffix(" Karras") in offered}
+    assert set(served) == {s for s in AI_RENDER_SAMPLERS if s in offered or s.removesuffix(" Karras") in offered}
+    assert {"LMS", "Heun", "PLMS"} <= set(served), refused
     print(f"AI Render's {len(AI_RENDER_SAMPLERS)} samplers on SD 1.x img2img: {len(served)} served, "
           f"{len(refused)} refused ({sorted(refused)}; listed by GET samplers: {sorted(set(refused) & offered)})")
 
