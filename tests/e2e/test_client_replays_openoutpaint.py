@@ -8,9 +8,11 @@ tests/e2e/test_client_replays.py: lean (in ``make test``) shrinks only the image
 
 openOutpaint's ControlNet panel is an in/outpainting panel only: its model picker keeps the models whose name holds
 "inpaint", its module picker the modules holding "inpaint" plus ``inpaint_global_harmonious``, and the optional
-reference unit a ``reference*`` module with model "None". sdserve serves none of those modules (inpaint units and
-reference-only are refused by name: server/controlnet.py), so every ControlNet request the panel can build is a
-422 naming the unit's ``module`` and listing the modules served; the same dream without the panel is served.
+reference unit a ``reference*`` module with model "None". sdserve serves the inpaint modules (``inpaint``, labelled
+``inpaint_global_harmonious``, and ``inpaint_only`` where img2img inpainting blends: server/controlnet.py): the
+Dream tool's unit (the canvas and its mask, on txt2img) and the Img2Img tool's unit (no image: img2img's init image
+and mask) are served, their infotext naming the unit; the reference modules are attention hooks sdserve does not
+serve, refused by name (422 naming the unit's ``module``).
 
 The second client replayed is the Photoshop plugin's ControlNet tab (AbdullahAlfaraj/Auto-Photoshop-StableDiffusion-
 Plugin): its units take any model and module, and are served.
@@ -125,8 +127,8 @@ def _panel(base: str) -> dict[str, Any]:
 
 def test_openoutpaint_controlnet_panel_discovery(server: str) -> None:
     """The panel is enabled: ``controlnet`` among GET scripts' img2img entries and ``version > 0``. Its model picker
-    shows only the inpaint ControlNet (``name [hash8]``), its module picker only the pushed
-    ``inpaint_global_harmonious`` (sdserve lists no inpaint module), its reference picker nothing. It reads
+    shows only the inpaint ControlNet (``name [hash8]``), its module picker sdserve's inpaint modules (``inpaint``,
+    ``inpaint_only``) and the pushed ``inpaint_global_harmonious``, its reference picker nothing. It reads
     ``control_net_max_models_num`` from /controlnet/settings, the key sd-webui-controlnet renamed to
     ``control_net_unit_count`` in 2023 (commit 1d54023, scripts/api.py): absent on current A1111 and on sdserve
     alike, so ``undefined < 2`` is false and the reference box stays enabled in both."""
@@ -134,7 +136,8 @@ def test_openoutpaint_controlnet_panel_discovery(server: str) -> None:
     assert panel["scripts"] == ["controlnet"] and panel["version"] > 0
     assert panel["settings"] == {"control_net_unit_count": 3}
     assert len(panel["models"]) == 1 and panel["models"][0].startswith(f"{INPAINT_NET} [")
-    assert panel["modules"] == ["inpaint_global_harmonious"] and panel["references"] == []
+    assert panel["modules"] == ["inpaint", "inpaint_only", "inpaint_global_harmonious"]
+    assert panel["references"] == []
 
 
 def _unit(panel: dict[str, Any], image: str | None, mask: str | None) -> dict[str, Any]:
@@ -157,26 +160,39 @@ def _refused_naming_module(answer: httpx.Response, index: int = 0) -> str:
     return str(detail["msg"])
 
 
+def _controlled(answer: httpx.Response, size: int, count: int, model: str) -> list[np.ndarray]:
+    """What ``_generate`` draws, and the infotext line of the unit (module as sdserve names it, the model picked)."""
+    images = _read(answer, size, count)
+    infotext = json.loads(answer.json()["info"])["infotexts"][0]
+    assert f'ControlNet 0: "Module: inpaint, Model: {model}' in infotext and "ControlNet 1" not in infotext
+    return images
+
+
 def test_openoutpaint_dream_with_controlnet_inpainting(mode: str, server: str) -> None:
     """The Dream tool with "Toggle ControlNet In/Outpainting" ticked over a half-filled canvas: txt2img (dream.js
     sends ControlNet dreams to txt2img, after sd-webui-controlnet discussion 1464) with the canvas and its mask in the
-    unit. sdserve serves no inpaint module: 422 naming the unit's module, listing what it has. openOutpaint then
-    throws on ``JSON.parse(data.info)`` (a 422 has no info) and draws nothing; with the box unticked the same
-    reticle is an img2img the server serves (tests/e2e/test_client_replays.py)."""
+    unit, module ``inpaint`` (inpaint_global_harmonious). Served: every image drawn, the infotext names the unit, and
+    the images follow the control (they differ from the same dream without the unit; the tiny ControlNet's residuals
+    do not depend on its hint, so this shows the ControlNet ran, tests/integration/test_controlnet_inpaint_parity.py
+    shows the masked hint)."""
     panel = _panel(server)
     size = 64 if mode == "lean" else 512
     init, mask = _canvas(size)
-    body = {**sized(mode, BODY), "denoising_strength": 1,
-            "alwayson_scripts": {"controlnet": {"args": [_unit(panel, _data_url(init), _data_url(mask))]}}}
-    msg = _refused_naming_module(httpx.post(f"{server}{SDAPI}/txt2img", json=body, timeout=120))
-    assert "inpaint_global_harmonious" in msg
+    plain_body = {**sized(mode, BODY), "denoising_strength": 1, "seed": 4321}
+    unit = _unit(panel, _data_url(init), _data_url(mask))
+    body = {**plain_body, "alwayson_scripts": {"controlnet": {"args": [unit]}}}
+    count = int(body["batch_size"]) * int(body["n_iter"])
+    controlled = _controlled(httpx.post(f"{server}{SDAPI}/txt2img", json=body, timeout=1200), size, count,
+                             panel["models"][0])
+    plain = _read(httpx.post(f"{server}{SDAPI}/txt2img", json=plain_body, timeout=1200), size, count)
+    assert min(float(np.abs(c - p).mean()) for c, p in zip(controlled, plain, strict=True)) > 1.0
 
 
 def test_openoutpaint_controlnet_reference_unit(server: str) -> None:
     """"Reference as 1st CN Unit" ticked: dream.js unshifts ``{module: <reference module>, model: "None",
     threshold_a: fidelity 0.5, threshold_b: 64, image}`` before the inpaint unit. The reference picker is empty on
-    sdserve, so the module is null in the client's JSON: refused naming ``args[0].module`` like any unknown module
-    (reference-only is an attention hook of sd-webui-controlnet, not a ControlNet file)."""
+    sdserve, so the module is null in the client's JSON: refused naming ``args[0].module`` like any unknown module.
+    A user who types A1111's ``reference_only`` gets the reason: an attention hook sdserve does not serve."""
     panel = _panel(server)
     init, mask = _canvas(64)
     reference = {"enabled": True, "module": panel["references"][0] if panel["references"] else None,
@@ -185,18 +201,28 @@ def test_openoutpaint_controlnet_reference_unit(server: str) -> None:
     units = [reference, _unit(panel, _data_url(init), _data_url(mask))]
     body = {**sized("lean", BODY), "alwayson_scripts": {"controlnet": {"args": units}}}
     _refused_naming_module(httpx.post(f"{server}{SDAPI}/txt2img", json=body, timeout=120))
+    units[0]["module"] = "reference_only"
+    msg = _refused_naming_module(httpx.post(f"{server}{SDAPI}/txt2img", json=body, timeout=120))
+    assert "attention hook" in msg and "unknown" not in msg
 
 
 def test_openoutpaint_img2img_tool_with_controlnet(server: str) -> None:
     """The Img2Img tool with the panel ticked: dream.js ``addControlNetToAlwaysOnScripts(state, null, null)``, a
-    unit with no image or mask (sd-webui-controlnet's ``choose_input_image`` then uses img2img's init image and, for
-    an inpaint unit, its mask). Refused by its module first, as the Dream tool's unit."""
+    unit with no image or mask: sd-webui-controlnet's ``choose_input_image`` then uses img2img's init image and, for
+    an inpaint unit, its mask; sdserve does the same. Served: the images drawn, the infotext names the unit, the
+    images differ from the same img2img without it; outside the mask the init image comes back (A1111's overlay)."""
     panel = _panel(server)
     init, mask = _canvas(64)
-    body = {**sized("lean", BODY), "init_images": [_data_url(init)], "mask": _data_url(mask),
-            "denoising_strength": 0.7, "image_cfg_scale": 0.5, "steps": 12,
-            "alwayson_scripts": {"controlnet": {"args": [_unit(panel, None, None)]}}}
-    _refused_naming_module(httpx.post(f"{server}{SDAPI}/img2img", json=body, timeout=120))
+    plain_body = {**sized("lean", BODY), "init_images": [_data_url(init)], "mask": _data_url(mask),
+                  "denoising_strength": 0.7, "image_cfg_scale": 0.5, "steps": 12, "seed": 99}
+    body = {**plain_body, "alwayson_scripts": {"controlnet": {"args": [_unit(panel, None, None)]}}}
+    count = int(body["batch_size"]) * int(body["n_iter"])
+    controlled = _controlled(httpx.post(f"{server}{SDAPI}/img2img", json=body, timeout=1200), 64, count,
+                             panel["models"][0])
+    plain = _read(httpx.post(f"{server}{SDAPI}/img2img", json=plain_body, timeout=1200), 64, count)
+    assert min(float(np.abs(c - p)[:, 40:].mean()) for c, p in zip(controlled, plain, strict=True)) > 1.0
+    kept = np.asarray(init).astype(np.int16)[:, :28]  # left of the mask (mask_blur 0): the init image
+    assert all(float(np.abs(c[:, :28] - kept).mean()) < 2.0 for c in controlled)
 
 
 def test_openoutpaint_lora_picker(mode: str, server: str) -> None:
