@@ -13,6 +13,8 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +22,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from tests.e2e.conftest import ServerProcess
 from tests.unit.test_docs_commands import all_commands
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,10 +45,11 @@ def _page(page: str) -> str:
 
 
 def _block_after(page: str, heading: str) -> str:
-    """The body of the first fenced block after ``heading`` in ``page``."""
+    """The body of the fenced block that holds ``heading`` or, if none does, of the first one after it."""
     text = _page(page)
     start = text.index(heading)
-    found = re.compile(r"^```\w*\n(.*?)^```$", re.MULTILINE | re.DOTALL).search(text, start)
+    fences = re.finditer(r"^```\w*\n(.*?)^```$", text, re.MULTILINE | re.DOTALL)  # paired from the top
+    found = next((f for f in fences if f.end() > start), None)
     assert found, f"{page}: no fenced block after {heading!r}"
     return found.group(1)
 
@@ -88,8 +92,6 @@ PARSE_ONLY = {
     ".cache/wheels/open_clip_torch-3.3.0-py3-none-any.whl":
         "~25 s here with the server after it; the flux tiny build runs in the tiny_family fixture",
     "sdserve serve --profile dev --model models/flux-tiny --port 8001": "a long-running server (the flux block)",
-    "sdserve serve --profile dev --model models/tiny --lora-dir loras --port 8001":
-        "a long-running server (tests/e2e boot the dev server with a LoRA folder)",
 }
 """Fenced `sdserve` commands of the docs that do not run here, and why (each parses in test_docs_commands.py)."""
 
@@ -125,13 +127,33 @@ def tree(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+def _env() -> dict[str, str]:
+    """This venv's `sdserve` and `python` first on PATH, this repository importable (the pages' snippets run "from
+    the repository root"), no SDSERVE_ variable of the caller."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SDSERVE_")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
 def _bash(script: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """``script`` under bash with this venv's `sdserve` and `python` first on PATH."""
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    env.pop("SDSERVE_PROFILE", None)
-    env.pop("SDSERVE_MODEL", None)
-    return subprocess.run(["bash", "-o", "pipefail", "-c", script], cwd=cwd, env=env, capture_output=True,
+    return subprocess.run(["bash", "-o", "pipefail", "-c", script], cwd=cwd, env=_env(), capture_output=True,
                           text=True, timeout=180)
+
+
+class DocServer(ServerProcess):
+    """A page's `sdserve serve` line run by bash in ``cwd``, its port swapped for 0 (a free one: the test reads the
+    address it logs)."""
+
+    def __init__(self, line: str, cwd: Path) -> None:
+        self.cmd = ["bash", "-c", f"exec {re.sub(r'--port [0-9]+', '--port 0', line)}"]
+        self.proc = subprocess.Popen(self.cmd, cwd=cwd, env=_env(), stderr=subprocess.PIPE,
+                                     stdout=subprocess.DEVNULL, text=True)
+        self.lines = []
+        self.url = None
+        self._found = threading.Event()
+        self._thread = threading.Thread(target=self._pump, daemon=True)
+        self._thread.start()
 
 
 @pytest.mark.parametrize("run", RUNS, ids=[f"{r.page}:{r.command.split('#')[0].strip()}" for r in RUNS])
@@ -149,13 +171,58 @@ def test_doc_command_runs_as_written(tree: Path, run: Run) -> None:
 
 
 def test_every_fenced_sdserve_command_runs_or_says_why_not() -> None:
-    """A new `sdserve` command in a doc's fence is run here (RUNS), by the server examples, or listed in
+    """A new `sdserve` command in a doc's fence is run here (RUNS, LORA_SERVE), by the server examples, or listed in
     PARSE_ONLY with its reason; an entry of either list the docs no longer hold fails too."""
     fenced = {" ".join(["sdserve", *c.words[1:]]) for c in all_commands()
               if c.words[0].rsplit("/", 1)[-1] == "sdserve"}
-    ran = {re.sub(r"\s+#.*", "", r.command) for r in RUNS}
+    ran = {re.sub(r"\s+#.*", "", command) for command in [*(r.command for r in RUNS), LORA_SERVE]}
     bare = {c: re.sub(r" \[[^]]*\]", "", c) for c in fenced}  # a synopsis runs without its [optional] groups
     unlisted = {c for c in fenced if bare[c] not in ran and c not in PARSE_ONLY}
     assert not unlisted, f"fenced sdserve commands neither run nor excused: {sorted(unlisted)}"
     stale = set(PARSE_ONLY) - fenced | ran - set(bare.values())
     assert not stale, f"entries no doc fence holds: {sorted(stale)}"
+
+
+LORA_SERVE = ("sdserve serve --profile dev --model models/tiny --lora-dir loras --port 8001   # or [runtime.lora] dir, "
+              "or SDSERVE_LORA_DIR")
+
+
+@pytest.fixture(scope="module")
+def lora_server(tree: Path) -> Iterator[str]:
+    """lora.md's setup: the page's snippet writes `loras/tiny_random.safetensors` from `models/tiny`, then its
+    serve line serves that library."""
+    snippet = _block_after("docs/lora.md", "## A LoRA for the tiny model")
+    done = subprocess.run([sys.executable, "-c", snippet], cwd=tree, env=_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and (tree / "loras" / "tiny_random.safetensors").is_file(), done.stderr[-2000:]
+    assert LORA_SERVE in _page("docs/lora.md"), "lora.md's setup line changed: update LORA_SERVE"
+    server = DocServer(LORA_SERVE, tree)
+    try:
+        yield server.wait_ready()
+    finally:
+        assert server.stop() == 0, server.log
+
+
+def test_the_lora_page_runs_as_written(lora_server: str, tree: Path) -> None:
+    """lora.md against the server it sets up: the library lists `tiny_random` with the alias and the weight counts
+    the page gives, the curl prints the `x-sdserve-loras` header, the Python client prints it in the form the page
+    comments and writes a PNG."""
+    import httpx
+
+    listed = {row["name"]: row for row in httpx.get(f"{lora_server}/sdapi/v1/loras", timeout=30).json()}
+    assert listed["tiny_random"]["alias"] == "tinyRandom", listed
+    page = _page("docs/lora.md")
+    assert "lists `tiny_random` (alias `tinyRandom`" in page
+    documented = "http://127.0.0.1:8001"
+    curl = _block_after("docs/lora.md", "the OpenAI edit routes refuse it as an unknown field")
+    done = _bash(curl.replace(documented, lora_server), tree)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])
+    assert re.search(r"(?im)^x-sdserve-loras: tiny_random:[0-9a-f]{12}:0\.8:1\s*$", done.stdout), done.stdout
+    client = _block_after("docs/lora.md", "client.images.with_raw_response.generate(")
+    assert documented in client
+    done = subprocess.run([sys.executable, "-c", client.replace(documented, lora_server)], cwd=tree, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.fullmatch(r"tiny_random:[0-9a-f]{12}:0\.8:0\.8\n", done.stdout), done.stdout
+    with Image.open(tree / "lighthouse.png") as image:
+        assert image.size == (64, 64)
