@@ -89,6 +89,29 @@ def dev_server(dev_process: ServerProcess) -> str:
     return dev_process.url
 
 
+@pytest.fixture(scope="session")
+def controlnet_tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(tiny SD 1.x model with unet_controlnet/, its tiny ControlNet folder) as `sdserve engines tiny --controlnet`
+    builds them in a child process, once per session: each module serves its own copy (``controlnet_copy``)."""
+    root = tmp_path_factory.mktemp("controlnet-tiny")
+    model, net = root / "model", root / "edges"
+    done = subprocess.run([sys.executable, "-m", "server.cli", "engines", "tiny", "--out", str(model),
+                           "--controlnet", str(net)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return model, net
+
+
+def controlnet_copy(built: tuple[Path, Path], root: Path) -> tuple[Path, Path]:
+    """(model, ControlNet library) under ``root``: copies of ``controlnet_tiny``'s build, the ControlNet as the
+    library's ``edges``, as `engines tiny --out root/model --controlnet root/controlnets/edges` writes them."""
+    import shutil
+
+    model, library = root / "model", root / "controlnets"
+    shutil.copytree(built[0], model)
+    shutil.copytree(built[1], library / "edges")
+    return model, library
+
+
 DEV_TOML = Path(__file__).parents[2] / "configs" / "dev.toml"
 
 

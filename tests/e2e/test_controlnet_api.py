@@ -13,8 +13,6 @@ import base64
 import hashlib
 import io
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +27,7 @@ from onnx import TensorProto, helper
 from PIL import Image
 
 from server.provenance_verify import verify_bytes
-from tests.e2e.conftest import ServerProcess
+from tests.e2e.conftest import ServerProcess, controlnet_copy
 from tests.provenance_ca import SigningCredential
 
 pytestmark = pytest.mark.slow
@@ -49,13 +47,10 @@ def _annotator(path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(tiny model with unet_controlnet/, ControlNet folder with edges/ and annotators/depth_midas.onnx)."""
-    root = tmp_path_factory.mktemp("controlnet-api")
-    model, library = root / "model", root / "controlnets"
-    done = subprocess.run([sys.executable, "-m", "server.cli", "engines", "tiny", "--out", str(model),
-                           "--controlnet", str(library / "edges")], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
+def built(controlnet_tiny: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(tiny model with unet_controlnet/, ControlNet folder with edges/ and annotators/depth_midas.onnx): this
+    module's copy of the session's `engines tiny --controlnet` build (tests/e2e/conftest.py)."""
+    model, library = controlnet_copy(controlnet_tiny, tmp_path_factory.mktemp("controlnet-api"))
     _annotator(library / "annotators" / "depth_midas.onnx")
     return model, library
 

@@ -7,16 +7,15 @@ tests/integration/test_controlnet_lora.py); the variants run on ONNX Runtime's C
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
 from tests import lora_files as lf
-from tests.e2e.conftest import ServerProcess
+from tests.e2e.conftest import ServerProcess, controlnet_copy
 from tests.e2e.test_controlnet_xl_serving import _pattern, _pixels
 
 pytestmark = pytest.mark.slow
@@ -26,12 +25,10 @@ BASE = {"prompt": "a lighthouse at dusk", "steps": 4, "seed": 21, "width": 64, "
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def server(controlnet_tiny: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     root = tmp_path_factory.mktemp("controlnet-lora-e2e")
-    model, library, loras = root / "model", root / "controlnets", root / "loras"
-    done = subprocess.run([sys.executable, "-m", "server.cli", "engines", "tiny", "--out", str(model),
-                           "--controlnet", str(library / "edges")], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    model, library = controlnet_copy(controlnet_tiny, root)  # the session's `engines tiny --controlnet` build
+    loras = root / "loras"
     loras.mkdir()
     lf.write_safetensors(loras / "style.safetensors", lf.numpy_lora(model, scale=0.2, seed=3))
     process = ServerProcess("--profile", "dev", "--model", str(model), "--controlnet-dir", str(library),

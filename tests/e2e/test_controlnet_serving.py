@@ -12,8 +12,6 @@ import base64
 import io
 import json
 import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +22,7 @@ import pytest
 import webuiapi
 from PIL import Image
 
-from tests.e2e.conftest import ServerProcess
+from tests.e2e.conftest import ServerProcess, controlnet_copy
 
 pytestmark = pytest.mark.slow
 TXT2IMG = "/sdapi/v1/txt2img"
@@ -32,18 +30,12 @@ BASE = {"prompt": "a lighthouse at dusk", "steps": 4, "seed": 21, "width": 64, "
         "sampler_name": "Euler", "cfg_scale": 7.0}
 
 
-def _sdserve(*args: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "server.cli", *args], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-
-
 @pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(model with unet_controlnet/, ControlNet library) from the CLI; the library also holds a folder that does
-    not fit the model (a config for another base: refused by name at load)."""
-    root = tmp_path_factory.mktemp("controlnet-e2e")
-    model, library = root / "model", root / "controlnets"
-    _sdserve("engines", "tiny", "--out", str(model), "--controlnet", str(library / "edges"))
+def built(controlnet_tiny: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(model with unet_controlnet/, ControlNet library) from the CLI (this module's copy of the session's build:
+    tests/e2e/conftest.py); the library also holds a folder that does not fit the model (a config for another base:
+    refused by name at load)."""
+    model, library = controlnet_copy(controlnet_tiny, tmp_path_factory.mktemp("controlnet-e2e"))
     odd = library / "other_base"
     shutil.copytree(library / "edges", odd)
     config = json.loads((odd / "config.json").read_text())
