@@ -11,10 +11,12 @@ import io
 import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,8 +92,7 @@ PARSE_ONLY = {
     "sdserve serve --profile openvino --model models/tiny": "a long-running server (tests/e2e boot the openvino one)",
     "sdserve engines tiny --family flux --out models/flux-tiny --bpe "
     ".cache/wheels/open_clip_torch-3.3.0-py3-none-any.whl":
-        "~25 s here with the server after it; the flux tiny build runs in the tiny_family fixture",
-    "sdserve serve --profile dev --model models/flux-tiny --port 8001": "a long-running server (the flux block)",
+        "~25 s: the same build (in process) is the tiny_family fixture's, whose folder the rest of its block serves",
 }
 """Fenced `sdserve` commands of the docs that do not run here, and why (each parses in test_docs_commands.py)."""
 
@@ -116,6 +117,7 @@ def tree(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The folder every command runs in, with what the docs' commands read (the memory page's snippet run first, as
     the page says, to write the `flux-dev` config folder)."""
     root = tmp_path_factory.mktemp("docs-run")
+    (root / ".venv").symlink_to(Path(sys.executable).parent.parent)  # the pages' `.venv/bin/sdserve`
     shutil.copytree(tiny_model, root / "models" / "tiny")
     shutil.copytree(tiny_model, root / "models" / "sd15-cuda")
     (root / "tests" / "data").mkdir(parents=True)
@@ -171,11 +173,12 @@ def test_doc_command_runs_as_written(tree: Path, run: Run) -> None:
 
 
 def test_every_fenced_sdserve_command_runs_or_says_why_not() -> None:
-    """A new `sdserve` command in a doc's fence is run here (RUNS, LORA_SERVE), by the server examples, or listed in
+    """A new `sdserve` command in a doc's fence is run here (RUNS, LORA_SERVE, FLUX_SERVE), by the server examples,
+    or listed in
     PARSE_ONLY with its reason; an entry of either list the docs no longer hold fails too."""
     fenced = {" ".join(["sdserve", *c.words[1:]]) for c in all_commands()
               if c.words[0].rsplit("/", 1)[-1] == "sdserve"}
-    ran = {re.sub(r"\s+#.*", "", command) for command in [*(r.command for r in RUNS), LORA_SERVE]}
+    ran = {re.sub(r"\s+#.*", "", command) for command in [*(r.command for r in RUNS), LORA_SERVE, FLUX_SERVE]}
     bare = {c: re.sub(r" \[[^]]*\]", "", c) for c in fenced}  # a synopsis runs without its [optional] groups
     unlisted = {c for c in fenced if bare[c] not in ran and c not in PARSE_ONLY}
     assert not unlisted, f"fenced sdserve commands neither run nor excused: {sorted(unlisted)}"
@@ -225,4 +228,33 @@ def test_the_lora_page_runs_as_written(lora_server: str, tree: Path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     assert re.fullmatch(r"tiny_random:[0-9a-f]{12}:0\.8:0\.8\n", done.stdout), done.stdout
     with Image.open(tree / "lighthouse.png") as image:
+        assert image.size == (64, 64)
+
+
+FLUX_BUILD = (".venv/bin/sdserve engines tiny --family flux --out models/flux-tiny "
+              "--bpe .cache/wheels/open_clip_torch-3.3.0-py3-none-any.whl")
+FLUX_SERVE = "sdserve serve --profile dev --model models/flux-tiny --port 8001"
+
+
+def test_the_first_flux_image_runs_as_written(tree: Path, tiny_family: Callable[[str], Path]) -> None:
+    """families.md's first Flux image: after its build line (the tiny_family fixture's build, the same code in
+    process), the rest of the block runs as written under bash, 8001 swapped for a free port: the server in the
+    background, the page's own wait on /ready, the request; it writes flux.png at 64x64. The background server is
+    ended by its process group."""
+    build, rest = _block_after("docs/families.md", "A first Flux image on the CPU").split("\n", 1)
+    assert build == FLUX_BUILD and f".venv/bin/{FLUX_SERVE} &" in rest, "families.md's Flux block changed"
+    shutil.copytree(tiny_family("flux"), tree / "models" / "flux-tiny")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = tree / "flux-block.log"  # a file, not a pipe: the background server holds its output open
+    with log.open("w") as sink:
+        block = subprocess.Popen(["bash", "-e", "-o", "pipefail", "-c", rest.replace("8001", str(port))], cwd=tree,
+                                 env=_env(), stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = block.wait(timeout=180)
+        finally:
+            os.killpg(block.pid, signal.SIGTERM)  # the server the block left running in the background
+    assert code == 0, log.read_text(encoding="utf-8")[-4000:]
+    with Image.open(tree / "flux.png") as image:
         assert image.size == (64, 64)
