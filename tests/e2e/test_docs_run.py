@@ -8,6 +8,7 @@ listed in PARSE_ONLY with why it cannot run here (tests/unit/test_docs_commands.
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import shutil
@@ -19,6 +20,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -37,9 +39,11 @@ class Run:
     """The command exactly as the page writes it (a console synopsis's ``[--optional]`` groups are left out)."""
     exit_code: int
     printed: tuple[str, ...] = ()
-    """Lines (or line starts) the doc shows and stdout must hold."""
+    """Lines (or parts of one) the doc shows and stdout must hold."""
     wrote: tuple[tuple[str, str], ...] = ()
     """(file, text) the doc says the command writes, the text in the file."""
+    reads: Callable[[Any], bool] | None = None
+    """What the doc says of the command's JSON output."""
 
 
 def _page(page: str) -> str:
@@ -76,6 +80,15 @@ RUNS = [
         "image", 0, ("out.png: TRUSTED", "  signed by: ", "  generator: sdserve", "  action: c2pa.created",
                      "  org.sdserve.generation: {")),
 ]
+INLINE_RUNS = [
+    Run("docs/gpu-path.md", "sdserve doctor --json --profile dev", 0,  # "says `accelerated: false`, verdict `cpu-dev`"
+        reads=lambda out: out["accelerated"] is False and out["verdict"]["status"] == "cpu-dev"),
+    Run("docs/gpu-path.md", "sdserve engines build --profile production --dry-run", 0,  # each set's verdict
+        reads=lambda out: bool(out["option_parser"]) and all(v["accepted"] for v in out["option_parser"].values())),
+    Run("docs/gpu-path.md", "sdserve accept --help", 0, ("  --step-budget STEP=SECONDS", "Default step budgets (s):")),
+]
+"""Complete commands of the prose (inline code spans, no placeholder) that run here, in the same tree (the dev
+profile's model is `models/tiny`)."""
 PARSE_ONLY = {
     "sdserve engines optimize --target cuda --fp16 --model models/sd15 --out models/sd15-cuda":
         "a minute of graph fusion even on the tiny model (tests/integration covers optimize)",
@@ -158,15 +171,18 @@ class DocServer(ServerProcess):
         self._thread.start()
 
 
-@pytest.mark.parametrize("run", RUNS, ids=[f"{r.page}:{r.command.split('#')[0].strip()}" for r in RUNS])
+@pytest.mark.parametrize("run", RUNS + INLINE_RUNS, ids=[f"{r.page}:{r.command.split('#')[0].strip()}"
+                                                          for r in RUNS + INLINE_RUNS])
 def test_doc_command_runs_as_written(tree: Path, run: Run) -> None:
     assert run.command in _page(run.page), f"{run.page} no longer has `{run.command}`: update RUNS"
     done = _bash(run.command, tree)
     assert done.returncode == run.exit_code, (run.command, done.returncode, done.stdout[-2000:],
                                               done.stderr[-2000:])
     lines = done.stdout.split("\n")
-    missing = [want for want in run.printed if not any(line.rstrip().startswith(want) for line in lines)]
+    missing = [want for want in run.printed if not any(want in line.rstrip() for line in lines)]
     assert not missing, f"{run.page}: `{run.command}` no longer prints {missing}:\n{done.stdout[-3000:]}"
+    if run.reads is not None:
+        assert run.reads(json.loads(done.stdout)), f"{run.page}: `{run.command}` no longer reads as the page says"
     for file, text in run.wrote:
         assert text in _page(run.page), f"{run.page} no longer says {text!r}: update RUNS"
         assert text in (tree / file).read_text(encoding="utf-8"), f"{file} lacks {text!r}"
