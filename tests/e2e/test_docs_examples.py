@@ -35,9 +35,11 @@ EXAMPLES = examples()
 
 
 def test_a_handful_of_examples_are_marked() -> None:
-    """The README's first request (curl and openai SDK) and the API and edits pages' examples, at least."""
+    """The README's and the quickstart's first request (curl and openai SDK) and the API and edits pages'
+    examples, at least."""
     files = {e[0].split("#")[0] for e in EXAMPLES}
-    assert {"README.md", "docs/api.md", "docs/edits.md"} <= files and len(EXAMPLES) >= 6, [e[0] for e in EXAMPLES]
+    assert {"README.md", "docs/quickstart.md", "docs/api.md", "docs/edits.md"} <= files and len(EXAMPLES) >= 8, \
+        [e[0] for e in EXAMPLES]
 
 
 @pytest.fixture
