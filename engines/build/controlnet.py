@@ -46,6 +46,10 @@ CONTROLNET_SDXL |= {"conditioning_embedding_out_channels": CONTROLNET["condition
 CONFIGS = {"sd1": CONTROLNET, "sdxl": CONTROLNET_SDXL}
 ZERO_CONV_STD = 0.05
 """Standard deviation of the tiny ControlNet's (otherwise zero) output convolutions."""
+EMBED_GAIN = 2.0
+"""The tiny control embedding's weight scale over sqrt(fan-in): the residuals then follow the control image (a moved
+shape moves a 64x64 image by ~11 levels, tests/e2e/test_controlnet_serving.py; at diffusers' init the image moved
+them by 1e-4 of their size: the image did not matter)."""
 
 
 def down_residuals(config: Any) -> int:
@@ -69,7 +73,8 @@ def pooled_width(config: Any) -> int:
 
 
 def make_tiny_controlnet(seed: int = SEED, family: str = "sd1") -> Any:
-    """The tiny ControlNet of ``family`` (sd1 or sdxl), seeded, its zero convolutions given random weights."""
+    """The tiny ControlNet of ``family`` (sd1 or sdxl), seeded, its zero convolutions given random weights and its
+    control embedding scaled so the control image steers it, as a trained net's does."""
     from diffusers import ControlNetModel
 
     if family not in CONFIGS:
@@ -81,6 +86,13 @@ def make_tiny_controlnet(seed: int = SEED, family: str = "sd1") -> Any:
         for conv in [*net.controlnet_down_blocks, net.controlnet_mid_block]:
             for param in conv.parameters():
                 param.copy_(torch.randn(param.shape, generator=generator) * ZERO_CONV_STD)
+        # the control embedding: diffusers zero-initialises its conv_out, and at default init its bias terms drown
+        # the image after three stride-2 convs; so He-like weights, no biases, and the image steers the residuals
+        embedding = net.controlnet_cond_embedding
+        for conv in [embedding.conv_in, *embedding.blocks, embedding.conv_out]:
+            fan_in = conv.weight[0].numel()
+            conv.weight.copy_(torch.randn(conv.weight.shape, generator=generator) * (EMBED_GAIN / fan_in ** 0.5))
+            conv.bias.zero_()
     return net
 
 

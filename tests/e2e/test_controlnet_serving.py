@@ -55,11 +55,16 @@ def server(built: tuple[Path, Path]) -> Iterator[ServerProcess]:
         assert process.stop() == 0, process.log
 
 
-def _pattern() -> str:
-    """A control image with edges: a bright square on black, 64x64 PNG as base64."""
+def _pattern(moved: bool = False) -> str:
+    """A control image with edges: a bright square on black (``moved``: a smaller one in a corner, and a vertical
+    band), 64x64 PNG as base64."""
     image = np.zeros((64, 64, 3), np.uint8)
-    image[16:48, 16:48] = 255
-    image[28:36, :] = 128
+    if moved:
+        image[4:24, 40:60] = 255
+        image[:, 8:14] = 128
+    else:
+        image[16:48, 16:48] = 255
+        image[28:36, :] = 128
     out = io.BytesIO()
     Image.fromarray(image).save(out, format="PNG")
     return base64.b64encode(out.getvalue()).decode()
@@ -118,6 +123,14 @@ def test_units_change_the_image_and_weight_zero_gives_the_plain_one(server: Serv
     base_px, ctrl_px, zero_px = (_pixels(r.json()["images"][0]) for r in (plain, controlled, zero))
     assert np.abs(ctrl_px - base_px).mean() > 2.0  # the control has teeth
     assert np.abs(zero_px - base_px).max() <= 1  # weight 0: the plain image (within one 8-bit level)
+    first, moved = (_post(url, {**BASE, "alwayson_scripts": {"controlnet": {"args": [
+        _unit(title, module="none", image=_pattern(shifted))]}}}) for shifted in (False, True))
+    assert first.status_code == moved.status_code == 200, (first.text, moved.text)
+    first_px, moved_px = _pixels(first.json()["images"][0]), _pixels(moved.json()["images"][0])
+    steered, moved_by = np.abs(moved_px - first_px).mean(), np.abs(moved_px - base_px).mean()
+    print(f"\ncontrol image moved: {steered:.2f} mean levels from the first one's image ({moved_by:.2f} from the "
+          "plain one)")
+    assert steered > 1.0  # the image follows its control image, not just the presence of a unit
     info = json.loads(controlled.json()["info"])["infotexts"][0]
     assert f'ControlNet 0: "Module: canny, Model: {title}, Weight: 1' in info
     assert "ControlNet 0" not in json.loads(plain.json()["info"])["infotexts"][0]

@@ -80,7 +80,6 @@ def test_units_parse_with_legacy_keys_names_and_numbers(library: ControlNetLibra
     ({"model": "openpose"}, "[0].model", "canny_tiny"),
     ({"control_mode": 2}, "[0].control_mode", "ControlNet is more important"),
     ({"resize_mode": "Stretch"}, "[0].resize_mode", "Stretch"),
-    ({"image": None}, "[0].image", "needs an image"),
     ({"mask": "abc"}, "[0].mask", "mask"),
     ({"weight": "x"}, "[0].weight", "number"),
     ({"guidance_start": 0.8, "guidance_end": 0.2}, "[0].guidance_start", "start"),
