@@ -48,7 +48,11 @@ CONTROLNET_FLUX = {**FLUX, "num_layers": 1, "num_single_layers": 1}
 UNION_MODES = 7
 """InstantX's FLUX.1 Union modes: canny 0, tile 1, depth 2, blur 3, pose 4, gray 5, low quality 6."""
 ZERO_STD = 0.05
-"""Standard deviation of the tiny ControlNet's (otherwise zero) output projections and control embedder."""
+"""Standard deviation of the tiny ControlNet's (otherwise zero) output projections (its control embedder:
+EMBED_GAIN)."""
+EMBED_GAIN = 2.0
+"""The control embedder's weight scale over sqrt(fan-in) (engines/build/controlnet.py's for the SD embedding): a moved
+control shape then moves the tiny FLUX.1 image by several levels, not one (tests/e2e/test_controlnet_dit_serving.py)."""
 TOKENS, TEXT = 16, 8
 """Example image and text token counts of the traced graphs (both axes are dynamic)."""
 TINY_FLUX_FAMILIES = tuple(name for name, recipe in RECIPES.items() if recipe.transformer == "FluxTransformer2DModel")
@@ -94,6 +98,9 @@ def make_tiny_flux_controlnet(seed: int = SEED, union: bool = False, guidance_em
         for layer in [*net.controlnet_blocks, *net.controlnet_single_blocks, net.controlnet_x_embedder]:
             for param in layer.parameters():
                 param.copy_(torch.randn(param.shape, generator=generator) * ZERO_STD)
+        embedder = net.controlnet_x_embedder  # at ZERO_STD the control image barely steered the tiny net
+        embedder.weight.mul_(EMBED_GAIN / (ZERO_STD * embedder.weight.shape[1] ** 0.5))
+        embedder.bias.zero_()
     return net
 
 

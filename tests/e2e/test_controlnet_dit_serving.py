@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from tests.e2e.conftest import ServerProcess
-from tests.e2e.test_controlnet_xl_serving import _pattern, _pixels
+from tests.e2e.test_controlnet_serving import _pattern, _pixels
 
 pytestmark = pytest.mark.slow
 TXT2IMG = "/sdapi/v1/txt2img"
@@ -70,6 +70,11 @@ def test_flux_units_change_the_image_and_weight_zero_gives_the_plain_one(server:
     assert np.abs(ctrl_px - base_px).mean() > 2.0, np.abs(ctrl_px - base_px).mean()  # the control has teeth
     assert np.abs(zero_px - base_px).max() <= 1  # weight 0: the plain image (within one 8-bit level)
     assert f'ControlNet 0: "Module: canny, Model: {listed[0]}' in json.loads(controlled.json()["info"])["infotexts"][0]
+    first, moved = (_post(url, [_unit(listed[0], module="none", image=_pattern(shifted))]) for shifted in (False, True))
+    assert first.status_code == moved.status_code == 200, (first.text, moved.text)
+    steered = np.abs(_pixels(moved.json()["images"][0]) - _pixels(first.json()["images"][0])).mean()
+    print(f"\nFLUX.1 control image moved: {steered:.2f} mean levels")
+    assert steered > 1.0  # the image follows its control image, not just the presence of a unit
 
 
 def test_an_sd1_controlnet_on_flux_is_422_naming_the_model(server: ServerProcess) -> None:

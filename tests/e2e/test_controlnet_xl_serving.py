@@ -7,8 +7,6 @@ InferenceSession)."""
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import subprocess
 import sys
@@ -19,9 +17,9 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from PIL import Image
 
 from tests.e2e.conftest import ServerProcess
+from tests.e2e.test_controlnet_serving import _pattern, _pixels
 
 pytestmark = pytest.mark.slow
 TXT2IMG = "/sdapi/v1/txt2img"
@@ -56,20 +54,6 @@ def server(built: tuple[Path, Path]) -> Iterator[ServerProcess]:
         assert process.stop() == 0, process.log
 
 
-def _pattern() -> str:
-    """A control image with edges: a bright square on black, 64x64 PNG as base64."""
-    image = np.zeros((64, 64, 3), np.uint8)
-    image[16:48, 16:48] = 255
-    image[28:36, :] = 128
-    out = io.BytesIO()
-    Image.fromarray(image).save(out, format="PNG")
-    return base64.b64encode(out.getvalue()).decode()
-
-
-def _pixels(b64: str) -> np.ndarray:
-    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB")).astype(np.int16)
-
-
 def _post(url: str, units: list[dict[str, Any]] | None = None) -> httpx.Response:
     body = {**BASE, **({"alwayson_scripts": {"controlnet": {"args": units}}} if units is not None else {})}
     return httpx.post(url + TXT2IMG, json=body, timeout=120)
@@ -93,6 +77,11 @@ def test_sdxl_units_change_the_image_and_weight_zero_gives_the_plain_one(server:
     assert np.abs(ctrl_px - base_px).mean() > 2.0  # the control has teeth
     assert np.abs(zero_px - base_px).max() <= 1  # weight 0: the plain image (within one 8-bit level)
     assert f'ControlNet 0: "Module: canny, Model: {listed[0]}' in json.loads(controlled.json()["info"])["infotexts"][0]
+    first, moved = (_post(url, [_unit(listed[0], module="none", image=_pattern(shifted))]) for shifted in (False, True))
+    assert first.status_code == moved.status_code == 200, (first.text, moved.text)
+    steered = np.abs(_pixels(moved.json()["images"][0]) - _pixels(first.json()["images"][0])).mean()
+    print(f"\nSDXL control image moved: {steered:.2f} mean levels")
+    assert steered > 1.0  # the image follows its control image, not just the presence of a unit
 
 
 def test_sd1_controlnet_on_sdxl_is_422_naming_the_model(server: ServerProcess) -> None:
