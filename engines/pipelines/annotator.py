@@ -2,7 +2,8 @@
 server/controlnet_modules.py decides which modules and how their maps are read): one float32 [1, 3, H, W] RGB input
 in [0, 1], one map out. It runs on ONNX Runtime's CPU provider: a preprocessor runs once per request, not per step,
 and its file is untrusted input (the server refuses it by name when the session cannot be built). onnxruntime is
-imported when the first annotator loads, so the HTTP layer imports none until then (tests/unit/test_upscale_tiles.py)."""
+imported when the first annotator loads, so the HTTP layer imports none until then
+(tests/unit/test_upscale_tiles.py)."""
 
 from __future__ import annotations
 
