@@ -11,13 +11,12 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 
 from tests import lora_files as lf
 from tests.e2e.conftest import ServerProcess
-from tests.e2e.test_controlnet_xl_serving import _pattern, _pixels
+from tests.e2e.test_controlnet_lora_serving import _post as _post_units
 
 pytestmark = pytest.mark.slow
 TXT2IMG = "/sdapi/v1/txt2img"
@@ -51,13 +50,7 @@ def server(dit_build: Callable[[str], tuple[Path, Path]],
 
 
 def _post(url: str, prompt: str, unit: bool) -> np.ndarray:
-    listed = httpx.get(f"{url}/controlnet/model_list").json()["model_list"]
-    units = [{"enabled": True, "image": _pattern(), "module": "canny", "model": listed[0], "weight": 1.0,
-              "threshold_a": 100, "threshold_b": 200}]
-    body = {**BASE, "prompt": prompt, **({"alwayson_scripts": {"controlnet": {"args": units}}} if unit else {})}
-    answer = httpx.post(url + TXT2IMG, json=body, timeout=300)
-    assert answer.status_code == 200, answer.text
-    return _pixels(answer.json()["images"][0])
+    return _post_units(url, prompt, unit, BASE)
 
 
 def test_a_lora_and_a_flux_unit_in_one_request_both_change_the_image(server: ServerProcess) -> None:

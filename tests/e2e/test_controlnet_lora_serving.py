@@ -16,7 +16,7 @@ import pytest
 
 from tests import lora_files as lf
 from tests.e2e.conftest import ServerProcess, controlnet_copy
-from tests.e2e.test_controlnet_xl_serving import _pattern, _pixels
+from tests.e2e.test_controlnet_serving import _pattern, _pixels
 
 pytestmark = pytest.mark.slow
 TXT2IMG = "/sdapi/v1/txt2img"
@@ -40,11 +40,12 @@ def server(controlnet_tiny: tuple[Path, Path], tmp_path_factory: pytest.TempPath
         assert process.stop() == 0, process.log
 
 
-def _post(url: str, prompt: str, unit: bool) -> np.ndarray:
+def _post(url: str, prompt: str, unit: bool, base: dict[str, object] = BASE) -> np.ndarray:
+    """One A1111 txt2img of ``base`` with ``prompt``, with or without one canny unit of the listed ControlNet."""
     listed = httpx.get(f"{url}/controlnet/model_list").json()["model_list"]
     units = [{"enabled": True, "image": _pattern(), "module": "canny", "model": listed[0], "weight": 1.0,
               "threshold_a": 100, "threshold_b": 200}]
-    body = {**BASE, "prompt": prompt, **({"alwayson_scripts": {"controlnet": {"args": units}}} if unit else {})}
+    body = {**base, "prompt": prompt, **({"alwayson_scripts": {"controlnet": {"args": units}}} if unit else {})}
     answer = httpx.post(url + TXT2IMG, json=body, timeout=300)
     assert answer.status_code == 200, answer.text
     return _pixels(answer.json()["images"][0])
