@@ -100,7 +100,7 @@ def test_the_canary_passes_a_good_net_and_refuses_a_nan_one_by_name(built: tuple
         assert [r.shape.rsplit("-", 1)[1] for r in report.controlnets] == ["broken", "edges"]  # the report has both
         broken, edges = report.controlnets
         assert broken.failures[0].startswith("refused: ControlNet canary at weight 1") and not edges.failures
-        assert edges.distances["weight 0"] == 0.0
+        assert edges.distances["weight 0"] <= 1.0  # the plain image (0.0 here; another CPU may round apart)
         assert "weight 1: output refused" in controls.refused["broken"]
         sessions = engine.capabilities().sessions
         assert "controlnet_edges" in sessions and "controlnet_broken" not in sessions  # what model_list reads
