@@ -164,12 +164,12 @@ def test_torch_only_at_build_time(path: Path) -> None:
 
 
 def test_every_engines_module_lives_in_a_room() -> None:
-    """engines/ top level holds the contract (protocol, errors, config, factory, the family and architecture
-    registries), the engine (and its step verbs) and artifacts (and their checks); everything else is in a room:
-    runtime/, pipelines/, numerics/, health/, lora/, accept/, build/, types/."""
+    """engines/ top level holds the contract (protocol, errors, config and its canary suite, factory, the family and
+    architecture registries), the engine (and its step verbs) and artifacts (and their checks); everything else is in
+    a room: runtime/, pipelines/, numerics/, health/, lora/, accept/, build/, types/."""
     top = sorted(p.stem for p in (ROOT / "engines").glob("*.py"))
-    assert top == ["__init__", "architectures", "artifact_checks", "artifacts", "config", "engine", "errors",
-                   "factory", "families", "protocol", "steps"]
+    assert top == ["__init__", "architectures", "artifact_checks", "artifacts", "canary_config", "config", "engine",
+                   "errors", "factory", "families", "protocol", "steps"]
 
 
 @pytest.mark.parametrize("path", [p for p in _files() if p.relative_to(ROOT).parts[0] == "server"],
@@ -186,7 +186,7 @@ def test_the_server_never_names_a_family(path: Path) -> None:
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("types", "errors"),
-    ("config", "artifacts", "families", "architectures", "protocol"),
+    ("config", "canary_config", "artifacts", "families", "architectures", "protocol"),
     ("numerics", "runtime"),
     ("lora",),
     ("pipelines",),
