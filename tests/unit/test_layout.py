@@ -258,3 +258,15 @@ def test_the_comparison_count_sees_a_comparison(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
     probe.write_text('def f(base):\n    return base == "sdxl" or base.startswith("flux") or base in ("sd3",)\n')
     assert len(_family_comparisons(probe, {"sdxl", "flux", "sd3"})) == 3
+
+
+PRODUCTION_LINES_MAX = 600
+"""A room you can name: no production file (server/, engines/, benchmarks/) over this many lines."""
+
+
+def test_no_production_file_is_over_the_line_limit() -> None:
+    paths = [*_files(), *sorted((ROOT / "benchmarks").rglob("*.py"))]
+    over = {str(p.relative_to(ROOT)): n for p in paths
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > PRODUCTION_LINES_MAX}
+    assert over == {}, f"over {PRODUCTION_LINES_MAX} lines (split by concern): {over}"
+    assert len(paths) > 100  # the walk found the packages
