@@ -12,11 +12,14 @@ from engines.types.request import Batch, ImageSpec
 
 
 class Shape(Protocol):
-    """What a canary batch needs of a served shape (engines/config.py ``Shape``)."""
+    """What a canary batch needs of a served shape (engines/config.py ``Shape``, a frozen dataclass)."""
 
-    width: int
-    height: int
-    batch: int
+    @property
+    def width(self) -> int: ...
+    @property
+    def height(self) -> int: ...
+    @property
+    def batch(self) -> int: ...
 
 
 class Canary(BaseModel):
