@@ -36,6 +36,7 @@ from engines.pipelines.ort_model import OrtModel
 from engines.runtime.sessions import Runtime
 from engines.types.request import Batch, ControlUnit, ImageSpec, LoraUse
 from tests import lora_files as lf
+from tests.integration.test_controlnet_lora import _control_image  # 64 px here too
 
 PROMPTS = ["a photo of an astronaut riding a horse", "a red cube on a table, studio lighting"]
 SEEDS = [31, 32]
@@ -98,12 +99,6 @@ def _use(manager: LoraManager, scale: float = SCALE) -> tuple[LoraUse, ...]:
     assert not found.problem, found.problem
     assert set(found.components) == {"transformer"}
     return (LoraUse("style", found.sha256, scale, scale),)
-
-
-def _control_image(seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    cells = rng.integers(0, 256, size=(SIZE // 8, SIZE // 8, 3), dtype=np.uint8)
-    return np.ascontiguousarray(np.repeat(np.repeat(cells, 8, axis=0), 8, axis=1))
 
 
 def _noise() -> np.ndarray:
